@@ -1,0 +1,47 @@
+// Shared by the CPU (.cpp) and CUDA (.cu) kernels: no torch headers here.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FRL_HD __host__ __device__ __forceinline__
+#else
+#define FRL_HD inline
+#endif
+
+namespace fused_rl_ops {
+
+// Elementwise primitives the per-element math headers are written in. Specialised here for
+// scalars (CPU and CUDA) and in cpu/vec_math.h for at::vec::Vectorized (CPU SIMD), so one
+// formula serves every kernel. select(c, a, b) is c ? a : b; comparisons are ordered (NaN
+// compares false), as IEEE and AVX's _CMP_*_OQ are.
+template <typename T>
+struct Math;
+
+template <typename S>
+struct ScalarMath {
+  static FRL_HD S select(bool c, S a, S b) { return c ? a : b; }
+  static FRL_HD S exp(S x) { return ::exp(x); }
+  static FRL_HD S log(S x) { return ::log(x); }
+  static FRL_HD S max(S a, S b) { return a > b ? a : b; }
+  static FRL_HD S recip(S x) { return S(1) / x; }
+};
+
+template <>
+struct Math<float> : ScalarMath<float> {
+  static FRL_HD float exp(float x) { return ::expf(x); }
+  static FRL_HD float log(float x) { return ::logf(x); }
+#if defined(__CUDA_ARCH__)
+  // Correctly rounded like the host's 1.0f / x, without the division's slow-path call.
+  static FRL_HD float recip(float x) { return __frcp_rn(x); }
+#endif
+};
+
+template <>
+struct Math<double> : ScalarMath<double> {};
+
+// Element types the torch-free CUDA launchers accept.
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+}  // namespace fused_rl_ops

@@ -1,0 +1,71 @@
+// Small device helpers shared by the .cu files (no torch headers).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "common.h"
+
+namespace fused_rl_ops {
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
+template <>
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v) { return static_cast<T>(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+
+// N elements moved as one aligned load or store (16 bytes at most).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+inline bool is_aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+inline int sm_count() {
+  static int counts[64] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 64) return 132;
+  if (counts[dev] == 0) cudaDeviceGetAttribute(&counts[dev], cudaDevAttrMultiProcessorCount, dev);
+  return counts[dev];
+}
+
+// Grid for a grid-stride loop over `work` blocks: enough to fill the device, no more.
+inline unsigned grid_for(int64_t work_blocks, int threads) {
+  const int64_t max_blocks = int64_t(sm_count()) * (2048 / threads);
+  return static_cast<unsigned>(work_blocks < 1 ? 1 : (work_blocks < max_blocks ? work_blocks : max_blocks));
+}
+
+// Block of `threads` laid out [rows, columns] for a [rows, cols] loop, columns first: up to all
+// threads along a row, the rest over rows; the grid strides over rows.
+struct RowLaunch {
+  dim3 grid, block;
+};
+inline RowLaunch row_launch(int64_t rows, int64_t cols, int threads) {
+  int tx = 1;
+  while (tx < threads && tx < cols) tx *= 2;
+  const int ty = threads / tx;
+  return {dim3(grid_for((rows + ty - 1) / ty, threads)), dim3(tx, ty)};
+}
+
+// Calls fn with a null pointer of the element type named by dt.
+template <typename Fn>
+void dispatch_dtype(DType dt, const Fn& fn) {
+  switch (dt) {
+    case DType::kFloat32: fn(static_cast<float*>(nullptr)); break;
+    case DType::kBFloat16: fn(static_cast<__nv_bfloat16*>(nullptr)); break;
+    case DType::kFloat16: fn(static_cast<__half*>(nullptr)); break;
+  }
+}
+
+}  // namespace fused_rl_ops

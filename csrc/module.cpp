@@ -1,0 +1,19 @@
+// The extension module and the op schemas. Each op's CPU and CUDA kernels register themselves
+// in their own files (TORCH_LIBRARY_IMPL); fake kernels and autograd are registered in Python.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// Importing fused_rl_ops._C runs the static registrations below; the module itself is empty.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(fused_rl_ops, m) {
+  m.def("clamped_swiglu(Tensor x, float? limit, float alpha, float linear_offset, bool interleaved) -> Tensor");
+  m.def(
+      "clamped_swiglu_backward(Tensor grad_out, Tensor x, float? limit, float alpha, float linear_offset, "
+      "bool interleaved) -> Tensor");
+}

@@ -1,0 +1,132 @@
+// Clamped SwiGLU, CPU kernels: rows are cut into tiles that are gathered into fp32 (fp64 for
+// double) buffers, whatever the dtype and layout, then run through the shared formula in SIMD.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "swiglu_checks.h"
+#include "vec_math.h"
+
+namespace fused_rl_ops {
+namespace {
+
+template <typename scalar_t>
+using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+constexpr int64_t kTile = 64;  // outputs per tile: a multiple of every SIMD width
+
+// Copies tile [c, c + n) of one row's gate and linear halves into g and u.
+template <typename scalar_t, typename acc>
+void load_tile(const scalar_t* row, int64_t F, int64_t c, int64_t n, bool interleaved, acc* g, acc* u) {
+  if (interleaved) {
+    for (int64_t k = 0; k < n; ++k) {
+      g[k] = static_cast<acc>(row[2 * (c + k)]);
+      u[k] = static_cast<acc>(row[2 * (c + k) + 1]);
+    }
+  } else {
+    for (int64_t k = 0; k < n; ++k) {
+      g[k] = static_cast<acc>(row[c + k]);
+      u[k] = static_cast<acc>(row[F + c + k]);
+    }
+  }
+}
+
+// Calls fn(row, c, n) for every tile of a [rows, F] output, in parallel.
+template <typename Fn>
+void for_each_tile(int64_t rows, int64_t F, const Fn& fn) {
+  const int64_t tiles_per_row = (F + kTile - 1) / kTile;
+  at::parallel_for(0, rows * tiles_per_row, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r = t / tiles_per_row, c = (t % tiles_per_row) * kTile;
+      fn(r, c, std::min(kTile, F - c));
+    }
+  });
+}
+
+template <bool kClamp, typename scalar_t>
+void swiglu_forward_cpu(const scalar_t* x, scalar_t* y, int64_t rows, int64_t F, bool interleaved,
+                        const SwigluParams& p) {
+  using acc = acc_t<scalar_t>;
+  using Vec = at::vec::Vectorized<acc>;
+  for_each_tile(rows, F, [&](int64_t r, int64_t c, int64_t n) {
+    alignas(64) acc g[kTile] = {}, u[kTile] = {}, out[kTile];
+    load_tile(x + r * 2 * F, F, c, n, interleaved, g, u);
+    for (int64_t k = 0; k < kTile; k += Vec::size()) {
+      swiglu_forward<kClamp>(Vec::loadu(g + k), Vec::loadu(u + k), p).store(out + k);
+    }
+    scalar_t* yr = y + r * F + c;
+    for (int64_t k = 0; k < n; ++k) yr[k] = static_cast<scalar_t>(out[k]);
+  });
+}
+
+template <bool kClamp, typename scalar_t>
+void swiglu_backward_cpu(const scalar_t* dy, const scalar_t* x, scalar_t* dx, int64_t rows, int64_t F,
+                         bool interleaved, const SwigluParams& p) {
+  using acc = acc_t<scalar_t>;
+  using Vec = at::vec::Vectorized<acc>;
+  for_each_tile(rows, F, [&](int64_t r, int64_t c, int64_t n) {
+    alignas(64) acc g[kTile] = {}, u[kTile] = {}, d[kTile] = {}, dg[kTile], du[kTile];
+    load_tile(x + r * 2 * F, F, c, n, interleaved, g, u);
+    const scalar_t* dyr = dy + r * F + c;
+    for (int64_t k = 0; k < n; ++k) d[k] = static_cast<acc>(dyr[k]);
+    for (int64_t k = 0; k < kTile; k += Vec::size()) {
+      Vec vdg, vdu;
+      swiglu_backward<kClamp>(Vec::loadu(g + k), Vec::loadu(u + k), Vec::loadu(d + k), p, vdg, vdu);
+      vdg.store(dg + k);
+      vdu.store(du + k);
+    }
+    scalar_t* dxr = dx + r * 2 * F;
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t gi = interleaved ? 2 * (c + k) : c + k;
+      const int64_t ui = interleaved ? gi + 1 : F + c + k;
+      dxr[gi] = static_cast<scalar_t>(dg[k]);
+      dxr[ui] = static_cast<scalar_t>(du[k]);
+    }
+  });
+}
+
+at::Tensor clamped_swiglu_cpu(const at::Tensor& x_in, std::optional<double> limit, double alpha,
+                              double linear_offset, bool interleaved) {
+  check_swiglu_input(x_in);
+  const SwigluParams p = swiglu_params(limit, alpha, linear_offset);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty(swiglu_out_shape(x), x.options());
+  const int64_t F = y.size(-1), rows = F == 0 ? 0 : y.numel() / F;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_cpu", [&] {
+    const auto* xp = x.const_data_ptr<scalar_t>();
+    auto* yp = y.mutable_data_ptr<scalar_t>();
+    if (limit) swiglu_forward_cpu<true>(xp, yp, rows, F, interleaved, p);
+    else swiglu_forward_cpu<false>(xp, yp, rows, F, interleaved, p);
+  });
+  return y;
+}
+
+at::Tensor clamped_swiglu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x_in,
+                                       std::optional<double> limit, double alpha, double linear_offset,
+                                       bool interleaved) {
+  check_swiglu_input(x_in);
+  const SwigluParams p = swiglu_params(limit, alpha, linear_offset);
+  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(swiglu_out_shape(x_in)) &&
+                  grad_out.scalar_type() == x_in.scalar_type(),
+              "clamped_swiglu_backward: grad_out must match the output's shape and dtype");
+  const at::Tensor x = x_in.contiguous(), dy = grad_out.contiguous();
+  at::Tensor dx = at::empty_like(x);
+  const int64_t F = dy.size(-1), rows = F == 0 ? 0 : dy.numel() / F;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_backward_cpu", [&] {
+    const auto* dyp = dy.const_data_ptr<scalar_t>();
+    const auto* xp = x.const_data_ptr<scalar_t>();
+    auto* dxp = dx.mutable_data_ptr<scalar_t>();
+    if (limit) swiglu_backward_cpu<true>(dyp, xp, dxp, rows, F, interleaved, p);
+    else swiglu_backward_cpu<false>(dyp, xp, dxp, rows, F, interleaved, p);
+  });
+  return dx;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_rl_ops, CPU, m) {
+  m.impl("clamped_swiglu", &clamped_swiglu_cpu);
+  m.impl("clamped_swiglu_backward", &clamped_swiglu_backward_cpu);
+}
+
+}  // namespace fused_rl_ops

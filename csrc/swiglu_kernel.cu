@@ -1,0 +1,142 @@
+// Clamped SwiGLU CUDA kernels: one pass over memory each way. A thread owns N consecutive outputs
+// and moves them with vector loads (16 bytes of x per load where alignment allows).
+#include "cuda_utils.cuh"
+#include "swiglu_kernel.h"
+
+namespace fused_rl_ops {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Threads are laid out [rows, columns] within a block (blockDim.x threads along a row, each
+// owning N outputs; blockDim.y rows), blocks stride over rows: no integer division per element.
+// Loads gate and linear values for outputs [c, c + N) of one row.
+template <typename T, int N, bool kInterleaved>
+__device__ __forceinline__ void load_gate_linear(const T* row, int64_t F, int64_t c, float* g, float* u) {
+  if (kInterleaved) {
+    const auto pack = *reinterpret_cast<const Pack<T, 2 * N>*>(row + 2 * c);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      g[k] = to_float(pack.v[2 * k]);
+      u[k] = to_float(pack.v[2 * k + 1]);
+    }
+  } else {
+    const auto pg = *reinterpret_cast<const Pack<T, N>*>(row + c);
+    const auto pu = *reinterpret_cast<const Pack<T, N>*>(row + F + c);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      g[k] = to_float(pg.v[k]);
+      u[k] = to_float(pu.v[k]);
+    }
+  }
+}
+
+template <typename T, int N, bool kInterleaved>
+__global__ void
+    swiglu_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t F, bool clamp,
+                          SwigluParams p) {
+  for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < rows; r += int64_t(gridDim.x) * blockDim.y) {
+    for (int64_t c = threadIdx.x * int64_t(N); c < F; c += int64_t(blockDim.x) * N) {
+    float g[N], u[N];
+    load_gate_linear<T, N, kInterleaved>(x + r * 2 * F, F, c, g, u);
+    Pack<T, N> out;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      out.v[k] = from_float<T>(clamp ? swiglu_forward<true>(g[k], u[k], p) : swiglu_forward<false>(g[k], u[k], p));
+    }
+    *reinterpret_cast<Pack<T, N>*>(y + r * F + c) = out;
+    }
+  }
+}
+
+template <typename T, int N, bool kInterleaved>
+__global__ void
+    swiglu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx, int64_t rows,
+                           int64_t F, bool clamp, SwigluParams p) {
+  for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < rows; r += int64_t(gridDim.x) * blockDim.y) {
+    for (int64_t c = threadIdx.x * int64_t(N); c < F; c += int64_t(blockDim.x) * N) {
+    float g[N], u[N], dg[N], du[N];
+    load_gate_linear<T, N, kInterleaved>(x + r * 2 * F, F, c, g, u);
+    const auto pdy = *reinterpret_cast<const Pack<T, N>*>(dy + r * F + c);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float d = to_float(pdy.v[k]);
+      float dgk, duk;
+      if (clamp) swiglu_backward<true>(g[k], u[k], d, p, dgk, duk);
+      else swiglu_backward<false>(g[k], u[k], d, p, dgk, duk);
+      dg[k] = dgk;
+      du[k] = duk;
+    }
+    T* dxr = dx + r * 2 * F;
+    if (kInterleaved) {
+      Pack<T, 2 * N> out;
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        out.v[2 * k] = from_float<T>(dg[k]);
+        out.v[2 * k + 1] = from_float<T>(du[k]);
+      }
+      *reinterpret_cast<Pack<T, 2 * N>*>(dxr + 2 * c) = out;
+    } else {
+      Pack<T, N> og, ou;
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        og.v[k] = from_float<T>(dg[k]);
+        ou.v[k] = from_float<T>(du[k]);
+      }
+      *reinterpret_cast<Pack<T, N>*>(dxr + c) = og;
+      *reinterpret_cast<Pack<T, N>*>(dxr + F + c) = ou;
+    }
+    }
+  }
+}
+
+// Calls launch(type_tag, outputs_per_thread): 16-byte loads of x when F keeps every row start
+// aligned and the base pointers are aligned, else one output per thread.
+template <bool kInterleaved, typename Launch>
+cudaError_t launch_with_width(DType dtype, int64_t F, std::initializer_list<const void*> ptrs, const Launch& launch) {
+  dispatch_dtype(dtype, [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    constexpr int wide = kInterleaved ? 8 / int(sizeof(T)) : 16 / int(sizeof(T));
+    bool vectorised = F % wide == 0;
+    for (const void* p : ptrs) vectorised = vectorised && is_aligned(p, 16);
+    if (vectorised) launch(type_tag, std::integral_constant<int, wide>{});
+    else launch(type_tag, std::integral_constant<int, 1>{});
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_swiglu_forward(const void* x, void* y, int64_t rows, int64_t F, DType dtype, bool interleaved,
+                                  bool clamp, SwigluParams p, cudaStream_t stream) {
+  if (rows * F == 0) return cudaSuccess;
+  auto run = [&](auto interleaved_tag) {
+    constexpr bool kInter = decltype(interleaved_tag)::value;
+    return launch_with_width<kInter>(dtype, F, {x, y}, [&](auto* type_tag, auto width) {
+      using T = std::remove_pointer_t<decltype(type_tag)>;
+      constexpr int N = decltype(width)::value;
+      const RowLaunch cfg = row_launch(rows, F / N, kThreads);
+      swiglu_forward_kernel<T, N, kInter><<<cfg.grid, cfg.block, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<T*>(y), rows, F, clamp, p);
+    });
+  };
+  return interleaved ? run(std::true_type{}) : run(std::false_type{});
+}
+
+cudaError_t launch_swiglu_backward(const void* dy, const void* x, void* dx, int64_t rows, int64_t F, DType dtype,
+                                   bool interleaved, bool clamp, SwigluParams p, cudaStream_t stream) {
+  if (rows * F == 0) return cudaSuccess;
+  auto run = [&](auto interleaved_tag) {
+    constexpr bool kInter = decltype(interleaved_tag)::value;
+    return launch_with_width<kInter>(dtype, F, {dy, x, dx}, [&](auto* type_tag, auto width) {
+      using T = std::remove_pointer_t<decltype(type_tag)>;
+      constexpr int N = decltype(width)::value;
+      const RowLaunch cfg = row_launch(rows, F / N, kThreads);
+      swiglu_backward_kernel<T, N, kInter><<<cfg.grid, cfg.block, 0, stream>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<T*>(dx), rows, F, clamp, p);
+    });
+  };
+  return interleaved ? run(std::true_type{}) : run(std::false_type{});
+}
+
+}  // namespace fused_rl_ops

@@ -1,0 +1,75 @@
+"""Builds fused_rl_ops._C: CPU kernels always, CUDA kernels when a CUDA toolkit and a CUDA build of
+torch are present (no GPU is needed to build). Environment knobs:
+  CUDA_HOME                  the toolkit (default: /usr/local/cuda, else found from nvcc)
+  TORCH_CUDA_ARCH_LIST       architectures (default: 8.0;9.0 and 10.0 where nvcc has it, PTX for the newest)
+  FUSED_RL_OPS_CPU_ONLY=1    skip the CUDA kernels
+  MAX_JOBS                   parallel compile jobs (ninja)
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+from setuptools import find_packages, setup
+
+
+def find_cuda_home():
+    """The toolkit root holding bin/nvcc and include/cuda_runtime.h, or None.
+
+    A bare `nvcc` on PATH may be a wrapper script (as /usr/local/bin/nvcc is on our machines), in
+    which case torch's own guess (the folder above it) has no headers or libraries."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    for root in candidates:
+        if root and os.path.isfile(os.path.join(root, "bin", "nvcc")) and os.path.isfile(
+            os.path.join(root, "include", "cuda_runtime.h")
+        ):
+            return root
+    return None
+
+
+def default_arch_list(cuda_home):
+    archs = subprocess.run(
+        [os.path.join(cuda_home, "bin", "nvcc"), "--list-gpu-arch"], capture_output=True, text=True
+    ).stdout.split()
+    wanted = ["8.0", "9.0"] + (["10.0"] if "compute_100" in archs else [])
+    return ";".join(wanted) + "+PTX"
+
+
+CUDA_HOME = None if os.environ.get("FUSED_RL_OPS_CPU_ONLY") == "1" else find_cuda_home()
+if CUDA_HOME:
+    # torch.utils.cpp_extension reads CUDA_HOME when imported.
+    os.environ["CUDA_HOME"] = CUDA_HOME
+
+import torch  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
+
+WITH_CUDA = CUDA_HOME is not None and torch.version.cuda is not None
+if CUDA_HOME and not WITH_CUDA:
+    print("fused_rl_ops: torch has no CUDA support; building the CPU kernels only", file=sys.stderr)
+elif not CUDA_HOME:
+    print("fused_rl_ops: no CUDA toolkit found; building the CPU kernels only", file=sys.stderr)
+
+sources = ["csrc/module.cpp"] + sorted(glob.glob("csrc/*_cpu.cpp"))
+cxx_flags = ["-O3", "-Wall"]
+if WITH_CUDA:
+    sources += sorted(glob.glob("csrc/*_cuda.cpp")) + sorted(glob.glob("csrc/*.cu"))
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", default_arch_list(CUDA_HOME))
+    print(f"fused_rl_ops: building CUDA kernels for {os.environ['TORCH_CUDA_ARCH_LIST']} with {CUDA_HOME}",
+          file=sys.stderr)
+    extension = cpp_extension.CUDAExtension(
+        "fused_rl_ops._C",
+        sources,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
+    )
+else:
+    extension = cpp_extension.CppExtension("fused_rl_ops._C", sources, extra_compile_args={"cxx": cxx_flags})
+
+setup(
+    packages=find_packages(include=["fused_rl_ops", "fused_rl_ops.*"]),
+    ext_modules=[extension],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
