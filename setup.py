@@ -3,10 +3,12 @@ torch are present (no GPU is needed to build). Environment knobs:
   CUDA_HOME                  the toolkit (default: /usr/local/cuda, else found from nvcc)
   TORCH_CUDA_ARCH_LIST       architectures (default: 8.0;9.0 and 10.0 where nvcc has it, PTX for the newest)
   FUSED_RL_OPS_CPU_ONLY=1    skip the CUDA kernels
+  FUSED_RL_OPS_NO_AVX2=1     x86-64 CPU kernels without AVX2/FMA (for CPUs that lack them)
   MAX_JOBS                   parallel compile jobs (ninja)
 """
 import glob
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -55,6 +57,9 @@ elif not CUDA_HOME:
 
 sources = ["csrc/module.cpp"] + sorted(glob.glob("csrc/*_cpu.cpp"))
 cxx_flags = ["-O3", "-Wall"]
+if platform.machine() in ("x86_64", "AMD64") and os.environ.get("FUSED_RL_OPS_NO_AVX2") != "1":
+    # The CPU kernels use at::vec; without these its Vectorized falls back to scalar loops.
+    cxx_flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
 if WITH_CUDA:
     sources += sorted(glob.glob("csrc/*_cuda.cpp")) + sorted(glob.glob("csrc/*.cu"))
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", default_arch_list(CUDA_HOME))

@@ -1,0 +1,46 @@
+"""Clamped SwiGLU: fused kernel vs eager PyTorch and torch.compile of it, forward and forward+backward.
+
+Effective bandwidth counts the bytes that must move: forward reads x and writes y (3 elements per
+output), backward reads x and dy and writes dx (5 elements per output)."""
+import torch
+
+import fused_rl_ops
+from fused_rl_ops import reference
+from common import fwd_bwd, parse_args, print_table, time_fn, write_json
+
+args = parse_args(__doc__)
+dev = args.device
+shapes = [(1024, 2880)] if args.quick else [(4096, 2880), (4096, 8192), (16384, 2880), (16384, 8192)]
+dtypes = [torch.float32, torch.bfloat16]
+reps = 2 if args.quick else 5
+compiled_reference = torch.compile(reference.clamped_swiglu, dynamic=False)
+paths = {"fused": fused_rl_ops.clamped_swiglu, "eager": reference.clamped_swiglu, "compile": compiled_reference}
+
+rows = []
+for tokens, F in shapes:
+    for dtype in dtypes:
+        x = torch.randn(tokens, 2 * F, device=dev, dtype=dtype) * 4
+        x.requires_grad_(True)
+        grad = torch.randn(tokens, F, device=dev, dtype=dtype)
+        elem_bytes = tokens * F * x.element_size()
+        for mode, bytes_moved in (("fwd", 3 * elem_bytes), ("fwd+bwd", 8 * elem_bytes)):
+            row = {"tokens": tokens, "F": F, "dtype": str(dtype).replace("torch.", ""), "mode": mode}
+            for name, fn in paths.items():
+                if mode == "fwd":
+                    def run(fn=fn):
+                        with torch.no_grad():
+                            fn(x)
+                else:
+                    run = fwd_bwd(fn, [x], [grad])
+                t = time_fn(run, dev, reps=reps)
+                row[f"{name}_ms"] = t * 1e3
+                row[f"{name}_GB/s"] = bytes_moved / t / 1e9
+            row["x_eager"] = row["eager_ms"] / row["fused_ms"]
+            row["x_compile"] = row["compile_ms"] / row["fused_ms"]
+            rows.append(row)
+            print_table([row], list(row))
+
+print("\nclamped_swiglu, speedup = baseline time / fused time")
+print_table(rows, ["tokens", "F", "dtype", "mode", "fused_ms", "fused_GB/s", "eager_ms", "compile_ms",
+                   "x_eager", "x_compile"])
+write_json(args.json, "clamped_swiglu", dev, rows)

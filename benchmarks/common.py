@@ -1,0 +1,77 @@
+"""Timing, tables and JSON for the benchmarks (each benchmarks/bench_<op>.py measures one op)."""
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+
+def parse_args(description: str, extra=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repeats (smoke run)")
+    if extra:
+        extra(parser)
+    return parser.parse_args()
+
+
+def synchronize(device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_fn(fn, device: str, warmup: int = 1, reps: int = 5) -> float:
+    """Median wall time of fn() in seconds, after warmup calls."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fwd_bwd(fn, inputs, grads=None):
+    """A closure running fn(*inputs) and backward through every output (grads: upstream grads)."""
+
+    def run():
+        for t in inputs:
+            t.grad = None
+        out = fn(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, grads if grads is not None else [torch.ones_like(o) for o in outs])
+
+    return run
+
+
+def environment(device: str) -> dict:
+    env = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "machine": platform.processor() or platform.machine()}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def print_table(rows: list, columns: list):
+    """Prints rows (dicts) as an aligned table of the given columns; floats get 4 significant digits."""
+    def fmt(v):
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def write_json(path, name: str, device: str, rows: list, **extra):
+    if path:
+        with open(path, "w") as f:
+            json.dump({"benchmark": name, "environment": environment(device), "results": rows, **extra}, f, indent=2)
+        print(f"wrote {path}")
