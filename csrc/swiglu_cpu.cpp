@@ -43,7 +43,7 @@ void for_each_tile(int64_t rows, int64_t F, const Fn& fn) {
   });
 }
 
-template <bool kClamp, typename scalar_t>
+template <typename scalar_t>
 void swiglu_forward_cpu(const scalar_t* x, scalar_t* y, int64_t rows, int64_t F, bool interleaved,
                         const SwigluParams& p) {
   using acc = acc_t<scalar_t>;
@@ -52,14 +52,14 @@ void swiglu_forward_cpu(const scalar_t* x, scalar_t* y, int64_t rows, int64_t F,
     alignas(64) acc g[kTile] = {}, u[kTile] = {}, out[kTile];
     load_tile(x + r * 2 * F, F, c, n, interleaved, g, u);
     for (int64_t k = 0; k < kTile; k += Vec::size()) {
-      swiglu_forward<kClamp>(Vec::loadu(g + k), Vec::loadu(u + k), p).store(out + k);
+      swiglu_forward(Vec::loadu(g + k), Vec::loadu(u + k), p).store(out + k);
     }
     scalar_t* yr = y + r * F + c;
     for (int64_t k = 0; k < n; ++k) yr[k] = static_cast<scalar_t>(out[k]);
   });
 }
 
-template <bool kClamp, typename scalar_t>
+template <typename scalar_t>
 void swiglu_backward_cpu(const scalar_t* dy, const scalar_t* x, scalar_t* dx, int64_t rows, int64_t F,
                          bool interleaved, const SwigluParams& p) {
   using acc = acc_t<scalar_t>;
@@ -71,7 +71,7 @@ void swiglu_backward_cpu(const scalar_t* dy, const scalar_t* x, scalar_t* dx, in
     for (int64_t k = 0; k < n; ++k) d[k] = static_cast<acc>(dyr[k]);
     for (int64_t k = 0; k < kTile; k += Vec::size()) {
       Vec vdg, vdu;
-      swiglu_backward<kClamp>(Vec::loadu(g + k), Vec::loadu(u + k), Vec::loadu(d + k), p, vdg, vdu);
+      swiglu_backward(Vec::loadu(g + k), Vec::loadu(u + k), Vec::loadu(d + k), p, vdg, vdu);
       vdg.store(dg + k);
       vdu.store(du + k);
     }
@@ -95,8 +95,7 @@ at::Tensor clamped_swiglu_cpu(const at::Tensor& x_in, std::optional<double> limi
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_cpu", [&] {
     const auto* xp = x.const_data_ptr<scalar_t>();
     auto* yp = y.mutable_data_ptr<scalar_t>();
-    if (limit) swiglu_forward_cpu<true>(xp, yp, rows, F, interleaved, p);
-    else swiglu_forward_cpu<false>(xp, yp, rows, F, interleaved, p);
+    swiglu_forward_cpu(xp, yp, rows, F, interleaved, p);
   });
   return y;
 }
@@ -116,8 +115,7 @@ at::Tensor clamped_swiglu_backward_cpu(const at::Tensor& grad_out, const at::Ten
     const auto* dyp = dy.const_data_ptr<scalar_t>();
     const auto* xp = x.const_data_ptr<scalar_t>();
     auto* dxp = dx.mutable_data_ptr<scalar_t>();
-    if (limit) swiglu_backward_cpu<true>(dyp, xp, dxp, rows, F, interleaved, p);
-    else swiglu_backward_cpu<false>(dyp, xp, dxp, rows, F, interleaved, p);
+    swiglu_backward_cpu(dyp, xp, dxp, rows, F, interleaved, p);
   });
   return dx;
 }

@@ -19,8 +19,7 @@ at::Tensor clamped_swiglu_cuda(const at::Tensor& x_in, std::optional<double> lim
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty(swiglu_out_shape(x), x.options());
   const int64_t F = y.size(-1), rows = F == 0 ? 0 : y.numel() / F;
-  C10_CUDA_CHECK(launch_swiglu_forward(x.const_data_ptr(), y.mutable_data_ptr(), rows, F, to_dtype(x), interleaved,
-                                       limit.has_value(), p, c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(launch_swiglu_forward(x.const_data_ptr(), y.mutable_data_ptr(), rows, F, to_dtype(x), interleaved, p, c10::cuda::getCurrentCUDAStream()));
   return y;
 }
 
@@ -37,7 +36,7 @@ at::Tensor clamped_swiglu_backward_cuda(const at::Tensor& grad_out, const at::Te
   at::Tensor dx = at::empty_like(x);
   const int64_t F = dy.size(-1), rows = F == 0 ? 0 : dy.numel() / F;
   C10_CUDA_CHECK(launch_swiglu_backward(dy.const_data_ptr(), x.const_data_ptr(), dx.mutable_data_ptr(), rows, F,
-                                        to_dtype(x), interleaved, limit.has_value(), p,
+                                        to_dtype(x), interleaved, p,
                                         c10::cuda::getCurrentCUDAStream()));
   return dx;
 }

@@ -33,8 +33,7 @@ __device__ __forceinline__ void load_gate_linear(const T* row, int64_t F, int64_
 
 template <typename T, int N, bool kInterleaved>
 __global__ void
-    swiglu_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t F, bool clamp,
-                          SwigluParams p) {
+    swiglu_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t F, SwigluParams p) {
   for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < rows; r += int64_t(gridDim.x) * blockDim.y) {
     for (int64_t c = threadIdx.x * int64_t(N); c < F; c += int64_t(blockDim.x) * N) {
     float g[N], u[N];
@@ -42,7 +41,7 @@ __global__ void
     Pack<T, N> out;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      out.v[k] = from_float<T>(clamp ? swiglu_forward<true>(g[k], u[k], p) : swiglu_forward<false>(g[k], u[k], p));
+      out.v[k] = from_float<T>(swiglu_forward(g[k], u[k], p));
     }
     *reinterpret_cast<Pack<T, N>*>(y + r * F + c) = out;
     }
@@ -52,7 +51,7 @@ __global__ void
 template <typename T, int N, bool kInterleaved>
 __global__ void
     swiglu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx, int64_t rows,
-                           int64_t F, bool clamp, SwigluParams p) {
+                           int64_t F, SwigluParams p) {
   for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < rows; r += int64_t(gridDim.x) * blockDim.y) {
     for (int64_t c = threadIdx.x * int64_t(N); c < F; c += int64_t(blockDim.x) * N) {
     float g[N], u[N], dg[N], du[N];
@@ -61,11 +60,7 @@ __global__ void
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       const float d = to_float(pdy.v[k]);
-      float dgk, duk;
-      if (clamp) swiglu_backward<true>(g[k], u[k], d, p, dgk, duk);
-      else swiglu_backward<false>(g[k], u[k], d, p, dgk, duk);
-      dg[k] = dgk;
-      du[k] = duk;
+      swiglu_backward(g[k], u[k], d, p, dg[k], du[k]);
     }
     T* dxr = dx + r * 2 * F;
     if (kInterleaved) {
@@ -108,7 +103,7 @@ cudaError_t launch_with_width(DType dtype, int64_t F, std::initializer_list<cons
 }  // namespace
 
 cudaError_t launch_swiglu_forward(const void* x, void* y, int64_t rows, int64_t F, DType dtype, bool interleaved,
-                                  bool clamp, SwigluParams p, cudaStream_t stream) {
+                                  SwigluParams p, cudaStream_t stream) {
   if (rows * F == 0) return cudaSuccess;
   auto run = [&](auto interleaved_tag) {
     constexpr bool kInter = decltype(interleaved_tag)::value;
@@ -117,14 +112,14 @@ cudaError_t launch_swiglu_forward(const void* x, void* y, int64_t rows, int64_t 
       constexpr int N = decltype(width)::value;
       const RowLaunch cfg = row_launch(rows, F / N, kThreads);
       swiglu_forward_kernel<T, N, kInter><<<cfg.grid, cfg.block, 0, stream>>>(
-          static_cast<const T*>(x), static_cast<T*>(y), rows, F, clamp, p);
+          static_cast<const T*>(x), static_cast<T*>(y), rows, F, p);
     });
   };
   return interleaved ? run(std::true_type{}) : run(std::false_type{});
 }
 
 cudaError_t launch_swiglu_backward(const void* dy, const void* x, void* dx, int64_t rows, int64_t F, DType dtype,
-                                   bool interleaved, bool clamp, SwigluParams p, cudaStream_t stream) {
+                                   bool interleaved, SwigluParams p, cudaStream_t stream) {
   if (rows * F == 0) return cudaSuccess;
   auto run = [&](auto interleaved_tag) {
     constexpr bool kInter = decltype(interleaved_tag)::value;
@@ -133,7 +128,7 @@ cudaError_t launch_swiglu_backward(const void* dy, const void* x, void* dx, int6
       constexpr int N = decltype(width)::value;
       const RowLaunch cfg = row_launch(rows, F / N, kThreads);
       swiglu_backward_kernel<T, N, kInter><<<cfg.grid, cfg.block, 0, stream>>>(
-          static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<T*>(dx), rows, F, clamp, p);
+          static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<T*>(dx), rows, F, p);
     });
   };
   return interleaved ? run(std::true_type{}) : run(std::false_type{});

@@ -1,5 +1,5 @@
 // Torch-free launchers of the clamped SwiGLU CUDA kernels. x is [rows, 2F] contiguous, y and dy
-// [rows, F] contiguous; clamp = false ignores p.limit. Return the launch's cudaError_t.
+// [rows, F] contiguous; p.limit = +inf means no clamp. Return the launch's cudaError_t.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,9 +9,8 @@
 namespace fused_rl_ops {
 
 cudaError_t launch_swiglu_forward(const void* x, void* y, int64_t rows, int64_t F, DType dtype,
-                                  bool interleaved, bool clamp, SwigluParams p, cudaStream_t stream);
+                                  bool interleaved, SwigluParams p, cudaStream_t stream);
 cudaError_t launch_swiglu_backward(const void* dy, const void* x, void* dx, int64_t rows, int64_t F,
-                                   DType dtype, bool interleaved, bool clamp, SwigluParams p,
-                                   cudaStream_t stream);
+                                   DType dtype, bool interleaved, SwigluParams p, cudaStream_t stream);
 
 }  // namespace fused_rl_ops

@@ -1,7 +1,8 @@
 // Clamped SwiGLU per-element math, one formula for the CPU and CUDA kernels.
 //   g' = min(g, L), u' = clamp(u, -L, L), s = sigmoid(alpha g'), y = g' s (u' + beta)
-// Gradient masks include the boundary and drop NaN, as torch.clamp's gradient does; without a
-// clamp (kClamp = false) nothing is masked, so NaN flows through like the unclamped formula.
+// A gradient is masked only strictly beyond the limit: values exactly on -L or L keep theirs (the
+// contract in NOTES section 4; torch 2.14's clamp gradient drops the boundary) and NaN inputs give
+// NaN gradients rather than a silent zero. L = +inf means no clamp.
 #pragma once
 
 #include "common.h"
@@ -10,7 +11,7 @@ namespace fused_rl_ops {
 
 struct SwigluParams {
   float alpha;
-  float limit;   // used only when clamping
+  float limit;   // L; +inf for no clamp
   float offset;  // beta, added to the linear half
 };
 
@@ -19,37 +20,30 @@ FRL_HD T swiglu_sigmoid(T x) {
   return Math<T>::recip(T(1) + Math<T>::exp(T(0) - x));
 }
 
-template <bool kClamp, typename T>
+template <typename T>
 FRL_HD T swiglu_forward(T g, T u, const SwigluParams& p) {
   using M = Math<T>;
-  if (kClamp) {
-    const T lim(p.limit), neg(-p.limit);
-    g = M::select(g > lim, lim, g);  // NaN stays NaN, as torch.clamp
-    u = M::select(u > lim, lim, M::select(u < neg, neg, u));
-  }
+  const T lim(p.limit), neg(-p.limit);
+  g = M::select(g > lim, lim, g);  // NaN stays NaN, as torch.clamp
+  u = M::select(u > lim, lim, M::select(u < neg, neg, u));
   const T s = swiglu_sigmoid(T(p.alpha) * g);
   return g * s * (u + T(p.offset));
 }
 
 // Writes d/dg and d/du of swiglu_forward for upstream gradient dy.
-template <bool kClamp, typename T>
+template <typename T>
 FRL_HD void swiglu_backward(T g, T u, T dy, const SwigluParams& p, T& dg, T& du) {
   using M = Math<T>;
   const T lim(p.limit), neg(-p.limit), zero(0);
-  T gc = g, uc = u;
-  if (kClamp) {
-    gc = M::select(g > lim, lim, g);
-    uc = M::select(u > lim, lim, M::select(u < neg, neg, u));
-  }
+  const T gc = M::select(g > lim, lim, g);
+  const T uc = M::select(u > lim, lim, M::select(u < neg, neg, u));
   const T alpha(p.alpha);
   const T s = swiglu_sigmoid(alpha * gc);
   const T lin = uc + T(p.offset);
   dg = dy * lin * (s + alpha * gc * s * (T(1) - s));
   du = dy * gc * s;
-  if (kClamp) {
-    dg = M::select(g <= lim, dg, zero);
-    du = M::select((u >= neg) & (u <= lim), du, zero);
-  }
+  dg = M::select(g > lim, zero, dg);
+  du = M::select((u > lim) | (u < neg), zero, du);
 }
 
 }  // namespace fused_rl_ops

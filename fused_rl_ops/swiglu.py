@@ -34,7 +34,9 @@ def clamped_swiglu(
     interleaved=True, g = x[..., 0::2] and u = x[..., 1::2] (gpt-oss / Hugging Face). Returns
     [..., F] in x's dtype, computed in fp32 (fp64 for float64 on CPU). limit=None: no clamp.
     Defaults are gpt-oss's; alpha=1.0, linear_offset=0.0 is Megatron's clamped SiLU.
-    Backward saves only x and recomputes; NaN propagates as torch.clamp does.
+    Backward saves only x and recomputes. NaN propagates forward as through torch.clamp. Gradients
+    are masked only strictly beyond the limit: inputs exactly on -L or L keep their gradient (torch
+    2.14's clamp gradient drops it) and NaN inputs get NaN gradients, never a silent zero.
     """
     _check_args(x, limit)
     check_device("clamped_swiglu", x=x)

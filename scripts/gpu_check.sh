@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One run on a GPU machine (Python 3.12 with torch, nvcc, pytest; no package registry needed):
+# builds for the local GPU only, runs the whole test suite (CPU and CUDA), compute-sanitizer
+# (memcheck, racecheck) on small calls of every CUDA kernel, and every benchmark on CUDA.
+# Usage: scripts/gpu_check.sh OUTDIR   -> OUTDIR/summary.json plus logs, junit.xml, bench_*.json
+set -uo pipefail
+OUT="${1:?usage: gpu_check.sh OUTDIR}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
+export PATH="${CUDA_HOME:-/usr/local/cuda}/bin:$PATH"
+export TORCH_CUDA_ARCH_LIST="$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
+export MAX_JOBS="$(nproc)"
+
+declare -A status seconds
+step() {  # step NAME TIMEOUT_S COMMAND...: runs one stage, logging to OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  echo "=== $name"
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  status[$name]=$?
+  seconds[$name]=$((SECONDS - start))
+  tail -n 25 "$OUT/$name.log"
+  echo "=== $name: exit ${status[$name]} in ${seconds[$name]}s"
+}
+
+step build 240 $PY setup.py build_ext --inplace
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+step tests 200 $PY -m pytest -q -x --junitxml="$OUT/junit.xml" tests
+for tool in memcheck racecheck; do
+  step "sanitizer_$tool" 90 compute-sanitizer --tool "$tool" --error-exitcode 1 $PY scripts/sanitizer_cases.py
+done
+for bench in benchmarks/bench_*.py; do
+  name="$(basename "$bench" .py)"
+  step "$name" 120 $PY "$bench" --device cuda --json "$OUT/$name.json"
+done
+
+{
+  echo "{"
+  first=1
+  for name in "${!status[@]}"; do
+    [ $first = 1 ] || echo ","
+    first=0
+    printf '  "%s": {"exit": %d, "seconds": %d}' "$name" "${status[$name]}" "${seconds[$name]}"
+  done
+  echo
+  echo "}"
+} >"$OUT/summary.json"
+cat "$OUT/summary.json"

@@ -1,0 +1,17 @@
+"""Small calls of every CUDA kernel, forward and backward, for compute-sanitizer (gpu_check.sh):
+odd sizes and a contiguous view starting one element into its storage, so both the vectorised
+and the scalar paths run."""
+import torch
+
+import fused_rl_ops
+
+dev = "cuda"
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for interleaved in (False, True):
+        for F in (8, 7):
+            storage = torch.randn(5 * 2 * F + 1, device=dev, dtype=dtype) * 8
+            for offset in (0, 1):
+                x = storage[offset : offset + 5 * 2 * F].view(5, 2 * F).detach().requires_grad_(True)
+                fused_rl_ops.clamped_swiglu(x, 7.0, interleaved=interleaved).sum().backward()
+torch.cuda.synchronize()
+print("sanitizer cases ran")

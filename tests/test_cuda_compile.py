@@ -1,0 +1,40 @@
+"""Compile gate: every CUDA source compiles for sm_90 with warnings as errors, and no kernel spills
+registers (read from ptxas's resource report). Needs nvcc, not a GPU."""
+import glob
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+CSRC = os.path.join(os.path.dirname(__file__), "..", "csrc")
+CU_FILES = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
+
+
+def nvcc_path():
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    candidate = os.path.join(home, "bin", "nvcc")
+    return candidate if os.path.isfile(candidate) else shutil.which("nvcc")
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="no CUDA toolkit on this machine")
+@pytest.mark.parametrize("source", CU_FILES, ids=os.path.basename)
+def test_compiles_for_sm90_without_warnings_or_spills(source, tmp_path):
+    result = subprocess.run(
+        [nvcc_path(), "-std=c++17", "-O3", "-arch=sm_90", "-Werror", "all-warnings", "-Xptxas", "-v",
+         "-c", source, "-o", str(tmp_path / "out.o")],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    report = result.stderr
+    kernels = re.findall(r"Compiling entry function '(\w+)'", report)
+    assert kernels, "ptxas reported no kernels"
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert len(spills) >= len(kernels)
+    spilling = [k for k, (st, ld) in zip(kernels, spills) if int(st) or int(ld)]
+    assert not spilling, f"kernels spill registers: {spilling}"
+
+
+def test_every_kernel_source_is_gated():
+    assert CU_FILES, "no CUDA sources found"

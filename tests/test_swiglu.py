@@ -1,0 +1,140 @@
+import math
+
+import pytest
+import torch
+
+import fused_rl_ops
+from fused_rl_ops import reference
+
+PRESETS = {"gpt-oss": dict(alpha=1.702, linear_offset=1.0), "clamped-silu": dict(alpha=1.0, linear_offset=0.0)}
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+             torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def edge_input(rows, F, limit, dtype, device, interleaved):
+    """Random x with gate and linear values exactly on -L and L, beyond them, and NaN / +-inf."""
+    x = torch.randn(rows, 2 * F, dtype=torch.float64) * 5
+    g, u = (x[:, 0::2], x[:, 1::2]) if interleaved else (x[:, :F], x[:, F:])
+    specials = [limit, -limit, limit + 1, -limit - 1, math.nan, math.inf, -math.inf, 0.0]
+    for k, v in enumerate(specials[: F]):
+        g[0, k] = v
+        u[-1, k] = v
+    return x.to(device=device, dtype=dtype)
+
+
+def assert_close_nonfinite(actual, expected, **tol):
+    """Equal finite values; non-finite exactly where the reference is (inf and NaN may swap: with an
+    infinite input, inf * (a + b) and inf * a + inf * b differ only in that)."""
+    actual, expected = actual.double().cpu(), expected.cpu()
+    assert torch.equal(actual.isfinite(), expected.isfinite())
+    finite = expected.isfinite()
+    torch.testing.assert_close(actual[finite], expected[finite], **tol)
+
+
+def reference_grads(x, grad_out, limit, preset, interleaved):
+    x64 = x.detach().double().requires_grad_(True)
+    y64 = reference.clamped_swiglu(x64, limit, interleaved=interleaved, **preset)
+    y64.backward(grad_out.double())
+    return y64.detach(), x64.grad
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("limit", [7.0, None])
+@pytest.mark.parametrize("shape", [(1, 8), (5, 7), (3, 4, 64), (33, 130)])
+def test_matches_float64_reference(device, shape, limit, preset, interleaved):
+    *lead, F = shape
+    rows = math.prod(lead)
+    x = edge_input(rows, F, limit or 7.0, torch.float32, device, interleaved).reshape(*lead, 2 * F)
+    x.requires_grad_(True)
+    grad_out = torch.randn(*lead, F, device=device)
+    y = fused_rl_ops.clamped_swiglu(x, limit, interleaved=interleaved, **PRESETS[preset])
+    y.backward(grad_out)
+    y_ref, grad_ref = reference_grads(x, grad_out, limit, PRESETS[preset], interleaved)
+    assert y.dtype == torch.float32 and y.shape == (*lead, F)
+    torch.testing.assert_close(y.double().cpu(), y_ref.cpu(), equal_nan=True, **TOLERANCE[torch.float32])
+    assert_close_nonfinite(x.grad, grad_ref, **TOLERANCE[torch.float32])
+
+
+def test_gradient_masks_include_the_boundary(device):
+    # Gate exactly at L and linear exactly at +-L still pass gradient (as torch.clamp's does);
+    # beyond them the gradient is zero.
+    L = 7.0
+    x = torch.tensor([[L, L + 0.5, 1.0, 1.0, L, -L, L + 0.5, -L - 0.5]], device=device, requires_grad=True)
+    fused_rl_ops.clamped_swiglu(x, L).sum().backward()
+    dg, du = x.grad[0, :4], x.grad[0, 4:]
+    assert dg[0] != 0 and dg[1] == 0 and dg[2] != 0
+    assert du[0] != 0 and du[1] != 0 and du[2] == 0 and du[3] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_reduced_precision(device, dtype, interleaved):
+    x = (torch.randn(64, 2 * 200, device=device) * 4).to(dtype).requires_grad_(True)
+    grad_out = torch.randn(64, 200, device=device).to(dtype)
+    y = fused_rl_ops.clamped_swiglu(x, 7.0, interleaved=interleaved)
+    y.backward(grad_out)
+    y_ref, grad_ref = reference_grads(x, grad_out, 7.0, PRESETS["gpt-oss"], interleaved)
+    assert y.dtype == dtype and x.grad.dtype == dtype
+    torch.testing.assert_close(y.double().cpu(), y_ref.cpu(), **TOLERANCE[dtype])
+    torch.testing.assert_close(x.grad.double().cpu(), grad_ref.cpu(), **TOLERANCE[dtype])
+
+
+def test_non_contiguous_input(device):
+    base = torch.randn(16, 40, 3, device=device) * 4
+    x = base[..., 1]  # strided view, last-dim stride 3
+    assert not x.is_contiguous()
+    torch.testing.assert_close(fused_rl_ops.clamped_swiglu(x), fused_rl_ops.clamped_swiglu(x.contiguous()), rtol=0, atol=0)
+
+
+def test_empty_input(device):
+    x = torch.empty(0, 10, device=device, requires_grad=True)
+    y = fused_rl_ops.clamped_swiglu(x)
+    y.sum().backward()
+    assert y.shape == (0, 5) and x.grad.shape == (0, 10)
+
+
+def test_gradcheck_float64():
+    for interleaved in (False, True):
+        x = (torch.randn(4, 12, dtype=torch.float64) * 3).requires_grad_(True)
+        assert torch.autograd.gradcheck(lambda t: fused_rl_ops.clamped_swiglu(t, 7.0, interleaved=interleaved), (x,))
+        assert torch.autograd.gradcheck(lambda t: fused_rl_ops.clamped_swiglu(t, None, alpha=1.0, linear_offset=0.0), (x,))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_opcheck(device, interleaved):
+    x = torch.randn(6, 20, device=device) * 4
+    grad_out = torch.randn(6, 10, device=device)
+    torch.library.opcheck(torch.ops.fused_rl_ops.clamped_swiglu, (x.requires_grad_(True), 7.0, 1.702, 1.0, interleaved))
+    torch.library.opcheck(torch.ops.fused_rl_ops.clamped_swiglu_backward, (grad_out, x.detach(), None, 1.0, 0.0, interleaved))
+
+
+def test_torch_compile_fullgraph(device):
+    def mlp_act(x):
+        return fused_rl_ops.clamped_swiglu(x * 2.0, 7.0).sum(dim=-1)
+
+    compiled = torch.compile(mlp_act, fullgraph=True, backend="aot_eager")
+    x = torch.randn(8, 32, device=device, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    compiled(x).sum().backward()
+    mlp_act(x_ref).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+
+
+def test_bad_inputs(device):
+    with pytest.raises(ValueError, match="last dimension must be even"):
+        fused_rl_ops.clamped_swiglu(torch.randn(3, 7, device=device))
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
+        fused_rl_ops.clamped_swiglu(torch.ones(3, 8, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="limit must be > 0"):
+        fused_rl_ops.clamped_swiglu(torch.randn(3, 8, device=device), 0.0)
+    with pytest.raises(ValueError, match="limit must be > 0"):
+        fused_rl_ops.clamped_swiglu(torch.randn(3, 8, device=device), -1.0)
+    with pytest.raises(TypeError, match="x must be a tensor"):
+        fused_rl_ops.clamped_swiglu([1.0, 2.0])
+
+
+def test_mismatched_devices_in_backward_are_rejected():
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="grad_out must match"):
+        torch.ops.fused_rl_ops.clamped_swiglu_backward(torch.randn(3, 5), x, 7.0, 1.702, 1.0, False)
