@@ -232,3 +232,22 @@ def test_bad_inputs(device):
         fused_rl_ops.chosen_logprob(hidden, weight, bad)
     with pytest.raises(ValueError, match="one device"):
         fused_rl_ops.chosen_logprob(hidden, weight.to("meta"), tokens)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and fused_rl_ops.has_cuda_kernels()), reason="needs a GPU")
+def test_cuda_peak_memory_within_workspace_at_large_vocab():
+    N, H, V, workspace = 4096, 1024, 131072, 64 * 2**20
+    hidden, weight, tokens = make_inputs(N, H, V, torch.bfloat16, "cuda")
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    grads = (torch.empty_like(hidden), torch.empty_like(weight))  # the gradients' own memory
+    del grads
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() + 2 * N * H + 2 * V * H
+    lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, tokens, return_entropy=True, workspace_bytes=workspace)
+    (lp.sum() + ent.sum()).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    # workspace + the fp32 hidden-gradient accumulator + per-token state; the logits alone would be 2 GiB
+    assert extra <= workspace + 4 * N * H + 2**20 * 8, extra
