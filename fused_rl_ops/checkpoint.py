@@ -432,14 +432,28 @@ def _state_of(module_or_state_dict) -> dict:
     return dict(module_or_state_dict)
 
 
+class _SavePlanner(dcp.DefaultSavePlanner):
+    """DCP clones every tensor whose storage is larger than the tensor (else torch.save would write
+    the whole storage), which would copy each stride block of a stride > 1 shard. A contiguous
+    block is handed over instead as a tensor over exactly its bytes: an alias, not a copy."""
+
+    def resolve_data(self, write_item):
+        data = super().resolve_data(write_item)
+        if isinstance(data, torch.Tensor) and data.is_contiguous() and data.untyped_storage().nbytes() != data.nbytes:
+            start = data.storage_offset() * data.element_size()
+            own_bytes = data.untyped_storage()[start:start + data.nbytes]
+            data = torch.empty(0, dtype=data.dtype, device=data.device).set_(own_bytes, 0, data.shape)
+        return data
+
+
 def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, *, tp_group=None) -> None:
     """Saves each entry as its logical global tensor with DCP (see the module docstring)."""
     tp_size, tp_rank = _tp_size_and_rank(tp_group)
     entries = _entries_agreed_by_tp_ranks(_state_of(module_or_state_dict), tp_group, tp_size, with_checksums=True)
     # detach(): a new tensor object, so the chunk fields DCP reads stay off the parameters
     state = _dcp_state(entries, tp_size, tp_rank, lambda local: local.detach())
-    planner = dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path), planner=planner)
+    planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, overwrite=True), planner=planner)
 
 
 def _read_metadata(path: str) -> Metadata:

@@ -273,7 +273,7 @@ def test_round_trips_across_tp_degrees(tmp_path):
     run_distributed(_round_trips, 4, str(tmp_path))
 
 
-# --- DTensor conversion and the checks made before saving (2 processes) ---------------------------
+# --- two-rank checks: DTensor conversion, checks before saving, failed loads -----------------------
 
 def _dtensor_and_save_checks(rank, world_size, root):
     from torch.distributed.tensor import Shard, init_device_mesh
@@ -329,12 +329,6 @@ def _dtensor_and_save_checks(rank, world_size, root):
         save_sharded({"w": conflicted}, f"{root}/one_rank")
 
 
-def test_dtensor_conversion_and_save_checks(tmp_path):
-    run_distributed(_dtensor_and_save_checks, 2, str(tmp_path))
-
-
-# --- loads that must fail without touching the module (2 processes) -------------------------------
-
 def _snapshot(module):
     return {name: t.clone() for name, t in tensors_of(module).items()}, module.step
 
@@ -355,9 +349,9 @@ def _on_rank_0(action):
     dist.barrier()
 
 
-def _truncate(path, size=None):
+def _truncate_to_half(path):
     with open(path, "r+b") as f:
-        f.truncate(size if size is not None else os.path.getsize(path) // 2)
+        f.truncate(os.path.getsize(path) // 2)
 
 
 def _load_failures(rank, world_size, root):
@@ -366,11 +360,11 @@ def _load_failures(rank, world_size, root):
         save_sharded(Toy(original, 2, rank, step=7), f"{root}/{name}")
 
     _assert_load_fails_untouched(f"{root}/absent", FileNotFoundError, "no checkpoint at")
-    _on_rank_0(lambda: _truncate(f"{root}/truncated/__1_0.distcp"))
+    _on_rank_0(lambda: _truncate_to_half(f"{root}/truncated/__1_0.distcp"))
     _assert_load_fails_untouched(f"{root}/truncated", ValueError, "truncated: data file __1_0.distcp")
     _on_rank_0(lambda: os.remove(f"{root}/no_data/__0_0.distcp"))
     _assert_load_fails_untouched(f"{root}/no_data", FileNotFoundError, "__0_0.distcp does not exist")
-    _on_rank_0(lambda: _truncate(f"{root}/bad_metadata/.metadata"))
+    _on_rank_0(lambda: _truncate_to_half(f"{root}/bad_metadata/.metadata"))
     _assert_load_fails_untouched(f"{root}/bad_metadata", ValueError, "unreadable")
 
     # Wrong shape or dtype in the last entry: the entries before it must not have been loaded.
@@ -415,8 +409,15 @@ def _load_failures(rank, world_size, root):
     assert_all_same(target, Toy(original, 2, rank, step=7))
 
 
-def test_failed_loads_leave_the_module_unchanged(tmp_path):
-    run_distributed(_load_failures, 2, str(tmp_path))
+def _two_rank_checks(rank, world_size, root):
+    _dtensor_and_save_checks(rank, world_size, f"{root}/save")
+    _load_failures(rank, world_size, f"{root}/load")
+
+
+def test_dtensor_conversion_save_checks_and_failed_loads(tmp_path):
+    """One spawned run for both groups of two-rank checks: starting processes is most of the time.
+    Failed loads must leave the module unchanged."""
+    run_distributed(_two_rank_checks, 2, str(tmp_path))
 
 
 # --- a real tiny megatron-core GPTModel (4 processes) ---------------------------------------------
