@@ -109,7 +109,8 @@ def _worker(rank, world_size, hidden, reps, root, results_path):
     mesh = init_device_mesh("cpu", (world_size,))
     plain_state = _plain_dcp_state(model, mesh)
     operations = {
-        ("plain", "save"): lambda path: dcp.save(plain_state, storage_writer=dcp.FileSystemWriter(path, overwrite=True)),
+        ("plain", "save"): lambda path: dcp.save(plain_state,
+                                                 storage_writer=dcp.FileSystemWriter(path, overwrite=True)),
         ("adapter", "save"): lambda path: save_sharded(model, path),
         ("plain", "load"): lambda path: dcp.load(plain_state, checkpoint_id=path),
         ("adapter", "load"): lambda path: load_sharded(model, path),

@@ -247,7 +247,8 @@ def _global_shape(local_shape, spec: ShardSpec, tp_size: int) -> tuple:
 def _check_stride_divides(name: str, local: torch.Tensor, spec: ShardSpec):
     if spec.sharded and local.shape[spec.dim] % spec.stride:
         raise ShardingMetadataError(
-            f"{name}: local size {local.shape[spec.dim]} on dim {spec.dim} is not a multiple of its stride {spec.stride}")
+            f"{name}: local size {local.shape[spec.dim]} on dim {spec.dim} is not a multiple of its "
+            f"stride {spec.stride}")
 
 
 def to_dtensor(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
@@ -297,7 +298,8 @@ def _local_entries(state: dict, tp_size: int) -> dict:
         if isinstance(value, DTensor):
             if value.device_mesh.size() != tp_size:
                 raise ShardingMetadataError(
-                    f"{name}: DTensor mesh has {value.device_mesh.size()} ranks but the tensor-parallel group has {tp_size}")
+                    f"{name}: DTensor mesh has {value.device_mesh.size()} ranks but the tensor-parallel "
+                    f"group has {tp_size}")
             local = value.to_local()
         if local.is_meta:
             raise ValueError(f"{name}: is a meta tensor; it has no data to save or load into")
@@ -492,7 +494,8 @@ def _check_against_checkpoint(entries: dict, metadata: Metadata, tp_size: int, p
         if spec.sharded and len(saved_shape) == local.dim() and saved_shape[spec.dim] % (spec.stride * tp_size):
             raise ValueError(
                 f"{name}: cannot be split across tensor-parallel degree {tp_size}: dim {spec.dim} has "
-                f"{saved_shape[spec.dim]} entries in the checkpoint, not a multiple of {tp_size} ranks x stride {spec.stride}")
+                f"{saved_shape[spec.dim]} entries in the checkpoint, not a multiple of {tp_size} ranks x "
+                f"stride {spec.stride}")
         expected = _global_shape(local.shape, spec, tp_size)
         if saved_shape != expected:
             raise ValueError(
@@ -513,7 +516,8 @@ def _check_data_files(metadata: Metadata, path: str):
             raise FileNotFoundError(f"checkpoint {path!r} is incomplete: data file {file} does not exist")
         if os.path.getsize(full) < size:
             raise ValueError(
-                f"checkpoint {path!r} is truncated: data file {file} has {os.path.getsize(full)} bytes, its entries need {size}")
+                f"checkpoint {path!r} is truncated: data file {file} has {os.path.getsize(full)} bytes, "
+                f"its entries need {size}")
 
 
 def _reason_not_to_load(entries: dict, path: str, tp_size: int) -> Optional[Exception]:

@@ -60,8 +60,9 @@ def full_vocab_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 def build_tiny_gpt(seed: int, *, hidden_size=32, num_layers=2, vocab_size=128, max_sequence_length=16,
                    num_attention_heads=4, ffn_hidden_size=64):
     """A GPTModel at the current TP degree: gated SiLU MLP (fc1 has partition stride 2), biases,
-    learned absolute positions, untied output layer; no fusions, no dropout. Megatron builds every weight as a full master tensor from the CPU RNG
-    and keeps this rank's shard, so a given seed means the same logical weights at every degree."""
+    learned absolute positions, untied output layer; no fusions, no dropout. Megatron builds every
+    weight as a full master tensor from the CPU RNG and keeps this rank's shard, so a given seed
+    means the same logical weights at every degree."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -70,7 +71,8 @@ def build_tiny_gpt(seed: int, *, hidden_size=32, num_layers=2, vocab_size=128, m
     torch.manual_seed(seed)
     config = TransformerConfig(
         num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-        ffn_hidden_size=ffn_hidden_size, tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        ffn_hidden_size=ffn_hidden_size,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=True,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
