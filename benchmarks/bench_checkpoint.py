@@ -140,7 +140,7 @@ def _worker(rank, world_size, hidden, reps, root, results_path):
 def main():
     def options(parser):
         parser.add_argument("--params", type=float, default=1e8, help="model size in parameters (default 1e8)")
-        parser.add_argument("--reps", type=int, default=3, help="timed rounds after one warm-up (default 3)")
+        parser.add_argument("--reps", type=int, default=5, help="timed rounds after one warm-up (default 5)")
         parser.add_argument("--dir", help="where to write the checkpoints (default: a temporary directory)")
 
     args = parse_args(__doc__, options)
