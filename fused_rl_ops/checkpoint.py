@@ -40,8 +40,9 @@ API
     as ``[W ; V]``, not the rank shards one after another), so plain ``dcp.load`` of a full
     tensor reads the real weight. Pass a module (its parameters, persistent buffers and extra
     state are saved) or a state dict whose tensors still carry their attributes
-    (``module.state_dict(keep_vars=True)``; plain ``state_dict()`` drops them). Non-tensor values
-    (extra state) are pickled as DCP does and written once. Before writing, the ranks of
+    (``module.state_dict(keep_vars=True)``; plain ``state_dict()`` drops them) or are DTensors
+    on a 1-D mesh of the TP ranks. Non-tensor values (extra state) are pickled as DCP does and
+    written once. A checkpoint already at ``path`` is overwritten. Before writing, the ranks of
     ``tp_group`` check that they hold the same entries with the same specs, shapes and dtypes,
     and that every tensor claiming to be replicated has the same bytes on all of them (a
     checksum per tensor, gathered once): a sharded tensor mislabelled as replicated raises
@@ -69,7 +70,8 @@ API
 Both checkpoint functions are collective: every rank of the default process group calls them
 (DCP coordinates over it); ``tp_group`` (default: the whole world) only defines the TP layout, so
 data-parallel replicas write identical chunks that DCP de-duplicates. Without an initialised
-process group they run in one process at TP degree 1.
+process group they run in one process at TP degree 1. An error found on one rank before DCP
+starts is raised on every rank, so that none is left waiting in a collective.
 """
 import os
 from dataclasses import dataclass
