@@ -71,7 +71,8 @@ Both checkpoint functions are collective: every rank of the default process grou
 (DCP coordinates over it); ``tp_group`` (default: the whole world) only defines the TP layout, so
 data-parallel replicas write identical chunks that DCP de-duplicates. Without an initialised
 process group they run in one process at TP degree 1. An error found on one rank before DCP
-starts is raised on every rank, so that none is left waiting in a collective.
+starts is raised on every rank, so that none is left waiting in a collective. They need a DCP
+with ``CheckpointableTensor`` (torch 2.14 has it) and raise ``RuntimeError`` on an older one.
 """
 import os
 from dataclasses import dataclass
@@ -282,6 +283,15 @@ def from_dtensor(dtensor: DTensor) -> torch.Tensor:
 
 # --- saving and loading ---------------------------------------------------------------------------
 
+def _require_checkpointable_tensor():
+    """An older DCP, without CheckpointableTensor, would take each rank's shard for the whole
+    tensor and keep one rank's: the silent failure this module exists to prevent."""
+    if not hasattr(dcp, "CheckpointableTensor"):
+        raise RuntimeError(
+            "save_sharded/load_sharded need torch.distributed.checkpoint.CheckpointableTensor "
+            f"(torch 2.14 has it); this is torch {torch.__version__}")
+
+
 def _tp_size_and_rank(tp_group) -> tuple:
     if not dist.is_initialized():
         return 1, 0
@@ -463,6 +473,7 @@ class _SavePlanner(dcp.DefaultSavePlanner):
 
 def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, *, tp_group=None) -> None:
     """Saves each entry as its logical global tensor with DCP (see the module docstring)."""
+    _require_checkpointable_tensor()
     tp_size, tp_rank = _tp_size_and_rank(tp_group)
     entries = _entries_agreed_by_tp_ranks(_state_of(module_or_state_dict), tp_group, tp_size, with_checksums=True)
     # detach(): a new tensor object, so the chunk fields DCP reads stay off the parameters
@@ -535,6 +546,7 @@ def _reason_not_to_load(entries: dict, path: str, tp_size: int) -> Optional[Exce
 
 def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None) -> None:
     """Loads a save_sharded checkpoint into module at its TP degree, all or nothing (module docstring)."""
+    _require_checkpointable_tensor()
     tp_size, tp_rank = _tp_size_and_rank(tp_group)
     entries = _entries_agreed_by_tp_ranks(module.state_dict(keep_vars=True), tp_group, tp_size, with_checksums=False)
     _raise_if_any_rank_failed(_reason_not_to_load(entries, path, tp_size))

@@ -251,6 +251,15 @@ def test_incomplete_or_contradictory_metadata_raises(attributes, fragment):
         read_sharding(annotated((8, 4), attributes), "w")
 
 
+def test_refuses_a_dcp_without_checkpointable_tensor(monkeypatch, tmp_path):
+    """Without the protocol DCP would save every rank's shard as the whole tensor."""
+    monkeypatch.delattr(dcp, "CheckpointableTensor")
+    with pytest.raises(RuntimeError, match="CheckpointableTensor"):
+        save_sharded({"w": annotated((4, 4), legacy(0), device="cpu")}, str(tmp_path))
+    with pytest.raises(RuntimeError, match="CheckpointableTensor"):
+        load_sharded(torch.nn.Linear(2, 2), str(tmp_path))
+
+
 # --- round trips across TP degrees (4 processes, with the GPTModel check) ------------------------
 
 def _round_trips(rank, world_size, root):
