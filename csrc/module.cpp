@@ -22,4 +22,7 @@ TORCH_LIBRARY(fused_rl_ops, m) {
   m.def(
       "logprob_backward(Tensor hidden, Tensor weight, Tensor tokens, Tensor lse, Tensor mean, Tensor grad_logprob, "
       "Tensor grad_entropy, float temperature, int vocab_start, int chunk_size) -> (Tensor, Tensor)");
+  m.def("value_head(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("value_head_backward_hidden(Tensor grad_out, Tensor weight, ScalarType dtype) -> Tensor");
+  m.def("value_head_backward_params(Tensor grad_out, Tensor hidden) -> (Tensor, Tensor)");
 }

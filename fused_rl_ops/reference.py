@@ -37,3 +37,10 @@ def chosen_logprob(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Ten
     p = logp.exp()
     entropy = -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
     return torch.where(ignore, 0.0, chosen), entropy
+
+
+def value_head(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear on hidden cast to fp32 (fp64 for float64 hidden), the usual PyTorch value head."""
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    b = None if bias is None else bias.to(dtype).reshape(1)
+    return torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype).reshape(1, -1), b).squeeze(-1)

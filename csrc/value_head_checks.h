@@ -1,0 +1,69 @@
+// Argument checks and small helpers shared by the CPU and CUDA entry points of the value head.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "value_head_math.h"
+
+namespace fused_rl_ops {
+
+// The accumulation and output type: fp32, or fp64 for float64 hidden (CPU only).
+inline at::ScalarType value_head_acc_type(at::ScalarType hidden_dtype) {
+  return hidden_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// weight: [H] or [1, H], fp32 or hidden's dtype.
+inline void check_value_head_weight(const at::Tensor& weight, int64_t H, at::ScalarType hidden_dtype) {
+  const bool shape_ok = (weight.dim() == 1 && weight.size(0) == H) ||
+                        (weight.dim() == 2 && weight.size(0) == 1 && weight.size(1) == H);
+  TORCH_CHECK(shape_ok, "value_head: weight must be [H] or [1, H] with H = ", H, ", got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == hidden_dtype,
+              "value_head: weight must be float32 or hidden's dtype ", hidden_dtype, ", got ", weight.scalar_type());
+}
+
+inline void check_value_head_args(const at::Tensor& hidden, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(hidden.dim() >= 1 && hidden.size(-1) >= 1, "value_head: hidden must be [..., H] with H >= 1, got ",
+              hidden.sizes());
+  check_value_head_weight(weight, hidden.size(-1), hidden.scalar_type());
+  TORCH_CHECK(weight.device() == hidden.device(), "value_head: weight and hidden must be on one device");
+  if (bias) {
+    TORCH_CHECK(bias->dim() <= 1 && bias->numel() == 1, "value_head: bias must be a scalar or [1], got ",
+                bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == at::kFloat || bias->scalar_type() == hidden.scalar_type(),
+                "value_head: bias must be float32 or hidden's dtype, got ", bias->scalar_type());
+    TORCH_CHECK(bias->device() == hidden.device(), "value_head: bias and hidden must be on one device");
+  }
+}
+
+// The weight as a contiguous [H] vector in the accumulation type (no copy for a contiguous one).
+inline at::Tensor value_head_weight(const at::Tensor& weight, at::ScalarType acc_type) {
+  return weight.reshape({-1}).to(acc_type).contiguous();
+}
+
+// hidden's shape without its last dimension: the shape of the values and of their gradient.
+inline std::vector<int64_t> value_head_out_shape(at::IntArrayRef hidden_shape) {
+  return hidden_shape.slice(0, hidden_shape.size() - 1).vec();
+}
+
+inline void check_value_head_grad(const at::Tensor& grad_out, at::IntArrayRef hidden_shape,
+                                  at::ScalarType hidden_dtype, const at::Tensor& other) {
+  const auto values_shape = value_head_out_shape(hidden_shape);
+  const at::ScalarType acc_type = value_head_acc_type(hidden_dtype);
+  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(values_shape) && grad_out.scalar_type() == acc_type &&
+                  grad_out.device() == other.device(),
+              "value_head backward: grad_out must match the values' shape ", at::IntArrayRef(values_shape), ", dtype ",
+              acc_type, " and device ", other.device(), ", got ", grad_out.sizes(), " ", grad_out.scalar_type(),
+              " on ", grad_out.device());
+}
+
+// Shape of the hidden gradient: grad_out's shape with H appended.
+inline std::vector<int64_t> value_head_hidden_shape(const at::Tensor& grad_out, int64_t H) {
+  auto shape = grad_out.sizes().vec();
+  shape.push_back(H);
+  return shape;
+}
+
+}  // namespace fused_rl_ops

@@ -1,0 +1,235 @@
+// Value head CUDA kernels, each one pass over hidden with 16-byte loads where alignment allows:
+// the forward gives each row to a warp; the hidden gradient is a broadcast write; the weight and
+// bias gradients are the two fixed-order stages of value_head_math.h (no atomics).
+#include "cuda_utils.cuh"
+#include "value_head_kernel.h"
+
+namespace fused_rl_ops {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kForwardWarps = 8;  // rows per forward block, one per warp
+constexpr int kPacksInFlight = 4;  // forward: packs a lane loads before using them
+constexpr int kRowsInFlight = 8;  // stage 1: rows a thread loads before using them
+constexpr int kBroadcastThreads = 256;
+constexpr int kPartialThreads = 128;  // column packs per stage-1 block
+constexpr int kSumSlices = 8;  // stage 2: partial rows b = y, y + 8, ... go to thread row y
+
+// N consecutive floats, as 16-byte loads when N is a multiple of 4 (p is then 16-byte aligned).
+template <int N>
+__device__ __forceinline__ void load_floats(const float* p, float (&out)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int k = 0; k < N; k += 4) {
+      const auto v = *reinterpret_cast<const Pack<float, 4>*>(p + k);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) out[k + i] = v.v[i];
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = p[k];
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void store_floats(float* p, const float (&in)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int k = 0; k < N; k += 4) {
+      Pack<float, 4> v;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v.v[i] = in[k + i];
+      *reinterpret_cast<Pack<float, 4>*>(p + k) = v;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) p[k] = in[k];
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ float dot_pack(const Pack<T, N>& h, const float* w, float acc) {
+  float wv[N];
+  load_floats<N>(w, wv);
+#pragma unroll
+  for (int k = 0; k < N; ++k) acc = fmaf(to_float(h.v[k]), wv[k], acc);
+  return acc;
+}
+
+// Block (32, kForwardWarps): warp y takes rows y, y + kForwardWarps, ... of the block's share.
+template <typename T, int N>
+__global__ void value_head_forward_kernel(const T* __restrict__ hidden, const float* __restrict__ weight,
+                                          const float* __restrict__ bias, float* __restrict__ out, int64_t rows,
+                                          int64_t H) {
+  const int lane = threadIdx.x;
+  const int64_t packs = H / N;
+  const float b = bias ? *bias : 0.f;
+  for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < rows; r += int64_t(gridDim.x) * blockDim.y) {
+    const auto* row = reinterpret_cast<const Pack<T, N>*>(hidden + r * H);
+    float acc[kPacksInFlight] = {};
+    int64_t p = lane;
+    for (; p + (kPacksInFlight - 1) * kWarp < packs; p += kPacksInFlight * kWarp) {
+      Pack<T, N> h[kPacksInFlight];
+#pragma unroll
+      for (int u = 0; u < kPacksInFlight; ++u) h[u] = row[p + u * kWarp];
+#pragma unroll
+      for (int u = 0; u < kPacksInFlight; ++u) acc[u] = dot_pack(h[u], weight + (p + u * kWarp) * N, acc[u]);
+    }
+    for (; p < packs; p += kWarp) acc[0] = dot_pack(row[p], weight + p * N, acc[0]);
+    float sum = 0.f;
+#pragma unroll
+    for (int u = 0; u < kPacksInFlight; ++u) sum += acc[u];
+    sum = warp_sum(sum);
+    if (lane == 0) out[r] = sum + b;
+  }
+}
+
+// grad_hidden[r, c] = grad_out[r] * weight[c]; block laid out as row_launch gives.
+template <typename T, int N>
+__global__ void value_head_backward_hidden_kernel(const float* __restrict__ grad_out, const float* __restrict__ weight,
+                                                  T* __restrict__ grad_hidden, int64_t rows, int64_t H) {
+  for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < rows; r += int64_t(gridDim.x) * blockDim.y) {
+    const float g = grad_out[r];
+    for (int64_t c = threadIdx.x * int64_t(N); c < H; c += int64_t(blockDim.x) * N) {
+      float w[N];
+      load_floats<N>(weight + c, w);
+      Pack<T, N> dh;
+#pragma unroll
+      for (int k = 0; k < N; ++k) dh.v[k] = from_float<T>(g * w[k]);
+      *reinterpret_cast<Pack<T, N>*>(grad_hidden + r * H + c) = dh;
+    }
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void accumulate_pack(float g, const Pack<T, N>& h, float (&acc)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) acc[k] = fmaf(g, to_float(h.v[k]), acc[k]);
+}
+
+// Stage 1: block (blockIdx.x, blockIdx.y) sums row block blockIdx.x over one tile of columns;
+// each thread owns N columns and walks the block's rows in order.
+template <typename T, int N>
+__global__ void value_head_partials_kernel(const float* __restrict__ grad_out, const T* __restrict__ hidden,
+                                           float* __restrict__ weight_partials, float* __restrict__ bias_partials,
+                                           int64_t rows, int64_t H) {
+  const int64_t block = blockIdx.x;
+  const int64_t c = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * N;
+  if (c >= H) return;
+  const int64_t r_end = min(rows, (block + 1) * kValueHeadRowBlock);
+  const T* column = hidden + c;
+  float acc[N] = {};
+  float g_sum = 0.f;
+  int64_t r = block * kValueHeadRowBlock;
+  for (; r + kRowsInFlight <= r_end; r += kRowsInFlight) {
+    float g[kRowsInFlight];
+    Pack<T, N> h[kRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      g[u] = grad_out[r + u];
+      h[u] = *reinterpret_cast<const Pack<T, N>*>(column + (r + u) * H);
+    }
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      accumulate_pack(g[u], h[u], acc);
+      g_sum += g[u];
+    }
+  }
+  for (; r < r_end; ++r) {
+    const float g = grad_out[r];
+    accumulate_pack(g, *reinterpret_cast<const Pack<T, N>*>(column + r * H), acc);
+    g_sum += g;
+  }
+  store_floats<N>(weight_partials + block * H + c, acc);
+  if (c == 0) bias_partials[block] = g_sum;
+}
+
+// Stage 2: out[c] = sum over b of partials[b, c]. Block (32, kSumSlices): thread row y sums the
+// partial rows b = y mod kSumSlices in order, then thread row 0 adds the slices in order.
+__global__ void sum_partials_kernel(const float* __restrict__ partials, float* __restrict__ out, int64_t blocks,
+                                    int64_t cols) {
+  __shared__ float slice_sums[kSumSlices][kWarp];
+  const int64_t c = int64_t(blockIdx.x) * kWarp + threadIdx.x;
+  float sum = 0.f;
+  if (c < cols) {
+#pragma unroll 4
+    for (int64_t b = threadIdx.y; b < blocks; b += kSumSlices) sum += partials[b * cols + c];
+  }
+  slice_sums[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+#pragma unroll
+    for (int y = 1; y < kSumSlices; ++y) sum += slice_sums[y][threadIdx.x];
+    out[c] = sum;
+  }
+}
+
+cudaError_t sum_partials(const float* partials, float* out, int64_t blocks, int64_t cols, cudaStream_t stream) {
+  const auto grid = static_cast<unsigned>((cols + kWarp - 1) / kWarp);
+  sum_partials_kernel<<<grid, dim3(kWarp, kSumSlices), 0, stream>>>(partials, out, blocks, cols);
+  return cudaGetLastError();
+}
+
+// Calls launch(type_tag, width): width = 16 bytes of elements when H keeps every row start
+// 16-byte aligned and so are the pointers, else 1.
+template <typename Launch>
+cudaError_t launch_with_width(DType dtype, int64_t H, std::initializer_list<const void*> ptrs, const Launch& launch) {
+  dispatch_dtype(dtype, [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    constexpr int wide = 16 / int(sizeof(T));
+    bool vectorised = H % wide == 0;
+    for (const void* p : ptrs) vectorised = vectorised && is_aligned(p, 16);
+    if (vectorised) launch(type_tag, std::integral_constant<int, wide>{});
+    else launch(type_tag, std::integral_constant<int, 1>{});
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_value_head_forward(const void* hidden, const float* weight, const float* bias, float* out,
+                                      int64_t rows, int64_t H, DType dtype, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  return launch_with_width(dtype, H, {hidden, weight}, [&](auto* type_tag, auto width) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    constexpr int N = decltype(width)::value;
+    const unsigned grid = grid_for((rows + kForwardWarps - 1) / kForwardWarps, kWarp * kForwardWarps);
+    value_head_forward_kernel<T, N><<<grid, dim3(kWarp, kForwardWarps), 0, stream>>>(
+        static_cast<const T*>(hidden), weight, bias, out, rows, H);
+  });
+}
+
+cudaError_t launch_value_head_backward_hidden(const float* grad_out, const float* weight, void* grad_hidden,
+                                              int64_t rows, int64_t H, DType dtype, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  return launch_with_width(dtype, H, {weight, grad_hidden}, [&](auto* type_tag, auto width) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    constexpr int N = decltype(width)::value;
+    const RowLaunch cfg = row_launch(rows, H / N, kBroadcastThreads);
+    value_head_backward_hidden_kernel<T, N><<<cfg.grid, cfg.block, 0, stream>>>(
+        grad_out, weight, static_cast<T*>(grad_hidden), rows, H);
+  });
+}
+
+cudaError_t launch_value_head_backward_params(const float* grad_out, const void* hidden, float* weight_partials,
+                                              float* bias_partials, float* grad_weight, float* grad_bias,
+                                              int64_t rows, int64_t H, DType dtype, cudaStream_t stream) {
+  const int64_t blocks = value_head_row_blocks(rows);
+  if (blocks > 0) {
+    const cudaError_t err = launch_with_width(dtype, H, {hidden, weight_partials}, [&](auto* type_tag, auto width) {
+      using T = std::remove_pointer_t<decltype(type_tag)>;
+      constexpr int N = decltype(width)::value;
+      const int64_t packs = H / N;
+      // Whole warps, no more than the row has packs (up to kPartialThreads).
+      const int threads = static_cast<int>(std::min<int64_t>(kPartialThreads, (packs + kWarp - 1) / kWarp * kWarp));
+      const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>((packs + threads - 1) / threads));
+      value_head_partials_kernel<T, N><<<grid, threads, 0, stream>>>(grad_out, static_cast<const T*>(hidden),
+                                                                      weight_partials, bias_partials, rows, H);
+    });
+    if (err != cudaSuccess) return err;
+  }
+  const cudaError_t err = sum_partials(weight_partials, grad_weight, blocks, H, stream);
+  return err != cudaSuccess ? err : sum_partials(bias_partials, grad_bias, blocks, 1, stream);
+}
+
+}  // namespace fused_rl_ops

@@ -1,0 +1,26 @@
+// Value head math, shared by the CPU and CUDA kernels. For hidden h [rows, H], weight w [H],
+// bias b and upstream gradient g [rows]:
+//   forward    v[r]     = sum_j h[r, j] w[j] + b
+//   backward   dh[r, j] = g[r] w[j]              (one write pass, rounded once to h's dtype)
+//              dw[j]    = sum_r g[r] h[r, j],   db = sum_r g[r]
+// Everything accumulates in fp32 (fp64 for float64 hidden on the CPU).
+//
+// dw and db are reduced in two fixed-order stages, so they are bitwise reproducible whatever the
+// thread count, SM count or launch configuration: stage 1 sums each block of kValueHeadRowBlock
+// consecutive rows, in row order, into one partial row; stage 2 sums the partial rows in a fixed
+// order. No float atomics.
+#pragma once
+
+#include "common.h"
+
+namespace fused_rl_ops {
+
+// Rows per stage-1 block: large enough that the fp32 partials add little traffic (4 bytes per
+// column per 64 rows of hidden), small enough to give every core or SM blocks to work on.
+constexpr int64_t kValueHeadRowBlock = 64;
+
+FRL_HD int64_t value_head_row_blocks(int64_t rows) {
+  return (rows + kValueHeadRowBlock - 1) / kValueHeadRowBlock;
+}
+
+}  // namespace fused_rl_ops
