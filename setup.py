@@ -57,6 +57,12 @@ elif not CUDA_HOME:
 
 sources = ["csrc/module.cpp"] + sorted(glob.glob("csrc/*_cpu.cpp"))
 cxx_flags = ["-O3", "-Wall", "-Wno-unknown-pragmas"]  # ATen's vec headers use #pragma unroll
+link_flags = []
+if platform.system() == "Linux":
+    # at::parallel_for is inline and runs serially unless the extension itself is compiled with
+    # OpenMP; libgomp is then the one torch already loaded (same soname).
+    cxx_flags.append("-fopenmp")
+    link_flags.append("-fopenmp")
 if platform.machine() in ("x86_64", "AMD64") and os.environ.get("FUSED_RL_OPS_NO_AVX2") != "1":
     # The CPU kernels use at::vec; without these its Vectorized falls back to scalar loops.
     cxx_flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
@@ -69,9 +75,11 @@ if WITH_CUDA:
         "fused_rl_ops._C",
         sources,
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
+        extra_link_args=link_flags,
     )
 else:
-    extension = cpp_extension.CppExtension("fused_rl_ops._C", sources, extra_compile_args={"cxx": cxx_flags})
+    extension = cpp_extension.CppExtension("fused_rl_ops._C", sources, extra_compile_args={"cxx": cxx_flags},
+                                           extra_link_args=link_flags)
 
 setup(
     packages=find_packages(include=["fused_rl_ops", "fused_rl_ops.*"]),
