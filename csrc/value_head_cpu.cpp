@@ -43,19 +43,30 @@ struct Chunk {
 // Rows per parallel task: enough elements that a task outweighs its scheduling.
 int64_t row_grain(int64_t H) { return std::max<int64_t>(1, 32768 / H); }
 
-template <typename scalar_t, typename acc = acc_t<scalar_t>>
-acc dot_row(const scalar_t* h, const acc* w, int64_t H) {
+// Rows handled side by side: the weight or partial chunk is loaded once for all of them, and the
+// rows stream in parallel (more memory traffic in flight than one row gives).
+constexpr int kRowGroup = 4;
+
+// out[i] = sum_j h[i * H + j] w[j] for kRows consecutive rows.
+template <int kRows, typename scalar_t, typename acc = acc_t<scalar_t>>
+void dot_rows(const scalar_t* h, int64_t H, const acc* w, acc* out) {
   using C = Chunk<scalar_t>;
-  typename C::Vec sum_lo(0), sum_hi(0);
+  using Vec = typename C::Vec;
+  Vec sum_lo[kRows], sum_hi[kRows];
+  for (int i = 0; i < kRows; ++i) sum_lo[i] = sum_hi[i] = Vec(0);
   int64_t j = 0;
   for (; j + C::kSize <= H; j += C::kSize) {
-    const auto [lo, hi] = C::load(h + j);
-    sum_lo = at::vec::fmadd(lo, C::Vec::loadu(w + j), sum_lo);
-    sum_hi = at::vec::fmadd(hi, C::Vec::loadu(w + j + C::Vec::size()), sum_hi);
+    const Vec w_lo = Vec::loadu(w + j), w_hi = Vec::loadu(w + j + Vec::size());
+    for (int i = 0; i < kRows; ++i) {
+      const auto [lo, hi] = C::load(h + i * H + j);
+      sum_lo[i] = at::vec::fmadd(lo, w_lo, sum_lo[i]);
+      sum_hi[i] = at::vec::fmadd(hi, w_hi, sum_hi[i]);
+    }
   }
-  acc sum = at::vec::vec_reduce_all([](const auto& a, const auto& b) { return a + b; }, sum_lo + sum_hi);
-  for (; j < H; ++j) sum += static_cast<acc>(h[j]) * w[j];
-  return sum;
+  for (int i = 0; i < kRows; ++i) {
+    out[i] = at::vec::vec_reduce_all([](const Vec& a, const Vec& b) { return a + b; }, sum_lo[i] + sum_hi[i]);
+    for (int64_t k = j; k < H; ++k) out[i] = std::fma(static_cast<acc>(h[i * H + k]), w[k], out[i]);
+  }
 }
 
 // dh = g * w, rounded to dh's dtype.
@@ -70,19 +81,27 @@ void scale_row(acc g, const acc* w, scalar_t* dh, int64_t H) {
   for (; j < H; ++j) dh[j] = static_cast<scalar_t>(g * w[j]);
 }
 
-// partial += g * h.
-template <typename scalar_t, typename acc = acc_t<scalar_t>>
-void accumulate_row(acc g, const scalar_t* h, acc* partial, int64_t H) {
+// partial += g[i] * h[i * H + :] for kRows consecutive rows, added in row order.
+template <int kRows, typename scalar_t, typename acc = acc_t<scalar_t>>
+void accumulate_rows(const acc* g, const scalar_t* h, int64_t H, acc* partial) {
   using C = Chunk<scalar_t>;
   using Vec = typename C::Vec;
-  const Vec vg(g);
+  Vec vg[kRows];
+  for (int i = 0; i < kRows; ++i) vg[i] = Vec(g[i]);
   int64_t j = 0;
   for (; j + C::kSize <= H; j += C::kSize) {
-    const auto [lo, hi] = C::load(h + j);
-    at::vec::fmadd(vg, lo, Vec::loadu(partial + j)).store(partial + j);
-    at::vec::fmadd(vg, hi, Vec::loadu(partial + j + Vec::size())).store(partial + j + Vec::size());
+    Vec sum_lo = Vec::loadu(partial + j), sum_hi = Vec::loadu(partial + j + Vec::size());
+    for (int i = 0; i < kRows; ++i) {
+      const auto [lo, hi] = C::load(h + i * H + j);
+      sum_lo = at::vec::fmadd(vg[i], lo, sum_lo);
+      sum_hi = at::vec::fmadd(vg[i], hi, sum_hi);
+    }
+    sum_lo.store(partial + j);
+    sum_hi.store(partial + j + Vec::size());
   }
-  for (; j < H; ++j) partial[j] += g * static_cast<acc>(h[j]);
+  for (; j < H; ++j) {
+    for (int i = 0; i < kRows; ++i) partial[j] = std::fma(g[i], static_cast<acc>(h[i * H + j]), partial[j]);
+  }
 }
 
 // Stage 2: out[c] = sum over b, in order, of partials[b, c], in parallel over column tiles.
@@ -116,7 +135,10 @@ at::Tensor value_head_cpu(const at::Tensor& hidden_in, const at::Tensor& weight_
     const auto* w = weight.const_data_ptr<acc>();
     auto* v = out.mutable_data_ptr<acc>();
     at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) v[r] = dot_row(h + r * H, w, H) + b;
+      int64_t r = r0;
+      for (; r + kRowGroup <= r1; r += kRowGroup) dot_rows<kRowGroup>(h + r * H, H, w, v + r);
+      for (; r < r1; ++r) dot_rows<1>(h + r * H, H, w, v + r);
+      for (r = r0; r < r1; ++r) v[r] += b;
     });
   });
   return out;
@@ -165,11 +187,11 @@ std::tuple<at::Tensor, at::Tensor> value_head_backward_params_cpu(const at::Tens
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t r0 = b * kValueHeadRowBlock, r1 = std::min(rows, r0 + kValueHeadRowBlock);
+        int64_t r = r0;
+        for (; r + kRowGroup <= r1; r += kRowGroup) accumulate_rows<kRowGroup>(g + r, h + r * H, H, wp + b * H);
+        for (; r < r1; ++r) accumulate_rows<1>(g + r, h + r * H, H, wp + b * H);
         acc g_sum = 0;
-        for (int64_t r = r0; r < r1; ++r) {
-          accumulate_row(g[r], h + r * H, wp + b * H, H);
-          g_sum += g[r];
-        }
+        for (r = r0; r < r1; ++r) g_sum += g[r];
         bp[b] = g_sum;
       }
     });
