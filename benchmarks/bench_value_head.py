@@ -1,0 +1,56 @@
+"""Value head: fused kernel vs F.linear on hidden.float() and F.linear in hidden's dtype, forward and
+forward+backward.
+
+The fused op runs with an fp32 weight (bf16 hidden with an fp32 head), the fp32 path is
+reference.value_head (F.linear(hidden.float(), w)), the native path F.linear with the weight in
+hidden's dtype. Effective bandwidth counts the bytes that must move: forward reads hidden and
+writes the values; backward reads hidden and grad_out and writes the hidden gradient."""
+import torch
+import torch.nn.functional as F
+
+from fused_rl_ops import reference
+from fused_rl_ops.value_head import value_head
+from common import fwd_bwd, parse_args, print_table, time_fn, write_json
+
+args = parse_args(__doc__)
+dev = args.device
+shapes = [(2048, 4096)] if args.quick else [(n, h) for n in (8192, 32768) for h in (4096, 8192)]
+dtypes = [torch.bfloat16, torch.float32]
+reps = 2 if args.quick else 5
+
+
+def native(hidden, weight):
+    return F.linear(hidden, weight.to(hidden.dtype)).squeeze(-1)
+
+
+paths = {"fused": value_head, "fp32": reference.value_head, "native": native}
+
+rows = []
+for tokens, H in shapes:
+    for dtype in dtypes:
+        hidden = torch.randn(tokens, H, device=dev, dtype=dtype, requires_grad=True)
+        weight = (torch.randn(1, H, device=dev) / H**0.5).requires_grad_(True)
+        grad = torch.randn(tokens, device=dev)
+        hidden_bytes = tokens * H * hidden.element_size()
+        for mode, bytes_moved in (("fwd", hidden_bytes + 4 * tokens), ("fwd+bwd", 3 * hidden_bytes + 12 * tokens)):
+            row = {"tokens": tokens, "H": H, "dtype": str(dtype).replace("torch.", ""), "mode": mode}
+            for name, fn in paths.items():
+                if mode == "fwd":
+                    def run(fn=fn):
+                        with torch.no_grad():
+                            fn(hidden, weight)
+                else:
+                    run = fwd_bwd(fn, [hidden, weight], [grad.to(fn(hidden, weight).dtype)])
+                t = time_fn(run, dev, reps=reps)
+                row[f"{name}_ms"] = t * 1e3
+                row[f"{name}_GB/s"] = bytes_moved / t / 1e9
+            row["x_fp32"] = row["fp32_ms"] / row["fused_ms"]
+            row["x_native"] = row["native_ms"] / row["fused_ms"]
+            rows.append(row)
+            print_table([row], list(row))
+        del hidden, weight, grad
+
+print("\nvalue_head, speedup = baseline time / fused time")
+print_table(rows, ["tokens", "H", "dtype", "mode", "fused_ms", "fused_GB/s", "fp32_ms", "native_ms", "x_fp32",
+                   "x_native"])
+write_json(args.json, "value_head", dev, rows)
