@@ -9,11 +9,10 @@ namespace {
 
 constexpr int kWarp = 32;
 constexpr int kForwardWarps = 8;  // rows per forward block, one per warp
-constexpr int kPacksInFlight = 4;  // forward: packs a lane loads before using them
-constexpr int kRowsInFlight = 8;  // stage 1: rows a thread loads before using them
+constexpr int kLoadsInFlight = 4;  // packs a lane (forward) or rows a thread (stage 1) loads before using them
 constexpr int kBroadcastThreads = 256;
-constexpr int kPartialThreads = 128;  // column packs per stage-1 block
-constexpr int kSumSlices = 8;  // stage 2: partial rows b = y, y + 8, ... go to thread row y
+constexpr int kRowGroups = 4;  // stage 1: warps per block, each summing a quarter of the row block
+constexpr int kSumSlices = 16;  // stage 2: partial rows b = y, y + 16, ... go to thread row y
 
 // N consecutive floats, as 16-byte loads when N is a multiple of 4 (p is then 16-byte aligned).
 template <int N>
@@ -66,19 +65,19 @@ __global__ void value_head_forward_kernel(const T* __restrict__ hidden, const fl
   const float b = bias ? *bias : 0.f;
   for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < rows; r += int64_t(gridDim.x) * blockDim.y) {
     const auto* row = reinterpret_cast<const Pack<T, N>*>(hidden + r * H);
-    float acc[kPacksInFlight] = {};
+    float acc[kLoadsInFlight] = {};
     int64_t p = lane;
-    for (; p + (kPacksInFlight - 1) * kWarp < packs; p += kPacksInFlight * kWarp) {
-      Pack<T, N> h[kPacksInFlight];
+    for (; p + (kLoadsInFlight - 1) * kWarp < packs; p += kLoadsInFlight * kWarp) {
+      Pack<T, N> h[kLoadsInFlight];
 #pragma unroll
-      for (int u = 0; u < kPacksInFlight; ++u) h[u] = row[p + u * kWarp];
+      for (int u = 0; u < kLoadsInFlight; ++u) h[u] = row[p + u * kWarp];
 #pragma unroll
-      for (int u = 0; u < kPacksInFlight; ++u) acc[u] = dot_pack(h[u], weight + (p + u * kWarp) * N, acc[u]);
+      for (int u = 0; u < kLoadsInFlight; ++u) acc[u] = dot_pack(h[u], weight + (p + u * kWarp) * N, acc[u]);
     }
     for (; p < packs; p += kWarp) acc[0] = dot_pack(row[p], weight + p * N, acc[0]);
     float sum = 0.f;
 #pragma unroll
-    for (int u = 0; u < kPacksInFlight; ++u) sum += acc[u];
+    for (int u = 0; u < kLoadsInFlight; ++u) sum += acc[u];
     sum = warp_sum(sum);
     if (lane == 0) out[r] = sum + b;
   }
@@ -107,38 +106,55 @@ __device__ __forceinline__ void accumulate_pack(float g, const Pack<T, N>& h, fl
   for (int k = 0; k < N; ++k) acc[k] = fmaf(g, to_float(h.v[k]), acc[k]);
 }
 
-// Stage 1: block (blockIdx.x, blockIdx.y) sums row block blockIdx.x over one tile of columns;
-// each thread owns N columns and walks the block's rows in order.
+// Stage 1: block (blockIdx.x, blockIdx.y) sums row block blockIdx.x over 32 * N columns. Block
+// (32, kRowGroups): thread (x, y) owns N columns and walks group y of the block's rows in order;
+// thread row 0 then adds the groups in order. Splitting rows over warps, not only columns, gives
+// enough warps in flight to saturate memory.
 template <typename T, int N>
 __global__ void value_head_partials_kernel(const float* __restrict__ grad_out, const T* __restrict__ hidden,
                                            float* __restrict__ weight_partials, float* __restrict__ bias_partials,
                                            int64_t rows, int64_t H) {
+  constexpr int64_t kGroupRows = kValueHeadRowBlock / kRowGroups;
+  __shared__ float group_sums[kRowGroups][N][kWarp];
+  __shared__ float group_g_sums[kRowGroups];
   const int64_t block = blockIdx.x;
-  const int64_t c = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * N;
-  if (c >= H) return;
-  const int64_t r_end = min(rows, (block + 1) * kValueHeadRowBlock);
+  const int64_t c = (int64_t(blockIdx.y) * kWarp + threadIdx.x) * N;
+  const int64_t r_end = min(rows, block * kValueHeadRowBlock + (threadIdx.y + 1) * kGroupRows);
   const T* column = hidden + c;
   float acc[N] = {};
   float g_sum = 0.f;
-  int64_t r = block * kValueHeadRowBlock;
-  for (; r + kRowsInFlight <= r_end; r += kRowsInFlight) {
-    float g[kRowsInFlight];
-    Pack<T, N> h[kRowsInFlight];
+  int64_t r = block * kValueHeadRowBlock + threadIdx.y * kGroupRows;
+  if (c < H) {  // c == 0 is always in range, so the bias sums below are complete
+    for (; r + kLoadsInFlight <= r_end; r += kLoadsInFlight) {
+      float g[kLoadsInFlight];
+      Pack<T, N> h[kLoadsInFlight];
 #pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
-      g[u] = grad_out[r + u];
-      h[u] = *reinterpret_cast<const Pack<T, N>*>(column + (r + u) * H);
+      for (int u = 0; u < kLoadsInFlight; ++u) {
+        g[u] = grad_out[r + u];
+        h[u] = *reinterpret_cast<const Pack<T, N>*>(column + (r + u) * H);
+      }
+#pragma unroll
+      for (int u = 0; u < kLoadsInFlight; ++u) {
+        accumulate_pack(g[u], h[u], acc);
+        g_sum += g[u];
+      }
     }
-#pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
-      accumulate_pack(g[u], h[u], acc);
-      g_sum += g[u];
+    for (; r < r_end; ++r) {
+      const float g = grad_out[r];
+      accumulate_pack(g, *reinterpret_cast<const Pack<T, N>*>(column + r * H), acc);
+      g_sum += g;
     }
   }
-  for (; r < r_end; ++r) {
-    const float g = grad_out[r];
-    accumulate_pack(g, *reinterpret_cast<const Pack<T, N>*>(column + r * H), acc);
-    g_sum += g;
+#pragma unroll
+  for (int k = 0; k < N; ++k) group_sums[threadIdx.y][k][threadIdx.x] = acc[k];
+  if (threadIdx.x == 0) group_g_sums[threadIdx.y] = g_sum;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= H) return;
+#pragma unroll
+  for (int y = 1; y < kRowGroups; ++y) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) acc[k] += group_sums[y][k][threadIdx.x];
+    g_sum += group_g_sums[y];
   }
   store_floats<N>(weight_partials + block * H + c, acc);
   if (c == 0) bias_partials[block] = g_sum;
@@ -219,12 +235,9 @@ cudaError_t launch_value_head_backward_params(const float* grad_out, const void*
     const cudaError_t err = launch_with_width(dtype, H, {hidden, weight_partials}, [&](auto* type_tag, auto width) {
       using T = std::remove_pointer_t<decltype(type_tag)>;
       constexpr int N = decltype(width)::value;
-      const int64_t packs = H / N;
-      // Whole warps, no more than the row has packs (up to kPartialThreads).
-      const int threads = static_cast<int>(std::min<int64_t>(kPartialThreads, (packs + kWarp - 1) / kWarp * kWarp));
-      const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>((packs + threads - 1) / threads));
-      value_head_partials_kernel<T, N><<<grid, threads, 0, stream>>>(grad_out, static_cast<const T*>(hidden),
-                                                                      weight_partials, bias_partials, rows, H);
+      const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>((H / N + kWarp - 1) / kWarp));
+      value_head_partials_kernel<T, N><<<grid, dim3(kWarp, kRowGroups), 0, stream>>>(
+          grad_out, static_cast<const T*>(hidden), weight_partials, bias_partials, rows, H);
     });
     if (err != cudaSuccess) return err;
   }

@@ -6,9 +6,10 @@
 // Everything accumulates in fp32 (fp64 for float64 hidden on the CPU).
 //
 // dw and db are reduced in two fixed-order stages, so they are bitwise reproducible whatever the
-// thread count, SM count or launch configuration: stage 1 sums each block of kValueHeadRowBlock
-// consecutive rows, in row order, into one partial row; stage 2 sums the partial rows in a fixed
-// order. No float atomics.
+// thread count or SM count: stage 1 sums each block of kValueHeadRowBlock consecutive rows into one
+// partial row, stage 2 sums the partial rows. Each stage adds in an order fixed by the code (the
+// CPU adds rows in order; the CUDA kernels add fixed groups of rows in order, then the groups).
+// No float atomics.
 #pragma once
 
 #include "common.h"
