@@ -5,6 +5,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <initializer_list>
+#include <type_traits>
+
 #include "common.h"
 
 namespace fused_rl_ops {
@@ -74,6 +77,23 @@ void dispatch_dtype(DType dt, const Fn& fn) {
     case DType::kBFloat16: fn(static_cast<__nv_bfloat16*>(nullptr)); break;
     case DType::kFloat16: fn(static_cast<__half*>(nullptr)); break;
   }
+}
+
+// Calls launch(type_tag, width) for the element type named by dt: width = kBytes / sizeof(T)
+// elements per thread when rows of row_len elements and every pointer keep those accesses 16-byte
+// aligned, else width 1 (the scalar path).
+template <int kBytes, typename Launch>
+cudaError_t launch_with_width(DType dt, int64_t row_len, std::initializer_list<const void*> ptrs,
+                              const Launch& launch) {
+  dispatch_dtype(dt, [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    constexpr int wide = kBytes / int(sizeof(T));
+    bool vectorised = row_len % wide == 0;
+    for (const void* p : ptrs) vectorised = vectorised && is_aligned(p, 16);
+    if (vectorised) launch(type_tag, std::integral_constant<int, wide>{});
+    else launch(type_tag, std::integral_constant<int, 1>{});
+  });
+  return cudaGetLastError();
 }
 
 }  // namespace fused_rl_ops

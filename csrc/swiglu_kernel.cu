@@ -85,21 +85,6 @@ __global__ void
   }
 }
 
-// Calls launch(type_tag, outputs_per_thread): 16-byte loads of x when F keeps every row start
-// aligned and the base pointers are aligned, else one output per thread.
-template <bool kInterleaved, typename Launch>
-cudaError_t launch_with_width(DType dtype, int64_t F, std::initializer_list<const void*> ptrs, const Launch& launch) {
-  dispatch_dtype(dtype, [&](auto* type_tag) {
-    using T = std::remove_pointer_t<decltype(type_tag)>;
-    constexpr int wide = kInterleaved ? 8 / int(sizeof(T)) : 16 / int(sizeof(T));
-    bool vectorised = F % wide == 0;
-    for (const void* p : ptrs) vectorised = vectorised && is_aligned(p, 16);
-    if (vectorised) launch(type_tag, std::integral_constant<int, wide>{});
-    else launch(type_tag, std::integral_constant<int, 1>{});
-  });
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 cudaError_t launch_swiglu_forward(const void* x, void* y, int64_t rows, int64_t F, DType dtype, bool interleaved,
@@ -107,7 +92,7 @@ cudaError_t launch_swiglu_forward(const void* x, void* y, int64_t rows, int64_t 
   if (rows * F == 0) return cudaSuccess;
   auto run = [&](auto interleaved_tag) {
     constexpr bool kInter = decltype(interleaved_tag)::value;
-    return launch_with_width<kInter>(dtype, F, {x, y}, [&](auto* type_tag, auto width) {
+    return launch_with_width<kInter ? 8 : 16>(dtype, F, {x, y}, [&](auto* type_tag, auto width) {
       using T = std::remove_pointer_t<decltype(type_tag)>;
       constexpr int N = decltype(width)::value;
       const RowLaunch cfg = row_launch(rows, F / N, kThreads);
@@ -123,7 +108,7 @@ cudaError_t launch_swiglu_backward(const void* dy, const void* x, void* dx, int6
   if (rows * F == 0) return cudaSuccess;
   auto run = [&](auto interleaved_tag) {
     constexpr bool kInter = decltype(interleaved_tag)::value;
-    return launch_with_width<kInter>(dtype, F, {dy, x, dx}, [&](auto* type_tag, auto width) {
+    return launch_with_width<kInter ? 8 : 16>(dtype, F, {dy, x, dx}, [&](auto* type_tag, auto width) {
       using T = std::remove_pointer_t<decltype(type_tag)>;
       constexpr int N = decltype(width)::value;
       const RowLaunch cfg = row_launch(rows, F / N, kThreads);

@@ -186,27 +186,12 @@ cudaError_t sum_partials(const float* partials, float* out, int64_t blocks, int6
   return cudaGetLastError();
 }
 
-// Calls launch(type_tag, width): width = 16 bytes of elements when H keeps every row start
-// 16-byte aligned and so are the pointers, else 1.
-template <typename Launch>
-cudaError_t launch_with_width(DType dtype, int64_t H, std::initializer_list<const void*> ptrs, const Launch& launch) {
-  dispatch_dtype(dtype, [&](auto* type_tag) {
-    using T = std::remove_pointer_t<decltype(type_tag)>;
-    constexpr int wide = 16 / int(sizeof(T));
-    bool vectorised = H % wide == 0;
-    for (const void* p : ptrs) vectorised = vectorised && is_aligned(p, 16);
-    if (vectorised) launch(type_tag, std::integral_constant<int, wide>{});
-    else launch(type_tag, std::integral_constant<int, 1>{});
-  });
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 cudaError_t launch_value_head_forward(const void* hidden, const float* weight, const float* bias, float* out,
                                       int64_t rows, int64_t H, DType dtype, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  return launch_with_width(dtype, H, {hidden, weight}, [&](auto* type_tag, auto width) {
+  return launch_with_width<16>(dtype, H, {hidden, weight}, [&](auto* type_tag, auto width) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     constexpr int N = decltype(width)::value;
     const unsigned grid = grid_for((rows + kForwardWarps - 1) / kForwardWarps, kWarp * kForwardWarps);
@@ -218,7 +203,7 @@ cudaError_t launch_value_head_forward(const void* hidden, const float* weight, c
 cudaError_t launch_value_head_backward_hidden(const float* grad_out, const float* weight, void* grad_hidden,
                                               int64_t rows, int64_t H, DType dtype, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  return launch_with_width(dtype, H, {weight, grad_hidden}, [&](auto* type_tag, auto width) {
+  return launch_with_width<16>(dtype, H, {weight, grad_hidden}, [&](auto* type_tag, auto width) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     constexpr int N = decltype(width)::value;
     const RowLaunch cfg = row_launch(rows, H / N, kBroadcastThreads);
@@ -232,7 +217,7 @@ cudaError_t launch_value_head_backward_params(const float* grad_out, const void*
                                               int64_t rows, int64_t H, DType dtype, cudaStream_t stream) {
   const int64_t blocks = value_head_row_blocks(rows);
   if (blocks > 0) {
-    const cudaError_t err = launch_with_width(dtype, H, {hidden, weight_partials}, [&](auto* type_tag, auto width) {
+    const cudaError_t err = launch_with_width<16>(dtype, H, {hidden, weight_partials}, [&](auto* type_tag, auto width) {
       using T = std::remove_pointer_t<decltype(type_tag)>;
       constexpr int N = decltype(width)::value;
       const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>((H / N + kWarp - 1) / kWarp));
