@@ -177,7 +177,7 @@ std::tuple<at::Tensor, at::Tensor> value_head_backward_params_cpu(const at::Tens
   const auto opts = grad_out.options().dtype(acc_type);
   at::Tensor weight_partials = at::zeros({blocks, H}, opts), bias_partials = at::empty({blocks}, opts);
   at::Tensor grad_weight = at::empty({H}, opts), grad_bias = at::empty({}, opts);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "value_head_backward_params_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "value_head_params_cpu", [&] {
     using acc = acc_t<scalar_t>;
     const auto* g = grad_out.const_data_ptr<acc>();
     const auto* h = hidden.const_data_ptr<scalar_t>();
