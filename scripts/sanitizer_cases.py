@@ -14,14 +14,6 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for offset in (0, 1):
                 x = storage[offset : offset + 5 * 2 * F].view(5, 2 * F).detach().requires_grad_(True)
                 fused_rl_ops.clamped_swiglu(x, 7.0, interleaved=interleaved).sum().backward()
-for dtype in (torch.float32, torch.bfloat16, torch.float16):
-    for H in (16, 13):
-        storage = torch.randn(70 * H + 1, device=dev, dtype=dtype)
-        weight = torch.randn(1, H, device=dev, requires_grad=True)
-        bias = torch.randn((), device=dev, requires_grad=True)
-        for offset in (0, 1):  # 70 rows: a full and a partial 64-row block of the weight gradient
-            hidden = storage[offset : offset + 70 * H].view(70, H).detach().requires_grad_(True)
-            value_head(hidden, weight, bias).sum().backward()
 torch.cuda.synchronize()
 print("sanitizer cases ran")
 
@@ -36,3 +28,16 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     (lp.sum() + ent.sum()).backward()
 torch.cuda.synchronize()
 print("chosen_logprob cases ran")
+
+# value_head: 70 rows (a full and a partial 64-row block of the weight gradient), H = 13 and a
+# misaligned view for the scalar paths.
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for H in (16, 13):
+        storage = torch.randn(70 * H + 1, device=dev, dtype=dtype)
+        weight = torch.randn(1, H, device=dev, requires_grad=True)
+        bias = torch.randn((), device=dev, requires_grad=True)
+        for offset in (0, 1):
+            hidden = storage[offset : offset + 70 * H].view(70, H).detach().requires_grad_(True)
+            value_head(hidden, weight, bias).sum().backward()
+torch.cuda.synchronize()
+print("value_head cases ran")
