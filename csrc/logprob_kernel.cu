@@ -15,12 +15,6 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // A warp reads its row twice (max, then sums); the second pass mostly hits L1/L2. Lanes take
 // columns lane, lane + 32, ... and the butterfly reductions fix the order: deterministic.
 __global__ void stats_rows_kernel(const float* __restrict__ logits, int64_t N, int64_t C, int64_t col0,
