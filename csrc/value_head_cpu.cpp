@@ -1,6 +1,6 @@
-// Value head, CPU kernels: the forward and the hidden gradient run over rows in parallel, one row
-// at a time in SIMD (reduced-precision rows are widened to fp32 as they are loaded); the weight
-// and bias gradients follow the fixed two-stage reduction of value_head_math.h.
+// Value head, CPU kernels: the forward and the hidden gradient run over rows in parallel, in SIMD
+// (reduced-precision rows are widened to fp32 as they are loaded); the weight and bias gradients
+// follow the fixed two-stage reduction of value_head_math.h, with one parallel task per row block.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
