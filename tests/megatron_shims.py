@@ -1,0 +1,168 @@
+"""Test-only helpers that run megatron-core 0.19.2 on CPU / gloo, and tiny models to test with.
+
+The shims replace the few CUDA-only calls that NOTES section 2 lists; they belong to the tests,
+never to the package. Call `install_cpu_shims()` once per process, before building a model.
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+
+
+class _NoopEvent:
+    """Stands in for torch.cuda.Event: the schedule plan records and waits on it between nodes."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+
+class _CpuDeviceMode(TorchFunctionMode):
+    """Rewrites device= arguments to the CPU: pipeline p2p buffers are allocated on the current CUDA device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if kwargs.get("device") is not None:
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def install_cpu_shims():
+    """Makes megatron-core's forward, schedule-plan, pipeline and HybridModel paths run on the CPU."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from megatron.core import utils
+    from megatron.core.models.common import model_chunk_schedule_plan
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.pipeline_parallel import utils as pp_utils
+    from megatron.core.tensor_parallel import random
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(tensor_shape, dtype=dtype)
+
+    utils.GlobalMemoryBuffer.get_tensor = cpu_get_tensor
+    random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+
+    # Schedule plan: no CUDA events or streams on the CPU.
+    torch.cuda.Event = _NoopEvent
+    for module in (pp_utils, model_chunk_schedule_plan):
+        module.get_comp_stream = lambda: None
+        module.get_comm_stream = lambda: None
+    plan_cls = model_chunk_schedule_plan.TransformerModelChunkSchedulePlan
+    plan_cls.record_current_stream = lambda self: None
+    plan_cls.wait_current_stream = lambda self: None
+    torch.Tensor.record_stream = lambda self, stream: None
+
+    # Pipeline parallel: p2p buffers and the current device.
+    torch.cuda.current_device = lambda: "cpu"
+    _CpuDeviceMode().__enter__()
+
+    # HybridModel: its final norm is hard-wired to Transformer Engine's.
+    hybrid_block.TENorm = WrappedTorchNorm
+
+
+def init_model_parallel(tp: int, pp: int = 1):
+    """megatron's parallel_state over the default gloo group, seeded identically on every rank."""
+    from megatron.core import parallel_state
+
+    install_cpu_shims()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(1234)
+
+
+def tiny_config(**overrides):
+    """A 2-layer, hidden-32 TransformerConfig at the current TP / PP degree with every fusion off."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    settings = dict(
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        batch_p2p_comm=False,
+    )
+    settings.update(overrides)
+    return TransformerConfig(**settings)
+
+
+def tiny_gpt_model(config, *, vocab_size=256, tied_embeddings=False, layer_spec=None, seq_length=16):
+    """A GPTModel with Megatron's local (non-TE) layer spec, or layer_spec, for this pipeline stage."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(),
+        vocab_size=vocab_size,
+        max_sequence_length=seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=tied_embeddings,
+        position_embedding_type="rope",
+    )
+
+
+def local_hybrid_stack_spec():
+    """A HybridStack spec ("*" attention, "-" MLP layers) from Megatron's local, non-TE modules."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    gpt_layer = get_gpt_layer_local_spec().submodules
+    attention = TransformerLayerSubmodules(
+        input_layernorm=gpt_layer.input_layernorm,
+        self_attention=gpt_layer.self_attention,
+        self_attn_bda=gpt_layer.self_attn_bda,
+    )
+    mlp = TransformerLayerSubmodules(
+        pre_mlp_layernorm=gpt_layer.pre_mlp_layernorm, mlp=gpt_layer.mlp, mlp_bda=gpt_layer.mlp_bda
+    )
+    return ModuleSpec(
+        module=HybridStack,
+        submodules=HybridStackSubmodules(
+            attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
+            mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp),
+        ),
+    )
+
+
+def tiny_hybrid_model(config, *, vocab_size=256, tied_embeddings=False, stack_spec=None, seq_length=16):
+    """A HybridModel "*-*-" (attention, MLP, attention, MLP) with learned positions (RoPE needs CUDA)."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    return HybridModel(
+        config=config,
+        hybrid_stack_spec=stack_spec or local_hybrid_stack_spec(),
+        vocab_size=vocab_size,
+        max_sequence_length=seq_length,
+        hybrid_layer_pattern="*-*-",
+        share_embeddings_and_output_weights=tied_embeddings,
+        position_embedding_type="learned_absolute",
+    )
