@@ -1,9 +1,11 @@
 """Test-only helpers that run megatron-core 0.19.2 on CPU / gloo, and tiny models to test with.
 
-The shims replace the few CUDA-only calls that NOTES section 2 lists; they belong to the tests,
+The shims replace the few CUDA-only calls that NOTES section 2 lists, and let torch's LayerNorm
+(the fallback without Apex) run with sequence parallel; they belong to the tests and examples,
 never to the package. Call `install_cpu_shims()` once per process, before building a model.
 """
 import contextlib
+import copy
 
 import torch
 import torch.distributed as dist
@@ -46,6 +48,7 @@ def install_cpu_shims():
     from megatron.core.models.hybrid import hybrid_block
     from megatron.core.pipeline_parallel import utils as pp_utils
     from megatron.core.tensor_parallel import random
+    from megatron.core.transformer import torch_norm
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     def cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
@@ -70,6 +73,20 @@ def install_cpu_shims():
 
     # HybridModel: its final norm is hard-wired to Transformer Engine's.
     hybrid_block.TENorm = WrappedTorchNorm
+
+    # Sequence parallel: torch's norm refuses it only because it does not mark its parameters
+    # as sequence-parallel (their gradients are per-rank partial sums), as Apex's norm does.
+    build_torch_norm = torch_norm.WrappedTorchNorm.__new__
+
+    def sequence_parallel_torch_norm(cls, config, hidden_size, *args, **kwargs):
+        config_without_sp = copy.copy(config)
+        config_without_sp.sequence_parallel = False
+        norm = build_torch_norm(cls, config_without_sp, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = sequence_parallel_torch_norm
 
 
 def init_model_parallel(tp: int, pp: int = 1):

@@ -5,6 +5,8 @@ hidden states the output layer would have seen, and that its logprobs equal Mega
 -vocab_parallel_cross_entropy. Each spawned run groups several checks (model builds and the
 megatron import dominate the time)."""
 import contextlib
+import functools
+import math
 import os
 import sys
 import types
@@ -17,6 +19,7 @@ from torch.testing import assert_close
 from dist_utils import run_distributed
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from ppo_step import forward_backward, make_rollout, model_inputs, ppo_loss  # noqa: E402
 
 B, S = 2, 8  # b != s, so a [b, s] / [s, b] mix-up cannot pass
 VOCAB = 256  # the model's (padded) vocabulary
@@ -25,11 +28,8 @@ REAL_VOCAB = 200  # the tokenizer's, for the padded-vocab checks
 
 def make_batch(vocab=VOCAB, seed=0):
     """Tokens, position ids and a causal mask, identical on every rank."""
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (B, S), generator=generator)
-    position_ids = torch.arange(S).expand(B, S)
-    attention_mask = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1).expand(B, 1, S, S)
-    return tokens, position_ids, attention_mask
+    tokens = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(seed))
+    return (tokens, *model_inputs(tokens))
 
 
 def same_on_all_ranks(*shape, seed):
@@ -59,20 +59,22 @@ def output_layer_inputs(model):
         handle.remove()
 
 
+def grads_by_name(model):
+    return {name: param.grad for name, param in model.named_parameters() if param.grad is not None}
+
+
 def take_grads(model):
     """The model's parameter gradients by name; clears them."""
-    grads = {}
-    for name, param in model.named_parameters():
-        if param.grad is not None:
-            grads[name] = param.grad.clone()
-            param.grad = None
+    grads = {name: grad.clone() for name, grad in grads_by_name(model).items()}
+    model.zero_grad()
     return grads
 
 
 def assert_grads_close(actual, expected):
     assert actual.keys() == expected.keys() and expected
     for name, grad in expected.items():
-        assert_close(actual[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item() + 1e-9, msg=name)
+        assert_close(actual[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item() + 1e-9,
+                     msg=lambda message: f"{name}: {message}")
 
 
 def float64_reference(hidden_states, weight_shard, tokens, temperature=1.0, vocab_size=None):
@@ -226,3 +228,287 @@ def _gpt_model_paths(rank, world_size):
 
 def test_gpt_model_paths():
     run_distributed(_gpt_model_paths, 2)
+
+
+# ------------------------------------------------- HybridModel, wrapped models, clamped SwiGLU MLP
+
+
+def _check_hybrid_model():
+    """No native hook: the output layer is swapped per forward; labels are refused."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from fused_rl_ops.megatron import attach, detach, rl_output_processor
+    from megatron_shims import tiny_config, tiny_hybrid_model
+
+    model = tiny_hybrid_model(tiny_config(num_layers=4))
+    tokens, position_ids, attention_mask = make_batch()
+    coeff = same_on_all_ranks(B, S, seed=3)
+    with output_layer_inputs(model) as inputs:
+        megatron_logprobs = -model(tokens, position_ids, attention_mask, labels=tokens)
+    (coeff * megatron_logprobs).sum().backward()
+    megatron_grads = take_grads(model)
+    [hidden_states] = inputs
+    state_dict_keys = list(model.state_dict())
+
+    recorder = RecordingProcessor(rl_output_processor())
+    attach(model, recorder)
+    context = {"tokens": tokens}
+    outputs = model(tokens, position_ids, attention_mask, output_processor_context=context)
+    assert list(outputs) == ["logprobs", "entropy"]
+    assert_close(recorder.hidden_states.pop(), hidden_states, rtol=0, atol=0)
+    assert_close(outputs["logprobs"], megatron_logprobs.detach())
+    (coeff * outputs["logprobs"]).sum().backward()
+    assert_grads_close(take_grads(model), megatron_grads)
+    assert isinstance(model.output_layer, ColumnParallelLinear) and list(model.state_dict()) == state_dict_keys
+
+    loss_mask = (coeff > 0).float()
+    masked = model(tokens, position_ids, attention_mask, output_processor_context=context, loss_mask=loss_mask)
+    assert_close(masked["logprobs"], outputs["logprobs"].detach() * loss_mask)
+
+    with pytest.raises(ValueError, match="do not pass labels"):
+        model(tokens, position_ids, attention_mask, labels=tokens)
+    with pytest.raises(ValueError, match="do not pass labels"):
+        model(tokens, position_ids, attention_mask, None, tokens)  # labels given by position
+    assert isinstance(model.output_layer, ColumnParallelLinear)
+    detach(model)
+    assert model(tokens, position_ids, attention_mask).shape == (B, S, VOCAB // 2)
+
+
+def _check_wrapped_models():
+    """attach finds the language model inside Megatron's DDP and Float16Module wrappers."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from fused_rl_ops.megatron import attach, detach, rl_output_processor
+    from megatron_shims import tiny_config, tiny_gpt_model, tiny_hybrid_model
+
+    tokens, position_ids, attention_mask = make_batch()
+    coeff = same_on_all_ranks(B, S, seed=4)
+
+    config = tiny_config()
+    ddp_model = DistributedDataParallel(config, DistributedDataParallelConfig(), tiny_gpt_model(config))
+    megatron_logprobs = -ddp_model(tokens, position_ids, attention_mask, labels=tokens)
+    (coeff * megatron_logprobs).sum().backward()
+    megatron_grads = {name: p.main_grad.clone() for name, p in ddp_model.named_parameters()}
+    ddp_model.zero_grad_buffer()
+    attach(ddp_model, rl_output_processor())
+    outputs = ddp_model(tokens, position_ids, attention_mask, labels=tokens)
+    assert_close(outputs["logprobs"], megatron_logprobs.detach())
+    (coeff * outputs["logprobs"]).sum().backward()
+    assert_grads_close({name: p.main_grad for name, p in ddp_model.named_parameters()}, megatron_grads)
+    detach(ddp_model)
+
+    bf16_config = tiny_config(bf16=True, num_layers=4)
+    bf16_model = Float16Module(bf16_config, tiny_hybrid_model(bf16_config))
+    megatron_logprobs = -bf16_model(tokens, position_ids, attention_mask, labels=tokens)
+    attach(bf16_model, rl_output_processor())
+    outputs = bf16_model(tokens, position_ids, attention_mask, output_processor_context={"tokens": tokens})
+    assert outputs["logprobs"].dtype == torch.float32
+    # Megatron's cross entropy reads bf16 logits; the op accumulates bf16 inputs in fp32.
+    assert_close(outputs["logprobs"], megatron_logprobs, rtol=0, atol=2e-2)
+
+
+def _check_clamped_swiglu_mlp():
+    """ClampedSwiGLUMLP equals Megatron's unfused clamped GLU, forward and backward, in GPT and hybrid specs."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from fused_rl_ops.megatron import ClampedSwiGLUMLP, with_clamped_swiglu_mlp
+    from megatron_shims import local_hybrid_stack_spec, tiny_config, tiny_gpt_model, tiny_hybrid_model
+
+    tokens, position_ids, attention_mask = make_batch()
+    coeff = same_on_all_ranks(B, S, seed=5)
+    limit = 0.5
+    variants = [
+        # (gate, linear offset, model builder, its spec argument, Megatron's spec)
+        (torch.nn.functional.silu, 0.0, tiny_gpt_model, "layer_spec", get_gpt_layer_local_spec()),
+        (quick_gelu, 1.0, tiny_hybrid_model, "stack_spec", local_hybrid_stack_spec()),
+    ]
+    for gate, offset, build, spec_argument, spec in variants:
+        config = tiny_config(
+            num_layers=4, init_method_std=0.1, gated_linear_unit=True, activation_func=gate,
+            activation_func_clamp_value=limit, glu_linear_offset=offset,
+        )
+        megatron_model = build(config, **{spec_argument: spec})
+        model = build(config, **{spec_argument: with_clamped_swiglu_mlp(spec)})
+        model.load_state_dict(megatron_model.state_dict())
+        mlps = [m for m in model.modules() if isinstance(m, ClampedSwiGLUMLP)]
+        assert len(mlps) == len([m for m in megatron_model.modules() if type(m).__name__ == "MLP"]) > 0
+
+        fc1_outputs = []
+        mlps[0].linear_fc1.register_forward_hook(lambda module, args, output: fc1_outputs.append(output[0]))
+        results = []
+        for candidate in (megatron_model, model):
+            loss = candidate(tokens, position_ids, attention_mask, labels=tokens)
+            (coeff * loss).sum().backward()
+            results.append((loss.detach(), take_grads(candidate)))
+        assert (fc1_outputs[0].abs() > limit).float().mean() > 0.1  # the clamp is exercised
+        assert_close(results[1][0], results[0][0])
+        assert_grads_close(results[1][1], results[0][1])
+
+    with pytest.raises(ValueError, match="gated_linear_unit"):
+        tiny_gpt_model(tiny_config(), layer_spec=with_clamped_swiglu_mlp(get_gpt_layer_local_spec()))
+
+
+def _hybrid_wrapped_and_mlp(rank, world_size):
+    from megatron_shims import init_model_parallel
+
+    init_model_parallel(tp=2)
+    _check_hybrid_model()
+    _check_wrapped_models()
+    _check_clamped_swiglu_mlp()
+
+
+def test_hybrid_model_wrapped_models_and_clamped_swiglu_mlp():
+    run_distributed(_hybrid_wrapped_and_mlp, 2)
+
+
+# ------------------------------------------------------------- end to end: a PPO step, fused vs naive
+
+
+def build_policy_pair(config, **processor_options):
+    """The same GPTModel twice, with a processor each, not attached:
+    fused: ClampedSwiGLUMLP, rl_output_processor, fused_rl_ops.ValueHead;
+    naive: Megatron's MLP, materialised logits, the value weight as a plain tensor.
+    Returns [(model, processor, value parameter)] for fused, then naive."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    import fused_rl_ops
+    from fused_rl_ops.megatron import naive_rl_output_processor, rl_output_processor, with_clamped_swiglu_mlp
+    from megatron_shims import tiny_gpt_model
+
+    spec = get_gpt_layer_local_spec()
+    fused = tiny_gpt_model(config, layer_spec=with_clamped_swiglu_mlp(spec))
+    naive = tiny_gpt_model(config, layer_spec=spec)
+    naive.load_state_dict(fused.state_dict())
+    value_head = fused_rl_ops.ValueHead(config.hidden_size)
+    with torch.no_grad():
+        value_head.weight.copy_(same_on_all_ranks(*value_head.weight.shape, seed=7))
+    naive_value_weight = torch.nn.Parameter(value_head.weight.detach().clone())
+    return [
+        (fused, rl_output_processor(value_head=value_head, **processor_options), value_head.weight),
+        (naive, naive_rl_output_processor(value_head=naive_value_weight, **processor_options), naive_value_weight),
+    ]
+
+
+def ppo_config(**overrides):
+    """gpt-oss-style MLP (quick-GELU gate, offset 1) with a clamp the tiny model's activations reach."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    from megatron_shims import tiny_config
+
+    return tiny_config(
+        init_method_std=0.1, gated_linear_unit=True, activation_func=quick_gelu,
+        activation_func_clamp_value=0.5, glu_linear_offset=1.0, **overrides,
+    )
+
+
+def assert_same_outputs(fused_outputs, naive_outputs):
+    assert list(fused_outputs) == list(naive_outputs)
+    for name in fused_outputs:
+        assert_close(fused_outputs[name], naive_outputs[name], msg=lambda message: f"{name}: {message}")
+
+
+def assert_same_step(policies):
+    """Fused and naive have the same gradient for every parameter; after an SGD step each, the same parameters."""
+    (fused, _, fused_value), (naive, _, naive_value) = policies
+    assert_grads_close(grads_by_name(fused), grads_by_name(naive))
+    if naive_value.grad is not None:  # the value head of a pipeline's last stage only
+        assert_close(fused_value.grad, naive_value.grad, rtol=1e-4, atol=1e-6)
+    for model, _, value_weight in policies:
+        torch.optim.SGD([*model.parameters(), value_weight], lr=0.1).step()
+    assert_grads_close(dict(fused.named_parameters()), dict(naive.named_parameters()))
+
+
+def _check_ppo_step(sequence_parallel):
+    from fused_rl_ops.megatron import attach
+
+    policies = build_policy_pair(ppo_config(sequence_parallel=sequence_parallel), vocab_size=REAL_VOCAB, temperature=0.9)
+    for model, processor, _ in policies:
+        attach(model, processor)
+    tokens = make_batch(REAL_VOCAB, seed=8)[0]
+    rollout = make_rollout(tokens, torch.full((B, S), -math.log(REAL_VOCAB)), seed=9)
+    (fused_outputs, fused_loss), (naive_outputs, naive_loss) = [forward_backward(m, rollout) for m, _, _ in policies]
+    assert list(fused_outputs) == ["logprobs", "entropy", "values"]
+    assert_same_outputs(fused_outputs, naive_outputs)
+    assert_close(fused_loss, naive_loss)
+    assert_same_step(policies)
+    with torch.no_grad():
+        fused_after, naive_after = [m(tokens, *model_inputs(tokens), labels=tokens)["logprobs"] for m, _, _ in policies]
+    assert_close(fused_after, naive_after)
+    assert not torch.allclose(fused_after, fused_outputs["logprobs"])  # the step moved the policy
+
+
+def _ppo_step_tensor_parallel(rank, world_size):
+    from megatron_shims import init_model_parallel
+
+    init_model_parallel(tp=2)
+    _check_ppo_step(sequence_parallel=False)
+    _check_ppo_step(sequence_parallel=True)
+
+
+def test_ppo_step_tensor_parallel_with_and_without_sequence_parallel():
+    run_distributed(_ppo_step_tensor_parallel, 2)
+
+
+def run_schedule(model, rollouts, loss_func, forward_only=False):
+    """Megatron's pipeline schedule over the rollouts as microbatches; loss_func(output, rollout)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        rollout = next(data_iterator)
+        tokens = rollout["tokens"]
+        output = model(tokens, *model_inputs(tokens), labels=tokens)
+        return output, functools.partial(loss_func, rollout=rollout)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(rollouts), model=[model],
+        num_microbatches=len(rollouts), seq_length=S, micro_batch_size=B, forward_only=forward_only,
+    )
+
+
+def megatron_logprobs_loss(cross_entropy, rollout):
+    return cross_entropy.sum(), {"logprobs": -cross_entropy.detach()}
+
+
+def ppo_loss_and_outputs(outputs, rollout):
+    loss = ppo_loss(outputs, rollout)
+    return loss, {"loss": loss.detach(), **{name: t.detach() for name, t in outputs.items()}}
+
+
+def _pipeline_parallel(rank, world_size):
+    """2 stages through get_forward_backward_func: the last stage's processor sees the output layer's
+    input and matches Megatron's cross entropy; the PPO step matches the naive path on both stages."""
+    from megatron.core import parallel_state
+
+    from fused_rl_ops.megatron import attach
+    from megatron_shims import init_model_parallel
+
+    init_model_parallel(tp=1, pp=2)
+    policies = build_policy_pair(ppo_config(pipeline_dtype=torch.float32))
+    (fused, fused_processor, _), (naive, naive_processor, _) = policies
+    rollouts = [
+        make_rollout(make_batch(seed=10 + i)[0], torch.full((B, S), -math.log(VOCAB)), seed=20 + i) for i in range(2)
+    ]
+    last_stage = parallel_state.is_pipeline_last_stage()
+
+    with output_layer_inputs(fused) if last_stage else contextlib.nullcontext([]) as hidden_states:
+        megatron_results = run_schedule(fused, rollouts, megatron_logprobs_loss, forward_only=True)
+    recorder = RecordingProcessor(fused_processor)
+    attach(fused, recorder)
+    attach(naive, naive_processor)
+    fused_results = run_schedule(fused, rollouts, ppo_loss_and_outputs)
+    naive_results = run_schedule(naive, rollouts, ppo_loss_and_outputs)
+
+    assert len(fused_results) == len(naive_results) == len(megatron_results) == (2 if last_stage else 0)
+    assert len(recorder.hidden_states) == len(hidden_states) == (2 if last_stage else 0)
+    for recorded, expected in zip(recorder.hidden_states, hidden_states):
+        assert_close(recorded, expected, rtol=0, atol=0)
+    for fused_outputs, naive_outputs, megatron_outputs in zip(fused_results, naive_results, megatron_results):
+        assert_close(fused_outputs["logprobs"], megatron_outputs["logprobs"])
+        assert_same_outputs(fused_outputs, naive_outputs)
+    assert_same_step(policies)
+
+
+def test_pipeline_parallel_two_stages():
+    run_distributed(_pipeline_parallel, 2)
