@@ -7,7 +7,7 @@ and the test-only shims in tests/megatron_shims.py do that (on GPUs you would no
 
 Both policies have the same weights. The fused one uses ClampedSwiGLUMLP and rl_output_processor
 (chosen-token logprobs, entropy and values straight from the hidden states); the naive one uses
-Megatron's unfused MLP and materialises the logits (naive_rl_output_processor). Each runs a clipped
+Megatron's unfused MLP and materialises the logits (NaiveRLOutputProcessor). Each runs a clipped
 PPO loss with an entropy bonus and a value loss, backward and an Adam step. Rank 0 prints the
 logprob / entropy / value statistics of both and the peak memory of the tensors each step
 allocated (torch's MemTracker).
@@ -88,30 +88,37 @@ def _masked_stats(name, values, mask):
 
 def _main(rank, world_size, vocab_size, seq_length):
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from torch.distributed._tools.mem_tracker import MemTracker
 
     import fused_rl_ops
-    from fused_rl_ops.megatron import attach, naive_rl_output_processor, rl_output_processor, with_clamped_swiglu_mlp
-    from megatron_shims import init_model_parallel, tiny_config, tiny_gpt_model
+    from fused_rl_ops.megatron import NaiveRLOutputProcessor, attach, rl_output_processor, with_clamped_swiglu_mlp
+    from megatron_shims import init_model_parallel, tiny_config
 
     init_model_parallel(tp=world_size)
     # gpt-oss's MLP activation: quick-GELU gate, linear offset 1, clamp 7.
     config = tiny_config(
-        hidden_size=64, ffn_hidden_size=128, init_method_std=0.05, gated_linear_unit=True,
+        hidden_size=64, ffn_hidden_size=128, init_method_std=0.1, gated_linear_unit=True,
         activation_func=quick_gelu, activation_func_clamp_value=7.0, glu_linear_offset=1.0,
     )
-    padded_vocab = -(-vocab_size // (128 * world_size)) * 128 * world_size  # Megatron's training-script padding
-    spec = get_gpt_layer_local_spec()
-    fused = tiny_gpt_model(config, vocab_size=padded_vocab, layer_spec=with_clamped_swiglu_mlp(spec), seq_length=seq_length)
-    naive = tiny_gpt_model(config, vocab_size=padded_vocab, layer_spec=spec, seq_length=seq_length)
+    padded_vocab = -(-vocab_size // (128 * world_size)) * 128 * world_size  # as Megatron's training scripts pad
+
+    def policy(layer_spec):
+        return GPTModel(
+            config=config, transformer_layer_spec=layer_spec, vocab_size=padded_vocab,
+            max_sequence_length=seq_length, position_embedding_type="rope",
+        )
+
+    fused = policy(with_clamped_swiglu_mlp(get_gpt_layer_local_spec()))
+    naive = policy(get_gpt_layer_local_spec())
     naive.load_state_dict(fused.state_dict())
     value_head = fused_rl_ops.ValueHead(config.hidden_size)
     with torch.no_grad():
-        value_head.weight.copy_(0.1 * torch.randn(value_head.weight.shape))
+        value_head.weight.copy_(0.1 * torch.randn(value_head.weight.shape, generator=torch.Generator().manual_seed(2)))
     naive_value_weight = torch.nn.Parameter(value_head.weight.detach().clone())
     attach(fused, rl_output_processor(value_head=value_head, vocab_size=vocab_size))
-    attach(naive, naive_rl_output_processor(value_head=naive_value_weight, vocab_size=vocab_size))
+    attach(naive, NaiveRLOutputProcessor(value_head=naive_value_weight, vocab_size=vocab_size))
 
     tokens = torch.randint(0, vocab_size, (2, seq_length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -147,4 +154,4 @@ def _main(rank, world_size, vocab_size, seq_length):
 if __name__ == "__main__":
     from dist_utils import run_distributed
 
-    run_distributed(_main, 2, 32000, 256)
+    run_distributed(_main, 2, 50257, 256)

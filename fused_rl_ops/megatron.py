@@ -85,7 +85,6 @@ __all__ = [
     "RLOutputProcessor",
     "attach",
     "detach",
-    "naive_rl_output_processor",
     "rl_output_processor",
     "with_clamped_swiglu_mlp",
 ]
@@ -105,7 +104,10 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class RLOutputProcessor:
-    """The callable `rl_output_processor` returns; see the module docstring."""
+    """What `rl_output_processor` returns; see the module docstring.
+
+    output_names: the keys of the returned dict, in order ("logprobs", then "entropy", "values").
+    """
 
     def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
                  vocab_size=None):
@@ -129,8 +131,9 @@ class RLOutputProcessor:
         tokens = self._tokens(labels, context)
         if loss_mask is not None:
             tokens = tokens.masked_fill(loss_mask == 0, self.ignore_index)
+        sequence_parallel = output_layer.sequence_parallel
         seq_length = hidden_states.shape[0] * (
-            torch.distributed.get_world_size(output_layer.tp_group) if output_layer.sequence_parallel else 1
+            torch.distributed.get_world_size(output_layer.tp_group) if sequence_parallel else 1
         )
         if tuple(tokens.shape) != (hidden_states.shape[1], seq_length):
             raise ValueError(
@@ -174,17 +177,28 @@ class RLOutputProcessor:
             # Every TP rank computes the same value loss from the gathered states, so each holds the
             # full gradient, and the gather's backward sums over the ranks: hence 1/tp.
             hidden_states = _ScaleGrad.apply(hidden_states, 1.0 / torch.distributed.get_world_size(tp_group))
+        return per_token + (self._apply_value_head(hidden_states),)
+
+    def _apply_value_head(self, hidden_states):
         if isinstance(self.value_head, torch.nn.Module):
             values = self.value_head(hidden_states)
         else:
-            values = fused_rl_ops.value_head(hidden_states, self.value_head)
-        return per_token + (_checked_values(values, hidden_states),)
+            values = self._value_from_weight(hidden_states)
+        if values.shape != hidden_states.shape[:-1]:
+            raise ValueError(
+                f"{type(self).__name__}: the value head must map [..., H] to [...]; it returned "
+                f"{tuple(values.shape)} for hidden states {tuple(hidden_states.shape)}"
+            )
+        return values.float()
+
+    def _value_from_weight(self, hidden_states):
+        return fused_rl_ops.value_head(hidden_states, self.value_head)
 
 
 class NaiveRLOutputProcessor(RLOutputProcessor):
-    """The same outputs through the materialised logits: Megatron's output layer and
-    vocab_parallel_cross_entropy, entropy from the TP-gathered logits, values by a plain matmul.
-    The baseline that tests and examples/ppo_step.py compare against."""
+    """The same outputs through the materialised logits, the baseline to compare against: Megatron's
+    output layer and vocab_parallel_cross_entropy, entropy from the TP-gathered logits, values from
+    the weight by a plain matmul (a value-head module is called as is)."""
 
     def _per_token(self, hidden_states, output_layer, weight, tokens):
         tp_group = output_layer.tp_group
@@ -205,42 +219,20 @@ class NaiveRLOutputProcessor(RLOutputProcessor):
         if self.value_head is None:
             return per_token
         if output_layer.sequence_parallel:
-            # Replicated values: the gather's backward keeps this rank's slice of the gradient.
+            # Values are replicated over TP: the gather's backward keeps this rank's slice of the gradient.
             hidden_states = gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False, group=tp_group
             )
-        if isinstance(self.value_head, torch.nn.Module):
-            values = self.value_head(hidden_states)
-        else:
-            values = hidden_states.float() @ self.value_head.float().reshape(-1)
-        return per_token + (_checked_values(values, hidden_states),)
+        return per_token + (self._apply_value_head(hidden_states),)
 
-
-def _checked_values(values, hidden_states):
-    if values.shape != hidden_states.shape[:-1]:
-        raise ValueError(
-            f"the value head must map [..., H] to [...]; it returned {tuple(values.shape)} for hidden "
-            f"states {tuple(hidden_states.shape)}"
-        )
-    return values.float()
+    def _value_from_weight(self, hidden_states):
+        return hidden_states.float() @ self.value_head.float().reshape(-1)
 
 
 def rl_output_processor(*, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
                         vocab_size=None):
     """An output processor returning fp32 [b, s] logprobs (+ entropy, values); see the module docstring."""
     return RLOutputProcessor(
-        temperature=temperature,
-        return_entropy=return_entropy,
-        value_head=value_head,
-        ignore_index=ignore_index,
-        vocab_size=vocab_size,
-    )
-
-
-def naive_rl_output_processor(*, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
-                              vocab_size=None):
-    """rl_output_processor's outputs computed through the materialised logits (the baseline)."""
-    return NaiveRLOutputProcessor(
         temperature=temperature,
         return_entropy=return_entropy,
         value_head=value_head,
@@ -309,7 +301,7 @@ def _final_layernorm_skipped_by_schedule_plan(model):
     """
     decoder = model.decoder
     final_layernorm = getattr(decoder, "final_layernorm", None)
-    if final_layernorm is None or len(decoder.layers) == 0 or decoder.layers[-1].is_moe_layer:
+    if final_layernorm is None or len(decoder.layers) == 0 or getattr(decoder.layers[-1], "is_moe_layer", False):
         return None
     return final_layernorm
 

@@ -126,24 +126,6 @@ def tiny_config(**overrides):
     return TransformerConfig(**settings)
 
 
-def tiny_gpt_model(config, *, vocab_size=256, tied_embeddings=False, layer_spec=None, seq_length=16):
-    """A GPTModel with Megatron's local (non-TE) layer spec, or layer_spec, for this pipeline stage."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(),
-        vocab_size=vocab_size,
-        max_sequence_length=seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=tied_embeddings,
-        position_embedding_type="rope",
-    )
-
-
 def local_hybrid_stack_spec():
     """A HybridStack spec ("*" attention, "-" MLP layers) from Megatron's local, non-TE modules."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -170,16 +152,36 @@ def local_hybrid_stack_spec():
     )
 
 
-def tiny_hybrid_model(config, *, vocab_size=256, tied_embeddings=False, stack_spec=None, seq_length=16):
-    """A HybridModel "*-*-" (attention, MLP, attention, MLP) with learned positions (RoPE needs CUDA)."""
+def tiny_model(kind="gpt", config=None, *, vocab_size=256, tied_embeddings=False, clamped_swiglu_mlp=False,
+               seq_length=16):
+    """A GPTModel ("gpt", RoPE) or a HybridModel ("hybrid": attention and MLP layers alternating,
+    learned positions since its RoPE needs CUDA) from Megatron's local (non-TE) modules, for this
+    pipeline stage, at config's (default tiny_config()) TP degree and sequence parallel setting.
+    clamped_swiglu_mlp: its MLPs are fused_rl_ops.megatron.ClampedSwiGLUMLP."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    return HybridModel(
+    from fused_rl_ops.megatron import with_clamped_swiglu_mlp
+
+    config = config or tiny_config()
+    spec = get_gpt_layer_local_spec() if kind == "gpt" else local_hybrid_stack_spec()
+    if clamped_swiglu_mlp:
+        spec = with_clamped_swiglu_mlp(spec)
+    common = dict(
         config=config,
-        hybrid_stack_spec=stack_spec or local_hybrid_stack_spec(),
         vocab_size=vocab_size,
         max_sequence_length=seq_length,
-        hybrid_layer_pattern="*-*-",
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=tied_embeddings,
-        position_embedding_type="learned_absolute",
     )
+    if kind == "gpt":
+        return GPTModel(transformer_layer_spec=spec, position_embedding_type="rope", **common)
+    if kind == "hybrid":
+        pattern = "*-" * (config.num_layers // 2)
+        return HybridModel(
+            hybrid_stack_spec=spec, hybrid_layer_pattern=pattern, position_embedding_type="learned_absolute", **common
+        )
+    raise ValueError(f"tiny_model: kind is 'gpt' or 'hybrid', got {kind!r}")

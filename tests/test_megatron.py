@@ -1,9 +1,11 @@
 """fused_rl_ops.megatron on megatron-core 0.19.2, on CPU / gloo with the test-only shims.
 
-Every path a model reaches its output layer by gets a check that the processor ran there, on the
-hidden states the output layer would have seen, and that its logprobs equal Megatron's own
--vocab_parallel_cross_entropy. Each spawned run groups several checks (model builds and the
-megatron import dominate the time)."""
+Every path by which a model reaches its output layer gets a check that the processor ran there,
+on the hidden states the output layer would have seen, and that its logprobs equal Megatron's own
+-vocab_parallel_cross_entropy: GPTModel forward, GPTModel schedule plan (forward and backward),
+a pipeline's last stage under get_forward_backward_func, HybridModel, and models inside Megatron's
+DDP / Float16Module. Each spawned run groups several checks: the megatron import and model builds
+dominate the time."""
 import contextlib
 import functools
 import math
@@ -77,18 +79,54 @@ def assert_grads_close(actual, expected):
                      msg=lambda message: f"{name}: {message}")
 
 
-def float64_reference(hidden_states, weight_shard, tokens, temperature=1.0, vocab_size=None):
-    """Logprobs and entropy [b, s] in float64 from [s, b, h] hidden states and the full (TP-gathered) weight."""
+def megatron_own(model, batch, coeff):
+    """Megatron's own logprobs (-its cross entropy, from labels), the hidden states its output layer
+    received, and the gradients of sum(coeff * logprobs)."""
+    tokens, position_ids, attention_mask = batch
+    with output_layer_inputs(model) as inputs:
+        logprobs = -model(tokens, position_ids, attention_mask, labels=tokens)
+    (coeff * logprobs).sum().backward()
+    [hidden_states] = inputs
+    return logprobs.detach(), hidden_states, take_grads(model)
+
+
+def full_vocab_weight(weight_shard):
+    """The output weight of all TP ranks (the default group's), concatenated along the vocab."""
+    if not dist.is_initialized():
+        return weight_shard.detach()
     shards = [torch.empty_like(weight_shard) for _ in range(dist.get_world_size())]
     dist.all_gather(shards, weight_shard.detach().contiguous())
-    weight = torch.cat(shards)[:vocab_size].double()
-    log_probs = torch.log_softmax(hidden_states.double() @ weight.t() / temperature, dim=-1)
+    return torch.cat(shards)
+
+
+def float64_reference(hidden_states, weight, tokens, temperature=1.0, vocab_size=None):
+    """Logprobs and entropy [b, s] in float64 from [s, b, h] hidden states and the full weight."""
+    logits = hidden_states.double() @ weight[:vocab_size].double().t() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
     chosen = log_probs.gather(-1, tokens.t().unsqueeze(-1)).squeeze(-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1)
     return chosen.t(), entropy.t()
 
 
 # --------------------------------------------------------------------------------- in-process checks
+
+
+def test_processor_on_one_rank_matches_float64():
+    """No TP group: padded vocab, temperature, loss_mask and a value-head weight, against float64."""
+    from fused_rl_ops.megatron import rl_output_processor
+
+    hidden, weight, value_weight = torch.randn(S, B, 16), torch.randn(VOCAB, 16), torch.randn(16)
+    output_layer = types.SimpleNamespace(weight=weight, tp_group=None, sequence_parallel=False)
+    tokens = torch.randint(0, REAL_VOCAB, (B, S))
+    loss_mask = (torch.rand(B, S) > 0.3).float()
+    processor = rl_output_processor(temperature=0.8, value_head=value_weight, vocab_size=REAL_VOCAB)
+    outputs = processor(hidden_states=hidden, output_layer=output_layer, labels=tokens, loss_mask=loss_mask)
+    logprobs, entropy = float64_reference(hidden, weight, tokens, 0.8, REAL_VOCAB)
+    assert list(outputs) == list(processor.output_names) == ["logprobs", "entropy", "values"]
+    assert_close(outputs["logprobs"], (logprobs * loss_mask).float())
+    kept = loss_mask == 1
+    assert_close(outputs["entropy"][kept], entropy.float()[kept])
+    assert_close(outputs["values"], (hidden.double() @ value_weight.double()).t().float())
 
 
 def test_processor_refuses_bad_calls():
@@ -107,6 +145,8 @@ def test_processor_refuses_bad_calls():
     mup = types.SimpleNamespace(use_mup=True, mup_output_mult=0.5)
     with pytest.raises(ValueError, match="MuP"):
         processor(hidden_states=hidden, output_layer=output_layer, labels=tokens, config=mup)
+    with pytest.raises(ValueError, match="value head must map"):
+        rl_output_processor(value_head=torch.nn.Linear(16, 1))(hidden_states=hidden, output_layer=output_layer, labels=tokens)
     with pytest.raises(ValueError, match="temperature"):
         rl_output_processor(temperature=0.0)
 
@@ -130,65 +170,62 @@ def _check_gpt_forward_and_schedule_plan():
     from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
 
     from fused_rl_ops.megatron import attach, detach, rl_output_processor
-    from megatron_shims import tiny_config, tiny_gpt_model
+    from megatron_shims import tiny_model
 
-    model = tiny_gpt_model(tiny_config())
-    tokens, position_ids, attention_mask = make_batch()
+    model = tiny_model("gpt")
+    batch = make_batch()
+    tokens = batch[0]
     coeff = same_on_all_ranks(B, S, seed=1)
-
-    # Megatron's own: its loss, its output layer's input, and the gradients of sum(coeff * logprob).
-    with output_layer_inputs(model) as inputs:
-        megatron_logprobs = -model(tokens, position_ids, attention_mask, labels=tokens)
-    (coeff * megatron_logprobs).sum().backward()
-    megatron_grads = take_grads(model)
-    [hidden_states] = inputs
-    _, expected_entropy = float64_reference(hidden_states, model.output_layer.weight, tokens)
+    megatron_logprobs, hidden_states, megatron_grads = megatron_own(model, batch, coeff)
+    _, expected_entropy = float64_reference(hidden_states, full_vocab_weight(model.output_layer.weight), tokens)
 
     recorder = RecordingProcessor(rl_output_processor())
     attach(model, recorder)
 
     # forward path
-    outputs = model(tokens, position_ids, attention_mask, labels=tokens)
+    outputs = model(*batch, labels=tokens)
     assert list(outputs) == ["logprobs", "entropy"]
     assert all(t.dtype == torch.float32 and t.shape == (B, S) for t in outputs.values())
     assert_close(recorder.hidden_states.pop(), hidden_states, rtol=0, atol=0)
-    assert_close(outputs["logprobs"], megatron_logprobs.detach())
+    assert_close(outputs["logprobs"], megatron_logprobs)
     assert_close(outputs["entropy"], expected_entropy.float())
     (coeff * outputs["logprobs"]).sum().backward()
     assert_grads_close(take_grads(model), megatron_grads)
 
     # schedule-plan path, forward then backward: the plan's output is the tuple of the dict's values
-    plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=tokens)
+    plan = model.build_schedule_plan(*batch, labels=tokens)
     plan_logprobs, plan_entropy = TransformerModelChunkSchedulePlan.run(plan, None)
-    assert_close(recorder.hidden_states.pop(), hidden_states)  # the final layernorm the plan skips is applied
-    assert_close(plan_logprobs, megatron_logprobs.detach())
+    assert_close(recorder.hidden_states.pop(), hidden_states)  # with the final layernorm the plan skips
+    assert_close(plan_logprobs, megatron_logprobs)
     assert_close(plan_entropy, expected_entropy.float())
     TransformerModelChunkSchedulePlan.run(None, plan, b_grad=(coeff, torch.zeros_like(plan_entropy)))
     assert_grads_close(take_grads(model), megatron_grads)
     assert not recorder.hidden_states
 
     with pytest.raises(ValueError, match="detach"):
-        model(tokens, position_ids, attention_mask, labels=tokens, output_processor=recorder)
+        model(*batch, labels=tokens, output_processor=recorder)
     detach(model)
-    assert model(tokens, position_ids, attention_mask).shape == (B, S, VOCAB // 2)  # logits again
+    assert model(*batch).shape == (B, S, VOCAB // 2)  # logits again
     assert "build_schedule_plan" not in vars(model)
 
 
 def _check_gpt_tied_padded_vocab_masked_tempered():
-    """Native keyword without attach; tied embeddings, padded vocab, loss_mask, temperature, context tokens."""
+    """The native keyword without attach; tied embeddings, padded vocab, loss_mask, temperature,
+    tokens from the context."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from fused_rl_ops.megatron import rl_output_processor
-    from megatron_shims import tiny_config, tiny_gpt_model
+    from megatron_shims import tiny_model
 
-    model = tiny_gpt_model(tiny_config(), tied_embeddings=True)
-    tokens, position_ids, attention_mask = make_batch(vocab=REAL_VOCAB)
+    model = tiny_model("gpt", tied_embeddings=True)
+    batch = make_batch(vocab=REAL_VOCAB)
+    tokens = batch[0]
     loss_mask = (same_on_all_ranks(B, S, seed=2) > -0.5).float()
     temperature = 0.7
 
-    # Megatron's own logprobs over its logits with the padded rows removed.
+    # Megatron's own cross entropy over its logits with the padded rows removed.
     with output_layer_inputs(model) as inputs:
-        logits = model(tokens, position_ids, attention_mask).transpose(0, 1)  # [s, b, V/tp]
+        logits = model(*batch).transpose(0, 1)  # [s, b, V/tp]
     vocab_start = dist.get_rank() * logits.shape[-1]
     padded = torch.arange(vocab_start, vocab_start + logits.shape[-1]) >= REAL_VOCAB
     megatron_logprobs = -vocab_parallel_cross_entropy(
@@ -198,24 +235,23 @@ def _check_gpt_tied_padded_vocab_masked_tempered():
     megatron_logprobs.sum().backward()
     megatron_grads = take_grads(model)
     [hidden_states] = inputs
-    _, expected_entropy = float64_reference(
-        hidden_states, model.shared_embedding_or_output_weight(), tokens, temperature, REAL_VOCAB
-    )
+    embedding = full_vocab_weight(model.shared_embedding_or_output_weight())
+    _, expected_entropy = float64_reference(hidden_states, embedding, tokens, temperature, REAL_VOCAB)
 
     processor = rl_output_processor(temperature=temperature, vocab_size=REAL_VOCAB)
     call = dict(loss_mask=loss_mask, output_processor_context={"tokens": tokens})
-    outputs = model(tokens, position_ids, attention_mask, output_processor=processor, **call)
+    outputs = model(*batch, output_processor=processor, **call)
     assert_close(outputs["logprobs"], megatron_logprobs.detach())
     assert (outputs["logprobs"][loss_mask == 0] == 0).all()
-    assert_close(outputs["entropy"][loss_mask == 1], expected_entropy.float()[loss_mask == 1])
+    kept = loss_mask == 1
+    assert_close(outputs["entropy"][kept], expected_entropy.float()[kept])
     outputs["logprobs"].sum().backward()
     assert_grads_close(take_grads(model), megatron_grads)  # the tied weight gets both of its gradients
 
     # Without vocab_size the padded rows enter the softmax: the numbers differ.
-    unpadded = rl_output_processor(temperature=temperature)
     with torch.no_grad():
-        padded_outputs = model(tokens, position_ids, attention_mask, output_processor=unpadded, **call)
-    assert not torch.allclose(padded_outputs["logprobs"], outputs["logprobs"])
+        unpadded = model(*batch, output_processor=rl_output_processor(temperature=temperature), **call)
+    assert not torch.allclose(unpadded["logprobs"], outputs["logprobs"])
 
 
 def _gpt_model_paths(rank, world_size):
@@ -238,40 +274,37 @@ def _check_hybrid_model():
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     from fused_rl_ops.megatron import attach, detach, rl_output_processor
-    from megatron_shims import tiny_config, tiny_hybrid_model
+    from megatron_shims import tiny_model
 
-    model = tiny_hybrid_model(tiny_config(num_layers=4))
-    tokens, position_ids, attention_mask = make_batch()
+    model = tiny_model("hybrid")
+    batch = make_batch()
+    tokens = batch[0]
     coeff = same_on_all_ranks(B, S, seed=3)
-    with output_layer_inputs(model) as inputs:
-        megatron_logprobs = -model(tokens, position_ids, attention_mask, labels=tokens)
-    (coeff * megatron_logprobs).sum().backward()
-    megatron_grads = take_grads(model)
-    [hidden_states] = inputs
+    megatron_logprobs, hidden_states, megatron_grads = megatron_own(model, batch, coeff)
     state_dict_keys = list(model.state_dict())
 
     recorder = RecordingProcessor(rl_output_processor())
     attach(model, recorder)
     context = {"tokens": tokens}
-    outputs = model(tokens, position_ids, attention_mask, output_processor_context=context)
+    outputs = model(*batch, output_processor_context=context)
     assert list(outputs) == ["logprobs", "entropy"]
     assert_close(recorder.hidden_states.pop(), hidden_states, rtol=0, atol=0)
-    assert_close(outputs["logprobs"], megatron_logprobs.detach())
+    assert_close(outputs["logprobs"], megatron_logprobs)
     (coeff * outputs["logprobs"]).sum().backward()
     assert_grads_close(take_grads(model), megatron_grads)
     assert isinstance(model.output_layer, ColumnParallelLinear) and list(model.state_dict()) == state_dict_keys
 
     loss_mask = (coeff > 0).float()
-    masked = model(tokens, position_ids, attention_mask, output_processor_context=context, loss_mask=loss_mask)
+    masked = model(*batch, output_processor_context=context, loss_mask=loss_mask)
     assert_close(masked["logprobs"], outputs["logprobs"].detach() * loss_mask)
 
     with pytest.raises(ValueError, match="do not pass labels"):
-        model(tokens, position_ids, attention_mask, labels=tokens)
+        model(*batch, labels=tokens)
     with pytest.raises(ValueError, match="do not pass labels"):
-        model(tokens, position_ids, attention_mask, None, tokens)  # labels given by position
+        model(*batch, None, tokens)  # labels by position
     assert isinstance(model.output_layer, ColumnParallelLinear)
     detach(model)
-    assert model(tokens, position_ids, attention_mask).shape == (B, S, VOCAB // 2)
+    assert model(*batch).shape == (B, S, VOCAB // 2)
 
 
 def _check_wrapped_models():
@@ -280,29 +313,30 @@ def _check_wrapped_models():
     from megatron.core.transformer.module import Float16Module
 
     from fused_rl_ops.megatron import attach, detach, rl_output_processor
-    from megatron_shims import tiny_config, tiny_gpt_model, tiny_hybrid_model
+    from megatron_shims import tiny_config, tiny_model
 
-    tokens, position_ids, attention_mask = make_batch()
+    batch = make_batch()
+    tokens = batch[0]
     coeff = same_on_all_ranks(B, S, seed=4)
 
     config = tiny_config()
-    ddp_model = DistributedDataParallel(config, DistributedDataParallelConfig(), tiny_gpt_model(config))
-    megatron_logprobs = -ddp_model(tokens, position_ids, attention_mask, labels=tokens)
+    ddp_model = DistributedDataParallel(config, DistributedDataParallelConfig(), tiny_model("gpt", config))
+    megatron_logprobs = -ddp_model(*batch, labels=tokens)
     (coeff * megatron_logprobs).sum().backward()
     megatron_grads = {name: p.main_grad.clone() for name, p in ddp_model.named_parameters()}
     ddp_model.zero_grad_buffer()
     attach(ddp_model, rl_output_processor())
-    outputs = ddp_model(tokens, position_ids, attention_mask, labels=tokens)
+    outputs = ddp_model(*batch, labels=tokens)
     assert_close(outputs["logprobs"], megatron_logprobs.detach())
     (coeff * outputs["logprobs"]).sum().backward()
     assert_grads_close({name: p.main_grad for name, p in ddp_model.named_parameters()}, megatron_grads)
     detach(ddp_model)
 
-    bf16_config = tiny_config(bf16=True, num_layers=4)
-    bf16_model = Float16Module(bf16_config, tiny_hybrid_model(bf16_config))
-    megatron_logprobs = -bf16_model(tokens, position_ids, attention_mask, labels=tokens)
+    bf16_config = tiny_config(bf16=True)
+    bf16_model = Float16Module(bf16_config, tiny_model("hybrid", bf16_config))
+    megatron_logprobs = -bf16_model(*batch, labels=tokens)
     attach(bf16_model, rl_output_processor())
-    outputs = bf16_model(tokens, position_ids, attention_mask, output_processor_context={"tokens": tokens})
+    outputs = bf16_model(*batch, output_processor_context={"tokens": tokens})
     assert outputs["logprobs"].dtype == torch.float32
     # Megatron's cross entropy reads bf16 logits; the op accumulates bf16 inputs in fp32.
     assert_close(outputs["logprobs"], megatron_logprobs, rtol=0, atol=2e-2)
@@ -311,43 +345,36 @@ def _check_wrapped_models():
 def _check_clamped_swiglu_mlp():
     """ClampedSwiGLUMLP equals Megatron's unfused clamped GLU, forward and backward, in GPT and hybrid specs."""
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from fused_rl_ops.megatron import ClampedSwiGLUMLP, with_clamped_swiglu_mlp
-    from megatron_shims import local_hybrid_stack_spec, tiny_config, tiny_gpt_model, tiny_hybrid_model
+    from fused_rl_ops.megatron import ClampedSwiGLUMLP
+    from megatron_shims import tiny_config, tiny_model
 
-    tokens, position_ids, attention_mask = make_batch()
+    batch = make_batch()
     coeff = same_on_all_ranks(B, S, seed=5)
     limit = 0.5
-    variants = [
-        # (gate, linear offset, model builder, its spec argument, Megatron's spec)
-        (torch.nn.functional.silu, 0.0, tiny_gpt_model, "layer_spec", get_gpt_layer_local_spec()),
-        (quick_gelu, 1.0, tiny_hybrid_model, "stack_spec", local_hybrid_stack_spec()),
-    ]
-    for gate, offset, build, spec_argument, spec in variants:
+    # (model kind, gate, linear offset): Megatron's clamped SiLU, and gpt-oss's quick-GELU gate
+    for kind, gate, offset in (("gpt", torch.nn.functional.silu, 0.0), ("hybrid", quick_gelu, 1.0)):
         config = tiny_config(
-            num_layers=4, init_method_std=0.1, gated_linear_unit=True, activation_func=gate,
+            init_method_std=0.1, gated_linear_unit=True, activation_func=gate,
             activation_func_clamp_value=limit, glu_linear_offset=offset,
         )
-        megatron_model = build(config, **{spec_argument: spec})
-        model = build(config, **{spec_argument: with_clamped_swiglu_mlp(spec)})
+        megatron_model = tiny_model(kind, config)
+        model = tiny_model(kind, config, clamped_swiglu_mlp=True)
         model.load_state_dict(megatron_model.state_dict())
         mlps = [m for m in model.modules() if isinstance(m, ClampedSwiGLUMLP)]
         assert len(mlps) == len([m for m in megatron_model.modules() if type(m).__name__ == "MLP"]) > 0
 
         fc1_outputs = []
         mlps[0].linear_fc1.register_forward_hook(lambda module, args, output: fc1_outputs.append(output[0]))
-        results = []
-        for candidate in (megatron_model, model):
-            loss = candidate(tokens, position_ids, attention_mask, labels=tokens)
-            (coeff * loss).sum().backward()
-            results.append((loss.detach(), take_grads(candidate)))
+        (megatron_logprobs, _, megatron_grads), (logprobs, _, grads) = [
+            megatron_own(m, batch, coeff) for m in (megatron_model, model)
+        ]
         assert (fc1_outputs[0].abs() > limit).float().mean() > 0.1  # the clamp is exercised
-        assert_close(results[1][0], results[0][0])
-        assert_grads_close(results[1][1], results[0][1])
+        assert_close(logprobs, megatron_logprobs)
+        assert_grads_close(grads, megatron_grads)
 
     with pytest.raises(ValueError, match="gated_linear_unit"):
-        tiny_gpt_model(tiny_config(), layer_spec=with_clamped_swiglu_mlp(get_gpt_layer_local_spec()))
+        tiny_model("gpt", clamped_swiglu_mlp=True)
 
 
 def _hybrid_wrapped_and_mlp(rank, world_size):
@@ -371,15 +398,12 @@ def build_policy_pair(config, **processor_options):
     fused: ClampedSwiGLUMLP, rl_output_processor, fused_rl_ops.ValueHead;
     naive: Megatron's MLP, materialised logits, the value weight as a plain tensor.
     Returns [(model, processor, value parameter)] for fused, then naive."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
     import fused_rl_ops
-    from fused_rl_ops.megatron import naive_rl_output_processor, rl_output_processor, with_clamped_swiglu_mlp
-    from megatron_shims import tiny_gpt_model
+    from fused_rl_ops.megatron import NaiveRLOutputProcessor, rl_output_processor
+    from megatron_shims import tiny_model
 
-    spec = get_gpt_layer_local_spec()
-    fused = tiny_gpt_model(config, layer_spec=with_clamped_swiglu_mlp(spec))
-    naive = tiny_gpt_model(config, layer_spec=spec)
+    fused = tiny_model("gpt", config, clamped_swiglu_mlp=True)
+    naive = tiny_model("gpt", config)
     naive.load_state_dict(fused.state_dict())
     value_head = fused_rl_ops.ValueHead(config.hidden_size)
     with torch.no_grad():
@@ -387,7 +411,7 @@ def build_policy_pair(config, **processor_options):
     naive_value_weight = torch.nn.Parameter(value_head.weight.detach().clone())
     return [
         (fused, rl_output_processor(value_head=value_head, **processor_options), value_head.weight),
-        (naive, naive_rl_output_processor(value_head=naive_value_weight, **processor_options), naive_value_weight),
+        (naive, NaiveRLOutputProcessor(value_head=naive_value_weight, **processor_options), naive_value_weight),
     ]
 
 
@@ -413,7 +437,7 @@ def assert_same_step(policies):
     """Fused and naive have the same gradient for every parameter; after an SGD step each, the same parameters."""
     (fused, _, fused_value), (naive, _, naive_value) = policies
     assert_grads_close(grads_by_name(fused), grads_by_name(naive))
-    if naive_value.grad is not None:  # the value head of a pipeline's last stage only
+    if naive_value.grad is not None:  # only a pipeline's last stage uses its value head
         assert_close(fused_value.grad, naive_value.grad, rtol=1e-4, atol=1e-6)
     for model, _, value_weight in policies:
         torch.optim.SGD([*model.parameters(), value_weight], lr=0.1).step()
@@ -423,7 +447,8 @@ def assert_same_step(policies):
 def _check_ppo_step(sequence_parallel):
     from fused_rl_ops.megatron import attach
 
-    policies = build_policy_pair(ppo_config(sequence_parallel=sequence_parallel), vocab_size=REAL_VOCAB, temperature=0.9)
+    config = ppo_config(sequence_parallel=sequence_parallel)
+    policies = build_policy_pair(config, vocab_size=REAL_VOCAB, temperature=0.9)
     for model, processor, _ in policies:
         attach(model, processor)
     tokens = make_batch(REAL_VOCAB, seed=8)[0]
