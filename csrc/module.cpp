@@ -16,4 +16,10 @@ TORCH_LIBRARY(fused_rl_ops, m) {
   m.def(
       "clamped_swiglu_backward(Tensor grad_out, Tensor x, float? limit, float alpha, float linear_offset, "
       "bool interleaved) -> Tensor");
+  // chosen_logprob: per-shard partials, their merge across shards, and the chunked backward.
+  m.def("logprob_stats(Tensor hidden, Tensor weight, Tensor tokens, float temperature, int vocab_start, int chunk_size) -> Tensor");
+  m.def("logprob_combine(Tensor partials) -> Tensor");
+  m.def(
+      "logprob_backward(Tensor hidden, Tensor weight, Tensor tokens, Tensor lse, Tensor mean, Tensor grad_logprob, "
+      "Tensor grad_entropy, float temperature, int vocab_start, int chunk_size) -> (Tensor, Tensor)");
 }

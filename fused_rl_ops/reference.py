@@ -20,3 +20,20 @@ def clamped_swiglu(x: torch.Tensor, limit: Optional[float] = 7.0, *, alpha: floa
         g = torch.where(g > limit, limit, g)
         u = torch.where(u > limit, limit, torch.where(u < -limit, -limit, u))
     return g * torch.sigmoid(alpha * g) * (u + linear_offset)
+
+
+def chosen_logprob(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0,
+                   ignore_index: int = -100, vocab_size: Optional[int] = None):
+    """Materialised logits (GEMM in the inputs' dtype, then fp32; fp64 for fp64), log_softmax and
+    gather. Returns (logprob, entropy); rows of weight at or beyond vocab_size are padding."""
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logits = (hidden @ weight.T).to(acc) / temperature
+    if vocab_size is not None and vocab_size < weight.shape[0]:
+        padding = torch.arange(weight.shape[0], device=weight.device) >= vocab_size
+        logits = logits.masked_fill(padding, float("-inf"))
+    logp = torch.log_softmax(logits, dim=-1)
+    ignore = tokens == ignore_index
+    chosen = logp.gather(-1, torch.where(ignore, 0, tokens).unsqueeze(-1)).squeeze(-1)
+    p = logp.exp()
+    entropy = -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
+    return torch.where(ignore, 0.0, chosen), entropy

@@ -1,0 +1,103 @@
+// The vocab-chunk loop of chosen_logprob, written once for every device. A Backend supplies the
+// GEMMs and the hand-written row kernels:
+//   gemm_operand(t, acc)                 t as the GEMMs take it (CPU: converted to acc dtype)
+//   logits(h, w, out)                    out = h w^T, accumulated and stored in acc dtype
+//   stats_rows(logits, tokens, col0, inv_temp, stats)            merge a chunk into the row stats
+//   grad_rows(logits, tokens, col0, lse, mean, gl, ge, inv_temp) logits -> d(loss)/d(logits) in place
+//   accumulate_grads(dlogits, h, w, grad_h, grad_w_chunk)        grad_h += dlogits w; grad_w = dlogits^T h
+// Only one [tokens, chunk] workspace lives at a time; a fused tensor-core kernel can replace this
+// loop without touching the Python API.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+namespace fused_rl_ops {
+
+inline at::ScalarType logprob_acc_dtype(const at::Tensor& hidden) {
+  return hidden.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+inline void check_logprob_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
+                                 double temperature, int64_t chunk_size) {
+  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
+              "chosen_logprob: hidden must be [N, H] and weight [V, H], got ", hidden.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), "chosen_logprob: hidden and weight dtypes differ");
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == hidden.size(0) && tokens.scalar_type() == at::kLong,
+              "chosen_logprob: tokens must be int64 [N]");
+  TORCH_CHECK(hidden.device() == weight.device() && hidden.device() == tokens.device(),
+              "chosen_logprob: hidden, weight and tokens must be on one device");
+  TORCH_CHECK(temperature > 0 && std::isfinite(temperature), "chosen_logprob: temperature must be > 0");
+  TORCH_CHECK(chunk_size > 0, "chosen_logprob: chunk_size must be > 0");
+}
+
+// [N, 4] per-token partials (max, sum, ent, chosen) of this shard's logits; chosen is 0 where the
+// token is not in [vocab_start, vocab_start + V).
+template <class Backend>
+at::Tensor logprob_stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
+                              double temperature, int64_t vocab_start, int64_t chunk_size) {
+  check_logprob_inputs(hidden, weight, tokens, temperature, chunk_size);
+  const auto acc = logprob_acc_dtype(hidden);
+  const int64_t N = hidden.size(0), V = weight.size(0);
+  at::Tensor stats = at::zeros({N, 4}, hidden.options().dtype(acc));
+  stats.select(1, 0).fill_(-INFINITY);
+  if (N == 0 || V == 0) return stats;
+  const at::Tensor h = Backend::gemm_operand(hidden.contiguous(), acc);
+  const at::Tensor w = weight.contiguous(), tok = tokens.contiguous();
+  const int64_t chunk = std::min(chunk_size, V);
+  at::Tensor workspace = at::empty({N * chunk}, stats.options());
+  for (int64_t c0 = 0; c0 < V; c0 += chunk) {
+    const int64_t n = std::min(chunk, V - c0);
+    at::Tensor logits = workspace.narrow(0, 0, N * n).view({N, n});
+    Backend::logits(h, Backend::gemm_operand(w.narrow(0, c0, n), acc), logits);
+    Backend::stats_rows(logits, tok, vocab_start + c0, 1.0 / temperature, stats);
+  }
+  return stats;
+}
+
+// Gradients of sum(grad_logprob * logprob + grad_entropy * entropy) for this shard: the hidden
+// gradient (in the accumulation dtype, a partial sum over this shard's vocabulary) and the weight
+// gradient (in weight's dtype). lse and mean (= lse - entropy) are the global per-token values.
+template <class Backend>
+std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
+                                                         const at::Tensor& tokens, const at::Tensor& lse,
+                                                         const at::Tensor& mean, const at::Tensor& grad_logprob,
+                                                         const at::Tensor& grad_entropy, double temperature,
+                                                         int64_t vocab_start, int64_t chunk_size) {
+  check_logprob_inputs(hidden, weight, tokens, temperature, chunk_size);
+  const auto acc = logprob_acc_dtype(hidden);
+  const int64_t N = hidden.size(0), V = weight.size(0);
+  for (const at::Tensor* t : {&lse, &mean, &grad_logprob, &grad_entropy}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == acc && t->device() == hidden.device(),
+                "chosen_logprob backward: per-token tensors must be [N] in the accumulation dtype");
+  }
+  at::Tensor grad_h = at::zeros({N, hidden.size(1)}, hidden.options().dtype(acc));
+  at::Tensor grad_w = at::zeros_like(weight, at::MemoryFormat::Contiguous);
+  if (N == 0 || V == 0) return {grad_h, grad_w};
+  const at::Tensor h = Backend::gemm_operand(hidden.contiguous(), acc);
+  const at::Tensor w = weight.contiguous(), tok = tokens.contiguous();
+  const at::Tensor lse_c = lse.contiguous(), mean_c = mean.contiguous();
+  const at::Tensor gl = grad_logprob.contiguous(), ge = grad_entropy.contiguous();
+  const int64_t chunk = std::min(chunk_size, V);
+  at::Tensor workspace = at::empty({N * chunk}, grad_h.options());
+  for (int64_t c0 = 0; c0 < V; c0 += chunk) {
+    const int64_t n = std::min(chunk, V - c0);
+    at::Tensor logits = workspace.narrow(0, 0, N * n).view({N, n});
+    const at::Tensor w_chunk = Backend::gemm_operand(w.narrow(0, c0, n), acc);
+    Backend::logits(h, w_chunk, logits);
+    Backend::grad_rows(logits, tok, vocab_start + c0, lse_c, mean_c, gl, ge, 1.0 / temperature);
+    at::Tensor grad_w_chunk = grad_w.narrow(0, c0, n);
+    Backend::accumulate_grads(logits, h, w_chunk, grad_h, grad_w_chunk);
+  }
+  return {grad_h, grad_w};
+}
+
+inline void check_combine_input(const at::Tensor& partials) {
+  TORCH_CHECK(partials.dim() == 3 && partials.size(2) == 4,
+              "logprob_combine: partials must be [ranks, N, 4], got ", partials.sizes());
+  TORCH_CHECK(partials.scalar_type() == at::kFloat || partials.scalar_type() == at::kDouble,
+              "logprob_combine: partials must be float32 or float64");
+}
+
+}  // namespace fused_rl_ops

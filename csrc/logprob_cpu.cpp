@@ -1,0 +1,143 @@
+// chosen_logprob, CPU: the chunk loop with ATen GEMMs (in fp32, or fp64 for float64 inputs) and
+// SIMD row kernels running the shared formulas of logprob_math.h.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "logprob_chunks.h"
+#include "logprob_math.h"
+#include "vec_math.h"
+
+namespace fused_rl_ops {
+namespace {
+
+template <typename acc>
+acc horizontal_max(const at::vec::Vectorized<acc>& v) {
+  alignas(64) acc lanes[at::vec::Vectorized<acc>::size()];
+  v.store(lanes);
+  acc m = lanes[0];
+  for (int k = 1; k < at::vec::Vectorized<acc>::size(); ++k) m = Math<acc>::max(m, lanes[k]);
+  return m;
+}
+
+template <typename acc>
+acc horizontal_sum(const at::vec::Vectorized<acc>& v) {
+  alignas(64) acc lanes[at::vec::Vectorized<acc>::size()];
+  v.store(lanes);
+  acc s = 0;
+  for (int k = 0; k < at::vec::Vectorized<acc>::size(); ++k) s += lanes[k];
+  return s;
+}
+
+template <typename acc>
+void stats_rows_cpu(const acc* logits, int64_t N, int64_t C, int64_t col0, const int64_t* tokens, acc inv_temp,
+                    acc* stats) {
+  using Vec = at::vec::Vectorized<acc>;
+  const int64_t C_vec = C - C % Vec::size();
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const acc* z = logits + r * C;
+      Vec vmax(-INFINITY);
+      for (int64_t k = 0; k < C_vec; k += Vec::size()) vmax = Math<Vec>::max(vmax, Vec::loadu(z + k));
+      acc m = horizontal_max(vmax);
+      for (int64_t k = C_vec; k < C; ++k) m = Math<acc>::max(m, z[k]);
+      m *= inv_temp;  // the temperature is positive: max(z) / T = max(z / T)
+      const Vec vm(m), vinv(inv_temp);
+      Vec vs(0), vt(0);
+      for (int64_t k = 0; k < C_vec; k += Vec::size()) stats_add(Vec::loadu(z + k) * vinv, vm, vs, vt);
+      acc s = horizontal_sum(vs), t = horizontal_sum(vt);
+      for (int64_t k = C_vec; k < C; ++k) stats_add(z[k] * inv_temp, m, s, t);
+      stats_update_row(stats + 4 * r, RowStats<acc>{m, s, t}, z, tokens[r] - col0, C, inv_temp);
+    }
+  });
+}
+
+template <typename acc>
+void grad_rows_cpu(acc* logits, int64_t N, int64_t C, int64_t col0, const int64_t* tokens, const acc* lse,
+                   const acc* mean, const acc* gl, const acc* ge, acc inv_temp) {
+  using Vec = at::vec::Vectorized<acc>;
+  const int64_t C_vec = C - C % Vec::size();
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      acc* z = logits + r * C;
+      const Vec vinv(inv_temp), vlse(lse[r]), vmean(mean[r]), vgl(gl[r]), vge(ge[r]);
+      for (int64_t k = 0; k < C_vec; k += Vec::size()) {
+        (logit_grad(Vec::loadu(z + k) * vinv, vlse, vmean, vgl, vge) * vinv).store(z + k);
+      }
+      for (int64_t k = C_vec; k < C; ++k) z[k] = logit_grad(z[k] * inv_temp, lse[r], mean[r], gl[r], ge[r]) * inv_temp;
+      const int64_t target = tokens[r] - col0;
+      if (target >= 0 && target < C) z[target] += gl[r] * inv_temp;
+    }
+  });
+}
+
+struct CpuBackend {
+  static at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
+
+  static void logits(const at::Tensor& h, const at::Tensor& w, at::Tensor& out) { at::mm_out(out, h, w.t()); }
+
+  static void stats_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, double inv_temp,
+                         at::Tensor& stats) {
+    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "logprob_stats_cpu", [&] {
+      stats_rows_cpu<scalar_t>(logits.const_data_ptr<scalar_t>(), logits.size(0), logits.size(1), col0,
+                               tokens.const_data_ptr<int64_t>(), static_cast<scalar_t>(inv_temp),
+                               stats.mutable_data_ptr<scalar_t>());
+    });
+  }
+
+  static void grad_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, const at::Tensor& lse,
+                        const at::Tensor& mean, const at::Tensor& gl, const at::Tensor& ge, double inv_temp) {
+    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "logprob_grad_cpu", [&] {
+      grad_rows_cpu<scalar_t>(logits.mutable_data_ptr<scalar_t>(), logits.size(0), logits.size(1), col0,
+                              tokens.const_data_ptr<int64_t>(), lse.const_data_ptr<scalar_t>(),
+                              mean.const_data_ptr<scalar_t>(), gl.const_data_ptr<scalar_t>(),
+                              ge.const_data_ptr<scalar_t>(), static_cast<scalar_t>(inv_temp));
+    });
+  }
+
+  static void accumulate_grads(const at::Tensor& dlogits, const at::Tensor& h, const at::Tensor& w,
+                               at::Tensor& grad_h, at::Tensor& grad_w_chunk) {
+    grad_h.addmm_(dlogits, w);
+    if (grad_w_chunk.scalar_type() == dlogits.scalar_type()) at::mm_out(grad_w_chunk, dlogits.t(), h);
+    else grad_w_chunk.copy_(at::mm(dlogits.t(), h));
+  }
+};
+
+at::Tensor logprob_stats_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
+                             double temperature, int64_t vocab_start, int64_t chunk_size) {
+  return logprob_stats_impl<CpuBackend>(hidden, weight, tokens, temperature, vocab_start, chunk_size);
+}
+
+std::tuple<at::Tensor, at::Tensor> logprob_backward_cpu(const at::Tensor& hidden, const at::Tensor& weight,
+                                                        const at::Tensor& tokens, const at::Tensor& lse,
+                                                        const at::Tensor& mean, const at::Tensor& grad_logprob,
+                                                        const at::Tensor& grad_entropy, double temperature,
+                                                        int64_t vocab_start, int64_t chunk_size) {
+  return logprob_backward_impl<CpuBackend>(hidden, weight, tokens, lse, mean, grad_logprob, grad_entropy,
+                                           temperature, vocab_start, chunk_size);
+}
+
+at::Tensor logprob_combine_cpu(const at::Tensor& partials_in) {
+  check_combine_input(partials_in);
+  const at::Tensor partials = partials_in.contiguous();
+  const int64_t ranks = partials.size(0), N = partials.size(1);
+  at::Tensor out = at::empty({N, 3}, partials.options());
+  AT_DISPATCH_FLOATING_TYPES(partials.scalar_type(), "logprob_combine_cpu", [&] {
+    const scalar_t* p = partials.const_data_ptr<scalar_t>();
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) combine_row(p, ranks, N, r, o);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_rl_ops, CPU, m) {
+  m.impl("logprob_stats", &logprob_stats_cpu);
+  m.impl("logprob_backward", &logprob_backward_cpu);
+  m.impl("logprob_combine", &logprob_combine_cpu);
+}
+
+}  // namespace fused_rl_ops

@@ -1,0 +1,91 @@
+// chosen_logprob, CUDA: the shared chunk loop with cuBLAS GEMMs through ATen (bf16/fp16 inputs
+// accumulate into fp32 outputs via the out_dtype overloads) and the row kernels of logprob_kernel.cu.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "logprob_chunks.h"
+#include "logprob_kernel.h"
+
+namespace fused_rl_ops {
+namespace {
+
+cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
+
+struct CudaBackend {
+  static at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType acc) {
+    TORCH_CHECK(acc == at::kFloat, "chosen_logprob: float64 is supported on CPU only");
+    return t;
+  }
+
+  static void logits(const at::Tensor& h, const at::Tensor& w, at::Tensor& out) {
+    if (h.scalar_type() == at::kFloat) at::mm_out(out, h, w.t());
+    else at::mm_out(out, h, w.t(), at::kFloat);
+  }
+
+  static void stats_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, double inv_temp,
+                         at::Tensor& stats) {
+    C10_CUDA_CHECK(launch_logprob_stats_rows(logits.const_data_ptr<float>(), logits.size(0), logits.size(1), col0,
+                                             tokens.const_data_ptr<int64_t>(), static_cast<float>(inv_temp),
+                                             stats.mutable_data_ptr<float>(), stream()));
+  }
+
+  static void grad_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, const at::Tensor& lse,
+                        const at::Tensor& mean, const at::Tensor& gl, const at::Tensor& ge, double inv_temp) {
+    C10_CUDA_CHECK(launch_logprob_grad_rows(logits.mutable_data_ptr<float>(), logits.size(0), logits.size(1), col0,
+                                            tokens.const_data_ptr<int64_t>(), lse.const_data_ptr<float>(),
+                                            mean.const_data_ptr<float>(), gl.const_data_ptr<float>(),
+                                            ge.const_data_ptr<float>(), static_cast<float>(inv_temp), stream()));
+  }
+
+  static void accumulate_grads(const at::Tensor& dlogits, const at::Tensor& h, const at::Tensor& w,
+                               at::Tensor& grad_h, at::Tensor& grad_w_chunk) {
+    if (h.scalar_type() == at::kFloat) {
+      grad_h.addmm_(dlogits, w);
+      at::mm_out(grad_w_chunk, dlogits.t(), h);
+      return;
+    }
+    // Tensor cores take the logit gradients in the inputs' dtype; the hidden gradient still
+    // accumulates over chunks in fp32.
+    const at::Tensor d = dlogits.to(h.scalar_type());
+    at::addmm_out(grad_h, grad_h, d, w, at::kFloat);
+    at::mm_out(grad_w_chunk, d.t(), h);
+  }
+};
+
+at::Tensor logprob_stats_cuda(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
+                              double temperature, int64_t vocab_start, int64_t chunk_size) {
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  return logprob_stats_impl<CudaBackend>(hidden, weight, tokens, temperature, vocab_start, chunk_size);
+}
+
+std::tuple<at::Tensor, at::Tensor> logprob_backward_cuda(const at::Tensor& hidden, const at::Tensor& weight,
+                                                         const at::Tensor& tokens, const at::Tensor& lse,
+                                                         const at::Tensor& mean, const at::Tensor& grad_logprob,
+                                                         const at::Tensor& grad_entropy, double temperature,
+                                                         int64_t vocab_start, int64_t chunk_size) {
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  return logprob_backward_impl<CudaBackend>(hidden, weight, tokens, lse, mean, grad_logprob, grad_entropy,
+                                            temperature, vocab_start, chunk_size);
+}
+
+at::Tensor logprob_combine_cuda(const at::Tensor& partials_in) {
+  check_combine_input(partials_in);
+  TORCH_CHECK(partials_in.scalar_type() == at::kFloat, "logprob_combine: float64 is supported on CPU only");
+  const c10::cuda::CUDAGuard guard(partials_in.device());
+  const at::Tensor partials = partials_in.contiguous();
+  at::Tensor out = at::empty({partials.size(1), 3}, partials.options());
+  C10_CUDA_CHECK(launch_logprob_combine(partials.const_data_ptr<float>(), partials.size(0), partials.size(1),
+                                        out.mutable_data_ptr<float>(), stream()));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_rl_ops, CUDA, m) {
+  m.impl("logprob_stats", &logprob_stats_cuda);
+  m.impl("logprob_backward", &logprob_backward_cuda);
+  m.impl("logprob_combine", &logprob_combine_cuda);
+}
+
+}  // namespace fused_rl_ops

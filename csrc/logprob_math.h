@@ -1,0 +1,89 @@
+// Chosen-token log-softmax and entropy, per-row math shared by the CPU and CUDA kernels.
+// For a row of logits z (already divided by the temperature) the kernels keep, per token,
+//   m = max z,  s = sum exp(z - m),  t = sum exp(z - m) (z - m)
+// over the vocabulary seen so far; partials from vocab chunks and TP ranks merge exactly. Then
+//   lse = m + log s,  entropy = lse - sum p z = log s - t / s.
+// t is kept relative to m (every term <= 0), so entropy needs no cancellation of large logits.
+#pragma once
+
+#include "common.h"
+
+namespace fused_rl_ops {
+
+template <typename T>
+struct RowStats {
+  T max;  // m; -inf while empty
+  T sum;  // s
+  T ent;  // t
+};
+
+// Adds one logit z to the sums taken against the row maximum m.
+template <typename T>
+FRL_HD void stats_add(T z, T m, T& s, T& t) {
+  const T e = Math<T>::exp(z - m);
+  s = s + e;
+  t = t + e * (z - m);
+}
+
+// Merges b into a: both sums are moved to the larger maximum.
+template <typename T>
+FRL_HD void stats_merge(RowStats<T>& a, const RowStats<T>& b) {
+  if (!(b.sum > T(0))) return;  // b saw no logits
+  if (!(a.sum > T(0))) {
+    a = b;
+    return;
+  }
+  const T m = Math<T>::max(a.max, b.max);
+  const T ea = Math<T>::exp(a.max - m), eb = Math<T>::exp(b.max - m);
+  a.ent = ea * (a.ent + a.sum * (a.max - m)) + eb * (b.ent + b.sum * (b.max - m));
+  a.sum = ea * a.sum + eb * b.sum;
+  a.max = m;
+}
+
+template <typename T>
+FRL_HD T stats_lse(const RowStats<T>& r) {
+  return r.max + Math<T>::log(r.sum);
+}
+
+template <typename T>
+FRL_HD T stats_entropy(const RowStats<T>& r) {
+  return Math<T>::log(r.sum) - r.ent / r.sum;
+}
+
+// Merges one vocab chunk's sums into a token's row of the [N, 4] stats (max, sum, ent, chosen),
+// taking the chosen logit from z (the chunk's raw logits) when target falls inside the chunk.
+template <typename T>
+FRL_HD void stats_update_row(T* row, const RowStats<T>& chunk, const T* z, int64_t target, int64_t C, T inv_temp) {
+  RowStats<T> running{row[0], row[1], row[2]};
+  stats_merge(running, chunk);
+  row[0] = running.max;
+  row[1] = running.sum;
+  row[2] = running.ent;
+  if (target >= 0 && target < C) row[3] = z[target] * inv_temp;
+}
+
+// Token r of partials [ranks, N, 4] (one row of stats per shard) -> out[r] = (lse, entropy, chosen).
+template <typename T>
+FRL_HD void combine_row(const T* partials, int64_t ranks, int64_t N, int64_t r, T* out) {
+  RowStats<T> row{T(-INFINITY), T(0), T(0)};
+  T chosen = 0;  // only the owning shard's is nonzero
+  for (int64_t k = 0; k < ranks; ++k) {
+    const T* q = partials + (k * N + r) * 4;
+    stats_merge(row, RowStats<T>{q[0], q[1], q[2]});
+    chosen += q[3];
+  }
+  out[3 * r] = stats_lse(row);
+  out[3 * r + 1] = stats_entropy(row);
+  out[3 * r + 2] = chosen;
+}
+
+// d(grad_logprob * logprob + grad_entropy * entropy) / dz for a column that is not the chosen
+// token, with p = exp(z - lse) and mean = sum p z = lse - entropy:
+//   -p (gl + ge (z - mean)).  The chosen column adds gl.
+template <typename T>
+FRL_HD T logit_grad(T z, T lse, T mean, T gl, T ge) {
+  const T p = Math<T>::exp(z - lse);
+  return T(0) - p * (gl + ge * (z - mean));
+}
+
+}  // namespace fused_rl_ops

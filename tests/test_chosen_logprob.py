@@ -1,0 +1,225 @@
+import pytest
+import torch
+
+import fused_rl_ops
+from fused_rl_ops import reference
+
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+             torch.float16: dict(atol=5e-3, rtol=5e-3)}
+SMALLEST_WORKSPACE = 1  # forces 128-row chunks
+
+
+def make_inputs(N, H, V, dtype, device, vocab_size=None, seed=0):
+    """Random hidden/weight with logits of order 1-10 and tokens at 0, the last valid id,
+    chunk edges, and one ignore_index position."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * (3.0 / H**0.5)
+    valid = vocab_size or V
+    tokens = torch.randint(0, valid, (N,), generator=g)
+    for i, t in enumerate([0, valid - 1, 127, 128, 255, -100][:N]):
+        tokens[i] = min(t, valid - 1)
+    return hidden.to(device, dtype), weight.to(device, dtype), tokens.to(device)
+
+
+def reference_outputs_and_grads(hidden, weight, tokens, grad_lp, grad_ent, **kw):
+    h = hidden.detach().double().cpu().requires_grad_(True)
+    w = weight.detach().double().cpu().requires_grad_(True)
+    lp, ent = reference.chosen_logprob(h, w, tokens.cpu(), **kw)
+    (lp * grad_lp.double().cpu() + ent * grad_ent.double().cpu()).sum().backward()
+    return lp.detach(), ent.detach(), h.grad, w.grad
+
+
+def run_ours(hidden, weight, tokens, grad_lp, grad_ent, **kw):
+    h = hidden.detach().clone().requires_grad_(True)
+    w = weight.detach().clone().requires_grad_(True)
+    lp, ent = fused_rl_ops.chosen_logprob(h, w, tokens, return_entropy=True, **kw)
+    (lp * grad_lp + ent * grad_ent).sum().backward()
+    return lp, ent, h.grad, w.grad
+
+
+def assert_matches_reference(ours, ref, tol):
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.detach().double().cpu(), b, **tol)
+
+
+@pytest.mark.parametrize(
+    "N,H,V,vocab_size,temperature",
+    [(37, 33, 300, None, 1.0), (37, 33, 300, 290, 0.7), (5, 16, 128, None, 1.3), (1, 8, 129, 129, 2.0),
+     (64, 24, 1000, 999, 0.9)],
+)
+def test_matches_float64_reference(device, N, H, V, vocab_size, temperature):
+    hidden, weight, tokens = make_inputs(N, H, V, torch.float32, device, vocab_size)
+    grad_lp, grad_ent = torch.randn(N, device=device), torch.randn(N, device=device)
+    kw = dict(temperature=temperature, vocab_size=vocab_size)
+    ours = run_ours(hidden, weight, tokens, grad_lp, grad_ent, workspace_bytes=SMALLEST_WORKSPACE, **kw)
+    ref = reference_outputs_and_grads(hidden, weight, tokens, grad_lp, grad_ent, **kw)
+    assert ours[0].dtype == torch.float32 and ours[0].shape == (N,)
+    assert_matches_reference(ours, ref, TOLERANCE[torch.float32])
+    assert ours[0][tokens == -100].eq(0).all()
+    if vocab_size is not None and vocab_size < V:
+        assert ours[3][vocab_size:].eq(0).all()  # padded rows get no gradient
+
+
+def test_one_chunk_equals_many_chunks(device):
+    hidden, weight, tokens = make_inputs(40, 32, 700, torch.float32, device)
+    grads = torch.randn(40, device=device), torch.randn(40, device=device)
+    many = run_ours(hidden, weight, tokens, *grads, workspace_bytes=SMALLEST_WORKSPACE)
+    one = run_ours(hidden, weight, tokens, *grads, workspace_bytes=2**30)
+    for a, b in zip(many, one):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision(device, dtype):
+    hidden, weight, tokens = make_inputs(48, 64, 520, dtype, device, vocab_size=515)
+    grad_lp, grad_ent = torch.randn(48, device=device), torch.randn(48, device=device)
+    kw = dict(temperature=0.8, vocab_size=515)
+    ours = run_ours(hidden, weight, tokens, grad_lp, grad_ent, workspace_bytes=SMALLEST_WORKSPACE, **kw)
+    ref = reference_outputs_and_grads(hidden, weight, tokens, grad_lp, grad_ent, **kw)
+    assert ours[0].dtype == torch.float32 and ours[2].dtype == dtype and ours[3].dtype == dtype
+    assert_matches_reference(ours, ref, TOLERANCE[dtype])
+
+
+def test_leading_shape_int32_tokens_and_non_contiguous(device):
+    hidden, weight, tokens = make_inputs(24, 16, 200, torch.float32, device)
+    hidden_bsh = hidden.reshape(4, 6, 16).transpose(0, 1)  # [6, 4, 16], not contiguous
+    tokens_bs = tokens.reshape(4, 6).transpose(0, 1).to(torch.int32)
+    weight_t = weight.T.contiguous().T  # same values, column-major
+    assert not hidden_bsh.is_contiguous() and not weight_t.is_contiguous()
+    lp = fused_rl_ops.chosen_logprob(hidden_bsh, weight_t, tokens_bs)
+    ref, _ = reference.chosen_logprob(hidden_bsh.double().cpu(), weight.double().cpu(), tokens_bs.long().cpu())
+    assert lp.shape == (6, 4)
+    torch.testing.assert_close(lp.double().cpu(), ref, **TOLERANCE[torch.float32])
+
+
+def test_ignore_index_passes_no_logprob_gradient_but_keeps_entropy(device):
+    hidden, weight, tokens = make_inputs(6, 8, 130, torch.float32, device)
+    tokens[:] = -100
+    h = hidden.clone().requires_grad_(True)
+    lp, ent = fused_rl_ops.chosen_logprob(h, weight, tokens, return_entropy=True)
+    assert lp.eq(0).all() and (ent > 0).all()
+    lp.sum().backward()
+    assert h.grad.eq(0).all()
+
+
+def test_zero_tokens(device):
+    hidden, weight, _ = make_inputs(1, 8, 130, torch.float32, device)
+    h = hidden[:0].clone().requires_grad_(True)
+    lp, ent = fused_rl_ops.chosen_logprob(h, weight, torch.empty(0, dtype=torch.long, device=device), return_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    assert lp.shape == (0,) and ent.shape == (0,) and h.grad.shape == (0, 8)
+
+
+def test_deterministic(device):
+    hidden, weight, tokens = make_inputs(50, 40, 600, torch.float32, device)
+    grads = torch.randn(50, device=device), torch.randn(50, device=device)
+    first = run_ours(hidden, weight, tokens, *grads, workspace_bytes=SMALLEST_WORKSPACE)
+    second = run_ours(hidden, weight, tokens, *grads, workspace_bytes=SMALLEST_WORKSPACE)
+    for a, b in zip(first, second):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_gradcheck_float64():
+    hidden, weight, tokens = make_inputs(5, 6, 140, torch.float64, "cpu", vocab_size=135)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+
+    def fn(h, w):
+        return fused_rl_ops.chosen_logprob(h, w, tokens, temperature=0.9, vocab_size=135, return_entropy=True,
+                                           workspace_bytes=SMALLEST_WORKSPACE)
+
+    assert torch.autograd.gradcheck(fn, (hidden, weight))
+
+
+def test_opcheck(device):
+    hidden, weight, tokens = make_inputs(9, 12, 200, torch.float32, device)
+    ops = torch.ops.fused_rl_ops
+    torch.library.opcheck(ops.logprob_stats, (hidden, weight, tokens, 0.9, 100, 128))
+    stats = ops.logprob_stats(hidden, weight, tokens, 0.9, 0, 128)
+    torch.library.opcheck(ops.logprob_combine, (torch.stack([stats, stats]),))
+    lse, ent, _ = ops.logprob_combine(stats[None]).unbind(1)
+    per_token = [lse.contiguous(), (lse - ent).contiguous(), torch.randn(9, device=device), torch.randn(9, device=device)]
+    torch.library.opcheck(ops.logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 128))
+
+
+def test_torch_compile(device):
+    hidden, weight, tokens = make_inputs(16, 16, 300, torch.float32, device)
+
+    def loss(h, w):
+        lp, ent = fused_rl_ops.chosen_logprob(h, w, tokens, temperature=0.8, return_entropy=True, check_tokens=False)
+        return (lp * 2.0).sum() + ent.mean()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out_c, out_e = compiled(h1, w1), loss(h2, w2)
+    out_c.backward()
+    out_e.backward()
+    torch.testing.assert_close(out_c, out_e)
+    torch.testing.assert_close(h1.grad, h2.grad)
+    torch.testing.assert_close(w1.grad, w2.grad)
+
+
+PEAK_MEMORY_SCRIPT = """
+import resource, sys, torch
+import fused_rl_ops
+from fused_rl_ops import reference
+N, H, V, path = 1024, 64, 65536, sys.argv[1]
+hidden = torch.randn(N, H, requires_grad=True)
+weight = (torch.randn(V, H) * 0.1).requires_grad_(True)
+tokens = torch.randint(0, V, (N,))
+grads = (torch.empty_like(hidden), torch.empty_like(weight))  # touch the gradient-sized pages first
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if path == "fused":
+    lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, tokens, return_entropy=True, workspace_bytes=8 * 2**20)
+else:
+    lp, ent = reference.chosen_logprob(hidden, weight, tokens)
+(lp.sum() + ent.sum()).backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def extra_peak_bytes(path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PEAK_MEMORY_SCRIPT, path], capture_output=True, text=True,
+                         check=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    return int(out.stdout.split()[-1])
+
+
+def test_peak_memory_does_not_hold_tokens_by_vocab():
+    """Peak RSS growth of forward + backward: the naive path holds [N, V] logits (256 MiB here),
+    ours stays near its 8 MiB workspace plus the gradients (16.25 MiB)."""
+    logits_bytes = 4 * 1024 * 65536
+    assert extra_peak_bytes("naive") > logits_bytes
+    assert extra_peak_bytes("fused") < 48 * 2**20
+
+
+def test_bad_inputs(device):
+    hidden, weight, tokens = make_inputs(4, 8, 130, torch.float32, device)
+    with pytest.raises(TypeError, match="weight must have hidden's dtype"):
+        fused_rl_ops.chosen_logprob(hidden, weight.to(torch.float16), tokens)
+    with pytest.raises(TypeError, match="tokens must be int64 or int32"):
+        fused_rl_ops.chosen_logprob(hidden, weight, tokens.float())
+    with pytest.raises(TypeError, match="hidden must be float32, bfloat16 or float16"):
+        fused_rl_ops.chosen_logprob(hidden.to(torch.int32), weight.to(torch.int32), tokens)
+    with pytest.raises(ValueError, match=r"weight \[V_local, H\]"):
+        fused_rl_ops.chosen_logprob(hidden, weight[:, :7], tokens)
+    with pytest.raises(ValueError, match="tokens must have hidden's leading shape"):
+        fused_rl_ops.chosen_logprob(hidden, weight, tokens[:3])
+    with pytest.raises(ValueError, match="temperature must be a positive"):
+        fused_rl_ops.chosen_logprob(hidden, weight, tokens, temperature=0.0)
+    bad = tokens.clone()
+    bad[1] = 130
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 130\).*\[130\]"):
+        fused_rl_ops.chosen_logprob(hidden, weight, bad)
+    bad[1] = 125
+    with pytest.raises(ValueError, match=r"\[0, 120\)"):
+        fused_rl_ops.chosen_logprob(hidden, weight, bad, vocab_size=120)
+    bad[1] = -1
+    with pytest.raises(ValueError, match="token ids must lie"):
+        fused_rl_ops.chosen_logprob(hidden, weight, bad)
+    with pytest.raises(ValueError, match="one device"):
+        fused_rl_ops.chosen_logprob(hidden, weight.to("meta"), tokens)
