@@ -1,7 +1,17 @@
 """Megatron-core integration: chosen-token logprobs, entropy and values straight from the hidden states.
 
 Tested with megatron-core 0.19.2. Importing this module imports megatron-core; the rest of
-fused_rl_ops does not need it.
+fused_rl_ops does not need it. In short::
+
+    from fused_rl_ops.megatron import attach, rl_output_processor, with_clamped_swiglu_mlp
+
+    model = GPTModel(config, with_clamped_swiglu_mlp(get_gpt_layer_local_spec()), padded_vocab, ...)
+    attach(model, rl_output_processor(value_head=fused_rl_ops.ValueHead(config.hidden_size),
+                                      vocab_size=tokenizer_vocab_size))
+    outputs = model(tokens, position_ids, attention_mask, labels=tokens)
+    outputs["logprobs"], outputs["entropy"], outputs["values"]  # fp32 [b, s]
+
+examples/ppo_step.py runs a whole PPO step this way.
 
 Output processor
 ----------------
@@ -13,18 +23,25 @@ Called by the model in place of its output layer, it returns a dict of fp32 ``[b
 - ``"logprobs"``: log-softmax of ``logits / temperature`` at the chosen tokens. The tokens are the
   ``labels`` the model was called with, or ``context["tokens"]`` (``[b, s]``); give one of the two.
   Positions where ``loss_mask`` is 0 or the token is ``ignore_index`` get 0 and no gradient.
-- ``"entropy"`` (when ``return_entropy``): entropy of the same distribution.
+- ``"entropy"`` (when ``return_entropy``): entropy of the same distribution, at every position
+  (masked ones included: mask the loss).
 - ``"values"`` (when ``value_head`` is given): a module mapping ``[..., H]`` to ``[...]`` (for
   example ``fused_rl_ops.ValueHead``), or a weight ``[H]`` / ``[1, H]`` for ``fused_rl_ops.value_head``.
+  It reads the same hidden states, replicated over TP like the loss, so its parameters get full
+  gradients on every rank.
 
-It never materialises the logits: ``fused_rl_ops.chosen_logprob`` reads the output layer's local
-vocab shard (the tied embedding weight when embeddings are shared, else ``output_layer.weight``)
-over the output layer's tensor-parallel group. ``vocab_size`` is the tokenizer's vocabulary:
-Megatron's training scripts pad the vocab (to a multiple of 128 x TP) and the padded rows would
-otherwise enter the softmax and the entropy, so pass it to match what the sampler saw. With
-sequence parallel the hidden states are gathered with Megatron's sequence-parallel gather, whose
-backward reduce-scatters, so the op leaves the hidden gradient unreduced (summed exactly once).
-The processor's ``output_names`` lists the dict's keys in order. MuP output scaling is refused.
+The processor's ``output_names`` lists the dict's keys in order. It never materialises the logits:
+``fused_rl_ops.chosen_logprob`` reads the output layer's local vocab shard (the tied embedding
+weight when embeddings are shared, else ``output_layer.weight``) over the output layer's
+tensor-parallel group. ``vocab_size`` is the tokenizer's vocabulary: Megatron's training scripts
+pad the vocab (to a multiple of 128 x TP) and the padded rows would otherwise enter the softmax and
+the entropy, so pass it to match what the sampler saw. With sequence parallel the hidden states are
+gathered with Megatron's sequence-parallel gather, whose backward reduce-scatters, so the op leaves
+the hidden gradient unreduced (summed exactly once). MuP output scaling is refused.
+
+``NaiveRLOutputProcessor`` (same arguments) computes the same outputs through the materialised
+logits: Megatron's output layer and ``vocab_parallel_cross_entropy``. It is the baseline the tests
+and the example compare against.
 
 Registration: ``attach(model, processor)`` / ``detach(model)``
 ------------------------------------------------------------
@@ -32,25 +49,26 @@ Registration: ``attach(model, processor)`` / ``detach(model)``
 unwraps Megatron's DDP / FSDP / Float16Module wrappers to the language model, then:
 
 - GPTModel with the native hook: a forward pre-hook adds ``output_processor=processor`` to every
-  call (``output_processor_context`` is still passed per call), and the model's
-  ``build_schedule_plan`` gets the same processor. Two differences on the schedule-plan path, both
-  forced by megatron-core 0.19.2: its post-process node only carries tensors, so the plan's output
-  is the tuple of the dict's values (in ``output_names`` order), which is what a combined-1F1B
-  ``loss_func`` then receives as positional arguments; and for a dense last layer the plan skips
-  ``decoder.final_layernorm``, so attach applies it before the processor, giving the same numbers
-  as ``forward``. Pass the processor only through ``attach`` on that path: called directly by a
-  plan it would fail on its dict output.
-- Models without the hook (HybridModel in megatron-core 0.19.2, GPTModel before 0.18): during each
-  forward the output layer module is swapped for a stand-in that runs the processor, and the model
-  returns the processor's dict. ``forward`` itself is untouched and the output layer is restored
-  after every call, so parameters and state dicts are unchanged. Pass the tokens as
+  call (``output_processor_context`` is still passed per call; passing ``output_processor`` too is
+  refused), and the model's ``build_schedule_plan`` gets the same processor. Two differences on the
+  schedule-plan path, both forced by megatron-core 0.19.2: its post-process node carries only
+  tensors, so the plan's output is the tuple of the dict's values (in ``output_names`` order), which
+  a combined-1F1B ``loss_func`` receives as positional arguments; and for a dense last layer the
+  plan skips ``decoder.final_layernorm``, so attach applies it before the processor, giving the same
+  numbers as ``forward``. Use the processor on that path only through ``attach``: passed directly to
+  ``build_schedule_plan`` it would fail on its dict output.
+- Models without the hook (HybridModel in megatron-core 0.19.2; GPTModel before 0.18 calls its
+  output layer the same way, but only HybridModel is tested): during each forward the output layer
+  module is swapped for a stand-in that runs the processor, and the model returns the processor's
+  dict. ``forward`` itself is untouched and the output layer is restored after every call, so
+  parameters and state dicts are unchanged. Pass the tokens as
   ``model(..., output_processor_context={"tokens": tokens})`` (and ``loss_mask=`` if needed); a call
   with ``labels`` is refused, because the model would compute its cross entropy over the stand-in's
   output and return a meaningless loss. Models with multi-token prediction are refused (their MTP
   loss calls the output layer too).
 
 Hooks run on ``model(...)`` calls, as Megatron's schedules make them; calling ``model.forward``
-directly bypasses them.
+directly bypasses them. On a pipeline's earlier stages the model returns its hidden states as usual.
 
 Clamped SwiGLU MLP
 ------------------
@@ -408,7 +426,8 @@ class ClampedSwiGLUMLP(MLP):
     """Megatron's MLP with the gated activation computed by fused_rl_ops.clamped_swiglu.
 
     Same submodules, parameters and [gate | linear] fc1 layout per TP rank as MLP; the activation
-    follows config.activation_func (gate), activation_func_clamp_value and glu_linear_offset.
+    follows config.activation_func (gate), activation_func_clamp_value and glu_linear_offset. One
+    difference from Megatron's torch.clamp: an input exactly on the limit keeps its gradient.
     """
 
     def __init__(self, config, submodules, **kwargs):

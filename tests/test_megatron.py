@@ -151,16 +151,32 @@ def test_processor_refuses_bad_calls():
         rl_output_processor(temperature=0.0)
 
 
-def test_with_clamped_swiglu_mlp_refuses_a_spec_without_mlp():
+def test_with_clamped_swiglu_mlp_swaps_both_spec_forms_and_refuses_a_spec_without_mlp():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from fused_rl_ops.megatron import with_clamped_swiglu_mlp
+    from fused_rl_ops.megatron import ClampedSwiGLUMLP, with_clamped_swiglu_mlp
 
-    spec = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(mlp=IdentityOp))
+    layer = get_gpt_layer_local_spec()  # its mlp: partial(MLP.as_mlp_submodule, submodules=...)
+    mlp_submodules = layer.submodules.mlp.keywords["submodules"]
+    old_form = ModuleSpec(  # what TransformerLayer rewraps itself
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(mlp=ModuleSpec(module=MLP, submodules=mlp_submodules)),
+    )
+    block = TransformerBlockSubmodules(layer_specs=[layer, old_form])
+    swapped = with_clamped_swiglu_mlp(block)
+    for spec in swapped.layer_specs:
+        assert spec.submodules.mlp.func == ClampedSwiGLUMLP.as_mlp_submodule
+        assert spec.submodules.mlp.keywords["submodules"] is mlp_submodules
+    assert layer.submodules.mlp.func == MLP.as_mlp_submodule  # the input is left as it was
+
+    no_mlp = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(mlp=IdentityOp))
     with pytest.raises(ValueError, match="no dense megatron MLP"):
-        with_clamped_swiglu_mlp(spec)
+        with_clamped_swiglu_mlp(no_mlp)
 
 
 # ----------------------------------------------------------------- GPTModel: forward and schedule plan
