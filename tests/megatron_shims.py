@@ -8,7 +8,6 @@ import contextlib
 import copy
 
 import torch
-import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _installed = False
@@ -48,7 +47,6 @@ def install_cpu_shims():
     from megatron.core.models.hybrid import hybrid_block
     from megatron.core.pipeline_parallel import utils as pp_utils
     from megatron.core.tensor_parallel import random
-    from megatron.core.transformer import torch_norm
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     def cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
@@ -67,7 +65,7 @@ def install_cpu_shims():
     plan_cls.wait_current_stream = lambda self: None
     torch.Tensor.record_stream = lambda self, stream: None
 
-    # Pipeline parallel: p2p buffers and the current device.
+    # Pipeline parallel: p2p buffers and the current device. The mode stays on for the process.
     torch.cuda.current_device = lambda: "cpu"
     _CpuDeviceMode().__enter__()
 
@@ -76,7 +74,7 @@ def install_cpu_shims():
 
     # Sequence parallel: torch's norm refuses it only because it does not mark its parameters
     # as sequence-parallel (their gradients are per-rank partial sums), as Apex's norm does.
-    build_torch_norm = torch_norm.WrappedTorchNorm.__new__
+    build_torch_norm = WrappedTorchNorm.__new__
 
     def sequence_parallel_torch_norm(cls, config, hidden_size, *args, **kwargs):
         config_without_sp = copy.copy(config)
@@ -86,7 +84,7 @@ def install_cpu_shims():
             param.sequence_parallel = config.sequence_parallel
         return norm
 
-    torch_norm.WrappedTorchNorm.__new__ = sequence_parallel_torch_norm
+    WrappedTorchNorm.__new__ = sequence_parallel_torch_norm
 
 
 def init_model_parallel(tp: int, pp: int = 1):
