@@ -73,10 +73,11 @@ def take_grads(model):
     return grads
 
 
-def assert_grads_close(actual, expected):
+def assert_close_by_name(actual, expected):
+    """Dicts of named tensors (gradients, parameters) agree to fp32 rounding, relative to each tensor's scale."""
     assert actual.keys() == expected.keys() and expected
-    for name, grad in expected.items():
-        assert_close(actual[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item() + 1e-9,
+    for name, tensor in expected.items():
+        assert_close(actual[name], tensor, rtol=1e-4, atol=1e-5 * tensor.abs().max().item() + 1e-9,
                      msg=lambda message: f"{name}: {message}")
 
 
@@ -207,7 +208,7 @@ def _check_gpt_forward_and_schedule_plan():
     assert_close(outputs["logprobs"], megatron_logprobs)
     assert_close(outputs["entropy"], expected_entropy.float())
     (coeff * outputs["logprobs"]).sum().backward()
-    assert_grads_close(take_grads(model), megatron_grads)
+    assert_close_by_name(take_grads(model), megatron_grads)
 
     # schedule-plan path, forward then backward: the plan's output is the tuple of the dict's values
     plan = model.build_schedule_plan(*batch, labels=tokens)
@@ -216,7 +217,7 @@ def _check_gpt_forward_and_schedule_plan():
     assert_close(plan_logprobs, megatron_logprobs)
     assert_close(plan_entropy, expected_entropy.float())
     TransformerModelChunkSchedulePlan.run(None, plan, b_grad=(coeff, torch.zeros_like(plan_entropy)))
-    assert_grads_close(take_grads(model), megatron_grads)
+    assert_close_by_name(take_grads(model), megatron_grads)
     assert not recorder.hidden_states
 
     with pytest.raises(ValueError, match="detach"):
@@ -263,7 +264,7 @@ def _check_gpt_tied_padded_vocab_masked_tempered():
     kept = loss_mask == 1
     assert_close(outputs["entropy"][kept], expected_entropy.float()[kept])
     outputs["logprobs"].sum().backward()
-    assert_grads_close(take_grads(model), megatron_grads)  # the tied weight gets both of its gradients
+    assert_close_by_name(take_grads(model), megatron_grads)  # the tied weight gets both of its gradients
 
     # Without vocab_size the padded rows enter the softmax: the numbers differ.
     with torch.no_grad():
@@ -308,7 +309,7 @@ def _check_hybrid_model():
     assert_close(recorder.hidden_states.pop(), hidden_states, rtol=0, atol=0)
     assert_close(outputs["logprobs"], megatron_logprobs)
     (coeff * outputs["logprobs"]).sum().backward()
-    assert_grads_close(take_grads(model), megatron_grads)
+    assert_close_by_name(take_grads(model), megatron_grads)
     assert isinstance(model.output_layer, ColumnParallelLinear) and list(model.state_dict()) == state_dict_keys
 
     loss_mask = (coeff > 0).float()
@@ -346,7 +347,7 @@ def _check_wrapped_models():
     outputs = ddp_model(*batch, labels=tokens)
     assert_close(outputs["logprobs"], megatron_logprobs.detach())
     (coeff * outputs["logprobs"]).sum().backward()
-    assert_grads_close({name: p.main_grad for name, p in ddp_model.named_parameters()}, megatron_grads)
+    assert_close_by_name({name: p.main_grad for name, p in ddp_model.named_parameters()}, megatron_grads)
     detach(ddp_model)
 
     bf16_config = tiny_config(bf16=True)
@@ -388,7 +389,7 @@ def _check_clamped_swiglu_mlp():
         ]
         assert (fc1_outputs[0].abs() > limit).float().mean() > 0.1  # the clamp is exercised
         assert_close(logprobs, megatron_logprobs)
-        assert_grads_close(grads, megatron_grads)
+        assert_close_by_name(grads, megatron_grads)
 
     with pytest.raises(ValueError, match="gated_linear_unit"):
         tiny_model("gpt", clamped_swiglu_mlp=True)
@@ -453,12 +454,12 @@ def assert_same_outputs(fused_outputs, naive_outputs):
 def assert_same_step(policies):
     """Fused and naive have the same gradient for every parameter; after an SGD step each, the same parameters."""
     (fused, _, fused_value), (naive, _, naive_value) = policies
-    assert_grads_close(grads_by_name(fused), grads_by_name(naive))
+    assert_close_by_name(grads_by_name(fused), grads_by_name(naive))
     if naive_value.grad is not None:  # only a pipeline's last stage uses its value head
         assert_close(fused_value.grad, naive_value.grad, rtol=1e-4, atol=1e-6)
     for model, _, value_weight in policies:
         torch.optim.SGD([*model.parameters(), value_weight], lr=0.1).step()
-    assert_grads_close(dict(fused.named_parameters()), dict(naive.named_parameters()))
+    assert_close_by_name(dict(fused.named_parameters()), dict(naive.named_parameters()))
 
 
 def _check_ppo_step(sequence_parallel):
