@@ -21,6 +21,31 @@ from torch.testing import assert_close
 from dist_utils import run_distributed
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the GPU machine has none)")
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.fusions.fused_bias_geglu import quick_gelu  # noqa: E402
+from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy  # noqa: E402
+from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
+from megatron.core.transformer.mlp import MLP  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules  # noqa: E402
+
+import fused_rl_ops  # noqa: E402
+from fused_rl_ops.megatron import (  # noqa: E402
+    ClampedSwiGLUMLP,
+    NaiveRLOutputProcessor,
+    attach,
+    detach,
+    rl_output_processor,
+    with_clamped_swiglu_mlp,
+)
+from megatron_shims import init_model_parallel, tiny_config, tiny_model  # noqa: E402
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from ppo_step import forward_backward, make_rollout, model_inputs, ppo_loss  # noqa: E402
 
@@ -115,8 +140,6 @@ def float64_reference(hidden_states, weight, tokens, temperature=1.0, vocab_size
 
 def test_processor_on_one_rank_matches_float64():
     """No TP group: padded vocab, temperature, loss_mask and a value-head weight, against float64."""
-    from fused_rl_ops.megatron import rl_output_processor
-
     hidden, weight, value_weight = torch.randn(S, B, 16), torch.randn(VOCAB, 16), torch.randn(16)
     output_layer = types.SimpleNamespace(weight=weight, tp_group=None, sequence_parallel=False)
     tokens = torch.randint(0, REAL_VOCAB, (B, S))
@@ -132,8 +155,6 @@ def test_processor_on_one_rank_matches_float64():
 
 
 def test_processor_refuses_bad_calls():
-    from fused_rl_ops.megatron import rl_output_processor
-
     hidden, weight = torch.randn(S, B, 16), torch.randn(32, 16)
     output_layer = types.SimpleNamespace(weight=weight, tp_group=None, sequence_parallel=False)
     tokens = torch.randint(0, 32, (B, S))
@@ -154,15 +175,6 @@ def test_processor_refuses_bad_calls():
 
 
 def test_with_clamped_swiglu_mlp_swaps_both_spec_forms_and_refuses_a_spec_without_mlp():
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-
-    from fused_rl_ops.megatron import ClampedSwiGLUMLP, with_clamped_swiglu_mlp
-
     layer = get_gpt_layer_local_spec()  # its mlp: partial(MLP.as_mlp_submodule, submodules=...)
     mlp_submodules = layer.submodules.mlp.keywords["submodules"]
     old_form = ModuleSpec(  # what TransformerLayer rewraps itself
@@ -185,11 +197,6 @@ def test_with_clamped_swiglu_mlp_swaps_both_spec_forms_and_refuses_a_spec_withou
 
 
 def _check_gpt_forward_and_schedule_plan():
-    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
-
-    from fused_rl_ops.megatron import attach, detach, rl_output_processor
-    from megatron_shims import tiny_model
-
     model = tiny_model("gpt")
     batch = make_batch()
     tokens = batch[0]
@@ -230,11 +237,6 @@ def _check_gpt_forward_and_schedule_plan():
 def _check_gpt_tied_padded_vocab_masked_tempered():
     """The native keyword without attach; tied embeddings, padded vocab, loss_mask, temperature,
     tokens from the context."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    from fused_rl_ops.megatron import rl_output_processor
-    from megatron_shims import tiny_model
-
     model = tiny_model("gpt", tied_embeddings=True)
     batch = make_batch(vocab=REAL_VOCAB)
     tokens = batch[0]
@@ -273,8 +275,6 @@ def _check_gpt_tied_padded_vocab_masked_tempered():
 
 
 def _gpt_model_paths(rank, world_size):
-    from megatron_shims import init_model_parallel
-
     init_model_parallel(tp=2)
     _check_gpt_forward_and_schedule_plan()
     _check_gpt_tied_padded_vocab_masked_tempered()
@@ -289,11 +289,6 @@ def test_gpt_model_paths():
 
 def _check_hybrid_model():
     """No native hook: the output layer is swapped per forward; labels are refused."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear
-
-    from fused_rl_ops.megatron import attach, detach, rl_output_processor
-    from megatron_shims import tiny_model
-
     model = tiny_model("hybrid")
     batch = make_batch()
     tokens = batch[0]
@@ -327,12 +322,6 @@ def _check_hybrid_model():
 
 def _check_wrapped_models():
     """attach finds the language model inside Megatron's DDP and Float16Module wrappers."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.transformer.module import Float16Module
-
-    from fused_rl_ops.megatron import attach, detach, rl_output_processor
-    from megatron_shims import tiny_config, tiny_model
-
     batch = make_batch()
     tokens = batch[0]
     coeff = same_on_all_ranks(B, S, seed=4)
@@ -362,11 +351,6 @@ def _check_wrapped_models():
 
 def _check_clamped_swiglu_mlp():
     """ClampedSwiGLUMLP equals Megatron's unfused clamped GLU, forward and backward, in GPT and hybrid specs."""
-    from megatron.core.fusions.fused_bias_geglu import quick_gelu
-
-    from fused_rl_ops.megatron import ClampedSwiGLUMLP
-    from megatron_shims import tiny_config, tiny_model
-
     batch = make_batch()
     coeff = same_on_all_ranks(B, S, seed=5)
     limit = 0.5
@@ -396,8 +380,6 @@ def _check_clamped_swiglu_mlp():
 
 
 def _hybrid_wrapped_and_mlp(rank, world_size):
-    from megatron_shims import init_model_parallel
-
     init_model_parallel(tp=2)
     _check_hybrid_model()
     _check_wrapped_models()
@@ -416,10 +398,6 @@ def build_policy_pair(config, **processor_options):
     fused: ClampedSwiGLUMLP, rl_output_processor, fused_rl_ops.ValueHead;
     naive: Megatron's MLP, materialised logits, the value weight as a plain tensor.
     Returns [(model, processor, value parameter)] for fused, then naive."""
-    import fused_rl_ops
-    from fused_rl_ops.megatron import NaiveRLOutputProcessor, rl_output_processor
-    from megatron_shims import tiny_model
-
     fused = tiny_model("gpt", config, clamped_swiglu_mlp=True)
     naive = tiny_model("gpt", config)
     naive.load_state_dict(fused.state_dict())
@@ -435,10 +413,6 @@ def build_policy_pair(config, **processor_options):
 
 def ppo_config(**overrides):
     """gpt-oss-style MLP (quick-GELU gate, offset 1) with a clamp the tiny model's activations reach."""
-    from megatron.core.fusions.fused_bias_geglu import quick_gelu
-
-    from megatron_shims import tiny_config
-
     return tiny_config(
         init_method_std=0.1, gated_linear_unit=True, activation_func=quick_gelu,
         activation_func_clamp_value=0.5, glu_linear_offset=1.0, **overrides,
@@ -463,8 +437,6 @@ def assert_same_step(policies):
 
 
 def _check_ppo_step(sequence_parallel):
-    from fused_rl_ops.megatron import attach
-
     config = ppo_config(sequence_parallel=sequence_parallel)
     policies = build_policy_pair(config, vocab_size=REAL_VOCAB, temperature=0.9)
     for model, processor, _ in policies:
@@ -483,8 +455,6 @@ def _check_ppo_step(sequence_parallel):
 
 
 def _ppo_step_tensor_parallel(rank, world_size):
-    from megatron_shims import init_model_parallel
-
     init_model_parallel(tp=2)
     _check_ppo_step(sequence_parallel=False)
     _check_ppo_step(sequence_parallel=True)
@@ -496,8 +466,6 @@ def test_ppo_step_tensor_parallel_with_and_without_sequence_parallel():
 
 def run_schedule(model, rollouts, loss_func, forward_only=False):
     """Megatron's pipeline schedule over the rollouts as microbatches; loss_func(output, rollout)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     def forward_step(data_iterator, model):
         rollout = next(data_iterator)
         tokens = rollout["tokens"]
@@ -522,11 +490,6 @@ def ppo_loss_and_outputs(outputs, rollout):
 def _pipeline_parallel(rank, world_size):
     """2 stages through get_forward_backward_func: the last stage's processor sees the output layer's
     input and matches Megatron's cross entropy; the PPO step matches the naive path on both stages."""
-    from megatron.core import parallel_state
-
-    from fused_rl_ops.megatron import attach
-    from megatron_shims import init_model_parallel
-
     init_model_parallel(tp=1, pp=2)
     policies = build_policy_pair(ppo_config(pipeline_dtype=torch.float32))
     (fused, fused_processor, _), (naive, naive_processor, _) = policies
