@@ -56,7 +56,7 @@ elif not CUDA_HOME:
     print("fused_rl_ops: no CUDA toolkit found; building the CPU kernels only", file=sys.stderr)
 
 sources = ["csrc/module.cpp"] + sorted(glob.glob("csrc/*_cpu.cpp"))
-cxx_flags = ["-O3", "-Wall"]
+cxx_flags = ["-O3", "-Wall", "-Wno-unknown-pragmas"]  # ATen's vec headers use #pragma unroll
 if platform.machine() in ("x86_64", "AMD64") and os.environ.get("FUSED_RL_OPS_NO_AVX2") != "1":
     # The CPU kernels use at::vec; without these its Vectorized falls back to scalar loops.
     cxx_flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]

@@ -32,6 +32,22 @@ inline void check_logprob_inputs(const at::Tensor& hidden, const at::Tensor& wei
   TORCH_CHECK(chunk_size > 0, "chosen_logprob: chunk_size must be > 0");
 }
 
+// Calls fn(logits, w_chunk, c0) for each chunk of weight's rows [c0, c0 + n): logits = h w_chunk^T,
+// [N, n] in the accumulation dtype, in one workspace reused by every chunk.
+template <class Backend, class Fn>
+void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_t chunk_size, const Fn& fn) {
+  const int64_t N = h.size(0), V = weight.size(0), chunk = std::min(chunk_size, V);
+  const at::Tensor w = weight.contiguous();
+  at::Tensor workspace = at::empty({N * chunk}, h.options().dtype(logprob_acc_dtype(h)));
+  for (int64_t c0 = 0; c0 < V; c0 += chunk) {
+    const int64_t n = std::min(chunk, V - c0);
+    at::Tensor logits = workspace.narrow(0, 0, N * n).view({N, n});
+    const at::Tensor w_chunk = Backend::gemm_operand(w.narrow(0, c0, n), logprob_acc_dtype(h));
+    Backend::logits(h, w_chunk, logits);
+    fn(logits, w_chunk, c0);
+  }
+}
+
 // [N, 4] per-token partials (max, sum, ent, chosen) of this shard's logits; chosen is 0 where the
 // token is not in [vocab_start, vocab_start + V).
 template <class Backend>
@@ -43,16 +59,11 @@ at::Tensor logprob_stats_impl(const at::Tensor& hidden, const at::Tensor& weight
   at::Tensor stats = at::zeros({N, 4}, hidden.options().dtype(acc));
   stats.select(1, 0).fill_(-INFINITY);
   if (N == 0 || V == 0) return stats;
-  const at::Tensor h = Backend::gemm_operand(hidden.contiguous(), acc);
-  const at::Tensor w = weight.contiguous(), tok = tokens.contiguous();
-  const int64_t chunk = std::min(chunk_size, V);
-  at::Tensor workspace = at::empty({N * chunk}, stats.options());
-  for (int64_t c0 = 0; c0 < V; c0 += chunk) {
-    const int64_t n = std::min(chunk, V - c0);
-    at::Tensor logits = workspace.narrow(0, 0, N * n).view({N, n});
-    Backend::logits(h, Backend::gemm_operand(w.narrow(0, c0, n), acc), logits);
-    Backend::stats_rows(logits, tok, vocab_start + c0, 1.0 / temperature, stats);
-  }
+  const at::Tensor tok = tokens.contiguous();
+  for_each_logits_chunk<Backend>(Backend::gemm_operand(hidden.contiguous(), acc), weight, chunk_size,
+                                 [&](at::Tensor& logits, const at::Tensor&, int64_t c0) {
+                                   Backend::stats_rows(logits, tok, vocab_start + c0, 1.0 / temperature, stats);
+                                 });
   return stats;
 }
 
@@ -75,21 +86,14 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidde
   at::Tensor grad_h = at::zeros({N, hidden.size(1)}, hidden.options().dtype(acc));
   at::Tensor grad_w = at::zeros_like(weight, at::MemoryFormat::Contiguous);
   if (N == 0 || V == 0) return {grad_h, grad_w};
-  const at::Tensor h = Backend::gemm_operand(hidden.contiguous(), acc);
-  const at::Tensor w = weight.contiguous(), tok = tokens.contiguous();
+  const at::Tensor h = Backend::gemm_operand(hidden.contiguous(), acc), tok = tokens.contiguous();
   const at::Tensor lse_c = lse.contiguous(), mean_c = mean.contiguous();
   const at::Tensor gl = grad_logprob.contiguous(), ge = grad_entropy.contiguous();
-  const int64_t chunk = std::min(chunk_size, V);
-  at::Tensor workspace = at::empty({N * chunk}, grad_h.options());
-  for (int64_t c0 = 0; c0 < V; c0 += chunk) {
-    const int64_t n = std::min(chunk, V - c0);
-    at::Tensor logits = workspace.narrow(0, 0, N * n).view({N, n});
-    const at::Tensor w_chunk = Backend::gemm_operand(w.narrow(0, c0, n), acc);
-    Backend::logits(h, w_chunk, logits);
+  for_each_logits_chunk<Backend>(h, weight, chunk_size, [&](at::Tensor& logits, const at::Tensor& w_chunk, int64_t c0) {
     Backend::grad_rows(logits, tok, vocab_start + c0, lse_c, mean_c, gl, ge, 1.0 / temperature);
-    at::Tensor grad_w_chunk = grad_w.narrow(0, c0, n);
+    at::Tensor grad_w_chunk = grad_w.narrow(0, c0, logits.size(1));
     Backend::accumulate_grads(logits, h, w_chunk, grad_h, grad_w_chunk);
-  }
+  });
   return {grad_h, grad_w};
 }
 

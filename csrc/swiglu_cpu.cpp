@@ -4,7 +4,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "swiglu_checks.h"
+#include "swiglu_args.h"
 #include "vec_math.h"
 
 namespace fused_rl_ops {
@@ -85,39 +85,24 @@ void swiglu_backward_cpu(const scalar_t* dy, const scalar_t* x, scalar_t* dx, in
   });
 }
 
-at::Tensor clamped_swiglu_cpu(const at::Tensor& x_in, std::optional<double> limit, double alpha,
-                              double linear_offset, bool interleaved) {
-  check_swiglu_input(x_in);
-  const SwigluParams p = swiglu_params(limit, alpha, linear_offset);
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor y = at::empty(swiglu_out_shape(x), x.options());
-  const int64_t F = y.size(-1), rows = F == 0 ? 0 : y.numel() / F;
+at::Tensor clamped_swiglu_cpu(const at::Tensor& x, std::optional<double> limit, double alpha, double linear_offset,
+                              bool interleaved) {
+  const SwigluCall c = swiglu_forward_call(x, limit, alpha, linear_offset);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_cpu", [&] {
-    const auto* xp = x.const_data_ptr<scalar_t>();
-    auto* yp = y.mutable_data_ptr<scalar_t>();
-    swiglu_forward_cpu(xp, yp, rows, F, interleaved, p);
+    swiglu_forward_cpu(c.x.const_data_ptr<scalar_t>(), c.half.mutable_data_ptr<scalar_t>(), c.rows, c.F, interleaved,
+                       c.p);
   });
-  return y;
+  return c.half;
 }
 
-at::Tensor clamped_swiglu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x_in,
-                                       std::optional<double> limit, double alpha, double linear_offset,
-                                       bool interleaved) {
-  check_swiglu_input(x_in);
-  const SwigluParams p = swiglu_params(limit, alpha, linear_offset);
-  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(swiglu_out_shape(x_in)) &&
-                  grad_out.scalar_type() == x_in.scalar_type(),
-              "clamped_swiglu_backward: grad_out must match the output's shape and dtype");
-  const at::Tensor x = x_in.contiguous(), dy = grad_out.contiguous();
-  at::Tensor dx = at::empty_like(x);
-  const int64_t F = dy.size(-1), rows = F == 0 ? 0 : dy.numel() / F;
+at::Tensor clamped_swiglu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, std::optional<double> limit,
+                                       double alpha, double linear_offset, bool interleaved) {
+  const SwigluCall c = swiglu_backward_call(grad_out, x, limit, alpha, linear_offset);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_backward_cpu", [&] {
-    const auto* dyp = dy.const_data_ptr<scalar_t>();
-    const auto* xp = x.const_data_ptr<scalar_t>();
-    auto* dxp = dx.mutable_data_ptr<scalar_t>();
-    swiglu_backward_cpu(dyp, xp, dxp, rows, F, interleaved, p);
+    swiglu_backward_cpu(c.half.const_data_ptr<scalar_t>(), c.x.const_data_ptr<scalar_t>(),
+                        c.full.mutable_data_ptr<scalar_t>(), c.rows, c.F, interleaved, c.p);
   });
-  return dx;
+  return c.full;
 }
 
 }  // namespace

@@ -4,41 +4,29 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "swiglu_checks.h"
+#include "swiglu_args.h"
 #include "swiglu_kernel.h"
 #include "torch_utils.h"
 
 namespace fused_rl_ops {
 namespace {
 
-at::Tensor clamped_swiglu_cuda(const at::Tensor& x_in, std::optional<double> limit, double alpha,
-                               double linear_offset, bool interleaved) {
-  check_swiglu_input(x_in);
-  const SwigluParams p = swiglu_params(limit, alpha, linear_offset);
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor y = at::empty(swiglu_out_shape(x), x.options());
-  const int64_t F = y.size(-1), rows = F == 0 ? 0 : y.numel() / F;
-  C10_CUDA_CHECK(launch_swiglu_forward(x.const_data_ptr(), y.mutable_data_ptr(), rows, F, to_dtype(x), interleaved, p, c10::cuda::getCurrentCUDAStream()));
-  return y;
+at::Tensor clamped_swiglu_cuda(const at::Tensor& x, std::optional<double> limit, double alpha, double linear_offset,
+                               bool interleaved) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const SwigluCall c = swiglu_forward_call(x, limit, alpha, linear_offset);
+  C10_CUDA_CHECK(launch_swiglu_forward(c.x.const_data_ptr(), c.half.mutable_data_ptr(), c.rows, c.F, to_dtype(x),
+                                       interleaved, c.p, c10::cuda::getCurrentCUDAStream()));
+  return c.half;
 }
 
-at::Tensor clamped_swiglu_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x_in,
-                                        std::optional<double> limit, double alpha, double linear_offset,
-                                        bool interleaved) {
-  check_swiglu_input(x_in);
-  const SwigluParams p = swiglu_params(limit, alpha, linear_offset);
-  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(swiglu_out_shape(x_in)) &&
-                  grad_out.scalar_type() == x_in.scalar_type() && grad_out.device() == x_in.device(),
-              "clamped_swiglu_backward: grad_out must match the output's shape, dtype and device");
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous(), dy = grad_out.contiguous();
-  at::Tensor dx = at::empty_like(x);
-  const int64_t F = dy.size(-1), rows = F == 0 ? 0 : dy.numel() / F;
-  C10_CUDA_CHECK(launch_swiglu_backward(dy.const_data_ptr(), x.const_data_ptr(), dx.mutable_data_ptr(), rows, F,
-                                        to_dtype(x), interleaved, p,
-                                        c10::cuda::getCurrentCUDAStream()));
-  return dx;
+at::Tensor clamped_swiglu_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, std::optional<double> limit,
+                                        double alpha, double linear_offset, bool interleaved) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const SwigluCall c = swiglu_backward_call(grad_out, x, limit, alpha, linear_offset);
+  C10_CUDA_CHECK(launch_swiglu_backward(c.half.const_data_ptr(), c.x.const_data_ptr(), c.full.mutable_data_ptr(),
+                                        c.rows, c.F, to_dtype(x), interleaved, c.p, c10::cuda::getCurrentCUDAStream()));
+  return c.full;
 }
 
 }  // namespace

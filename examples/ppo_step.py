@@ -95,9 +95,9 @@ def _main(rank, world_size, vocab_size, seq_length):
 
     import fused_rl_ops
     from fused_rl_ops.megatron import NaiveRLOutputProcessor, attach, rl_output_processor, with_clamped_swiglu_mlp
-    from megatron_shims import init_model_parallel, tiny_config
+    from megatron_shims import set_parallel_degrees, tiny_config
 
-    init_model_parallel(tp=world_size)
+    set_parallel_degrees(tp=world_size)
     # gpt-oss's MLP activation: quick-GELU gate, linear offset 1, clamp 7.
     config = tiny_config(
         hidden_size=64, ffn_hidden_size=128, init_method_std=0.1, gated_linear_unit=True,
@@ -111,6 +111,7 @@ def _main(rank, world_size, vocab_size, seq_length):
             max_sequence_length=seq_length, position_embedding_type="rope",
         )
 
+    torch.manual_seed(0)  # Megatron draws full master weights from the CPU RNG: the same on every rank
     fused = policy(with_clamped_swiglu_mlp(get_gpt_layer_local_spec()))
     naive = policy(get_gpt_layer_local_spec())
     naive.load_state_dict(fused.state_dict())

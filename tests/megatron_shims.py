@@ -1,13 +1,22 @@
 """Test-only helpers that run megatron-core 0.19.2 on CPU / gloo, and tiny models to test with.
 
-The shims replace the few CUDA-only calls that NOTES section 2 lists, and let torch's LayerNorm
-(the fallback without Apex) run with sequence parallel; they belong to the tests and examples,
-never to the package. Call `install_cpu_shims()` once per process, before building a model.
+In a process whose default group is initialised (tests/dist_utils.run_distributed):
+
+    set_parallel_degrees(tp=2)         # installs the CPU shims, (re)initialises parallel_state
+    model = tiny_model("gpt", tiny_config(sequence_parallel=True), clamped_swiglu_mlp=True)
+    logits = full_vocab_logits(build_tiny_gpt(seed=1), tokens)  # [batch, seq, vocab]
+
+The shims replace the CUDA-only calls NOTES section 2 lists (forward, schedule plan, pipeline
+parallel, HybridModel) and let torch's LayerNorm (the fallback without Apex) run with sequence
+parallel. They patch megatron-core process-wide, so they belong to the tests and examples, never
+to the package.
 """
 import contextlib
 import copy
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 _installed = False
@@ -26,18 +35,24 @@ class _NoopEvent:
         pass
 
 
-class _CpuDeviceMode(TorchFunctionMode):
-    """Rewrites device= arguments to the CPU: pipeline p2p buffers are allocated on the current CUDA device."""
+def _is_cuda(device):
+    return isinstance(device, int) or torch.device(device).type == "cuda"
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Turns device=<cuda> arguments into the CPU: pipeline p2p buffers are allocated on the
+    current CUDA device."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if kwargs.get("device") is not None:
+        if kwargs.get("device") is not None and _is_cuda(kwargs["device"]):
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)
 
 
 def install_cpu_shims():
-    """Makes megatron-core's forward, schedule-plan, pipeline and HybridModel paths run on the CPU."""
+    """Makes megatron-core's forward, schedule-plan, pipeline and HybridModel paths run on the CPU.
+    Idempotent."""
     global _installed
     if _installed:
         return
@@ -49,6 +64,7 @@ def install_cpu_shims():
     from megatron.core.tensor_parallel import random
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    # The global memory buffer is a CUDA tensor, and the RNG tracker forks the CUDA RNG.
     def cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
         return torch.empty(tensor_shape, dtype=dtype)
 
@@ -67,7 +83,7 @@ def install_cpu_shims():
 
     # Pipeline parallel: p2p buffers and the current device. The mode stays on for the process.
     torch.cuda.current_device = lambda: "cpu"
-    _CpuDeviceMode().__enter__()
+    _CudaToCpuMode().__enter__()
 
     # HybridModel: its final norm is hard-wired to Transformer Engine's.
     hybrid_block.TENorm = WrappedTorchNorm
@@ -87,17 +103,18 @@ def install_cpu_shims():
     WrappedTorchNorm.__new__ = sequence_parallel_torch_norm
 
 
-def init_model_parallel(tp: int, pp: int = 1):
-    """megatron's parallel_state over the default gloo group, seeded identically on every rank."""
+def set_parallel_degrees(tp: int, pp: int = 1):
+    """Installs the shims and (re)initialises megatron-core's parallel state over the default group
+    with TP degree tp and pp pipeline stages (the remaining ranks are data-parallel replicas)."""
     from megatron.core import parallel_state
 
     install_cpu_shims()
+    parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    torch.manual_seed(1234)
 
 
 def tiny_config(**overrides):
-    """A 2-layer, hidden-32 TransformerConfig at the current TP / PP degree with every fusion off."""
+    """A 2-layer, hidden-32 TransformerConfig at the current TP / PP degrees, no fusions, no dropout."""
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
@@ -150,12 +167,14 @@ def local_hybrid_stack_spec():
     )
 
 
-def tiny_model(kind="gpt", config=None, *, vocab_size=256, tied_embeddings=False, clamped_swiglu_mlp=False,
-               seq_length=16):
-    """A GPTModel ("gpt", RoPE) or a HybridModel ("hybrid": attention and MLP layers alternating,
-    learned positions since its RoPE needs CUDA) from Megatron's local (non-TE) modules, for this
-    pipeline stage, at config's (default tiny_config()) TP degree and sequence parallel setting.
-    clamped_swiglu_mlp: its MLPs are fused_rl_ops.megatron.ClampedSwiGLUMLP."""
+def tiny_model(kind="gpt", config=None, *, seed=0, vocab_size=256, tied_embeddings=False,
+               clamped_swiglu_mlp=False, seq_length=16):
+    """A GPTModel ("gpt") or a HybridModel ("hybrid": attention and MLP layers alternating) from
+    Megatron's local (non-TE) modules with learned absolute positions, for this pipeline stage, at
+    config's (default tiny_config()) TP degree and sequence-parallel setting.
+    clamped_swiglu_mlp: its MLPs are fused_rl_ops.megatron.ClampedSwiGLUMLP.
+    Megatron builds every weight as a full master tensor from the CPU RNG and keeps this rank's
+    shard, so a given seed means the same logical weights at every degree."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -174,12 +193,38 @@ def tiny_model(kind="gpt", config=None, *, vocab_size=256, tied_embeddings=False
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=tied_embeddings,
+        position_embedding_type="learned_absolute",  # HybridModel's RoPE moves a buffer to CUDA
     )
+    torch.manual_seed(seed)
     if kind == "gpt":
-        return GPTModel(transformer_layer_spec=spec, position_embedding_type="rope", **common)
+        return GPTModel(transformer_layer_spec=spec, **common)
     if kind == "hybrid":
-        pattern = "*-" * (config.num_layers // 2)
-        return HybridModel(
-            hybrid_stack_spec=spec, hybrid_layer_pattern=pattern, position_embedding_type="learned_absolute", **common
-        )
+        return HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern="*-" * (config.num_layers // 2), **common)
     raise ValueError(f"tiny_model: kind is 'gpt' or 'hybrid', got {kind!r}")
+
+
+def build_tiny_gpt(seed: int, *, hidden_size=32, num_layers=2, vocab_size=128, max_sequence_length=16,
+                   num_attention_heads=4, ffn_hidden_size=64):
+    """A GPTModel at the current TP degree: gated SiLU MLP (fc1 has partition stride 2), biases,
+    untied output layer (tiny_model with these settings)."""
+    config = tiny_config(
+        num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+        ffn_hidden_size=ffn_hidden_size, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=True,
+    )
+    return tiny_model("gpt", config, seed=seed, vocab_size=vocab_size, seq_length=max_sequence_length)
+
+
+def full_vocab_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """model's logits [batch, seq, vocab] for tokens [batch, seq], gathered over the TP ranks here
+    (Megatron's own gather allocates on CUDA). The causal mask is passed explicitly for the same
+    reason."""
+    from megatron.core import parallel_state
+
+    seq_len = tokens.shape[1]
+    positions = torch.arange(seq_len).expand_as(tokens)
+    masked = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1).view(1, 1, seq_len, seq_len)
+    local = model(tokens, positions, masked)  # [batch, seq, vocab / tp]
+    group = parallel_state.get_tensor_model_parallel_group()
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    return torch.cat(pieces, dim=-1)

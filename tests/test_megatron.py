@@ -44,7 +44,7 @@ from fused_rl_ops.megatron import (  # noqa: E402
     rl_output_processor,
     with_clamped_swiglu_mlp,
 )
-from megatron_shims import init_model_parallel, tiny_config, tiny_model  # noqa: E402
+from megatron_shims import set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from ppo_step import forward_backward, make_rollout, model_inputs, ppo_loss  # noqa: E402
@@ -275,7 +275,7 @@ def _check_gpt_tied_padded_vocab_masked_tempered():
 
 
 def _gpt_model_paths(rank, world_size):
-    init_model_parallel(tp=2)
+    set_parallel_degrees(tp=2)
     _check_gpt_forward_and_schedule_plan()
     _check_gpt_tied_padded_vocab_masked_tempered()
 
@@ -380,7 +380,7 @@ def _check_clamped_swiglu_mlp():
 
 
 def _hybrid_wrapped_and_mlp(rank, world_size):
-    init_model_parallel(tp=2)
+    set_parallel_degrees(tp=2)
     _check_hybrid_model()
     _check_wrapped_models()
     _check_clamped_swiglu_mlp()
@@ -455,7 +455,7 @@ def _check_ppo_step(sequence_parallel):
 
 
 def _ppo_step_tensor_parallel(rank, world_size):
-    init_model_parallel(tp=2)
+    set_parallel_degrees(tp=2)
     _check_ppo_step(sequence_parallel=False)
     _check_ppo_step(sequence_parallel=True)
 
@@ -490,7 +490,7 @@ def ppo_loss_and_outputs(outputs, rollout):
 def _pipeline_parallel(rank, world_size):
     """2 stages through get_forward_backward_func: the last stage's processor sees the output layer's
     input and matches Megatron's cross entropy; the PPO step matches the naive path on both stages."""
-    init_model_parallel(tp=1, pp=2)
+    set_parallel_degrees(tp=1, pp=2)
     policies = build_policy_pair(ppo_config(pipeline_dtype=torch.float32))
     (fused, fused_processor, _), (naive, naive_processor, _) = policies
     rollouts = [

@@ -1,0 +1,543 @@
+"""fused_rl_ops.checkpoint: sharding dialects, and DCP round trips across tensor-parallel degrees.
+
+Multi-process checks run in real processes on gloo (tests/dist_utils.py); each spawned run groups
+several checks because starting processes dominates the time. Data is random bit patterns (NaN
+payloads, -0.0, infinities included) compared through integer views, and every shard comes from
+the test's own reference split (Megatron's rule: chunks of N / (stride * tp), rank r takes chunks
+r, r + tp, ...), not from the code under test.
+"""
+import os
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from dist_utils import run_distributed
+from fused_rl_ops.checkpoint import (
+    ShardingMetadataError,
+    ShardSpec,
+    from_dtensor,
+    load_sharded,
+    read_sharding,
+    save_sharded,
+    to_dtensor,
+)
+
+# save_sharded/load_sharded need DCP's CheckpointableTensor (torch 2.14; the GPU machine's torch 2.11
+# lacks it) and the tiny-GPTModel check needs megatron-core: elsewhere those tests do not apply.
+needs_checkpointable_dcp = pytest.mark.skipif(not hasattr(dcp, "CheckpointableTensor"),
+                                              reason="this torch's DCP has no CheckpointableTensor")
+
+# --- reference helpers ----------------------------------------------------------------------------
+
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def random_bits(shape, dtype, seed):
+    """A tensor of dtype whose bytes are random: every bit pattern, NaN payloads and -0.0 included."""
+    generator = torch.Generator().manual_seed(seed)
+    words = torch.randint(-2**15, 2**15, (*shape, dtype.itemsize // 2), dtype=torch.int16, generator=generator)
+    return words.view(dtype).reshape(shape)
+
+
+def bits(t):
+    return t.detach().contiguous().view(_INT_OF_SIZE[t.element_size()])
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def reference_shard(full, dim, stride, tp, rank):
+    pieces = torch.split(full, full.shape[dim] // (stride * tp), dim)
+    return torch.cat(pieces[rank::tp], dim)
+
+
+def reference_unshard(shards, dim, stride):
+    """The logical tensor from all ranks' shards: block b of every rank, in rank order, for each b."""
+    blocks = [s.chunk(stride, dim) for s in shards]
+    return torch.cat([blocks[r][b] for b in range(stride) for r in range(len(shards))], dim)
+
+
+def legacy(dim, stride=1):
+    return {"tensor_model_parallel": True, "partition_dim": dim, "partition_stride": stride}
+
+
+def add_parameter(module, name, tensor, attributes):
+    """Registers tensor as parameter name ("a.b.weight") of module, creating the submodules on the way."""
+    *path, leaf = name.split(".")
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, torch.nn.Module())
+        module = getattr(module, part)
+    param = torch.nn.Parameter(tensor, requires_grad=False)
+    for key, value in attributes.items():
+        setattr(param, key, value)
+    module.register_parameter(leaf, param)
+
+
+# --- a toy module covering every kind of tensor ---------------------------------------------------
+
+# name, logical shape, dtype, sharding attributes, (dim, stride) for the reference split or None
+LAYOUT = [
+    ("column.weight", (16, 6), torch.float32, legacy(0), (0, 1)),
+    ("column.bias", (16,), torch.float32, legacy(0), (0, 1)),
+    ("fc1.weight", (32, 6), torch.bfloat16, legacy(0, 2), (0, 2)),  # GLU [W ; V]
+    ("fc1.bias", (32,), torch.bfloat16, legacy(0, 2), (0, 2)),
+    ("row.weight", (6, 16), torch.float32, {"_tensor_parallel_mode": "row"}, (1, 1)),
+    ("row.bias", (6,), torch.float32, {"_tensor_parallel_mode": "replicated"}, None),
+    ("strided_row.weight", (6, 16), torch.float16, legacy(1, 2), (1, 2)),
+    ("norm.weight", (6,), torch.float32, {}, None),
+    # vocab 13 padded to 16 rows; the padded rows hold data too (megatron-core 0.16 dialect)
+    ("embedding.weight", (16, 6), torch.bfloat16, {"_mcore_tp": True, "_tp_partition_dim": 0}, (0, 1)),
+    # gated-delta-net style: only tensor_model_parallel and partition_dim
+    ("gdn.conv.weight", (8, 1, 4), torch.float32, {"tensor_model_parallel": True, "partition_dim": 0}, (0, 1)),
+]
+
+
+def logical_state(seed):
+    state = {name: random_bits(shape, dtype, seed * 1000 + i) for i, (name, shape, dtype, _, _) in enumerate(LAYOUT)}
+    state["norm.running"] = random_bits((6,), torch.float64, seed * 1000 + 999)
+    return state
+
+
+class Toy(torch.nn.Module):
+    """Parameters are this TP rank's shards of the logical tensors, annotated as in LAYOUT; a
+    replicated buffer and an extra state ride along."""
+
+    def __init__(self, logical, tp, tp_rank, step):
+        super().__init__()
+        for name, _, _, attributes, split in LAYOUT:
+            local = reference_shard(logical[name], *split, tp, tp_rank) if split else logical[name]
+            add_parameter(self, name, local.clone(), attributes)
+        self.norm.register_buffer("running", logical["norm.running"].clone())
+        self.step = step
+
+    def get_extra_state(self):
+        return {"step": self.step}
+
+    def set_extra_state(self, state):
+        self.step = state["step"]
+
+
+def tensors_of(module):
+    return {k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def assert_all_differ(module, expected):
+    wanted = tensors_of(expected)
+    for name, t in tensors_of(module).items():
+        assert not same_bits(t, wanted[name]), f"{name} already equals the expected value"
+
+
+def assert_all_same(module, expected):
+    wanted = tensors_of(expected)
+    for name, t in tensors_of(module).items():
+        assert same_bits(t, wanted[name]), f"{name} differs"
+
+
+def tp_group_of_size(tp):
+    """This rank's group among consecutive groups of tp ranks (every rank creates every group)."""
+    mine = None
+    for start in range(0, dist.get_world_size(), tp):
+        group = dist.new_group(list(range(start, start + tp)))
+        if start <= dist.get_rank() < start + tp:
+            mine = group
+    return mine
+
+
+# --- single process: the dialects -----------------------------------------------------------------
+
+def annotated(shape, attributes, device="meta"):
+    t = torch.empty(shape, device=device)
+    for key, value in attributes.items():
+        setattr(t, key, value)
+    return t
+
+
+# (attributes of one dialect alone, the expected (dim, stride), the dialect's name)
+ALONE = [
+    (legacy(0), (0, 1), "legacy"),
+    (legacy(1), (1, 1), "legacy"),
+    (legacy(0, 2), (0, 2), "legacy"),
+    ({"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}, (None, 1), "legacy"),
+    ({"_tensor_parallel_mode": "column"}, (0, 1), "mcore-0.19"),
+    ({"_tensor_parallel_mode": "row"}, (1, 1), "mcore-0.19"),
+    ({"_tensor_parallel_mode": "replicated"}, (None, 1), "mcore-0.19"),
+    ({"_mcore_tp": True, "_tp_partition_dim": 0}, (0, 1), "mcore-0.16"),
+    ({"_mcore_tp": True, "_tp_partition_dim": 1}, (1, 1), "mcore-0.16"),
+    ({"_mcore_tp": True, "_tp_duplicated": True}, (None, 1), "mcore-0.16"),
+]
+
+
+@pytest.mark.parametrize("attributes, layout, dialect", ALONE)
+def test_each_dialect_alone(attributes, layout, dialect):
+    spec = read_sharding(annotated((8, 4), attributes))
+    assert (spec.dim, spec.stride, spec.dialects) == (*layout, (dialect,))
+    assert spec.sharded == (layout[0] is not None)
+
+
+# one layout spelled in each attribute dialect (DTensor: in the two-rank checks)
+SPELLINGS = {
+    "column": [legacy(0), {"_tensor_parallel_mode": "column"}, {"_mcore_tp": True, "_tp_partition_dim": 0}],
+    "row": [legacy(1), {"_tensor_parallel_mode": "row"}, {"_mcore_tp": True, "_tp_partition_dim": 1}],
+    "replicated": [{"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1},
+                   {"_tensor_parallel_mode": "replicated"}, {"_mcore_tp": True, "_tp_duplicated": True}],
+}
+
+
+@pytest.mark.parametrize("layout", SPELLINGS)
+def test_each_dialect_alone_resolves_the_same(layout):
+    specs = [read_sharding(annotated((8, 4), attributes)) for attributes in SPELLINGS[layout]]
+    assert len({(spec.dim, spec.stride) for spec in specs}) == 1
+    assert [spec.dialects for spec in specs] == [("legacy",), ("mcore-0.19",), ("mcore-0.16",)]
+
+
+def test_unannotated_tensor_is_replicated():
+    assert read_sharding(torch.empty(3)) == ShardSpec(None, 1, ())
+
+
+def test_gated_delta_net_meta_copy():
+    """A meta copy carrying only tensor_model_parallel and partition_dim (megatron-core 0.19's
+    fallback case) resolves like the annotated parameter."""
+    param = torch.nn.Parameter(torch.randn(8, 1, 4))
+    for key, value in legacy(0).items():
+        setattr(param, key, value)
+    param._tensor_parallel_mode = "column"
+    copy = torch.empty_like(param, device="meta")
+    copy.tensor_model_parallel, copy.partition_dim = True, 0
+    assert read_sharding(copy) == ShardSpec(0, 1, ("legacy",))
+    assert (read_sharding(param).dim, read_sharding(param).stride) == (0, 1)
+
+
+@pytest.mark.parametrize("attributes, layout", [
+    ({**legacy(0), "_tensor_parallel_mode": "column", "_mcore_tp": True, "_tp_partition_dim": 0}, (0, 1)),
+    ({**legacy(1), "_tensor_parallel_mode": "row"}, (1, 1)),
+    ({**legacy(0, 2), "_tensor_parallel_mode": "column"}, (0, 2)),  # stride from the only dialect stating one
+    ({**legacy(0), "_mcore_tp": True}, (0, 1)),  # 0.16 without a dim takes legacy partition_dim, as mcore 0.16 does
+    ({"tensor_model_parallel": False, "partition_dim": -1, "_tensor_parallel_mode": "replicated",
+      "_mcore_tp": True, "_tp_duplicated": True}, (None, 1)),
+])
+def test_agreeing_dialects_resolve(attributes, layout):
+    spec = read_sharding(annotated((8, 4), attributes), "w")
+    assert (spec.dim, spec.stride) == layout
+    assert len(spec.dialects) >= 2
+
+
+@pytest.mark.parametrize("attributes, spellings", [
+    ({**legacy(0), "_tensor_parallel_mode": "row"}, ["_tensor_parallel_mode='row'", "partition_dim=0"]),
+    ({**legacy(0), "_tensor_parallel_mode": "replicated"}, ["'replicated'", "tensor_model_parallel=True"]),
+    ({**legacy(1), "_mcore_tp": True, "_tp_duplicated": True}, ["_tp_duplicated=True", "partition_dim=1"]),
+    ({"_tensor_parallel_mode": "column", "_mcore_tp": True, "_tp_partition_dim": 1},
+     ["'column'", "_tp_partition_dim=1"]),
+    ({**legacy(0, 2), "_mcore_tp": True, "_tp_partition_dim": 1}, ["_tp_partition_dim=1", "partition_stride=2"]),
+])
+def test_disagreeing_dialects_raise(attributes, spellings):
+    with pytest.raises(ShardingMetadataError) as caught:
+        read_sharding(annotated((8, 4), attributes), "decoder.layers.0.mlp.linear_fc1.weight")
+    message = str(caught.value)
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in message
+    for spelling in spellings:
+        assert spelling in message
+
+
+@pytest.mark.parametrize("attributes, fragment", [
+    ({"tensor_model_parallel": False, "partition_dim": 0}, "contradict"),
+    ({"_mcore_tp": True}, "no dialect names the partition dim"),
+    ({"tensor_model_parallel": True, "partition_dim": -1}, "no dialect names the partition dim"),
+    (legacy(2), "does not exist"),
+    ({"_tensor_parallel_mode": "sideways"}, "unknown"),
+    (legacy(0, 0), "stride 0"),
+])
+def test_incomplete_or_contradictory_metadata_raises(attributes, fragment):
+    with pytest.raises(ShardingMetadataError, match=fragment):
+        read_sharding(annotated((8, 4), attributes), "w")
+
+
+def test_refuses_a_dcp_without_checkpointable_tensor(monkeypatch, tmp_path):
+    """Without the protocol DCP would save every rank's shard as the whole tensor."""
+    monkeypatch.delattr(dcp, "CheckpointableTensor")
+    with pytest.raises(RuntimeError, match="CheckpointableTensor"):
+        save_sharded({"w": annotated((4, 4), legacy(0), device="cpu")}, str(tmp_path))
+    with pytest.raises(RuntimeError, match="CheckpointableTensor"):
+        load_sharded(torch.nn.Linear(2, 2), str(tmp_path))
+
+
+# --- round trips across TP degrees (4 processes, with the GPTModel check) ------------------------
+
+def _round_trips(rank, world_size, root):
+    groups = {tp: tp_group_of_size(tp) for tp in (1, 2, 4)}
+    original = logical_state(seed=1)
+    for tp, group in groups.items():
+        save_sharded(Toy(original, tp, dist.get_rank(group), step=7), f"{root}/tp{tp}", tp_group=group)
+
+    for save_tp in groups:
+        for load_tp, group in groups.items():
+            if load_tp == save_tp:
+                continue
+            target = Toy(logical_state(seed=2), load_tp, dist.get_rank(group), step=0)
+            expected = Toy(original, load_tp, dist.get_rank(group), step=7)
+            assert_all_differ(target, expected)
+            load_sharded(target, f"{root}/tp{save_tp}", tp_group=group)
+            assert_all_same(target, expected)
+            assert target.step == 7, (save_tp, load_tp)
+
+    # The checkpoint holds logical tensors: plain DCP reads [W ; V], not the rank shards in a row.
+    for tp in groups:
+        full = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype, _, _ in LAYOUT}
+        dcp.load(full, checkpoint_id=f"{root}/tp{tp}")
+        for name, t in full.items():
+            assert same_bits(t, original[name]), (tp, name)
+
+
+# --- two-rank checks: DTensor conversion, checks before saving, failed loads -----------------------
+
+def _dtensor_and_save_checks(rank, world_size, root):
+    from torch.distributed.tensor import Shard, init_device_mesh
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    original = logical_state(seed=1)
+    toy = Toy(original, world_size, rank, step=7)
+    params = dict(toy.named_parameters())
+    placements = {"column.weight": Shard(0), "row.weight": Shard(1), "fc1.weight": _StridedShard(0, split_factor=2),
+                  "strided_row.weight": _StridedShard(1, split_factor=2)}
+    dtensors = {}
+    for name, placement in placements.items():
+        dtensor = to_dtensor(params[name], mesh)
+        assert dtensor.placements == (placement,), name
+        assert same_bits(dtensor.full_tensor(), original[name]), name
+        local = from_dtensor(dtensor)
+        assert same_bits(local, params[name])
+        legacy_spec = read_sharding(params[name])
+        assert read_sharding(local) == ShardSpec(legacy_spec.dim, legacy_spec.stride, ("legacy",))
+        assert read_sharding(dtensor).dialects == ("dtensor",)
+        dtensors[name] = dtensor
+
+    # A writer speaking only DTensor saves the same logical tensors.
+    save_sharded(dtensors, f"{root}/dtensors")
+    full = {name: torch.empty_like(original[name]) for name in dtensors}
+    dcp.load(full, checkpoint_id=f"{root}/dtensors")
+    assert all(same_bits(full[name], original[name]) for name in dtensors)
+
+    # A plain Shard placement on a tensor whose legacy attributes say stride 2: never a guess.
+    contradicting = to_dtensor(params["column.weight"], mesh)
+    for key, value in legacy(0, 2).items():
+        setattr(contradicting, key, value)
+    with pytest.raises(ShardingMetadataError, match="stride"):
+        read_sharding(contradicting, "fc1.weight")
+
+    # A sharded tensor labelled replicated (in any dialect, or not at all) is caught at save.
+    for i, label in enumerate(({"_tensor_parallel_mode": "replicated"}, {"tensor_model_parallel": False}, {})):
+        module = torch.nn.Module()
+        add_parameter(module, "norm.weight", params["norm.weight"].clone(), {})
+        add_parameter(module, "proj.weight", random_bits((4, 4), torch.float32, seed=rank), label)  # rank-dependent
+        with pytest.raises(ShardingMetadataError, match="proj.weight: claims to be replicated"):
+            save_sharded(module, f"{root}/mislabelled{i}")
+        assert not os.path.exists(f"{root}/mislabelled{i}/.metadata")
+
+    # Bitwise: 0.0 on one rank and -0.0 on the other compare equal but are not the same bytes.
+    signed_zero = torch.zeros(4) if rank == 0 else -torch.zeros(4)
+    with pytest.raises(ShardingMetadataError, match="bias: claims to be replicated"):
+        save_sharded({"bias": signed_zero}, f"{root}/signed_zero")
+
+    # Ranks disagreeing on a tensor's layout are caught too.
+    square = annotated((4, 4), legacy(rank), device="cpu")
+    with pytest.raises(ShardingMetadataError, match="w: tensor-parallel ranks disagree"):
+        save_sharded({"w": square}, f"{root}/disagree")
+
+    # An error on one rank only reaches every rank (no rank is left waiting in a collective).
+    mode = "row" if rank == 1 else "column"
+    conflicted = annotated((4, 4), {**legacy(0), "_tensor_parallel_mode": mode}, device="cpu")
+    with pytest.raises(ShardingMetadataError, match="rank 1 failed" if rank == 0 else "dialects disagree"):
+        save_sharded({"w": conflicted}, f"{root}/one_rank")
+
+
+def _snapshot(module):
+    return {name: t.clone() for name, t in tensors_of(module).items()}, module.step
+
+
+def _assert_load_fails_untouched(path, exception, match, target=None):
+    target = target or Toy(logical_state(seed=2), 2, dist.get_rank(), step=0)
+    tensors, step = _snapshot(target)
+    with pytest.raises(exception, match=match):
+        load_sharded(target, path)
+    assert all(same_bits(t, tensors[name]) for name, t in tensors_of(target).items())
+    assert target.step == step
+
+
+def _on_rank_0(action):
+    dist.barrier()
+    if dist.get_rank() == 0:
+        action()
+    dist.barrier()
+
+
+def _truncate_to_half(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _load_failures(rank, world_size, root):
+    original = logical_state(seed=1)
+    for name in ("good", "truncated", "no_data", "bad_metadata"):
+        save_sharded(Toy(original, 2, rank, step=7), f"{root}/{name}")
+
+    _assert_load_fails_untouched(f"{root}/absent", FileNotFoundError, "no checkpoint at")
+    _on_rank_0(lambda: _truncate_to_half(f"{root}/truncated/__1_0.distcp"))
+    _assert_load_fails_untouched(f"{root}/truncated", ValueError, "truncated: data file __1_0.distcp")
+    _on_rank_0(lambda: os.remove(f"{root}/no_data/__0_0.distcp"))
+    _assert_load_fails_untouched(f"{root}/no_data", FileNotFoundError, "__0_0.distcp does not exist")
+    _on_rank_0(lambda: _truncate_to_half(f"{root}/bad_metadata/.metadata"))
+    _assert_load_fails_untouched(f"{root}/bad_metadata", ValueError, "unreadable")
+
+    # Wrong shape or dtype in the last entry: the entries before it must not have been loaded.
+    wrong_shape = Toy(logical_state(seed=2), 2, rank, step=0)
+    add_parameter(wrong_shape, "gdn.conv.weight", torch.zeros(4, 1, 5), legacy(0))
+    _assert_load_fails_untouched(f"{root}/good", ValueError,
+                                 r"gdn.conv.weight: the checkpoint holds global shape \(8, 1, 4\)", wrong_shape)
+    wrong_dtype = Toy(logical_state(seed=2), 2, rank, step=0)
+    wrong_dtype.gdn.conv.weight.data = wrong_dtype.gdn.conv.weight.data.double()
+    _assert_load_fails_untouched(f"{root}/good", ValueError, "gdn.conv.weight: the checkpoint holds torch.float32",
+                                 wrong_dtype)
+    extra_param = Toy(logical_state(seed=2), 2, rank, step=0)
+    add_parameter(extra_param, "norm.bias", torch.zeros(6), {})
+    _assert_load_fails_untouched(f"{root}/good", ValueError, r"missing \['norm.bias'\]", extra_param)
+
+    # A degree that does not divide the sharded dim (6 rows at stride 2 over 2 ranks): refused from
+    # the metadata alone, so it is still the error when the data files are gone.
+    singleton = tp_group_of_size(1)
+    glu = annotated((6, 4), legacy(0, 2), device="cpu").copy_(random_bits((6, 4), torch.float32, seed=5))
+    save_sharded({"fc1.weight": glu}, f"{root}/six_rows", tp_group=singleton)
+    data_files = [f"{root}/six_rows/{f}" for f in os.listdir(f"{root}/six_rows") if f.endswith(".distcp")]
+    _on_rank_0(lambda: [os.remove(f) for f in data_files])
+    two_ranks = torch.nn.Module()
+    add_parameter(two_ranks, "fc1.weight", torch.zeros(4, 4), legacy(0, 2))
+    with pytest.raises(ValueError, match="fc1.weight: cannot be split across tensor-parallel degree 2: dim 0 has 6"):
+        load_sharded(two_ranks, f"{root}/six_rows")
+    assert torch.equal(two_ranks.fc1.weight, torch.zeros(4, 4))
+
+    # A read failing inside DCP on one rank, after its data arrived: nothing reaches any module.
+    real_read = dcp.FileSystemReader.read_data
+
+    def read_then_fail(self, plan, planner):
+        real_read(self, plan, planner).wait()
+        raise OSError("disk went away")
+
+    if rank == 1:
+        dcp.FileSystemReader.read_data = read_then_fail
+    _assert_load_fails_untouched(f"{root}/good", RuntimeError, "left unchanged")
+    dcp.FileSystemReader.read_data = real_read
+
+    # The same checkpoint still loads.
+    target = Toy(logical_state(seed=2), 2, rank, step=0)
+    load_sharded(target, f"{root}/good")
+    assert_all_same(target, Toy(original, 2, rank, step=7))
+
+
+def _two_rank_checks(rank, world_size, root):
+    _dtensor_and_save_checks(rank, world_size, f"{root}/save")
+    _load_failures(rank, world_size, f"{root}/load")
+
+
+@needs_checkpointable_dcp
+def test_dtensor_conversion_save_checks_and_failed_loads(tmp_path):
+    """One spawned run for both groups of two-rank checks: starting processes is most of the time.
+    Failed loads must leave the module unchanged."""
+    run_distributed(_two_rank_checks, 2, str(tmp_path))
+
+
+# --- a real tiny megatron-core GPTModel (4 processes, spawned with the round trips) --------------
+
+def _partition(param):
+    """(dim, stride) from Megatron's own legacy attributes, or None when replicated."""
+    if getattr(param, "tensor_model_parallel", False):
+        return param.partition_dim, getattr(param, "partition_stride", 1)
+    return None
+
+
+def _perturb(model, tp_rank, seed):
+    """Random values everywhere (Megatron initialises norms and biases to constants): the same on
+    every TP rank for replicated tensors, rank-dependent for shards."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            rank_part = tp_rank if _partition(param) else 0
+            generator = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1000 * seed + rank_part)
+            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+
+
+def _gathered_logical(model, group):
+    """The logical tensors of a TP-sharded model, assembled by the test's reference rule."""
+    logical = {}
+    for name, param in model.named_parameters():
+        split = _partition(param)
+        if split is None:
+            logical[name] = param.detach().clone()
+            continue
+        shards = [torch.empty_like(param) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, param.detach().contiguous(), group=group)
+        logical[name] = reference_unshard(shards, *split)
+    return logical
+
+
+def _tiny_gpt(rank, world_size, root):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+    from megatron_shims import build_tiny_gpt, full_vocab_logits, set_parallel_degrees
+
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    set_parallel_degrees(2)
+    original = build_tiny_gpt(seed=1)
+    _perturb(original, ps.get_tensor_model_parallel_rank(), seed=1)
+    with torch.no_grad():
+        logits_tp2 = full_vocab_logits(original, tokens)
+    save_sharded(original, root, tp_group=ps.get_tensor_model_parallel_group())
+    logical = _gathered_logical(original, ps.get_tensor_model_parallel_group())
+
+    set_parallel_degrees(1)
+    reference = build_tiny_gpt(seed=2)  # the original weights at TP=1, copied in directly
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            param.copy_(logical[name])
+        logits_reference = full_vocab_logits(reference, tokens)
+    loaded = build_tiny_gpt(seed=2)
+    _perturb(loaded, 0, seed=2)
+    assert all(not same_bits(p, logical[n]) for n, p in loaded.named_parameters())
+    load_sharded(loaded, root, tp_group=ps.get_tensor_model_parallel_group())
+    assert all(same_bits(p, logical[n]) for n, p in loaded.named_parameters())
+    with torch.no_grad():
+        logits_tp1 = full_vocab_logits(loaded, tokens)
+    assert same_bits(logits_tp1, logits_reference)
+    torch.testing.assert_close(logits_tp1, logits_tp2, rtol=1e-5, atol=1e-5)
+
+    set_parallel_degrees(4)
+    loaded = build_tiny_gpt(seed=2)
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    _perturb(loaded, tp_rank, seed=2)
+    expected = {n: reference_shard(logical[n], *_partition(p), 4, tp_rank) if _partition(p) else logical[n]
+                for n, p in loaded.named_parameters()}
+    assert all(not same_bits(p, expected[n]) for n, p in loaded.named_parameters())
+    load_sharded(loaded, root, tp_group=ps.get_tensor_model_parallel_group())
+    assert all(same_bits(p, expected[n]) for n, p in loaded.named_parameters())
+    with torch.no_grad():
+        logits_tp4 = full_vocab_logits(loaded, tokens)
+    torch.testing.assert_close(logits_tp4, logits_reference, rtol=1e-5, atol=1e-5)
+
+
+def _four_rank_checks(rank, world_size, root):
+    _round_trips(rank, world_size, f"{root}/toy")
+    _tiny_gpt(rank, world_size, f"{root}/gpt")
+
+
+@needs_checkpointable_dcp
+def test_round_trips_across_tp_degrees_and_tiny_gpt(tmp_path):
+    """Toy modules saved at TP 1, 2 and 4 load bit for bit at the other degrees; a tiny GPTModel
+    saved at TP=2 loads at TP=1 (logits to the bit) and TP=4 (parameters to the bit, logits within
+    fp32 reduction-order tolerance). One spawned run: starting processes is most of the time."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    run_distributed(_four_rank_checks, 4, str(tmp_path))
