@@ -45,8 +45,9 @@ and the example compare against.
 
 Registration: ``attach(model, processor)`` / ``detach(model)``
 ------------------------------------------------------------
-``attach`` makes every forward of ``model`` use ``processor`` without the caller passing it. It
-unwraps Megatron's DDP / FSDP / Float16Module wrappers to the language model, then:
+``attach`` makes every forward of ``model`` use ``processor`` without the caller passing it (call
+it once per model chunk of a virtual pipeline). It unwraps Megatron's DDP / FSDP / Float16Module
+wrappers to the language model, then:
 
 - GPTModel with the native hook: a forward pre-hook adds ``output_processor=processor`` to every
   call (``output_processor_context`` is still passed per call; passing ``output_processor`` too is
