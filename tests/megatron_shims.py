@@ -1,50 +1,223 @@
-"""Test-only shims that let a tiny megatron-core GPTModel run on the CPU under gloo (NOTES section 2).
+"""Test-only helpers that run megatron-core 0.19.2 on CPU / gloo, and tiny models to test with.
 
-Use in a process whose default group is initialised (tests/dist_utils.run_distributed):
+In a process whose default group is initialised (tests/dist_utils.run_distributed):
 
-    install_cpu_shims()
-    set_tensor_parallel_degree(2)
-    model = build_tiny_gpt(seed=1)
-    logits = full_vocab_logits(model, tokens)  # [batch, seq, vocab]
+    set_parallel_degrees(tp=2)         # installs the CPU shims, (re)initialises parallel_state
+    model = tiny_model("gpt", tiny_config(sequence_parallel=True), clamped_swiglu_mlp=True)
+    logits = full_vocab_logits(build_tiny_gpt(seed=1), tokens)  # [batch, seq, vocab]
 
-Not part of the package: the shims replace megatron-core functions process-wide.
+The shims replace the CUDA-only calls NOTES section 2 lists (forward, schedule plan, pipeline
+parallel, HybridModel) and let torch's LayerNorm (the fallback without Apex) run with sequence
+parallel. They patch megatron-core process-wide, so they belong to the tests and examples, never
+to the package.
 """
 import contextlib
+import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+
+
+class _NoopEvent:
+    """Stands in for torch.cuda.Event: the schedule plan records and waits on it between nodes."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+
+def _is_cuda(device):
+    return isinstance(device, int) or torch.device(device).type == "cuda"
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Turns device=<cuda> arguments into the CPU: pipeline p2p buffers are allocated on the
+    current CUDA device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if kwargs.get("device") is not None and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
 
 
 def install_cpu_shims():
-    """Megatron allocates its global memory buffer and forks its RNG tracker on CUDA; on the CPU
-    the buffer becomes a plain CPU tensor and the fork does nothing."""
+    """Makes megatron-core's forward, schedule-plan, pipeline and HybridModel paths run on the CPU.
+    Idempotent."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
     from megatron.core import utils
+    from megatron.core.models.common import model_chunk_schedule_plan
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.pipeline_parallel import utils as pp_utils
     from megatron.core.tensor_parallel import random
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    def cpu_buffer(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    # The global memory buffer is a CUDA tensor, and the RNG tracker forks the CUDA RNG.
+    def cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
         return torch.empty(tensor_shape, dtype=dtype)
 
-    def no_fork(self, name=None):
-        return contextlib.nullcontext()
+    utils.GlobalMemoryBuffer.get_tensor = cpu_get_tensor
+    random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
 
-    utils.GlobalMemoryBuffer.get_tensor = cpu_buffer
-    random.CudaRNGStatesTracker.fork = no_fork
+    # Schedule plan: no CUDA events or streams on the CPU.
+    torch.cuda.Event = _NoopEvent
+    for module in (pp_utils, model_chunk_schedule_plan):
+        module.get_comp_stream = lambda: None
+        module.get_comm_stream = lambda: None
+    plan_cls = model_chunk_schedule_plan.TransformerModelChunkSchedulePlan
+    plan_cls.record_current_stream = lambda self: None
+    plan_cls.wait_current_stream = lambda self: None
+    torch.Tensor.record_stream = lambda self, stream: None
+
+    # Pipeline parallel: p2p buffers and the current device. The mode stays on for the process.
+    torch.cuda.current_device = lambda: "cpu"
+    _CudaToCpuMode().__enter__()
+
+    # HybridModel: its final norm is hard-wired to Transformer Engine's.
+    hybrid_block.TENorm = WrappedTorchNorm
+
+    # Sequence parallel: torch's norm refuses it only because it does not mark its parameters
+    # as sequence-parallel (their gradients are per-rank partial sums), as Apex's norm does.
+    build_torch_norm = WrappedTorchNorm.__new__
+
+    def sequence_parallel_torch_norm(cls, config, hidden_size, *args, **kwargs):
+        config_without_sp = copy.copy(config)
+        config_without_sp.sequence_parallel = False
+        norm = build_torch_norm(cls, config_without_sp, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+    WrappedTorchNorm.__new__ = sequence_parallel_torch_norm
 
 
-def set_tensor_parallel_degree(tp: int):
-    """(Re)initialises megatron-core's parallel state with TP degree tp over the default group
-    (the remaining ranks are data-parallel replicas)."""
+def set_parallel_degrees(tp: int, pp: int = 1):
+    """Installs the shims and (re)initialises megatron-core's parallel state over the default group
+    with TP degree tp and pp pipeline stages (the remaining ranks are data-parallel replicas)."""
     from megatron.core import parallel_state
 
+    install_cpu_shims()
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def tiny_config(**overrides):
+    """A 2-layer, hidden-32 TransformerConfig at the current TP / PP degrees, no fusions, no dropout."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    settings = dict(
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        batch_p2p_comm=False,
+    )
+    settings.update(overrides)
+    return TransformerConfig(**settings)
+
+
+def local_hybrid_stack_spec():
+    """A HybridStack spec ("*" attention, "-" MLP layers) from Megatron's local, non-TE modules."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    gpt_layer = get_gpt_layer_local_spec().submodules
+    attention = TransformerLayerSubmodules(
+        input_layernorm=gpt_layer.input_layernorm,
+        self_attention=gpt_layer.self_attention,
+        self_attn_bda=gpt_layer.self_attn_bda,
+    )
+    mlp = TransformerLayerSubmodules(
+        pre_mlp_layernorm=gpt_layer.pre_mlp_layernorm, mlp=gpt_layer.mlp, mlp_bda=gpt_layer.mlp_bda
+    )
+    return ModuleSpec(
+        module=HybridStack,
+        submodules=HybridStackSubmodules(
+            attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
+            mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp),
+        ),
+    )
+
+
+def tiny_model(kind="gpt", config=None, *, seed=0, vocab_size=256, tied_embeddings=False,
+               clamped_swiglu_mlp=False, seq_length=16):
+    """A GPTModel ("gpt") or a HybridModel ("hybrid": attention and MLP layers alternating) from
+    Megatron's local (non-TE) modules with learned absolute positions, for this pipeline stage, at
+    config's (default tiny_config()) TP degree and sequence-parallel setting.
+    clamped_swiglu_mlp: its MLPs are fused_rl_ops.megatron.ClampedSwiGLUMLP.
+    Megatron builds every weight as a full master tensor from the CPU RNG and keeps this rank's
+    shard, so a given seed means the same logical weights at every degree."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from fused_rl_ops.megatron import with_clamped_swiglu_mlp
+
+    config = config or tiny_config()
+    spec = get_gpt_layer_local_spec() if kind == "gpt" else local_hybrid_stack_spec()
+    if clamped_swiglu_mlp:
+        spec = with_clamped_swiglu_mlp(spec)
+    common = dict(
+        config=config,
+        vocab_size=vocab_size,
+        max_sequence_length=seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=tied_embeddings,
+        position_embedding_type="learned_absolute",  # HybridModel's RoPE moves a buffer to CUDA
+    )
+    torch.manual_seed(seed)
+    if kind == "gpt":
+        return GPTModel(transformer_layer_spec=spec, **common)
+    if kind == "hybrid":
+        return HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern="*-" * (config.num_layers // 2), **common)
+    raise ValueError(f"tiny_model: kind is 'gpt' or 'hybrid', got {kind!r}")
+
+
+def build_tiny_gpt(seed: int, *, hidden_size=32, num_layers=2, vocab_size=128, max_sequence_length=16,
+                   num_attention_heads=4, ffn_hidden_size=64):
+    """A GPTModel at the current TP degree: gated SiLU MLP (fc1 has partition stride 2), biases,
+    untied output layer (tiny_model with these settings)."""
+    config = tiny_config(
+        num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+        ffn_hidden_size=ffn_hidden_size, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=True,
+    )
+    return tiny_model("gpt", config, seed=seed, vocab_size=vocab_size, seq_length=max_sequence_length)
 
 
 def full_vocab_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     """model's logits [batch, seq, vocab] for tokens [batch, seq], gathered over the TP ranks here
     (Megatron's own gather allocates on CUDA). The causal mask is passed explicitly for the same
     reason."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     seq_len = tokens.shape[1]
@@ -55,28 +228,3 @@ def full_vocab_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pieces, local.contiguous(), group=group)
     return torch.cat(pieces, dim=-1)
-
-
-def build_tiny_gpt(seed: int, *, hidden_size=32, num_layers=2, vocab_size=128, max_sequence_length=16,
-                   num_attention_heads=4, ffn_hidden_size=64):
-    """A GPTModel at the current TP degree: gated SiLU MLP (fc1 has partition stride 2), biases,
-    learned absolute positions, untied output layer; no fusions, no dropout. Megatron builds every
-    weight as a full master tensor from the CPU RNG and keeps this rank's shard, so a given seed
-    means the same logical weights at every degree."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    torch.manual_seed(seed)
-    config = TransformerConfig(
-        num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-        ffn_hidden_size=ffn_hidden_size,
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=True,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False)
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab_size,
-                    max_sequence_length=max_sequence_length,
-                    position_embedding_type="learned_absolute")

@@ -487,12 +487,11 @@ def _tiny_gpt(rank, world_size, root):
 
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
-    from megatron_shims import build_tiny_gpt, full_vocab_logits, install_cpu_shims, set_tensor_parallel_degree
+    from megatron_shims import build_tiny_gpt, full_vocab_logits, set_parallel_degrees
 
-    install_cpu_shims()
     tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
-    set_tensor_parallel_degree(2)
+    set_parallel_degrees(2)
     original = build_tiny_gpt(seed=1)
     _perturb(original, ps.get_tensor_model_parallel_rank(), seed=1)
     with torch.no_grad():
@@ -500,7 +499,7 @@ def _tiny_gpt(rank, world_size, root):
     save_sharded(original, root, tp_group=ps.get_tensor_model_parallel_group())
     logical = _gathered_logical(original, ps.get_tensor_model_parallel_group())
 
-    set_tensor_parallel_degree(1)
+    set_parallel_degrees(1)
     reference = build_tiny_gpt(seed=2)  # the original weights at TP=1, copied in directly
     with torch.no_grad():
         for name, param in reference.named_parameters():
@@ -516,7 +515,7 @@ def _tiny_gpt(rank, world_size, root):
     assert same_bits(logits_tp1, logits_reference)
     torch.testing.assert_close(logits_tp1, logits_tp2, rtol=1e-5, atol=1e-5)
 
-    set_tensor_parallel_degree(4)
+    set_parallel_degrees(4)
     loaded = build_tiny_gpt(seed=2)
     tp_rank = ps.get_tensor_model_parallel_rank()
     _perturb(loaded, tp_rank, seed=2)

@@ -1,0 +1,159 @@
+"""One PPO step on a Megatron-core GPTModel at tensor parallel 2, fused against naive.
+
+    python examples/ppo_step.py
+
+Runs on the CPU with 2 gloo processes: megatron-core 0.19.2 needs a few CUDA-only calls replaced,
+and the test-only shims in tests/megatron_shims.py do that (on GPUs you would not need them).
+
+Both policies have the same weights. The fused one uses ClampedSwiGLUMLP and rl_output_processor
+(chosen-token logprobs, entropy and values straight from the hidden states); the naive one uses
+Megatron's unfused MLP and materialises the logits (NaiveRLOutputProcessor). Each runs a clipped
+PPO loss with an entropy bonus and a value loss, backward and an Adam step. Rank 0 prints the
+logprob / entropy / value statistics of both and the peak memory of the tensors each step
+allocated (torch's MemTracker). tests/test_megatron.py runs these same functions and checks
+fused against naive (outputs, every gradient, the updated parameters) to fp32 tolerance.
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+CLIP = 0.2
+ENTROPY_COEFF = 0.01
+VALUE_COEFF = 0.5
+
+
+def ppo_loss(outputs, rollout):
+    """Clipped surrogate, minus an entropy bonus, plus a value loss; averaged over rollout["mask"]."""
+    ratio = torch.exp(outputs["logprobs"] - rollout["old_logprobs"])
+    advantages = rollout["advantages"]
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - CLIP, 1 + CLIP) * advantages)
+    value_error = (outputs["values"] - rollout["returns"]) ** 2
+    per_token = -surrogate - ENTROPY_COEFF * outputs["entropy"] + VALUE_COEFF * value_error
+    mask = rollout["mask"]
+    return (per_token * mask).sum() / mask.sum()
+
+
+def make_rollout(tokens, old_logprobs, seed):
+    """What a sampler and a critic would hand the trainer; identical on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, seq = tokens.shape
+    mask = torch.zeros(batch, seq)
+    mask[:, seq // 4 :] = 1.0  # the response part of each sequence
+    return {
+        "tokens": tokens,
+        "old_logprobs": old_logprobs + 0.1 * torch.randn(batch, seq, generator=generator),
+        "advantages": torch.randn(batch, seq, generator=generator),
+        "returns": torch.randn(batch, seq, generator=generator),
+        "mask": mask,
+    }
+
+
+def model_inputs(tokens):
+    """Position ids and a causal attention mask for [b, s] tokens."""
+    batch, seq = tokens.shape
+    position_ids = torch.arange(seq).expand(batch, seq)
+    attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).expand(batch, 1, seq, seq)
+    return position_ids, attention_mask
+
+
+def allreduce_sequence_parallel_grads(model):
+    """With sequence parallel, replicated parameters (norms) hold per-rank partial gradients
+    (Megatron's finalize_model_grads sums them; this is that step without its DDP wrapper)."""
+    if not model.config.sequence_parallel:
+        return
+    from megatron.core import parallel_state
+
+    for param in model.parameters():
+        if getattr(param, "sequence_parallel", False) and param.grad is not None:
+            dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
+
+
+def forward_backward(model, rollout):
+    """The attached processor's outputs and the PPO loss, after backward."""
+    position_ids, attention_mask = model_inputs(rollout["tokens"])
+    outputs = model(rollout["tokens"], position_ids, attention_mask, labels=rollout["tokens"])
+    loss = ppo_loss(outputs, rollout)
+    loss.backward()
+    allreduce_sequence_parallel_grads(model)
+    return outputs, loss
+
+
+def _masked_stats(name, values, mask):
+    picked = values.detach()[mask.bool()]
+    return f"{name} mean {picked.mean():+.4f} std {picked.std():.4f} min {picked.min():+.4f} max {picked.max():+.4f}"
+
+
+def _main(rank, world_size, vocab_size, seq_length):
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import fused_rl_ops
+    from fused_rl_ops.megatron import NaiveRLOutputProcessor, attach, rl_output_processor, with_clamped_swiglu_mlp
+    from megatron_shims import set_parallel_degrees, tiny_config
+
+    set_parallel_degrees(tp=world_size)
+    # gpt-oss's MLP activation: quick-GELU gate, linear offset 1, clamp 7.
+    config = tiny_config(
+        hidden_size=64, ffn_hidden_size=128, init_method_std=0.1, gated_linear_unit=True,
+        activation_func=quick_gelu, activation_func_clamp_value=7.0, glu_linear_offset=1.0,
+    )
+    padded_vocab = -(-vocab_size // (128 * world_size)) * 128 * world_size  # as Megatron's training scripts pad
+
+    def policy(layer_spec):
+        return GPTModel(
+            config=config, transformer_layer_spec=layer_spec, vocab_size=padded_vocab,
+            max_sequence_length=seq_length, position_embedding_type="rope",
+        )
+
+    torch.manual_seed(0)  # Megatron draws full master weights from the CPU RNG: the same on every rank
+    fused = policy(with_clamped_swiglu_mlp(get_gpt_layer_local_spec()))
+    naive = policy(get_gpt_layer_local_spec())
+    naive.load_state_dict(fused.state_dict())
+    value_head = fused_rl_ops.ValueHead(config.hidden_size)
+    with torch.no_grad():
+        value_head.weight.copy_(0.1 * torch.randn(value_head.weight.shape, generator=torch.Generator().manual_seed(2)))
+    naive_value_weight = torch.nn.Parameter(value_head.weight.detach().clone())
+    attach(fused, rl_output_processor(value_head=value_head, vocab_size=vocab_size))
+    attach(naive, NaiveRLOutputProcessor(value_head=naive_value_weight, vocab_size=vocab_size))
+
+    tokens = torch.randint(0, vocab_size, (2, seq_length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        position_ids, attention_mask = model_inputs(tokens)
+        old_logprobs = fused(tokens, position_ids, attention_mask, labels=tokens)["logprobs"]
+    rollout = make_rollout(tokens, old_logprobs, seed=1)
+
+    report = {}
+    for name, model, extra_params in (("naive", naive, [naive_value_weight]), ("fused", fused, list(value_head.parameters()))):
+        optimizer = torch.optim.Adam(list(model.parameters()) + extra_params, lr=1e-3)
+        tracker = MemTracker()
+        with tracker:
+            outputs, loss = forward_backward(model, rollout)
+        optimizer.step()
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        report[name] = (outputs, loss.item(), peak)
+
+    if rank == 0:
+        mask = rollout["mask"]
+        print(f"PPO step, GPTModel TP={world_size}, vocab {vocab_size} (padded {padded_vocab}), "
+              f"{tokens.shape[0]} x {seq_length} tokens, {int(mask.sum())} in the loss")
+        for name, (outputs, loss, peak) in report.items():
+            print(f"[{name}] loss {loss:.6f}   peak memory of the step {peak / 2**20:.1f} MiB")
+            for key in ("logprobs", "entropy", "values"):
+                print(f"[{name}]   {_masked_stats(key, outputs[key], mask)}")
+        fused_outputs, naive_outputs = report["fused"][0], report["naive"][0]
+        for key in ("logprobs", "entropy", "values"):
+            difference = (fused_outputs[key] - naive_outputs[key]).abs().max().item()
+            print(f"max |fused - naive| {key}: {difference:.2e}")
+        print(f"peak memory naive / fused: {report['naive'][2] / report['fused'][2]:.1f}x")
+
+
+if __name__ == "__main__":
+    from dist_utils import run_distributed
+
+    run_distributed(_main, 2, 50257, 256)
