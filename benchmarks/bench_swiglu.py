@@ -13,6 +13,9 @@ dev = args.device
 shapes = [(1024, 2880)] if args.quick else [(4096, 2880), (4096, 8192), (16384, 2880), (16384, 8192)]
 dtypes = [torch.float32, torch.bfloat16]
 reps = 2 if args.quick else 5
+# One compiled graph per shape and dtype: raise dynamo's recompile limit (8 by default), past which
+# it silently falls back to eager.
+torch._dynamo.config.recompile_limit = 64
 compiled_reference = torch.compile(reference.clamped_swiglu, dynamic=False)
 paths = {"fused": fused_rl_ops.clamped_swiglu, "eager": reference.clamped_swiglu, "compile": compiled_reference}
 
