@@ -1,5 +1,6 @@
-// Clamped SwiGLU, CPU kernels: rows are cut into tiles that are gathered into fp32 (fp64 for
-// double) buffers, whatever the dtype and layout, then run through the shared formula in SIMD.
+// Clamped SwiGLU, CPU kernels: rows are cut into tiles of kTile outputs run through the shared
+// formula in SIMD. Full tiles of the [g | u] layout load and store vectors straight from memory;
+// the interleaved layout and a row's last partial tile go through fp32 (fp64 for double) buffers.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -31,6 +32,29 @@ void load_tile(const scalar_t* row, int64_t F, int64_t c, int64_t n, bool interl
   }
 }
 
+// SIMD load / store of Vectorized<acc>::size() elements of scalar_t, converting to / from acc.
+template <typename scalar_t, typename acc = acc_t<scalar_t>>
+at::vec::Vectorized<acc> load_acc(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, acc>) {
+    return at::vec::Vectorized<acc>::loadu(p);
+  } else {
+    at::vec::Vectorized<float> v;
+    at::vec::load_to_float(p, v);
+    return v;
+  }
+}
+
+template <typename scalar_t, typename acc = acc_t<scalar_t>>
+void store_acc(const at::vec::Vectorized<acc>& v, scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, acc>) {
+    v.store(p);
+  } else {
+    alignas(64) float lanes[at::vec::Vectorized<float>::size()];
+    v.store(lanes);
+    for (int k = 0; k < at::vec::Vectorized<float>::size(); ++k) p[k] = static_cast<scalar_t>(lanes[k]);
+  }
+}
+
 // Calls fn(row, c, n) for every tile of a [rows, F] output, in parallel.
 template <typename Fn>
 void for_each_tile(int64_t rows, int64_t F, const Fn& fn) {
@@ -49,6 +73,13 @@ void swiglu_forward_cpu(const scalar_t* x, scalar_t* y, int64_t rows, int64_t F,
   using acc = acc_t<scalar_t>;
   using Vec = at::vec::Vectorized<acc>;
   for_each_tile(rows, F, [&](int64_t r, int64_t c, int64_t n) {
+    if (!interleaved && n == kTile) {
+      const scalar_t* xr = x + r * 2 * F + c;
+      for (int64_t k = 0; k < kTile; k += Vec::size()) {
+        store_acc(swiglu_forward(load_acc(xr + k), load_acc(xr + F + k), p), y + r * F + c + k);
+      }
+      return;
+    }
     alignas(64) acc g[kTile] = {}, u[kTile] = {}, out[kTile];
     load_tile(x + r * 2 * F, F, c, n, interleaved, g, u);
     for (int64_t k = 0; k < kTile; k += Vec::size()) {
@@ -65,6 +96,17 @@ void swiglu_backward_cpu(const scalar_t* dy, const scalar_t* x, scalar_t* dx, in
   using acc = acc_t<scalar_t>;
   using Vec = at::vec::Vectorized<acc>;
   for_each_tile(rows, F, [&](int64_t r, int64_t c, int64_t n) {
+    if (!interleaved && n == kTile) {
+      const scalar_t* xr = x + r * 2 * F + c;
+      scalar_t* dxr = dx + r * 2 * F + c;
+      for (int64_t k = 0; k < kTile; k += Vec::size()) {
+        Vec vdg, vdu;
+        swiglu_backward(load_acc(xr + k), load_acc(xr + F + k), load_acc(dy + r * F + c + k), p, vdg, vdu);
+        store_acc(vdg, dxr + k);
+        store_acc(vdu, dxr + F + k);
+      }
+      return;
+    }
     alignas(64) acc g[kTile] = {}, u[kTile] = {}, d[kTile] = {}, dg[kTile], du[kTile];
     load_tile(x + r * 2 * F, F, c, n, interleaved, g, u);
     const scalar_t* dyr = dy + r * F + c;
