@@ -6,7 +6,7 @@ import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from common import fwd_bwd, parse_args, print_table, time_fn, write_json
+from common import parse_args, print_table, run_mode, time_fn, write_json
 
 args = parse_args(__doc__)
 dev = args.device
@@ -29,13 +29,7 @@ for tokens, F in shapes:
         for mode, bytes_moved in (("fwd", 3 * elem_bytes), ("fwd+bwd", 8 * elem_bytes)):
             row = {"tokens": tokens, "F": F, "dtype": str(dtype).replace("torch.", ""), "mode": mode}
             for name, fn in paths.items():
-                if mode == "fwd":
-                    def run(fn=fn):
-                        with torch.no_grad():
-                            fn(x)
-                else:
-                    run = fwd_bwd(fn, [x], [grad])
-                t = time_fn(run, dev, reps=reps)
+                t = time_fn(run_mode(fn, [x], [grad], mode), dev, reps=reps)
                 row[f"{name}_ms"] = t * 1e3
                 row[f"{name}_GB/s"] = bytes_moved / t / 1e9
             row["x_eager"] = row["eager_ms"] / row["fused_ms"]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fused_rl_ops import reference
 from fused_rl_ops.value_head import value_head
-from common import fwd_bwd, parse_args, print_table, time_fn, write_json
+from common import parse_args, print_table, run_mode, time_fn, write_json
 
 args = parse_args(__doc__)
 dev = args.device
@@ -37,12 +37,7 @@ for tokens, H in shapes:
         for mode, bytes_moved in (("fwd", hidden_bytes + 4 * tokens), ("fwd+bwd", 3 * hidden_bytes + 12 * tokens)):
             row = {"tokens": tokens, "H": H, "dtype": str(dtype).replace("torch.", ""), "mode": mode}
             for name, fn in paths.items():
-                if mode == "fwd":
-                    def run(fn=fn):
-                        with torch.no_grad():
-                            fn(hidden, weight)
-                else:
-                    run = fwd_bwd(fn, [hidden, weight], [grad.to(fn(hidden, weight).dtype)])
+                run = run_mode(fn, [hidden, weight], [grad.to(fn(hidden, weight).dtype)], mode)
                 t = time_fn(lambda run=run: [run() for _ in range(inner)], dev, reps=reps) / inner
                 row[f"{name}_ms"] = t * 1e3
                 row[f"{name}_GB/s"] = bytes_moved / t / 1e9

@@ -50,6 +50,17 @@ def fwd_bwd(fn, inputs, grads=None):
     return run
 
 
+def run_mode(fn, inputs, grads, mode: str):
+    """A closure timing one mode: fn(*inputs) without autograd ("fwd"), or forward and backward."""
+    if mode == "fwd":
+        def run():
+            with torch.no_grad():
+                fn(*inputs)
+
+        return run
+    return fwd_bwd(fn, inputs, grads)
+
+
 def environment(device: str) -> dict:
     env = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
            "machine": platform.processor() or platform.machine()}
