@@ -1,9 +1,15 @@
 // Clamped SwiGLU, CPU kernels: rows are cut into tiles of kTile outputs run through the shared
-// formula in SIMD. Full tiles of the [g | u] layout load and store vectors straight from memory;
-// the interleaved layout and a row's last partial tile go through fp32 (fp64 for double) buffers.
+// formula in SIMD. A tile loads and stores whole SIMD vectors of x's dtype straight from memory
+// (bf16 / fp16 widened to two fp32 vectors and narrowed back in registers, with the faster exp of
+// MathForHalfOutputs); a row's last partial tile is first copied into a zero-padded buffer of the
+// same layout.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <torch/library.h>
+
+#include <array>
+#include <cstring>
 
 #include "swiglu_args.h"
 #include "vec_math.h"
@@ -11,49 +17,130 @@
 namespace fused_rl_ops {
 namespace {
 
+using at::vec::Vectorized;
+
+// SIMD loads and stores of Vectorized<scalar_t>::size() elements as kParts vectors of the fp32
+// (fp64 for double) compute type.
 template <typename scalar_t>
-using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+struct Lanes {
+  using acc = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+  using Acc = Vectorized<acc>;
+  static constexpr int64_t kWidth = Vectorized<scalar_t>::size();
+  static constexpr int kParts = kWidth / Acc::size();
+  using Parts = std::array<Acc, kParts>;
+  using M = std::conditional_t<kParts == 1, Math<Acc>, MathForHalfOutputs>;  // bf16 / fp16 results: fast exp
+
+  static Parts load(const scalar_t* p) {
+    if constexpr (kParts == 1) {
+      return {Acc::loadu(p)};
+    } else {
+      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(Vectorized<scalar_t>::loadu(p));
+      return {lo, hi};
+    }
+  }
+
+  static void store(const Parts& v, scalar_t* p) {
+    if constexpr (kParts == 1) {
+      v[0].store(p);
+    } else {
+      at::vec::convert_from_float<scalar_t>(v[0], v[1]).store(p);
+    }
+  }
+};
 
 constexpr int64_t kTile = 64;  // outputs per tile: a multiple of every SIMD width
 
-// Copies tile [c, c + n) of one row's gate and linear halves into g and u.
-template <typename scalar_t, typename acc>
-void load_tile(const scalar_t* row, int64_t F, int64_t c, int64_t n, bool interleaved, acc* g, acc* u) {
-  if (interleaved) {
-    for (int64_t k = 0; k < n; ++k) {
-      g[k] = static_cast<acc>(row[2 * (c + k)]);
-      u[k] = static_cast<acc>(row[2 * (c + k) + 1]);
-    }
-  } else {
-    for (int64_t k = 0; k < n; ++k) {
-      g[k] = static_cast<acc>(row[c + k]);
-      u[k] = static_cast<acc>(row[F + c + k]);
-    }
+// One tile of a row: where its kTile gate and linear values sit. With interleaved, `g` points at
+// kTile (g, u) pairs and `u` is unused.
+template <typename scalar_t>
+struct TileIn {
+  const scalar_t* g;
+  const scalar_t* u;
+};
+
+template <typename scalar_t>
+struct TileOut {
+  scalar_t* g;
+  scalar_t* u;
+};
+
+// Gate and linear values of outputs [k, k + kWidth) of a tile.
+template <typename scalar_t, typename L = Lanes<scalar_t>>
+void load_gu(const TileIn<scalar_t>& in, int64_t k, bool interleaved, typename L::Parts& g, typename L::Parts& u) {
+  if (!interleaved) {
+    g = L::load(in.g + k);
+    u = L::load(in.u + k);
+    return;
+  }
+  const auto a = L::load(in.g + 2 * k), b = L::load(in.g + 2 * k + L::kWidth);
+  std::array<typename L::Acc, 2 * L::kParts> pairs;
+  std::copy(a.begin(), a.end(), pairs.begin());
+  std::copy(b.begin(), b.end(), pairs.begin() + L::kParts);
+  for (int i = 0; i < L::kParts; ++i) std::tie(g[i], u[i]) = at::vec::deinterleave2(pairs[2 * i], pairs[2 * i + 1]);
+}
+
+template <typename scalar_t, typename L = Lanes<scalar_t>>
+void store_gu(const typename L::Parts& g, const typename L::Parts& u, int64_t k, bool interleaved,
+              const TileOut<scalar_t>& out) {
+  if (!interleaved) {
+    L::store(g, out.g + k);
+    L::store(u, out.u + k);
+    return;
+  }
+  std::array<typename L::Acc, 2 * L::kParts> pairs;
+  for (int i = 0; i < L::kParts; ++i) std::tie(pairs[2 * i], pairs[2 * i + 1]) = at::vec::interleave2(g[i], u[i]);
+  typename L::Parts a, b;
+  std::copy(pairs.begin(), pairs.begin() + L::kParts, a.begin());
+  std::copy(pairs.begin() + L::kParts, pairs.end(), b.begin());
+  L::store(a, out.g + 2 * k);
+  L::store(b, out.g + 2 * k + L::kWidth);
+}
+
+template <typename scalar_t>
+void forward_tile(const TileIn<scalar_t>& in, scalar_t* y, bool interleaved, const SwigluParams& p) {
+  using L = Lanes<scalar_t>;
+  for (int64_t k = 0; k < kTile; k += L::kWidth) {
+    typename L::Parts g, u, out;
+    load_gu(in, k, interleaved, g, u);
+    for (int i = 0; i < L::kParts; ++i) out[i] = swiglu_forward<typename L::Acc, typename L::M>(g[i], u[i], p);
+    L::store(out, y + k);
   }
 }
 
-// SIMD load / store of Vectorized<acc>::size() elements of scalar_t, converting to / from acc.
-template <typename scalar_t, typename acc = acc_t<scalar_t>>
-at::vec::Vectorized<acc> load_acc(const scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, acc>) {
-    return at::vec::Vectorized<acc>::loadu(p);
-  } else {
-    at::vec::Vectorized<float> v;
-    at::vec::load_to_float(p, v);
-    return v;
+template <typename scalar_t>
+void backward_tile(const TileIn<scalar_t>& in, const scalar_t* dy, const TileOut<scalar_t>& dx, bool interleaved,
+                   const SwigluParams& p) {
+  using L = Lanes<scalar_t>;
+  for (int64_t k = 0; k < kTile; k += L::kWidth) {
+    typename L::Parts g, u, d = L::load(dy + k), dg, du;
+    load_gu(in, k, interleaved, g, u);
+    for (int i = 0; i < L::kParts; ++i) swiglu_backward<typename L::Acc, typename L::M>(g[i], u[i], d[i], p, dg[i], du[i]);
+    store_gu(dg, du, k, interleaved, dx);
   }
 }
 
-template <typename scalar_t, typename acc = acc_t<scalar_t>>
-void store_acc(const at::vec::Vectorized<acc>& v, scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, acc>) {
-    v.store(p);
-  } else {
-    alignas(64) float lanes[at::vec::Vectorized<float>::size()];
-    v.store(lanes);
-    for (int k = 0; k < at::vec::Vectorized<float>::size(); ++k) p[k] = static_cast<scalar_t>(lanes[k]);
+// A row's inputs (or input gradients) in one layout: the tile starting at output c, in place, or
+// copied from / to a zero-padded buffer of the same layout when the row has fewer than kTile left.
+template <typename scalar_t>
+struct RowLayout {
+  int64_t F;
+  bool interleaved;
+
+  int64_t g_offset(int64_t c) const { return interleaved ? 2 * c : c; }
+  int64_t u_offset(int64_t c) const { return interleaved ? 2 * c + 1 : F + c; }
+  // Elements of the gate (or pair) run holding n outputs, and where the linear run sits in a buffer.
+  int64_t run(int64_t n) const { return interleaved ? 2 * n : n; }
+  int64_t buffer_u() const { return interleaved ? 1 : kTile; }
+
+  void to_buffer(const scalar_t* row, int64_t c, int64_t n, scalar_t* buf) const {
+    std::memcpy(buf, row + g_offset(c), run(n) * sizeof(scalar_t));
+    if (!interleaved) std::memcpy(buf + kTile, row + u_offset(c), n * sizeof(scalar_t));
   }
-}
+  void from_buffer(const scalar_t* buf, int64_t c, int64_t n, scalar_t* row) const {
+    std::memcpy(row + g_offset(c), buf, run(n) * sizeof(scalar_t));
+    if (!interleaved) std::memcpy(row + u_offset(c), buf + kTile, n * sizeof(scalar_t));
+  }
+};
 
 // Calls fn(row, c, n) for every tile of a [rows, F] output, in parallel.
 template <typename Fn>
@@ -70,60 +157,39 @@ void for_each_tile(int64_t rows, int64_t F, const Fn& fn) {
 template <typename scalar_t>
 void swiglu_forward_cpu(const scalar_t* x, scalar_t* y, int64_t rows, int64_t F, bool interleaved,
                         const SwigluParams& p) {
-  using acc = acc_t<scalar_t>;
-  using Vec = at::vec::Vectorized<acc>;
+  const RowLayout<scalar_t> layout{F, interleaved};
   for_each_tile(rows, F, [&](int64_t r, int64_t c, int64_t n) {
-    if (!interleaved && n == kTile) {
-      const scalar_t* xr = x + r * 2 * F + c;
-      for (int64_t k = 0; k < kTile; k += Vec::size()) {
-        store_acc(swiglu_forward(load_acc(xr + k), load_acc(xr + F + k), p), y + r * F + c + k);
-      }
+    const scalar_t* xr = x + r * 2 * F;
+    scalar_t* yr = y + r * F + c;
+    if (n == kTile) {
+      forward_tile<scalar_t>({xr + layout.g_offset(c), xr + layout.u_offset(c)}, yr, interleaved, p);
       return;
     }
-    alignas(64) acc g[kTile] = {}, u[kTile] = {}, out[kTile];
-    load_tile(x + r * 2 * F, F, c, n, interleaved, g, u);
-    for (int64_t k = 0; k < kTile; k += Vec::size()) {
-      swiglu_forward(Vec::loadu(g + k), Vec::loadu(u + k), p).store(out + k);
-    }
-    scalar_t* yr = y + r * F + c;
-    for (int64_t k = 0; k < n; ++k) yr[k] = static_cast<scalar_t>(out[k]);
+    alignas(64) scalar_t in[2 * kTile] = {}, out[kTile];
+    layout.to_buffer(xr, c, n, in);
+    forward_tile<scalar_t>({in, in + layout.buffer_u()}, out, interleaved, p);
+    std::memcpy(yr, out, n * sizeof(scalar_t));
   });
 }
 
 template <typename scalar_t>
 void swiglu_backward_cpu(const scalar_t* dy, const scalar_t* x, scalar_t* dx, int64_t rows, int64_t F,
                          bool interleaved, const SwigluParams& p) {
-  using acc = acc_t<scalar_t>;
-  using Vec = at::vec::Vectorized<acc>;
+  const RowLayout<scalar_t> layout{F, interleaved};
   for_each_tile(rows, F, [&](int64_t r, int64_t c, int64_t n) {
-    if (!interleaved && n == kTile) {
-      const scalar_t* xr = x + r * 2 * F + c;
-      scalar_t* dxr = dx + r * 2 * F + c;
-      for (int64_t k = 0; k < kTile; k += Vec::size()) {
-        Vec vdg, vdu;
-        swiglu_backward(load_acc(xr + k), load_acc(xr + F + k), load_acc(dy + r * F + c + k), p, vdg, vdu);
-        store_acc(vdg, dxr + k);
-        store_acc(vdu, dxr + F + k);
-      }
+    const scalar_t* xr = x + r * 2 * F;
+    const scalar_t* dyr = dy + r * F + c;
+    scalar_t* dxr = dx + r * 2 * F;
+    if (n == kTile) {
+      backward_tile<scalar_t>({xr + layout.g_offset(c), xr + layout.u_offset(c)}, dyr,
+                              {dxr + layout.g_offset(c), dxr + layout.u_offset(c)}, interleaved, p);
       return;
     }
-    alignas(64) acc g[kTile] = {}, u[kTile] = {}, d[kTile] = {}, dg[kTile], du[kTile];
-    load_tile(x + r * 2 * F, F, c, n, interleaved, g, u);
-    const scalar_t* dyr = dy + r * F + c;
-    for (int64_t k = 0; k < n; ++k) d[k] = static_cast<acc>(dyr[k]);
-    for (int64_t k = 0; k < kTile; k += Vec::size()) {
-      Vec vdg, vdu;
-      swiglu_backward(Vec::loadu(g + k), Vec::loadu(u + k), Vec::loadu(d + k), p, vdg, vdu);
-      vdg.store(dg + k);
-      vdu.store(du + k);
-    }
-    scalar_t* dxr = dx + r * 2 * F;
-    for (int64_t k = 0; k < n; ++k) {
-      const int64_t gi = interleaved ? 2 * (c + k) : c + k;
-      const int64_t ui = interleaved ? gi + 1 : F + c + k;
-      dxr[gi] = static_cast<scalar_t>(dg[k]);
-      dxr[ui] = static_cast<scalar_t>(du[k]);
-    }
+    alignas(64) scalar_t in[2 * kTile] = {}, d[kTile] = {}, out[2 * kTile];
+    layout.to_buffer(xr, c, n, in);
+    std::memcpy(d, dyr, n * sizeof(scalar_t));
+    backward_tile<scalar_t>({in, in + layout.buffer_u()}, d, {out, out + layout.buffer_u()}, interleaved, p);
+    layout.from_buffer(out, c, n, dxr);
   });
 }
 

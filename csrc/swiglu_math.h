@@ -15,30 +15,30 @@ struct SwigluParams {
   float offset;  // beta, added to the linear half
 };
 
-template <typename T>
+// M supplies the primitives: Math<T> by default; the CPU kernels for bf16 / fp16 pass one with a
+// faster exp (vec_math.h).
+template <typename T, typename M = Math<T>>
 FRL_HD T swiglu_sigmoid(T x) {
-  return Math<T>::recip(T(1) + Math<T>::exp(T(0) - x));
+  return M::recip(T(1) + M::exp(T(0) - x));
 }
 
-template <typename T>
+template <typename T, typename M = Math<T>>
 FRL_HD T swiglu_forward(T g, T u, const SwigluParams& p) {
-  using M = Math<T>;
   const T lim(p.limit), neg(-p.limit);
   g = M::select(g > lim, lim, g);  // NaN stays NaN, as torch.clamp
   u = M::select(u > lim, lim, M::select(u < neg, neg, u));
-  const T s = swiglu_sigmoid(T(p.alpha) * g);
+  const T s = swiglu_sigmoid<T, M>(T(p.alpha) * g);
   return g * s * (u + T(p.offset));
 }
 
 // Writes d/dg and d/du of swiglu_forward for upstream gradient dy.
-template <typename T>
+template <typename T, typename M = Math<T>>
 FRL_HD void swiglu_backward(T g, T u, T dy, const SwigluParams& p, T& dg, T& du) {
-  using M = Math<T>;
   const T lim(p.limit), neg(-p.limit), zero(0);
   const T gc = M::select(g > lim, lim, g);
   const T uc = M::select(u > lim, lim, M::select(u < neg, neg, u));
   const T alpha(p.alpha);
-  const T s = swiglu_sigmoid(alpha * gc);
+  const T s = swiglu_sigmoid<T, M>(alpha * gc);
   const T lin = uc + T(p.offset);
   dg = dy * lin * (s + alpha * gc * s * (T(1) - s));
   du = dy * gc * s;
