@@ -50,23 +50,17 @@ struct Lanes {
 
 constexpr int64_t kTile = 64;  // outputs per tile: a multiple of every SIMD width
 
-// One tile of a row: where its kTile gate and linear values sit. With interleaved, `g` points at
-// kTile (g, u) pairs and `u` is unused.
-template <typename scalar_t>
-struct TileIn {
-  const scalar_t* g;
-  const scalar_t* u;
-};
-
-template <typename scalar_t>
-struct TileOut {
-  scalar_t* g;
-  scalar_t* u;
+// Where one tile's kTile gate and linear values (or their gradients) sit. With interleaved, `g`
+// points at kTile (g, u) pairs and `u` is unused.
+template <typename P>
+struct Halves {
+  P* g;
+  P* u;
 };
 
 // Gate and linear values of outputs [k, k + kWidth) of a tile.
 template <typename scalar_t, typename L = Lanes<scalar_t>>
-void load_gu(const TileIn<scalar_t>& in, int64_t k, bool interleaved, typename L::Parts& g, typename L::Parts& u) {
+void load_gu(const Halves<const scalar_t>& in, int64_t k, bool interleaved, typename L::Parts& g, typename L::Parts& u) {
   if (!interleaved) {
     g = L::load(in.g + k);
     u = L::load(in.u + k);
@@ -81,7 +75,7 @@ void load_gu(const TileIn<scalar_t>& in, int64_t k, bool interleaved, typename L
 
 template <typename scalar_t, typename L = Lanes<scalar_t>>
 void store_gu(const typename L::Parts& g, const typename L::Parts& u, int64_t k, bool interleaved,
-              const TileOut<scalar_t>& out) {
+              const Halves<scalar_t>& out) {
   if (!interleaved) {
     L::store(g, out.g + k);
     L::store(u, out.u + k);
@@ -97,7 +91,7 @@ void store_gu(const typename L::Parts& g, const typename L::Parts& u, int64_t k,
 }
 
 template <typename scalar_t>
-void forward_tile(const TileIn<scalar_t>& in, scalar_t* y, bool interleaved, const SwigluParams& p) {
+void forward_tile(const Halves<const scalar_t>& in, scalar_t* y, bool interleaved, const SwigluParams& p) {
   using L = Lanes<scalar_t>;
   for (int64_t k = 0; k < kTile; k += L::kWidth) {
     typename L::Parts g, u, out;
@@ -108,7 +102,7 @@ void forward_tile(const TileIn<scalar_t>& in, scalar_t* y, bool interleaved, con
 }
 
 template <typename scalar_t>
-void backward_tile(const TileIn<scalar_t>& in, const scalar_t* dy, const TileOut<scalar_t>& dx, bool interleaved,
+void backward_tile(const Halves<const scalar_t>& in, const scalar_t* dy, const Halves<scalar_t>& dx, bool interleaved,
                    const SwigluParams& p) {
   using L = Lanes<scalar_t>;
   for (int64_t k = 0; k < kTile; k += L::kWidth) {
