@@ -371,22 +371,18 @@ def _gather_from_all_ranks(obj) -> list:
     return gathered
 
 
-def _raise_if_any_rank_failed(error: Optional[Exception]):
-    """Hands this rank's error (or None) to all ranks; all raise if any failed, so that no rank is
-    left waiting in a collective the failed one never joins."""
-    errors = _gather_from_all_ranks(error)
-    if error is not None:
-        raise error
+def _raise_first_error(mine: Optional[Exception], errors: list):
+    """Raises this rank's error, else the first other rank's, if any rank failed."""
+    if mine is not None:
+        raise mine
     for rank, other in enumerate(errors):
         if other is not None:
             raise type(other)(f"rank {rank} failed: {other}")
 
 
-def _check_tp_ranks_agree(held_by_rank: list, tp_group):
-    """Raises unless every rank of tp_group holds the same entries, layouts, shapes, dtypes and
-    (where computed) the same bytes in its replicated tensors."""
-    group = tp_group if tp_group is not None else dist.group.WORLD
-    ranks = dist.get_process_group_ranks(group) if dist.is_initialized() else [0]
+def _check_tp_ranks_agree(held_by_rank: list, ranks: tuple):
+    """Raises unless the given ranks (one tensor-parallel group) hold the same entries, layouts,
+    shapes, dtypes and (where computed) the same bytes in their replicated tensors."""
     first = ranks[0]
     reference = held_by_rank[first]
     for rank in ranks[1:]:
@@ -407,17 +403,26 @@ def _check_tp_ranks_agree(held_by_rank: list, tp_group):
                     f"and {rank}; a sharded tensor labelled replicated would be saved from one rank only")
 
 
-def _entries_agreed_by_tp_ranks(state: dict, tp_group, tp_size: int, with_checksums: bool) -> dict:
-    """name -> (local tensor, ShardSpec), or (object, None) for non-tensors, once all ranks have
-    read their specs and the tensor-parallel ranks are known to agree."""
+def _entries_agreed_by_tp_ranks(state: dict, tp_group, tp_size: int, with_checksums: bool, check=None) -> dict:
+    """name -> (local tensor, ShardSpec), or (object, None) for non-tensors, once every rank has
+    read its specs, passed check(entries) (which returns an error or None) and agrees with the
+    other ranks of its tensor-parallel group. One collective exchanges all of it, and every rank
+    checks every group, so all raise together and none is left waiting in a later collective."""
     entries, held, error = None, None, None
     try:
         entries = _local_entries(state, tp_size)
         held = _held(entries, with_checksums)
+        error = check(entries) if check else None
     except ValueError as exc:
         error = exc
-    _raise_if_any_rank_failed(error)
-    _check_tp_ranks_agree(_gather_from_all_ranks(held), tp_group)
+    group = tp_group if tp_group is not None else dist.group.WORLD
+    tp_ranks = tuple(dist.get_process_group_ranks(group)) if dist.is_initialized() else (0,)
+    gathered = _gather_from_all_ranks((error, held, tp_ranks))
+    held_by_rank = [h for _, h, _ in gathered]
+    if all(h is not None for h in held_by_rank):
+        for ranks in sorted({r for _, _, r in gathered}):
+            _check_tp_ranks_agree(held_by_rank, ranks)
+    _raise_first_error(error, [e for e, _, _ in gathered])
     return entries
 
 
@@ -558,8 +563,8 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, staged: b
     """Loads a save_sharded checkpoint into module at its TP degree, in place or staged (module docstring)."""
     _require_checkpointable_tensor()
     tp_size, tp_rank = _tp_size_and_rank(tp_group)
-    entries = _entries_agreed_by_tp_ranks(module.state_dict(keep_vars=True), tp_group, tp_size, with_checksums=False)
-    _raise_if_any_rank_failed(_reason_not_to_load(entries, path, tp_size))
+    entries = _entries_agreed_by_tp_ranks(module.state_dict(keep_vars=True), tp_group, tp_size, with_checksums=False,
+                                          check=lambda mine: _reason_not_to_load(mine, path, tp_size))
 
     loaded = _dcp_state(entries, tp_size, tp_rank, torch.empty_like if staged else _alias)
     # No flattening: DCP would otherwise put loaded objects (extra state) into a copy of `loaded`.

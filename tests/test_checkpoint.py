@@ -320,6 +320,12 @@ def _round_trips(rank, world_size, root):
     assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in target.parameters())
     assert torch.equal(flat[-padding.numel():], padding)
 
+    # A disagreement inside one TP group (ranks 2 and 3) is raised on the other group's ranks too,
+    # instead of leaving them waiting in DCP for ranks that never come.
+    square = annotated((4, 4), legacy(1 if dist.get_rank() == 3 else 0), device="cpu")
+    with pytest.raises(ShardingMetadataError, match=r"w: tensor-parallel ranks disagree .* rank 2 has .* rank 3 has"):
+        save_sharded({"w": square}, f"{root}/one_group_disagrees", tp_group=groups[2])
+
     # The checkpoint holds logical tensors: plain DCP reads [W ; V], not the rank shards in a row.
     for tp in groups:
         full = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype, _, _ in LAYOUT}
