@@ -48,17 +48,22 @@ API
     checksum per tensor, gathered once): a sharded tensor mislabelled as replicated raises
     :class:`ShardingMetadataError` instead of being saved from one rank.
 
-``load_sharded(module, path, *, tp_group=None)``
+``load_sharded(module, path, *, tp_group=None, staged=False)``
     Loads a checkpoint from :func:`save_sharded` into ``module`` at the module's own TP degree
     (the size of ``tp_group``), which may differ from the one it was saved at. Before any tensor
     data is read it checks, and raises a ``ValueError`` naming the parameter for: entries missing
     from or extra to the checkpoint, a sharded dimension that the degree (times the stride) does
     not divide, global shapes or dtypes differing from the module's; and ``FileNotFoundError`` /
-    ``ValueError`` for a missing checkpoint or a missing or truncated data file. Data is read
-    into temporaries and copied into the module only once everything has been read, so a
-    failure leaves the module unchanged; the price is one more copy of this rank's state, in
-    time and memory, than plain in-place DCP loading. A failure inside DCP's read raises
-    ``RuntimeError``. Vocab-padded embeddings load only when padded to the same size at both
+    ``ValueError`` for a missing checkpoint or a missing or truncated data file. Any of these
+    leaves the module unchanged. Then DCP reads straight into the module's tensors (each stride
+    block of a shard into its slice), as plain DCP loads into DTensors: parameters keep their
+    storage, so views into Megatron's contiguous DDP buffers stay views, and the load needs no
+    memory or copy beyond plain DCP's. An I/O error in the middle of that read raises
+    ``RuntimeError`` saying the module may be partially loaded. ``staged=True`` reads into
+    temporaries instead and copies them into the module only once everything has been read, so
+    that such an error leaves the module unchanged (``RuntimeError`` saying so); the price is one
+    more copy of this rank's state, in time and memory. Extra state is set only after a
+    successful read. Vocab-padded embeddings load only when padded to the same size at both
     degrees (Megatron's default padding multiple grows with TP). Entries are matched by name:
     loading ignores no entry and accepts no missing one.
 
@@ -366,22 +371,18 @@ def _gather_from_all_ranks(obj) -> list:
     return gathered
 
 
-def _raise_if_any_rank_failed(error: Optional[Exception]):
-    """Hands this rank's error (or None) to all ranks; all raise if any failed, so that no rank is
-    left waiting in a collective the failed one never joins."""
-    errors = _gather_from_all_ranks(error)
-    if error is not None:
-        raise error
+def _raise_first_error(mine: Optional[Exception], errors: list):
+    """Raises this rank's error, else the first other rank's, if any rank failed."""
+    if mine is not None:
+        raise mine
     for rank, other in enumerate(errors):
         if other is not None:
             raise type(other)(f"rank {rank} failed: {other}")
 
 
-def _check_tp_ranks_agree(held_by_rank: list, tp_group):
-    """Raises unless every rank of tp_group holds the same entries, layouts, shapes, dtypes and
-    (where computed) the same bytes in its replicated tensors."""
-    group = tp_group if tp_group is not None else dist.group.WORLD
-    ranks = dist.get_process_group_ranks(group) if dist.is_initialized() else [0]
+def _check_tp_ranks_agree(held_by_rank: list, ranks: tuple):
+    """Raises unless the given ranks (one tensor-parallel group) hold the same entries, layouts,
+    shapes, dtypes and (where computed) the same bytes in their replicated tensors."""
     first = ranks[0]
     reference = held_by_rank[first]
     for rank in ranks[1:]:
@@ -402,17 +403,26 @@ def _check_tp_ranks_agree(held_by_rank: list, tp_group):
                     f"and {rank}; a sharded tensor labelled replicated would be saved from one rank only")
 
 
-def _entries_agreed_by_tp_ranks(state: dict, tp_group, tp_size: int, with_checksums: bool) -> dict:
-    """name -> (local tensor, ShardSpec), or (object, None) for non-tensors, once all ranks have
-    read their specs and the tensor-parallel ranks are known to agree."""
+def _entries_agreed_by_tp_ranks(state: dict, tp_group, tp_size: int, with_checksums: bool, check=None) -> dict:
+    """name -> (local tensor, ShardSpec), or (object, None) for non-tensors, once every rank has
+    read its specs, passed check(entries) (which returns an error or None) and agrees with the
+    other ranks of its tensor-parallel group. One collective exchanges all of it, and every rank
+    checks every group, so all raise together and none is left waiting in a later collective."""
     entries, held, error = None, None, None
     try:
         entries = _local_entries(state, tp_size)
         held = _held(entries, with_checksums)
+        error = check(entries) if check else None
     except ValueError as exc:
         error = exc
-    _raise_if_any_rank_failed(error)
-    _check_tp_ranks_agree(_gather_from_all_ranks(held), tp_group)
+    group = tp_group if tp_group is not None else dist.group.WORLD
+    tp_ranks = tuple(dist.get_process_group_ranks(group)) if dist.is_initialized() else (0,)
+    gathered = _gather_from_all_ranks((error, held, tp_ranks))
+    held_by_rank = [h for _, h, _ in gathered]
+    if all(h is not None for h in held_by_rank):
+        for ranks in sorted({r for _, _, r in gathered}):
+            _check_tp_ranks_agree(held_by_rank, ranks)
+    _raise_first_error(error, [e for e, _, _ in gathered])
     return entries
 
 
@@ -435,6 +445,12 @@ def _as_checkpoint_chunks(tensor: torch.Tensor, spec: ShardSpec, tp_size: int, t
     tensor.local_offsets = tuple(along_dim(b * block, zeros) for b in range(stride))
     tensor.local_sizes = tuple(along_dim(block, tensor.shape) for _ in range(stride))
     return tensor
+
+
+def _alias(local: torch.Tensor) -> torch.Tensor:
+    """local's storage under a new tensor object, so the chunk fields DCP reads stay off the
+    parameter, and the parameter keeps its storage (Megatron's DDP holds it as a view of a buffer)."""
+    return local.detach()
 
 
 def _dcp_state(entries: dict, tp_size: int, tp_rank: int, make_buffer) -> dict:
@@ -476,8 +492,7 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
     _require_checkpointable_tensor()
     tp_size, tp_rank = _tp_size_and_rank(tp_group)
     entries = _entries_agreed_by_tp_ranks(_state_of(module_or_state_dict), tp_group, tp_size, with_checksums=True)
-    # detach(): a new tensor object, so the chunk fields DCP reads stay off the parameters
-    state = _dcp_state(entries, tp_size, tp_rank, lambda local: local.detach())
+    state = _dcp_state(entries, tp_size, tp_rank, _alias)
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(path, overwrite=True), planner=planner)
 
@@ -544,25 +559,29 @@ def _reason_not_to_load(entries: dict, path: str, tp_size: int) -> Optional[Exce
         return exc
 
 
-def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None) -> None:
-    """Loads a save_sharded checkpoint into module at its TP degree, all or nothing (module docstring)."""
+def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, staged: bool = False) -> None:
+    """Loads a save_sharded checkpoint into module at its TP degree, in place or staged (module docstring)."""
     _require_checkpointable_tensor()
     tp_size, tp_rank = _tp_size_and_rank(tp_group)
-    entries = _entries_agreed_by_tp_ranks(module.state_dict(keep_vars=True), tp_group, tp_size, with_checksums=False)
-    _raise_if_any_rank_failed(_reason_not_to_load(entries, path, tp_size))
+    entries = _entries_agreed_by_tp_ranks(module.state_dict(keep_vars=True), tp_group, tp_size, with_checksums=False,
+                                          check=lambda mine: _reason_not_to_load(mine, path, tp_size))
 
-    loaded = _dcp_state(entries, tp_size, tp_rank, torch.empty_like)
+    loaded = _dcp_state(entries, tp_size, tp_rank, torch.empty_like if staged else _alias)
     # No flattening: DCP would otherwise put loaded objects (extra state) into a copy of `loaded`.
     planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
         dcp.load(loaded, storage_reader=dcp.FileSystemReader(path), planner=planner)
     except dcp.CheckpointException as exc:
-        raise RuntimeError(f"reading checkpoint {path!r} failed; the module was left unchanged") from exc
+        if staged:
+            raise RuntimeError(f"reading checkpoint {path!r} failed; the module was left unchanged") from exc
+        raise RuntimeError(
+            f"reading checkpoint {path!r} failed part-way; the module may be partially loaded (pass "
+            "staged=True to read into temporaries first and leave it unchanged on such a failure)") from exc
 
     with torch.no_grad():
         for name, (local, spec) in entries.items():
             if spec is None:
                 owner = name[: -len(_EXTRA_STATE_KEY_SUFFIX)].rstrip(".")
                 module.get_submodule(owner).set_extra_state(loaded[name])
-            else:
+            elif staged:
                 local.copy_(loaded[name])

@@ -138,6 +138,28 @@ def assert_all_same(module, expected):
         assert same_bits(t, wanted[name]), f"{name} differs"
 
 
+def storage_of(module):
+    """Where each tensor's data lives: loading must write into it, not swap it."""
+    return {name: (t.untyped_storage().data_ptr(), t.storage_offset()) for name, t in tensors_of(module).items()}
+
+
+def views_into_one_buffer(module):
+    """Makes every parameter a view into one flat byte buffer (Megatron DDP style; attributes stay on
+    the Parameter objects), followed by random padding. Returns the buffer and the padding."""
+    params = list(module.parameters())
+    sizes = [p.numel() * p.element_size() for p in params]
+    padding = random_bits((64,), torch.int16, seed=3).view(torch.uint8)
+    flat = torch.empty(sum(sizes) + padding.numel(), dtype=torch.uint8)
+    offset = 0
+    for param, size in zip(params, sizes):
+        view = flat[offset:offset + size].view(param.dtype).view(param.shape)
+        view.copy_(param.data)
+        param.data = view
+        offset += size
+    flat[offset:].copy_(padding)
+    return flat, padding
+
+
 def tp_group_of_size(tp):
     """This rank's group among consecutive groups of tp ranks (every rank creates every group)."""
     mine = None
@@ -277,12 +299,32 @@ def _round_trips(rank, world_size, root):
         for load_tp, group in groups.items():
             if load_tp == save_tp:
                 continue
-            target = Toy(logical_state(seed=2), load_tp, dist.get_rank(group), step=0)
-            expected = Toy(original, load_tp, dist.get_rank(group), step=7)
-            assert_all_differ(target, expected)
-            load_sharded(target, f"{root}/tp{save_tp}", tp_group=group)
-            assert_all_same(target, expected)
-            assert target.step == 7, (save_tp, load_tp)
+            for staged in (False, True):
+                target = Toy(logical_state(seed=2), load_tp, dist.get_rank(group), step=0)
+                expected = Toy(original, load_tp, dist.get_rank(group), step=7)
+                storage = storage_of(target)
+                assert_all_differ(target, expected)
+                load_sharded(target, f"{root}/tp{save_tp}", tp_group=group, staged=staged)
+                assert_all_same(target, expected)
+                assert storage_of(target) == storage, (save_tp, load_tp, staged)
+                assert target.step == 7, (save_tp, load_tp, staged)
+
+    # Parameters as views into one flat buffer, as Megatron's DDP keeps them: the default load
+    # writes through the views (stride-2 blocks included) and leaves the rest of the buffer alone.
+    group = groups[2]
+    target = Toy(logical_state(seed=2), 2, dist.get_rank(group), step=0)
+    flat, padding = views_into_one_buffer(target)
+    load_sharded(target, f"{root}/tp4", tp_group=group)
+    expected = Toy(original, 2, dist.get_rank(group), step=7)
+    assert_all_same(target, expected)
+    assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in target.parameters())
+    assert torch.equal(flat[-padding.numel():], padding)
+
+    # A disagreement inside one TP group (ranks 2 and 3) is raised on the other group's ranks too,
+    # instead of leaving them waiting in DCP for ranks that never come.
+    square = annotated((4, 4), legacy(1 if dist.get_rank() == 3 else 0), device="cpu")
+    with pytest.raises(ShardingMetadataError, match=r"w: tensor-parallel ranks disagree .* rank 2 has .* rank 3 has"):
+        save_sharded({"w": square}, f"{root}/one_group_disagrees", tp_group=groups[2])
 
     # The checkpoint holds logical tensors: plain DCP reads [W ; V], not the rank shards in a row.
     for tp in groups:
@@ -359,13 +401,15 @@ def _snapshot(module):
     return {name: t.clone() for name, t in tensors_of(module).items()}, module.step
 
 
-def _assert_load_fails_untouched(path, exception, match, target=None):
+def _assert_load_fails_untouched(path, exception, match, target=None, paths=(False, True)):
+    """Loading fails with match and leaves target unchanged, on each of the given paths (staged or not)."""
     target = target or Toy(logical_state(seed=2), 2, dist.get_rank(), step=0)
     tensors, step = _snapshot(target)
-    with pytest.raises(exception, match=match):
-        load_sharded(target, path)
-    assert all(same_bits(t, tensors[name]) for name, t in tensors_of(target).items())
-    assert target.step == step
+    for staged in paths:
+        with pytest.raises(exception, match=match):
+            load_sharded(target, path, staged=staged)
+        assert all(same_bits(t, tensors[name]) for name, t in tensors_of(target).items()), staged
+        assert target.step == step
 
 
 def _on_rank_0(action):
@@ -415,11 +459,13 @@ def _load_failures(rank, world_size, root):
     _on_rank_0(lambda: [os.remove(f) for f in data_files])
     two_ranks = torch.nn.Module()
     add_parameter(two_ranks, "fc1.weight", torch.zeros(4, 4), legacy(0, 2))
-    with pytest.raises(ValueError, match="fc1.weight: cannot be split across tensor-parallel degree 2: dim 0 has 6"):
-        load_sharded(two_ranks, f"{root}/six_rows")
-    assert torch.equal(two_ranks.fc1.weight, torch.zeros(4, 4))
+    for staged in (False, True):
+        with pytest.raises(ValueError, match="fc1.weight: cannot be split across tensor-parallel degree 2: dim 0 has 6"):
+            load_sharded(two_ranks, f"{root}/six_rows", staged=staged)
+        assert torch.equal(two_ranks.fc1.weight, torch.zeros(4, 4))
 
-    # A read failing inside DCP on one rank, after its data arrived: nothing reaches any module.
+    # A read failing inside DCP on one rank, after its data arrived. Staged, nothing reaches any
+    # module. Direct, the data is already in the module: the error must say so.
     real_read = dcp.FileSystemReader.read_data
 
     def read_then_fail(self, plan, planner):
@@ -428,8 +474,14 @@ def _load_failures(rank, world_size, root):
 
     if rank == 1:
         dcp.FileSystemReader.read_data = read_then_fail
-    _assert_load_fails_untouched(f"{root}/good", RuntimeError, "left unchanged")
+    _assert_load_fails_untouched(f"{root}/good", RuntimeError, "left unchanged", paths=(True,))
+    target = Toy(logical_state(seed=2), 2, rank, step=0)
+    with pytest.raises(RuntimeError, match="may be partially loaded.*staged=True"):
+        load_sharded(target, f"{root}/good")
     dcp.FileSystemReader.read_data = real_read
+    expected = Toy(original, 2, rank, step=7)
+    assert_all_same(target, expected)
+    assert target.step == 0  # extra state is set only after a successful read
 
     # The same checkpoint still loads.
     target = Toy(logical_state(seed=2), 2, rank, step=0)
@@ -445,7 +497,8 @@ def _two_rank_checks(rank, world_size, root):
 @needs_checkpointable_dcp
 def test_dtensor_conversion_save_checks_and_failed_loads(tmp_path):
     """One spawned run for both groups of two-rank checks: starting processes is most of the time.
-    Failed loads must leave the module unchanged."""
+    Failed loads must leave the module unchanged on both load paths, except a read failing in the
+    middle of a direct (unstaged) load, which must say the module may be partially loaded."""
     run_distributed(_two_rank_checks, 2, str(tmp_path))
 
 
