@@ -13,6 +13,8 @@
 
 #include <cmath>
 
+#include "torch_utils.h"
+
 namespace fused_rl_ops {
 
 inline at::ScalarType logprob_acc_dtype(const at::Tensor& hidden) {
@@ -38,7 +40,7 @@ template <class Backend, class Fn>
 void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_t chunk_size, const Fn& fn) {
   const int64_t N = h.size(0), V = weight.size(0), chunk = std::min(chunk_size, V);
   const at::Tensor w = weight.contiguous();
-  at::Tensor workspace = at::empty({N * chunk}, h.options().dtype(logprob_acc_dtype(h)));
+  at::Tensor workspace = empty_buffer({N * chunk}, h.options().dtype(logprob_acc_dtype(h)));
   for (int64_t c0 = 0; c0 < V; c0 += chunk) {
     const int64_t n = std::min(chunk, V - c0);
     at::Tensor logits = workspace.narrow(0, 0, N * n).view({N, n});
@@ -83,8 +85,8 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidde
     TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == acc && t->device() == hidden.device(),
                 "chosen_logprob backward: per-token tensors must be [N] in the accumulation dtype");
   }
-  at::Tensor grad_h = at::zeros({N, hidden.size(1)}, hidden.options().dtype(acc));
-  at::Tensor grad_w = at::zeros_like(weight, at::MemoryFormat::Contiguous);
+  at::Tensor grad_h = empty_buffer({N, hidden.size(1)}, hidden.options().dtype(acc)).zero_();
+  at::Tensor grad_w = empty_buffer(weight.sizes(), weight.options()).zero_();
   if (N == 0 || V == 0) return {grad_h, grad_w};
   const at::Tensor h = Backend::gemm_operand(hidden.contiguous(), acc), tok = tokens.contiguous();
   const at::Tensor lse_c = lse.contiguous(), mean_c = mean.contiguous();

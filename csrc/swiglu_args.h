@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "swiglu_math.h"
+#include "torch_utils.h"
 
 namespace fused_rl_ops {
 
@@ -39,7 +40,7 @@ inline std::vector<int64_t> swiglu_out_shape(const at::Tensor& x) {
 inline SwigluCall swiglu_forward_call(const at::Tensor& x, std::optional<double> limit, double alpha,
                                       double linear_offset) {
   SwigluCall call = swiglu_call(x, limit, alpha, linear_offset);
-  call.half = at::empty(swiglu_out_shape(x), x.options());
+  call.half = empty_buffer(swiglu_out_shape(x), x.options());
   return call;
 }
 
@@ -51,7 +52,7 @@ inline SwigluCall swiglu_backward_call(const at::Tensor& grad_out, const at::Ten
                   grad_out.device() == x.device(),
               "clamped_swiglu_backward: grad_out must match the output's shape, dtype and device");
   call.half = grad_out.contiguous();
-  call.full = at::empty_like(call.x);
+  call.full = empty_buffer(call.x.sizes(), call.x.options());
   return call;
 }
 
