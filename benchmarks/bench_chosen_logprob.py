@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from common import parse_args, print_table, synchronize, time_fn, write_json
+from common import parse_args, print_table, synchronize, time_paths, write_json
 
 
 def extra_args(parser):
@@ -167,12 +167,12 @@ def main():
             for mode in ("fwd", "fwd+bwd"):
                 row = {"N": N, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "entropy": entropy,
                        "mode": mode}
-                paths = ["fused", "naive"] + ([] if entropy else ["megatron"])
-                for path in paths:
-                    row[f"{path}_ms"] = time_fn(run_once(path, entropy, mode, hidden, weight, tokens), dev,
-                                                reps=reps) * 1e3
+                paths = {path: run_once(path, entropy, mode, hidden, weight, tokens)
+                         for path in ["fused", "naive"] + ([] if entropy else ["megatron"])}
                 for name, fn in ({} if entropy else extra).items():
-                    row[f"{name}_ms"] = time_fn(lambda: fn(hidden, weight, tokens), dev, reps=reps) * 1e3
+                    paths[name] = lambda fn=fn: fn(hidden, weight, tokens)
+                for name, t in time_paths(paths, dev, reps=reps).items():
+                    row[f"{name}_ms"] = t * 1e3
                 flops = (2 if mode == "fwd" else 8) * N * H * V
                 row["fused_TFLOP/s"] = flops / (row["fused_ms"] * 1e-3) / 1e12
                 row["naive/fused"] = row["naive_ms"] / row["fused_ms"]
@@ -202,9 +202,10 @@ def main():
         for V in Vs:
             hidden, weight, tokens = make_inputs(N, H, V, dtype, dev)
             point = {"N": N, "H": H, "V": V}
-            for path in ("fused", "naive"):
-                point[f"{path}_ms"] = time_fn(run_once(path, True, "fwd+bwd", hidden, weight, tokens), dev,
-                                              reps=reps) * 1e3
+            times = time_paths({path: run_once(path, True, "fwd+bwd", hidden, weight, tokens)
+                                for path in ("fused", "naive")}, dev, reps=reps)
+            for path, t in times.items():
+                point[f"{path}_ms"] = t * 1e3
                 point[f"{path}_MiB"] = peak_bytes(path, N, H, V, dtype, dev) / 2**20
             curve.append(point)
         print_table(curve, list(curve[0]))

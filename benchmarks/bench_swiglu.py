@@ -6,7 +6,7 @@ import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from common import parse_args, print_table, run_mode, time_fn, write_json
+from common import parse_args, print_table, run_mode, time_paths, write_json
 
 args = parse_args(__doc__)
 dev = args.device
@@ -28,8 +28,8 @@ for tokens, F in shapes:
         elem_bytes = tokens * F * x.element_size()
         for mode, bytes_moved in (("fwd", 3 * elem_bytes), ("fwd+bwd", 8 * elem_bytes)):
             row = {"tokens": tokens, "F": F, "dtype": str(dtype).replace("torch.", ""), "mode": mode}
-            for name, fn in paths.items():
-                t = time_fn(run_mode(fn, [x], [grad], mode), dev, reps=reps)
+            times = time_paths({name: run_mode(fn, [x], [grad], mode) for name, fn in paths.items()}, dev, reps=reps)
+            for name, t in times.items():
                 row[f"{name}_ms"] = t * 1e3
                 row[f"{name}_GB/s"] = bytes_moved / t / 1e9
             row["x_eager"] = row["eager_ms"] / row["fused_ms"]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fused_rl_ops import reference
 from fused_rl_ops.value_head import value_head
-from common import parse_args, print_table, run_mode, time_fn, write_json
+from common import parse_args, print_table, run_mode, time_paths, write_json
 
 args = parse_args(__doc__)
 dev = args.device
@@ -36,9 +36,12 @@ for tokens, H in shapes:
         hidden_bytes = tokens * H * hidden.element_size()
         for mode, bytes_moved in (("fwd", hidden_bytes + 4 * tokens), ("fwd+bwd", 3 * hidden_bytes + 12 * tokens)):
             row = {"tokens": tokens, "H": H, "dtype": str(dtype).replace("torch.", ""), "mode": mode}
-            for name, fn in paths.items():
-                run = run_mode(fn, [hidden, weight], [grad.to(fn(hidden, weight).dtype)], mode)
-                t = time_fn(lambda run=run: [run() for _ in range(inner)], dev, reps=reps) / inner
+            runs = {name: run_mode(fn, [hidden, weight], [grad.to(fn(hidden, weight).dtype)], mode)
+                    for name, fn in paths.items()}
+            times = time_paths({name: lambda run=run: [run() for _ in range(inner)] for name, run in runs.items()},
+                               dev, reps=reps)
+            for name, t in times.items():
+                t /= inner
                 row[f"{name}_ms"] = t * 1e3
                 row[f"{name}_GB/s"] = bytes_moved / t / 1e9
             row["x_fp32"] = row["fp32_ms"] / row["fused_ms"]

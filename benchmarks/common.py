@@ -23,18 +23,23 @@ def synchronize(device: str):
         torch.cuda.synchronize()
 
 
-def time_fn(fn, device: str, warmup: int = 1, reps: int = 5) -> float:
-    """Median wall time of fn() in seconds, after warmup calls."""
-    for _ in range(warmup):
-        fn()
+def time_paths(fns: dict, device: str, warmup: int = 1, reps: int = 5) -> dict:
+    """name -> median wall time in seconds of fns[name](), after warmup calls of each. Repetitions
+    are interleaved (each round calls every path once), so the machine's noise and the memory
+    allocator's state (a path that runs after one with large temporaries finds the heap grown and
+    skips the page faults of fresh memory) fall on all paths alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     synchronize(device)
-    times = []
+    times = {name: [] for name in fns}
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def fwd_bwd(fn, inputs, grads=None):
