@@ -6,7 +6,7 @@ import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from common import parse_args, print_table, run_mode, time_paths, write_json
+from common import add_times, parse_args, print_table, run_mode, time_paths, write_json
 
 args = parse_args(__doc__)
 dev = args.device
@@ -29,13 +29,7 @@ for tokens, F in shapes:
         for mode, bytes_moved in (("fwd", 3 * elem_bytes), ("fwd+bwd", 8 * elem_bytes)):
             row = {"tokens": tokens, "F": F, "dtype": str(dtype).replace("torch.", ""), "mode": mode}
             times = time_paths({name: run_mode(fn, [x], [grad], mode) for name, fn in paths.items()}, dev, reps=reps)
-            for name, t in times.items():
-                row[f"{name}_ms"] = t * 1e3
-                row[f"{name}_GB/s"] = bytes_moved / t / 1e9
-            row["x_eager"] = row["eager_ms"] / row["fused_ms"]
-            row["x_compile"] = row["compile_ms"] / row["fused_ms"]
-            rows.append(row)
-            print_table([row], list(row))
+            rows.append(add_times(row, times, bytes_moved, ["eager", "compile"]))
 
 print("\nclamped_swiglu, speedup = baseline time / fused time")
 print_table(rows, ["tokens", "F", "dtype", "mode", "fused_ms", "fused_GB/s", "eager_ms", "compile_ms",

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fused_rl_ops import reference
 from fused_rl_ops.value_head import value_head
-from common import parse_args, print_table, run_mode, time_paths, write_json
+from common import add_times, parse_args, print_table, run_mode, time_paths, write_json
 
 args = parse_args(__doc__)
 dev = args.device
@@ -40,14 +40,8 @@ for tokens, H in shapes:
                     for name, fn in paths.items()}
             times = time_paths({name: lambda run=run: [run() for _ in range(inner)] for name, run in runs.items()},
                                dev, reps=reps)
-            for name, t in times.items():
-                t /= inner
-                row[f"{name}_ms"] = t * 1e3
-                row[f"{name}_GB/s"] = bytes_moved / t / 1e9
-            row["x_fp32"] = row["fp32_ms"] / row["fused_ms"]
-            row["x_native"] = row["native_ms"] / row["fused_ms"]
-            rows.append(row)
-            print_table([row], list(row))
+            times = {name: t / inner for name, t in times.items()}
+            rows.append(add_times(row, times, bytes_moved, ["fp32", "native"]))
         del hidden, weight, grad
 
 print("\nvalue_head, speedup = baseline time / fused time")

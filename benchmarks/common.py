@@ -66,6 +66,18 @@ def run_mode(fn, inputs, grads, mode: str):
     return fwd_bwd(fn, inputs, grads)
 
 
+def add_times(row: dict, times: dict, bytes_moved: float, baselines: list) -> dict:
+    """Fills row with each path's time (ms) and effective bandwidth, and x_<baseline> = that
+    baseline's time / the fused time; prints it as a one-row table and returns it."""
+    for name, t in times.items():
+        row[f"{name}_ms"] = t * 1e3
+        row[f"{name}_GB/s"] = bytes_moved / t / 1e9
+    for name in baselines:
+        row[f"x_{name}"] = row[f"{name}_ms"] / row["fused_ms"]
+    print_table([row], list(row))
+    return row
+
+
 def environment(device: str) -> dict:
     env = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
            "machine": platform.processor() or platform.machine()}
