@@ -60,7 +60,8 @@ struct Halves {
 
 // Gate and linear values of outputs [k, k + kWidth) of a tile.
 template <typename scalar_t, typename L = Lanes<scalar_t>>
-void load_gu(const Halves<const scalar_t>& in, int64_t k, bool interleaved, typename L::Parts& g, typename L::Parts& u) {
+void load_gu(const Halves<const scalar_t>& in, int64_t k, bool interleaved, typename L::Parts& g,
+             typename L::Parts& u) {
   if (!interleaved) {
     g = L::load(in.g + k);
     u = L::load(in.u + k);
@@ -108,7 +109,9 @@ void backward_tile(const Halves<const scalar_t>& in, const scalar_t* dy, const H
   for (int64_t k = 0; k < kTile; k += L::kWidth) {
     typename L::Parts g, u, d = L::load(dy + k), dg, du;
     load_gu(in, k, interleaved, g, u);
-    for (int i = 0; i < L::kParts; ++i) swiglu_backward<typename L::Acc, typename L::M>(g[i], u[i], d[i], p, dg[i], du[i]);
+    for (int i = 0; i < L::kParts; ++i) {
+      swiglu_backward<typename L::Acc, typename L::M>(g[i], u[i], d[i], p, dg[i], du[i]);
+    }
     store_gu(dg, du, k, interleaved, dx);
   }
 }
