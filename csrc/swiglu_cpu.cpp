@@ -118,24 +118,26 @@ void backward_tile(const Halves<const scalar_t>& in, const scalar_t* dy, const H
 
 // A row's inputs (or input gradients) in one layout: the tile starting at output c, in place, or
 // copied from / to a zero-padded buffer of the same layout when the row has fewer than kTile left.
-template <typename scalar_t>
 struct RowLayout {
   int64_t F;
   bool interleaved;
 
   int64_t g_offset(int64_t c) const { return interleaved ? 2 * c : c; }
   int64_t u_offset(int64_t c) const { return interleaved ? 2 * c + 1 : F + c; }
-  // Elements of the gate (or pair) run holding n outputs, and where the linear run sits in a buffer.
+  // Elements of the gate (or pair) run holding n outputs.
   int64_t run(int64_t n) const { return interleaved ? 2 * n : n; }
-  int64_t buffer_u() const { return interleaved ? 1 : kTile; }
 
-  void to_buffer(const scalar_t* row, int64_t c, int64_t n, scalar_t* buf) const {
-    std::memcpy(buf, row + g_offset(c), run(n) * sizeof(scalar_t));
-    if (!interleaved) std::memcpy(buf + kTile, row + u_offset(c), n * sizeof(scalar_t));
-  }
-  void from_buffer(const scalar_t* buf, int64_t c, int64_t n, scalar_t* row) const {
-    std::memcpy(row + g_offset(c), buf, run(n) * sizeof(scalar_t));
-    if (!interleaved) std::memcpy(row + u_offset(c), buf + kTile, n * sizeof(scalar_t));
+  // The tile at output c of a row, in place; and a tile's buffer, linear run after kTile gates.
+  template <typename P>
+  Halves<P> tile(P* row, int64_t c) const { return {row + g_offset(c), row + u_offset(c)}; }
+  template <typename P>
+  Halves<P> buffer(P* buf) const { return {buf, buf + (interleaved ? 1 : kTile)}; }
+
+  // Copies the n outputs' worth of values from one tile to another (in place <-> buffer).
+  template <typename T>
+  void copy(const Halves<const T>& from, const Halves<T>& to, int64_t n) const {
+    std::memcpy(to.g, from.g, run(n) * sizeof(T));
+    if (!interleaved) std::memcpy(to.u, from.u, n * sizeof(T));
   }
 };
 
@@ -154,17 +156,17 @@ void for_each_tile(int64_t rows, int64_t F, const Fn& fn) {
 template <typename scalar_t>
 void swiglu_forward_cpu(const scalar_t* x, scalar_t* y, int64_t rows, int64_t F, bool interleaved,
                         const SwigluParams& p) {
-  const RowLayout<scalar_t> layout{F, interleaved};
+  const RowLayout layout{F, interleaved};
   for_each_tile(rows, F, [&](int64_t r, int64_t c, int64_t n) {
     const scalar_t* xr = x + r * 2 * F;
     scalar_t* yr = y + r * F + c;
     if (n == kTile) {
-      forward_tile<scalar_t>({xr + layout.g_offset(c), xr + layout.u_offset(c)}, yr, interleaved, p);
+      forward_tile<scalar_t>(layout.tile(xr, c), yr, interleaved, p);
       return;
     }
     alignas(64) scalar_t in[2 * kTile] = {}, out[kTile];
-    layout.to_buffer(xr, c, n, in);
-    forward_tile<scalar_t>({in, in + layout.buffer_u()}, out, interleaved, p);
+    layout.copy(layout.tile(xr, c), layout.buffer(in), n);
+    forward_tile<scalar_t>(layout.buffer<const scalar_t>(in), out, interleaved, p);
     std::memcpy(yr, out, n * sizeof(scalar_t));
   });
 }
@@ -172,21 +174,20 @@ void swiglu_forward_cpu(const scalar_t* x, scalar_t* y, int64_t rows, int64_t F,
 template <typename scalar_t>
 void swiglu_backward_cpu(const scalar_t* dy, const scalar_t* x, scalar_t* dx, int64_t rows, int64_t F,
                          bool interleaved, const SwigluParams& p) {
-  const RowLayout<scalar_t> layout{F, interleaved};
+  const RowLayout layout{F, interleaved};
   for_each_tile(rows, F, [&](int64_t r, int64_t c, int64_t n) {
     const scalar_t* xr = x + r * 2 * F;
     const scalar_t* dyr = dy + r * F + c;
     scalar_t* dxr = dx + r * 2 * F;
     if (n == kTile) {
-      backward_tile<scalar_t>({xr + layout.g_offset(c), xr + layout.u_offset(c)}, dyr,
-                              {dxr + layout.g_offset(c), dxr + layout.u_offset(c)}, interleaved, p);
+      backward_tile<scalar_t>(layout.tile(xr, c), dyr, layout.tile(dxr, c), interleaved, p);
       return;
     }
     alignas(64) scalar_t in[2 * kTile] = {}, d[kTile] = {}, out[2 * kTile];
-    layout.to_buffer(xr, c, n, in);
+    layout.copy(layout.tile(xr, c), layout.buffer(in), n);
     std::memcpy(d, dyr, n * sizeof(scalar_t));
-    backward_tile<scalar_t>({in, in + layout.buffer_u()}, d, {out, out + layout.buffer_u()}, interleaved, p);
-    layout.from_buffer(out, c, n, dxr);
+    backward_tile<scalar_t>(layout.buffer<const scalar_t>(in), d, layout.buffer(out), interleaved, p);
+    layout.copy(layout.buffer<const scalar_t>(out), layout.tile(dxr, c), n);
   });
 }
 
