@@ -29,3 +29,9 @@ def check_float_dtype(op: str, name: str, t: torch.Tensor, allow_float64: bool):
     if t.dtype not in allowed:
         extra = " (float64 only on CPU)" if t.dtype == torch.float64 else ""
         raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16{extra}, got {t.dtype}")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The kernels' accumulation and fp32-output dtype for inputs of dtype: float64 stays float64
+    (CPU, for gradcheck), everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

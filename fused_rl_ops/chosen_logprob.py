@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ._library import check_device, check_float_dtype, ops
+from ._library import acc_dtype, check_device, check_float_dtype, ops
 
 DEFAULT_WORKSPACE_BYTES = 64 * 2**20
 _MIN_CHUNK = 128
@@ -153,13 +153,9 @@ def chosen_logprob(
     return (logprob, entropy) if return_entropy else logprob
 
 
-def _acc_dtype(t):
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 @torch.library.register_fake("fused_rl_ops::logprob_stats")
 def _(hidden, weight, tokens, temperature, vocab_start, chunk_size):
-    return hidden.new_empty(hidden.shape[0], 4, dtype=_acc_dtype(hidden))
+    return hidden.new_empty(hidden.shape[0], 4, dtype=acc_dtype(hidden.dtype))
 
 
 @torch.library.register_fake("fused_rl_ops::logprob_combine")
@@ -169,4 +165,4 @@ def _(partials):
 
 @torch.library.register_fake("fused_rl_ops::logprob_backward")
 def _(hidden, weight, tokens, lse, mean, grad_logprob, grad_entropy, temperature, vocab_start, chunk_size):
-    return hidden.new_empty(hidden.shape, dtype=_acc_dtype(hidden)), torch.empty_like(weight)
+    return hidden.new_empty(hidden.shape, dtype=acc_dtype(hidden.dtype)), torch.empty_like(weight)

@@ -4,7 +4,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._library import check_device, check_float_dtype, ops
+from ._library import acc_dtype, check_device, check_float_dtype, ops
 
 _OP = "value_head"
 
@@ -26,10 +26,6 @@ def _check_args(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
             raise TypeError(f"{_OP}: {name} must be float32 or hidden's dtype {hidden.dtype}, got {t.dtype}")
     if bias is not None and (bias.dim() > 1 or bias.numel() != 1):
         raise ValueError(f"{_OP}: bias must be a scalar tensor or [1], got shape {tuple(bias.shape)}")
-
-
-def _acc_dtype(hidden_dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if hidden_dtype == torch.float64 else torch.float32
 
 
 def value_head(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -80,7 +76,7 @@ class ValueHead(nn.Module):
 @torch.library.register_fake("fused_rl_ops::value_head")
 def _(hidden, weight, bias):
     _check_args(hidden, weight, bias)
-    return hidden.new_empty(hidden.shape[:-1], dtype=_acc_dtype(hidden.dtype))
+    return hidden.new_empty(hidden.shape[:-1], dtype=acc_dtype(hidden.dtype))
 
 
 @torch.library.register_fake("fused_rl_ops::value_head_backward_hidden")
@@ -90,7 +86,7 @@ def _(grad_out, weight, dtype):
 
 @torch.library.register_fake("fused_rl_ops::value_head_backward_params")
 def _(grad_out, hidden):
-    acc = _acc_dtype(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     return grad_out.new_empty(hidden.shape[-1], dtype=acc), grad_out.new_empty((), dtype=acc)
 
 
