@@ -20,15 +20,12 @@ import itertools
 import math
 import os
 import shutil
-import sys
 import tempfile
 
 import torch
 
 from common import parse_args, print_table, write_json
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from dist_utils import run_distributed  # noqa: E402  (the tests' gloo launcher)
+from fused_rl_ops.testing.distributed import run_distributed
 
 TP = 2
 LAYERS = 4

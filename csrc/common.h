@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define FRL_HD __host__ __device__ __forceinline__
@@ -13,7 +14,7 @@
 namespace fused_rl_ops {
 
 // Elementwise primitives the per-element math headers are written in. Specialised here for
-// scalars (CPU and CUDA) and in cpu/vec_math.h for at::vec::Vectorized (CPU SIMD), so one
+// scalars (CPU and CUDA) and in vec_math.h for at::vec::Vectorized (CPU SIMD), so one
 // formula serves every kernel. select(c, a, b) is c ? a : b; comparisons are ordered (NaN
 // compares false), as IEEE and AVX's _CMP_*_OQ are.
 template <typename T>
@@ -40,6 +41,10 @@ struct Math<float> : ScalarMath<float> {
 
 template <>
 struct Math<double> : ScalarMath<double> {};
+
+// The accumulation type of a kernel reading scalar_t: fp64 for double (CPU, for gradcheck), else fp32.
+template <typename scalar_t>
+using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
 // Element types the torch-free CUDA launchers accept.
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };

@@ -26,11 +26,13 @@ __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bf
 template <>
 __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
 
+constexpr int kWarp = 32;
+
 // Sum over a full warp, in the same butterfly order on every call (deterministic); every lane
 // gets the total.
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
 

@@ -11,28 +11,10 @@
 
 #include <ATen/ATen.h>
 
-#include <cmath>
-
+#include "logprob_args.h"
 #include "torch_utils.h"
 
 namespace fused_rl_ops {
-
-inline at::ScalarType logprob_acc_dtype(const at::Tensor& hidden) {
-  return hidden.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-inline void check_logprob_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                                 double temperature, int64_t chunk_size) {
-  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
-              "chosen_logprob: hidden must be [N, H] and weight [V, H], got ", hidden.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), "chosen_logprob: hidden and weight dtypes differ");
-  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == hidden.size(0) && tokens.scalar_type() == at::kLong,
-              "chosen_logprob: tokens must be int64 [N]");
-  TORCH_CHECK(hidden.device() == weight.device() && hidden.device() == tokens.device(),
-              "chosen_logprob: hidden, weight and tokens must be on one device");
-  TORCH_CHECK(temperature > 0 && std::isfinite(temperature), "chosen_logprob: temperature must be > 0");
-  TORCH_CHECK(chunk_size > 0, "chosen_logprob: chunk_size must be > 0");
-}
 
 // Calls fn(logits, w_chunk, c0) for each chunk of weight's rows [c0, c0 + n): logits = h w_chunk^T,
 // [N, n] in the accumulation dtype, in one workspace reused by every chunk.
@@ -40,11 +22,11 @@ template <class Backend, class Fn>
 void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_t chunk_size, const Fn& fn) {
   const int64_t N = h.size(0), V = weight.size(0), chunk = std::min(chunk_size, V);
   const at::Tensor w = weight.contiguous();
-  at::Tensor workspace = empty_buffer({N * chunk}, h.options().dtype(logprob_acc_dtype(h)));
+  at::Tensor workspace = empty_buffer({N * chunk}, h.options().dtype(acc_dtype(h.scalar_type())));
   for (int64_t c0 = 0; c0 < V; c0 += chunk) {
     const int64_t n = std::min(chunk, V - c0);
     at::Tensor logits = workspace.narrow(0, 0, N * n).view({N, n});
-    const at::Tensor w_chunk = Backend::gemm_operand(w.narrow(0, c0, n), logprob_acc_dtype(h));
+    const at::Tensor w_chunk = Backend::gemm_operand(w.narrow(0, c0, n), acc_dtype(h.scalar_type()));
     Backend::logits(h, w_chunk, logits);
     fn(logits, w_chunk, c0);
   }
@@ -56,7 +38,7 @@ template <class Backend>
 at::Tensor logprob_stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
                               double temperature, int64_t vocab_start, int64_t chunk_size) {
   check_logprob_inputs(hidden, weight, tokens, temperature, chunk_size);
-  const auto acc = logprob_acc_dtype(hidden);
+  const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0);
   at::Tensor stats = at::zeros({N, 4}, hidden.options().dtype(acc));
   stats.select(1, 0).fill_(-INFINITY);
@@ -79,7 +61,7 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidde
                                                          const at::Tensor& grad_entropy, double temperature,
                                                          int64_t vocab_start, int64_t chunk_size) {
   check_logprob_inputs(hidden, weight, tokens, temperature, chunk_size);
-  const auto acc = logprob_acc_dtype(hidden);
+  const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0);
   for (const at::Tensor* t : {&lse, &mean, &grad_logprob, &grad_entropy}) {
     TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == acc && t->device() == hidden.device(),
@@ -97,13 +79,6 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidde
     Backend::accumulate_grads(logits, h, w_chunk, grad_h, grad_w_chunk);
   });
   return {grad_h, grad_w};
-}
-
-inline void check_combine_input(const at::Tensor& partials) {
-  TORCH_CHECK(partials.dim() == 3 && partials.size(2) == 4,
-              "logprob_combine: partials must be [ranks, N, 4], got ", partials.sizes());
-  TORCH_CHECK(partials.scalar_type() == at::kFloat || partials.scalar_type() == at::kDouble,
-              "logprob_combine: partials must be float32 or float64");
 }
 
 }  // namespace fused_rl_ops

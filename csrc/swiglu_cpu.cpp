@@ -23,7 +23,7 @@ using at::vec::Vectorized;
 // (fp64 for double) compute type.
 template <typename scalar_t>
 struct Lanes {
-  using acc = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+  using acc = acc_t<scalar_t>;
   using Acc = Vectorized<acc>;
   static constexpr int64_t kWidth = Vectorized<scalar_t>::size();
   static constexpr int kParts = kWidth / Acc::size();

@@ -1,7 +1,7 @@
 // Clamped SwiGLU per-element math, one formula for the CPU and CUDA kernels.
 //   g' = min(g, L), u' = clamp(u, -L, L), s = sigmoid(alpha g'), y = g' s (u' + beta)
 // A gradient is masked only strictly beyond the limit: values exactly on -L or L keep theirs (the
-// contract in NOTES section 4; torch 2.14's clamp gradient drops the boundary) and NaN inputs give
+// README's "Gradient masks"; torch 2.14's clamp gradient drops the boundary) and NaN inputs give
 // NaN gradients rather than a silent zero. L = +inf means no clamp.
 #pragma once
 

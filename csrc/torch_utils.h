@@ -31,6 +31,9 @@ inline at::Tensor empty_buffer(at::IntArrayRef sizes, const at::TensorOptions& o
   return t;
 }
 
+// The accumulation (and fp32-output) dtype of a kernel reading `dtype`, as acc_t in common.h.
+inline at::ScalarType acc_dtype(at::ScalarType dtype) { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
+
 inline DType to_dtype(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kFloat: return DType::kFloat32;

@@ -7,13 +7,10 @@
 #include <torch/library.h>
 
 #include "torch_utils.h"
-#include "value_head_checks.h"
+#include "value_head_args.h"
 
 namespace fused_rl_ops {
 namespace {
-
-template <typename scalar_t>
-using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
 // Loads and stores a row in chunks of two accumulator vectors, whatever the element type.
 template <typename scalar_t>
@@ -125,7 +122,7 @@ at::Tensor value_head_cpu(const at::Tensor& hidden_in, const at::Tensor& weight_
                           const std::optional<at::Tensor>& bias) {
   check_value_head_args(hidden_in, weight_in, bias);
   const at::Tensor hidden = hidden_in.contiguous();
-  const at::ScalarType acc_type = value_head_acc_type(hidden.scalar_type());
+  const at::ScalarType acc_type = acc_dtype(hidden.scalar_type());
   const at::Tensor weight = value_head_weight(weight_in, acc_type);
   at::Tensor out = at::empty(value_head_out_shape(hidden.sizes()), hidden.options().dtype(acc_type));
   const int64_t H = hidden.size(-1), rows = out.numel();
@@ -151,7 +148,7 @@ at::Tensor value_head_backward_hidden_cpu(const at::Tensor& grad_out_in, const a
   check_value_head_weight(weight_in, H, dtype);
   const auto hidden_shape = value_head_hidden_shape(grad_out_in, H);
   check_value_head_grad(grad_out_in, hidden_shape, dtype, weight_in);
-  const at::ScalarType acc_type = value_head_acc_type(dtype);
+  const at::ScalarType acc_type = acc_dtype(dtype);
   const at::Tensor grad_out = grad_out_in.contiguous(), weight = value_head_weight(weight_in, acc_type);
   at::Tensor grad_hidden = empty_buffer(hidden_shape, grad_out.options().dtype(dtype));
   const int64_t rows = grad_out.numel();
@@ -173,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor> value_head_backward_params_cpu(const at::Tens
               "value_head backward: hidden must be [..., H] with H >= 1, got ", hidden_in.sizes());
   check_value_head_grad(grad_out_in, hidden_in.sizes(), hidden_in.scalar_type(), hidden_in);
   const at::Tensor hidden = hidden_in.contiguous(), grad_out = grad_out_in.contiguous();
-  const at::ScalarType acc_type = value_head_acc_type(hidden.scalar_type());
+  const at::ScalarType acc_type = acc_dtype(hidden.scalar_type());
   const int64_t H = hidden.size(-1), rows = grad_out.numel(), blocks = value_head_row_blocks(rows);
   const auto opts = grad_out.options().dtype(acc_type);
   at::Tensor weight_partials = at::zeros({blocks, H}, opts), bias_partials = at::empty({blocks}, opts);
@@ -187,7 +184,7 @@ std::tuple<at::Tensor, at::Tensor> value_head_backward_params_cpu(const at::Tens
     // Stage 1: one task per fixed block of rows, so the partials do not depend on the thread count.
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
-        const int64_t r0 = b * kValueHeadRowBlock, r1 = std::min(rows, r0 + kValueHeadRowBlock);
+        const auto [r0, r1] = value_head_block_rows(b, rows);
         int64_t r = r0;
         for (; r + kRowGroup <= r1; r += kRowGroup) accumulate_rows<kRowGroup>(g + r, h + r * H, H, wp + b * H);
         for (; r < r1; ++r) accumulate_rows<1>(g + r, h + r * H, H, wp + b * H);

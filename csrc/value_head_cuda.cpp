@@ -5,7 +5,7 @@
 #include <torch/library.h>
 
 #include "torch_utils.h"
-#include "value_head_checks.h"
+#include "value_head_args.h"
 #include "value_head_kernel.h"
 
 namespace fused_rl_ops {

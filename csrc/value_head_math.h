@@ -24,4 +24,17 @@ FRL_HD int64_t value_head_row_blocks(int64_t rows) {
   return (rows + kValueHeadRowBlock - 1) / kValueHeadRowBlock;
 }
 
+struct RowRange {
+  int64_t begin, end;
+};
+
+// The rows stage 1 sums into partial row `block`: all of them, or (CUDA) part `part` of `parts`
+// equal consecutive parts, which the kernel then adds in part order.
+FRL_HD RowRange value_head_block_rows(int64_t block, int64_t rows, int64_t part = 0, int64_t parts = 1) {
+  const int64_t part_rows = kValueHeadRowBlock / parts;
+  const int64_t begin = block * kValueHeadRowBlock + part * part_rows;
+  const int64_t end = begin + part_rows;
+  return {begin, end < rows ? end : rows};
+}
+
 }  // namespace fused_rl_ops

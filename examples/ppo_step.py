@@ -3,83 +3,20 @@
     python examples/ppo_step.py
 
 Runs on the CPU with 2 gloo processes: megatron-core 0.19.2 needs a few CUDA-only calls replaced,
-and the test-only shims in tests/megatron_shims.py do that (on GPUs you would not need them).
+and the shims in fused_rl_ops/testing/megatron_cpu.py do that (on GPUs you would not need them).
 
 Both policies have the same weights. The fused one uses ClampedSwiGLUMLP and rl_output_processor
 (chosen-token logprobs, entropy and values straight from the hidden states); the naive one uses
 Megatron's unfused MLP and materialises the logits (NaiveRLOutputProcessor). Each runs a clipped
 PPO loss with an entropy bonus and a value loss, backward and an Adam step. Rank 0 prints the
 logprob / entropy / value statistics of both and the peak memory of the tensors each step
-allocated (torch's MemTracker). tests/test_megatron.py runs these same functions and checks
-fused against naive (outputs, every gradient, the updated parameters) to fp32 tolerance.
+allocated (torch's MemTracker). The rollout, loss and forward-backward are in
+fused_rl_ops/testing/ppo.py; tests/test_megatron.py runs them and checks fused against naive
+(outputs, every gradient, the updated parameters) to fp32 tolerance.
 """
-import os
-import sys
-
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-CLIP = 0.2
-ENTROPY_COEFF = 0.01
-VALUE_COEFF = 0.5
-
-
-def ppo_loss(outputs, rollout):
-    """Clipped surrogate, minus an entropy bonus, plus a value loss; averaged over rollout["mask"]."""
-    ratio = torch.exp(outputs["logprobs"] - rollout["old_logprobs"])
-    advantages = rollout["advantages"]
-    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - CLIP, 1 + CLIP) * advantages)
-    value_error = (outputs["values"] - rollout["returns"]) ** 2
-    per_token = -surrogate - ENTROPY_COEFF * outputs["entropy"] + VALUE_COEFF * value_error
-    mask = rollout["mask"]
-    return (per_token * mask).sum() / mask.sum()
-
-
-def make_rollout(tokens, old_logprobs, seed):
-    """What a sampler and a critic would hand the trainer; identical on every rank."""
-    generator = torch.Generator().manual_seed(seed)
-    batch, seq = tokens.shape
-    mask = torch.zeros(batch, seq)
-    mask[:, seq // 4 :] = 1.0  # the response part of each sequence
-    return {
-        "tokens": tokens,
-        "old_logprobs": old_logprobs + 0.1 * torch.randn(batch, seq, generator=generator),
-        "advantages": torch.randn(batch, seq, generator=generator),
-        "returns": torch.randn(batch, seq, generator=generator),
-        "mask": mask,
-    }
-
-
-def model_inputs(tokens):
-    """Position ids and a causal attention mask for [b, s] tokens."""
-    batch, seq = tokens.shape
-    position_ids = torch.arange(seq).expand(batch, seq)
-    attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).expand(batch, 1, seq, seq)
-    return position_ids, attention_mask
-
-
-def allreduce_sequence_parallel_grads(model):
-    """With sequence parallel, replicated parameters (norms) hold per-rank partial gradients
-    (Megatron's finalize_model_grads sums them; this is that step without its DDP wrapper)."""
-    if not model.config.sequence_parallel:
-        return
-    from megatron.core import parallel_state
-
-    for param in model.parameters():
-        if getattr(param, "sequence_parallel", False) and param.grad is not None:
-            dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
-
-
-def forward_backward(model, rollout):
-    """The attached processor's outputs and the PPO loss, after backward."""
-    position_ids, attention_mask = model_inputs(rollout["tokens"])
-    outputs = model(rollout["tokens"], position_ids, attention_mask, labels=rollout["tokens"])
-    loss = ppo_loss(outputs, rollout)
-    loss.backward()
-    allreduce_sequence_parallel_grads(model)
-    return outputs, loss
+from fused_rl_ops.testing.ppo import forward_backward, make_rollout, model_inputs
 
 
 def _masked_stats(name, values, mask):
@@ -94,8 +31,9 @@ def _main(rank, world_size, vocab_size, seq_length):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     import fused_rl_ops
-    from fused_rl_ops.megatron import NaiveRLOutputProcessor, attach, rl_output_processor, with_clamped_swiglu_mlp
-    from megatron_shims import set_parallel_degrees, tiny_config
+    from fused_rl_ops.megatron import attach, rl_output_processor, with_clamped_swiglu_mlp
+    from fused_rl_ops.reference.megatron import NaiveRLOutputProcessor
+    from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config
 
     set_parallel_degrees(tp=world_size)
     # gpt-oss's MLP activation: quick-GELU gate, linear offset 1, clamp 7.
@@ -154,6 +92,6 @@ def _main(rank, world_size, vocab_size, seq_length):
 
 
 if __name__ == "__main__":
-    from dist_utils import run_distributed
+    from fused_rl_ops.testing.distributed import run_distributed
 
     run_distributed(_main, 2, 50257, 256)

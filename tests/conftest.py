@@ -1,12 +1,9 @@
 import os
-import sys
 
 import pytest
 import torch
 
 import fused_rl_ops
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 # Every op test runs on the CPU, and on CUDA too where a GPU and the CUDA kernels are present
 # (the GPU script, scripts/gpu_check.sh). FUSED_RL_OPS_TEST_DEVICES=cuda restricts to one.

@@ -1,6 +1,6 @@
 """fused_rl_ops.checkpoint: sharding dialects, and DCP round trips across tensor-parallel degrees.
 
-Multi-process checks run in real processes on gloo (tests/dist_utils.py); each spawned run groups
+Multi-process checks run in real processes on gloo (fused_rl_ops.testing.distributed); each spawned run groups
 several checks because starting processes dominates the time. Data is random bit patterns (NaN
 payloads, -0.0, infinities included) compared through integer views, and every shard comes from
 the test's own reference split (Megatron's rule: chunks of N / (stride * tp), rank r takes chunks
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dist_utils import run_distributed
+from fused_rl_ops.testing.distributed import run_distributed
 from fused_rl_ops.checkpoint import (
     ShardingMetadataError,
     ShardSpec,
@@ -540,7 +540,7 @@ def _tiny_gpt(rank, world_size, root):
 
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
-    from megatron_shims import build_tiny_gpt, full_vocab_logits, set_parallel_degrees
+    from fused_rl_ops.testing.megatron_cpu import build_tiny_gpt, full_vocab_logits, set_parallel_degrees
 
     tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 import fused_rl_ops
-from dist_utils import run_distributed
+from fused_rl_ops.testing.distributed import run_distributed
 
 H, LOCAL_V, S, B = 24, 100, 6, 3
 

@@ -9,8 +9,6 @@ dominate the time."""
 import contextlib
 import functools
 import math
-import os
-import sys
 import types
 
 import pytest
@@ -18,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from dist_utils import run_distributed
+from fused_rl_ops.testing.distributed import run_distributed
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the GPU machine has none)")
 from megatron.core import parallel_state  # noqa: E402
@@ -38,16 +36,14 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 import fused_rl_ops  # noqa: E402
 from fused_rl_ops.megatron import (  # noqa: E402
     ClampedSwiGLUMLP,
-    NaiveRLOutputProcessor,
     attach,
     detach,
     rl_output_processor,
     with_clamped_swiglu_mlp,
 )
-from megatron_shims import set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from ppo_step import forward_backward, make_rollout, model_inputs, ppo_loss  # noqa: E402
+from fused_rl_ops.reference.megatron import NaiveRLOutputProcessor  # noqa: E402
+from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
+from fused_rl_ops.testing.ppo import forward_backward, make_rollout, model_inputs, ppo_loss  # noqa: E402
 
 B, S = 2, 8  # b != s, so a [b, s] / [s, b] mix-up cannot pass
 VOCAB = 256  # the model's (padded) vocabulary

@@ -56,8 +56,8 @@ def test_matches_float64_reference(device, shape, limit, preset, interleaved):
 
 
 def test_gradient_masks_include_the_boundary(device):
-    # Gate exactly at L and linear exactly at +-L still pass gradient (as torch.clamp's does);
-    # beyond them the gradient is zero.
+    # Gate exactly at L and linear exactly at +-L still pass gradient (torch 2.14's clamp gradient is 0
+    # there; see the README's "Gradient masks"); strictly beyond them the gradient is zero.
     L = 7.0
     x = torch.tensor([[L, L + 0.5, 1.0, 1.0, L, -L, L + 0.5, -L - 0.5]], device=device, requires_grad=True)
     fused_rl_ops.clamped_swiglu(x, L).sum().backward()

@@ -1,15 +1,15 @@
 """Test-only helpers that run megatron-core 0.19.2 on CPU / gloo, and tiny models to test with.
 
-In a process whose default group is initialised (tests/dist_utils.run_distributed):
+In a process whose default group is initialised (fused_rl_ops.testing.distributed.run_distributed):
 
     set_parallel_degrees(tp=2)         # installs the CPU shims, (re)initialises parallel_state
     model = tiny_model("gpt", tiny_config(sequence_parallel=True), clamped_swiglu_mlp=True)
     logits = full_vocab_logits(build_tiny_gpt(seed=1), tokens)  # [batch, seq, vocab]
 
-The shims replace the CUDA-only calls NOTES section 2 lists (forward, schedule plan, pipeline
-parallel, HybridModel) and let torch's LayerNorm (the fallback without Apex) run with sequence
-parallel. They patch megatron-core process-wide, so they belong to the tests and examples, never
-to the package.
+The shims (install_cpu_shims says what each replaces) make megatron-core's CUDA-only calls in the
+forward, schedule-plan, pipeline-parallel and HybridModel paths run on the CPU, and let torch's
+LayerNorm (the fallback without Apex) run with sequence parallel. They patch megatron-core
+process-wide, so only tests and examples import them.
 """
 import contextlib
 import copy

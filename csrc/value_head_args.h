@@ -5,14 +5,10 @@
 
 #include <optional>
 
+#include "torch_utils.h"
 #include "value_head_math.h"
 
 namespace fused_rl_ops {
-
-// The accumulation and output type: fp32, or fp64 for float64 hidden (CPU only).
-inline at::ScalarType value_head_acc_type(at::ScalarType hidden_dtype) {
-  return hidden_dtype == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 // weight: [H] or [1, H], fp32 or hidden's dtype.
 inline void check_value_head_weight(const at::Tensor& weight, int64_t H, at::ScalarType hidden_dtype) {
@@ -51,7 +47,7 @@ inline std::vector<int64_t> value_head_out_shape(at::IntArrayRef hidden_shape) {
 inline void check_value_head_grad(const at::Tensor& grad_out, at::IntArrayRef hidden_shape,
                                   at::ScalarType hidden_dtype, const at::Tensor& other) {
   const auto values_shape = value_head_out_shape(hidden_shape);
-  const at::ScalarType acc_type = value_head_acc_type(hidden_dtype);
+  const at::ScalarType acc_type = acc_dtype(hidden_dtype);
   TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(values_shape) && grad_out.scalar_type() == acc_type &&
                   grad_out.device() == other.device(),
               "value_head backward: grad_out must match the values' shape ", at::IntArrayRef(values_shape), ", dtype ",

@@ -1,0 +1,168 @@
+"""attach / detach: make every forward (and schedule plan) of a Megatron model use an output processor.
+
+`attach` unwraps Megatron's DDP / FSDP / Float16Module wrappers to the language model, then:
+
+- GPTModel with the native hook (megatron-core >= 0.18): a forward pre-hook adds
+  `output_processor=processor` to every call, and the model's `build_schedule_plan` gets the same
+  processor. On the schedule-plan path megatron-core 0.19.2 forces two differences: its nodes carry
+  only tensors, so the plan returns the tuple of the dict's values (in `output_names` order); and a
+  dense last layer skips `decoder.final_layernorm`, so it is applied here before the processor.
+- Models without the hook (HybridModel in 0.19.2): during each forward the output layer module is
+  swapped for a stand-in that runs the processor, and the model returns the processor's dict. The
+  tokens come through `output_processor_context={"tokens": ...}`; `labels` is refused (the model
+  would compute its cross entropy over the stand-in's output). Models with MTP are refused.
+
+Hooks run on `model(...)` calls, as Megatron's schedules make them; `model.forward(...)` bypasses them.
+"""
+import functools
+import inspect
+
+import torch
+from megatron.core.utils import unwrap_model
+
+__all__ = ["attach", "detach"]
+
+_ATTACHMENT = "_fused_rl_ops_output_processor_undo"
+
+
+def attach(model, processor):
+    """Makes every forward (and schedule plan) of `model` use `processor`; see the module docstring."""
+    language_model = unwrap_model(model)
+    if getattr(language_model, _ATTACHMENT, None) is not None:
+        raise RuntimeError("attach: this model already has an output processor attached; detach it first")
+    if "output_processor" in inspect.signature(language_model.forward).parameters:
+        undo = _attach_through_native_hook(language_model, processor)
+    else:
+        undo = _attach_by_substituting_output_layer(language_model, processor)
+    setattr(language_model, _ATTACHMENT, undo)
+
+
+def detach(model):
+    """Removes what `attach` added; the model computes its own output again."""
+    language_model = unwrap_model(model)
+    undo = getattr(language_model, _ATTACHMENT, None)
+    if undo is None:
+        raise RuntimeError("detach: no output processor is attached to this model")
+    for step in undo:
+        step()
+    delattr(language_model, _ATTACHMENT)
+
+
+def _refuse_explicit_processor(kwargs):
+    if kwargs.get("output_processor") is not None:
+        raise ValueError("an output processor is attached to this model; detach it before passing output_processor=")
+
+
+def _attach_through_native_hook(model, processor):
+    def add_processor(module, args, kwargs):
+        _refuse_explicit_processor(kwargs)
+        return args, {**kwargs, "output_processor": processor}
+
+    hook = model.register_forward_pre_hook(add_processor, with_kwargs=True)
+    build_schedule_plan = model.build_schedule_plan  # the class's method, bound to this model
+
+    def build_schedule_plan_with_processor(*args, **kwargs):
+        _refuse_explicit_processor(kwargs)
+        plan_processor = _SchedulePlanProcessor(processor, _final_layernorm_skipped_by_schedule_plan(model))
+        return build_schedule_plan(*args, output_processor=plan_processor, **kwargs)
+
+    # An instance attribute shadows the class's method for this model only; detach deletes it.
+    model.build_schedule_plan = build_schedule_plan_with_processor
+    return [hook.remove, functools.partial(delattr, model, "build_schedule_plan")]
+
+
+def _final_layernorm_skipped_by_schedule_plan(model):
+    """The final layernorm when megatron-core's schedule plan would skip it, else None.
+
+    In megatron-core 0.19.2 the plan applies decoder.final_layernorm in the MoE combine node of the
+    last layer, or in the post-process node when this stage has no layers; a dense last layer
+    applies none (the forward path applies it in TransformerBlock).
+    """
+    decoder = model.decoder
+    final_layernorm = getattr(decoder, "final_layernorm", None)
+    if final_layernorm is None or len(decoder.layers) == 0 or getattr(decoder.layers[-1], "is_moe_layer", False):
+        return None
+    return final_layernorm
+
+
+class _SchedulePlanProcessor:
+    """What `attach` passes to build_schedule_plan: restores the skipped final layernorm, and
+    returns the processor's dict as a tuple, since the plan's nodes carry only tensors."""
+
+    def __init__(self, processor, final_layernorm):
+        self.processor = processor
+        self.final_layernorm = final_layernorm
+
+    def __call__(self, *, hidden_states, **kwargs):
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        outputs = self.processor(hidden_states=hidden_states, **kwargs)
+        return tuple(outputs.values()) if isinstance(outputs, dict) else outputs
+
+
+class _ProcessorOutputLayer(torch.nn.Module):
+    """Takes a hook-less model's output layer's place for one forward: runs the processor on the
+    hidden states and keeps its outputs; returns an empty [s, b, 0] "logits" tensor to the model."""
+
+    def __init__(self, output_layer, processor, context, loss_mask, config):
+        super().__init__()
+        self.output_layer = output_layer
+        self.processor = processor
+        self.context = context
+        self.loss_mask = loss_mask
+        self.config = config
+        self.outputs = None
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        self.outputs = self.processor(
+            hidden_states=hidden_states,
+            output_layer=self.output_layer,
+            output_weight=weight,
+            labels=None,
+            loss_mask=self.loss_mask,
+            runtime_gather_output=runtime_gather_output,
+            context=self.context,
+            config=self.config,
+        )
+        return hidden_states.new_empty(*hidden_states.shape[:2], 0), None
+
+
+def _attach_by_substituting_output_layer(model, processor):
+    if getattr(model.config, "mtp_num_layers", None):
+        raise ValueError(
+            "attach: multi-token prediction calls the output layer for its own loss; a model "
+            "without megatron-core's output_processor hook cannot use it with a processor"
+        )
+    forward_signature = inspect.signature(model.forward)
+
+    def substitute_output_layer(module, args, kwargs):
+        kwargs = dict(kwargs)
+        context = kwargs.pop("output_processor_context", None)
+        call = forward_signature.bind(*args, **kwargs).arguments
+        if call.get("labels") is not None:
+            raise ValueError(
+                f"{type(module).__name__} with an attached output processor: do not pass labels "
+                "(the model would compute its own loss over the processor's outputs); pass the "
+                "tokens as output_processor_context={'tokens': tokens}"
+            )
+        if module.post_process:
+            module.output_layer = _ProcessorOutputLayer(
+                module.output_layer, processor, context, call.get("loss_mask"), module.config
+            )
+        return args, kwargs
+
+    def restore_output_layer(module, args, output):
+        substitute = module._modules.get("output_layer")
+        if not isinstance(substitute, _ProcessorOutputLayer):
+            return output  # a stage without an output layer: hidden states for the next stage
+        module.output_layer = substitute.output_layer
+        if substitute.outputs is None:
+            raise RuntimeError(f"{type(module).__name__} did not reach its output layer; no processor outputs")
+        return substitute.outputs
+
+    pre_hook = model.register_forward_pre_hook(substitute_output_layer, with_kwargs=True)
+    # always_call: the original output layer comes back even when forward raises.
+    post_hook = model.register_forward_hook(restore_output_layer, always_call=True)
+    return [pre_hook.remove, post_hook.remove]
+
+

@@ -1,0 +1,141 @@
+"""The RL output processor: megatron-core's `output_processor` contract, fused.
+
+Megatron calls the processor in place of its output layer with keywords only (`hidden_states`
+[s(/tp), b, h] after the final layernorm, `output_layer`, `output_weight` when embeddings are tied,
+`labels` [b, s], `loss_mask`, `context`, `config`, ...). It returns a dict of fp32 [b, s] tensors,
+keys in `output_names` order: "logprobs", then "entropy" and "values" when asked for.
+
+Tokens come from `labels` or `context["tokens"]` (exactly one). Positions with loss_mask 0 or
+ignore_index get logprob 0 and no gradient; entropy is computed everywhere. The weight is the local
+vocab shard (tied embedding or output_layer.weight) over the output layer's TP group. With sequence
+parallel the hidden states are gathered with Megatron's gather, whose backward reduce-scatters, so
+chosen_logprob leaves its hidden gradient unreduced (summed exactly once). MuP output scaling is
+refused.
+"""
+import torch
+
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+import fused_rl_ops
+
+__all__ = ["RLOutputProcessor", "rl_output_processor"]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `factor` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class RLOutputProcessor:
+    """What `rl_output_processor` returns (module docstring). Subclasses override _per_token and
+    _value_from_weight (fused_rl_ops.reference.megatron.NaiveRLOutputProcessor does).
+
+    output_names: the keys of the returned dict, in order ("logprobs", then "entropy", "values").
+    """
+
+    def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
+                 vocab_size=None):
+        if not temperature > 0:
+            raise ValueError(f"{type(self).__name__}: temperature must be > 0, got {temperature}")
+        self.temperature = temperature
+        self.return_entropy = return_entropy
+        self.value_head = value_head
+        self.ignore_index = ignore_index
+        self.vocab_size = vocab_size
+        self.output_names = ("logprobs",)
+        if return_entropy:
+            self.output_names += ("entropy",)
+        if value_head is not None:
+            self.output_names += ("values",)
+
+    def __call__(self, *, hidden_states, output_layer, output_weight=None, labels=None, loss_mask=None,
+                 context=None, config=None, **unused_keywords):
+        if config is not None and config.use_mup and config.mup_output_mult != 1.0:
+            raise ValueError(f"{type(self).__name__}: MuP output scaling (config.mup_output_mult) is not supported")
+        tokens = self._tokens(labels, context)
+        if loss_mask is not None:
+            tokens = tokens.masked_fill(loss_mask == 0, self.ignore_index)
+        sequence_parallel = output_layer.sequence_parallel
+        seq_length = hidden_states.shape[0] * (
+            torch.distributed.get_world_size(output_layer.tp_group) if sequence_parallel else 1
+        )
+        if tuple(tokens.shape) != (hidden_states.shape[1], seq_length):
+            raise ValueError(
+                f"{type(self).__name__}: tokens {tuple(tokens.shape)} do not match hidden states "
+                f"{tuple(hidden_states.shape)} (tokens are [b, s], hidden states [s, b, h] per rank)"
+            )
+        weight = output_weight if output_weight is not None else output_layer.weight
+        # Work in the model's [s, b] layout and transpose only the small per-token results.
+        per_token = self._per_token(hidden_states, output_layer, weight, tokens.t())
+        return {name: t.t().contiguous() for name, t in zip(self.output_names, per_token)}
+
+    def _tokens(self, labels, context):
+        context_tokens = context.get("tokens") if isinstance(context, dict) else None
+        if (labels is None) == (context_tokens is None):
+            raise ValueError(
+                f"{type(self).__name__}: give the chosen tokens once, as the model's labels or as "
+                "output_processor_context={'tokens': tokens}"
+                + (" (got both)" if labels is not None else " (got neither)")
+            )
+        return labels if labels is not None else context_tokens
+
+    def _per_token(self, hidden_states, output_layer, weight, tokens):
+        """[s, b] logprobs, then entropy and values as asked, from [s(/tp), b, h] hidden states."""
+        tp_group = output_layer.tp_group
+        sequence_parallel = output_layer.sequence_parallel
+        if sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, group=tp_group)
+        result = fused_rl_ops.chosen_logprob(
+            hidden_states, weight, tokens,
+            temperature=self.temperature,
+            ignore_index=self.ignore_index,
+            vocab_size=self.vocab_size,
+            tp_group=tp_group,
+            reduce_hidden_grad=not sequence_parallel,
+            return_entropy=self.return_entropy,
+        )
+        per_token = tuple(result) if self.return_entropy else (result,)
+        if self.value_head is None:
+            return per_token
+        if sequence_parallel:
+            # Every TP rank computes the same value loss from the gathered states, so each holds the
+            # full gradient, and the gather's backward sums over the ranks: hence 1/tp.
+            hidden_states = _ScaleGrad.apply(hidden_states, 1.0 / torch.distributed.get_world_size(tp_group))
+        return per_token + (self._apply_value_head(hidden_states),)
+
+    def _apply_value_head(self, hidden_states):
+        if isinstance(self.value_head, torch.nn.Module):
+            values = self.value_head(hidden_states)
+        else:
+            values = self._value_from_weight(hidden_states)
+        if values.shape != hidden_states.shape[:-1]:
+            raise ValueError(
+                f"{type(self).__name__}: the value head must map [..., H] to [...]; it returned "
+                f"{tuple(values.shape)} for hidden states {tuple(hidden_states.shape)}"
+            )
+        return values.float()
+
+    def _value_from_weight(self, hidden_states):
+        return fused_rl_ops.value_head(hidden_states, self.value_head)
+
+
+def rl_output_processor(*, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
+                        vocab_size=None):
+    """An output processor returning fp32 [b, s] logprobs (+ entropy, values); see the module docstring."""
+    return RLOutputProcessor(
+        temperature=temperature,
+        return_entropy=return_entropy,
+        value_head=value_head,
+        ignore_index=ignore_index,
+        vocab_size=vocab_size,
+    )
+
+

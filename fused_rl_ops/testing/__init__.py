@@ -1,0 +1,8 @@
+"""Helpers for the tests, benchmarks and examples of fused_rl_ops; not for production use.
+
+- distributed.run_distributed: run a function in several gloo (CPU) processes as ranks.
+- megatron_cpu: shims that let megatron-core 0.19.2 run on the CPU, and tiny models to test with.
+  They patch megatron-core process-wide, so only tests and examples import them.
+- ppo: the pieces of a tiny PPO step (rollout, loss, forward-backward) the example runs and the
+  tests check.
+"""

@@ -1,0 +1,65 @@
+"""The pieces of a tiny PPO step that examples/ppo_step.py runs and tests/test_megatron.py checks:
+a rollout as a sampler and critic would hand it over, a clipped PPO loss with an entropy bonus and
+a value loss, and one forward-backward through a model with an attached output processor."""
+import torch
+import torch.distributed as dist
+
+CLIP = 0.2
+ENTROPY_COEFF = 0.01
+VALUE_COEFF = 0.5
+
+
+def ppo_loss(outputs, rollout):
+    """Clipped surrogate, minus an entropy bonus, plus a value loss; averaged over rollout["mask"]."""
+    ratio = torch.exp(outputs["logprobs"] - rollout["old_logprobs"])
+    advantages = rollout["advantages"]
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - CLIP, 1 + CLIP) * advantages)
+    value_error = (outputs["values"] - rollout["returns"]) ** 2
+    per_token = -surrogate - ENTROPY_COEFF * outputs["entropy"] + VALUE_COEFF * value_error
+    mask = rollout["mask"]
+    return (per_token * mask).sum() / mask.sum()
+
+
+def make_rollout(tokens, old_logprobs, seed):
+    """What a sampler and a critic would hand the trainer; identical on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, seq = tokens.shape
+    mask = torch.zeros(batch, seq)
+    mask[:, seq // 4 :] = 1.0  # the response part of each sequence
+    return {
+        "tokens": tokens,
+        "old_logprobs": old_logprobs + 0.1 * torch.randn(batch, seq, generator=generator),
+        "advantages": torch.randn(batch, seq, generator=generator),
+        "returns": torch.randn(batch, seq, generator=generator),
+        "mask": mask,
+    }
+
+
+def model_inputs(tokens):
+    """Position ids and a causal attention mask for [b, s] tokens."""
+    batch, seq = tokens.shape
+    position_ids = torch.arange(seq).expand(batch, seq)
+    attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).expand(batch, 1, seq, seq)
+    return position_ids, attention_mask
+
+
+def allreduce_sequence_parallel_grads(model):
+    """With sequence parallel, replicated parameters (norms) hold per-rank partial gradients
+    (Megatron's finalize_model_grads sums them; this is that step without its DDP wrapper)."""
+    if not model.config.sequence_parallel:
+        return
+    from megatron.core import parallel_state
+
+    for param in model.parameters():
+        if getattr(param, "sequence_parallel", False) and param.grad is not None:
+            dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
+
+
+def forward_backward(model, rollout):
+    """The attached processor's outputs and the PPO loss, after backward."""
+    position_ids, attention_mask = model_inputs(rollout["tokens"])
+    outputs = model(rollout["tokens"], position_ids, attention_mask, labels=rollout["tokens"])
+    loss = ppo_loss(outputs, rollout)
+    loss.backward()
+    allreduce_sequence_parallel_grads(model)
+    return outputs, loss
