@@ -1,12 +1,24 @@
-"""Clamped SwiGLU: fused kernel vs eager PyTorch and torch.compile of it, forward and forward+backward.
+"""Clamped SwiGLU: fused kernel vs eager PyTorch, torch.compile of it, and Transformer Engine's
+ClampedSwiGLU op where importable (CUDA; listed as missing otherwise), forward and forward+backward.
 
 Effective bandwidth counts the bytes that must move: forward reads x and writes y (3 elements per
-output), backward reads x and dy and writes dx (5 elements per output)."""
+output), backward reads x and dy and writes dx (5 elements per output). The plot (--json PATH ->
+PATH.png) draws every path's GB/s per shape under the machine's measured copy bandwidth."""
 import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from common import add_times, parse_args, print_table, run_mode, time_paths, write_json
+from common import (add_times, bandwidth_figure, find_peers, parse_args, png_path, run_mode, summary_table,
+                    time_paths, write_json)
+
+
+def load_transformer_engine():
+    if dev != "cuda":
+        raise RuntimeError("Transformer Engine runs on CUDA only")
+    from transformer_engine.pytorch import ops as te_ops
+
+    return te_ops.ClampedSwiGLU(limit=7.0, alpha=1.702)
+
 
 args = parse_args(__doc__)
 dev = args.device
@@ -18,6 +30,8 @@ reps = 2 if args.quick else 5
 torch._dynamo.config.recompile_limit = 64
 compiled_reference = torch.compile(reference.clamped_swiglu, dynamic=False)
 paths = {"fused": fused_rl_ops.clamped_swiglu, "eager": reference.clamped_swiglu, "compile": compiled_reference}
+peers, versions = find_peers({"te": ("transformer-engine", load_transformer_engine)})
+paths.update(peers)
 
 rows = []
 for tokens, F in shapes:
@@ -29,9 +43,16 @@ for tokens, F in shapes:
         for mode, bytes_moved in (("fwd", 3 * elem_bytes), ("fwd+bwd", 8 * elem_bytes)):
             row = {"tokens": tokens, "F": F, "dtype": str(dtype).replace("torch.", ""), "mode": mode}
             times = time_paths({name: run_mode(fn, [x], [grad], mode) for name, fn in paths.items()}, dev, reps=reps)
-            rows.append(add_times(row, times, bytes_moved, ["eager", "compile"]))
+            rows.append(add_times(row, times, bytes_moved, [p for p in paths if p != "fused"]))
 
-print("\nclamped_swiglu, speedup = baseline time / fused time")
-print_table(rows, ["tokens", "F", "dtype", "mode", "fused_ms", "fused_GB/s", "eager_ms", "compile_ms",
-                   "x_eager", "x_compile"])
-write_json(args.json, "clamped_swiglu", dev, rows)
+baselines = [p for p in paths if p != "fused"]
+table = summary_table("clamped_swiglu, speedup x_<path> = path time / fused time",
+                      rows, ["tokens", "F", "dtype", "mode", "fused_ms", "fused_GB/s", "fused_%copy"]
+                      + [f"{p}_ms" for p in baselines] + [f"x_{p}" for p in baselines])
+plot_file = png_path(args.json)
+bandwidth_figure(rows, list(paths), lambda r: f"{r['tokens']}x{r['F']} {r['dtype']}", "clamped_swiglu", dev, plot_file)
+top = [r for r in rows if r["mode"] == "fwd+bwd" and r["dtype"] == "bfloat16"][-1]
+shape = f"{top['tokens']}x{top['F']} bf16 fwd+bwd"
+headline = [{"metric": f"{p} / fused time, {shape}", "value": top[f"x_{p}"], "busy": top["busy"]} for p in baselines]
+headline.append({"metric": f"fused % of copy bandwidth, {shape}", "value": top["fused_%copy"], "busy": top["busy"]})
+write_json(args.json, "clamped_swiglu", dev, rows, headline=headline, tables=[table], peers=versions, plot=plot_file)
