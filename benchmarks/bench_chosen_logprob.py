@@ -221,15 +221,17 @@ def plot(v_curve, n_curve, paths, path, device, dtype):
             axes[0, col].plot(xs, [p[f"{name}_ms"] for p in curve], marker="o", label=name)
             axes[1, col].plot(xs, [p[f"{name}_MiB"] for p in curve], marker="o", label=name)
         fixed = ", ".join(f"{k}={curve[0][k]}" for k in ("N", "H", "V") if k != x)
-        busy = " (! busy machine)" if any(p.get("busy") for p in curve) else ""
-        axes[0, col].set(xlabel=x, ylabel="time (ms)", xscale="log", yscale="log",
-                         title=f"fwd+bwd time against {x} ({fixed}){busy}")
-        axes[1, col].set(xlabel=x, ylabel="extra peak memory (MiB)", xscale="log", yscale="log",
-                         title=f"fwd+bwd peak memory against {x} ({fixed})")
+        axes[0, col].set(ylabel="time (ms)", title=f"fwd+bwd time against {x} ({fixed})")
+        axes[1, col].set(ylabel="extra peak memory (MiB)", title=f"fwd+bwd peak memory against {x} ({fixed})")
+        for ax in axes[:, col]:
+            ax.set(xlabel=x, xscale="log", yscale="log")
+            ax.set_xticks(xs, [str(v) for v in xs], minor=False)
+            ax.set_xticks([], minor=True)
     for ax in axes.flat:
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle(f"chosen_logprob (logprob only) on {device}, {str(dtype).replace('torch.', '')}")
+    busy = "  (! measured on a busy machine)" if any(p.get("busy") for p in v_curve + n_curve) else ""
+    fig.suptitle(f"chosen_logprob (logprob only) on {device}, {str(dtype).replace('torch.', '')}{busy}")
     save_figure(fig, path)
 
 

@@ -76,6 +76,9 @@ class LoadProbe:
                 "other_cores": round(max(others, 0.0) / wall, 2)}
 
 
+_whole_run = LoadProbe().start()  # the whole benchmark, from this module's import to write_json
+
+
 def busy_note(load: dict) -> str:
     return (f"BUSY: other processes used {load['other_cores']:.2f} cores, load average "
             f"{load['load_before']:.2f} -> {load['load_after']:.2f}; CPU ratios on this row can be off by 2-3x")
@@ -147,7 +150,7 @@ def time_paths(fns: dict, device: str, warmup: int = 1, reps: int = 5) -> Timing
     interleaved rounds, after `warmup` calls of each. Interleaving puts the machine's noise and the
     allocator's state (a path that runs after one with large temporaries finds the heap grown and
     skips the page faults of fresh memory) on all paths alike. On CUDA at least 3 warm-up calls
-    and 25 rounds (more for short calls, up to about a second per path); on the CPU a row whose
+    and 10 rounds, more for short calls (about half a second per path, at most 200); on the CPU a row whose
     paths disagree between rounds by more than DISAGREEMENT is measured again, up to RETRIES times,
     and the most consistent attempt is kept."""
     if device == "cuda":
@@ -158,7 +161,7 @@ def time_paths(fns: dict, device: str, warmup: int = 1, reps: int = 5) -> Timing
     synchronize(device)
     if device == "cuda":
         slowest = max(time_call(fn, device) for fn in fns.values())
-        reps = max(reps, 25, min(200, int(1.0 / max(slowest, 1e-6))))
+        reps = max(reps, min(200, max(10, int(0.5 / max(slowest, 1e-6)))))
     probe = LoadProbe().start()
     best, attempts = None, 0
     while attempts <= (RETRIES if device == "cpu" and reps > 1 else 0):
@@ -312,7 +315,7 @@ def summary_table(title: str, rows: list, columns: list) -> dict:
 def environment(device: str) -> dict:
     env = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-           "load_average": [round(v, 2) for v in os.getloadavg()], "copy_GB/s": copy_bandwidth(device)}
+           "copy_GB/s": copy_bandwidth(device), "load": _whole_run.stop()}
     if device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
     return env

@@ -28,27 +28,30 @@ def main():
     if not results:
         sys.exit(f"no bench_*.json in {directory}")
     summary = [{"op": r["benchmark"], "headline": h["metric"], "value": h["value"],
+                "load average": "{load_before} -> {load_after}".format(**r["environment"]["load"]),
                 "busy": "BUSY" if h.get("busy") else ""} for r in results for h in r.get("headline", [])]
+    columns = ["op", "headline", "value", "load average", "busy"]
     busy = [busy_rows(r) for r in results]
     busy_total, timed_total = sum(b for b, _ in busy), sum(t for _, t in busy)
     env = results[0]["environment"]
     machine = (f"{env.get('gpu') or env['machine']}, {env['cpus']} CPUs, torch {env['torch']}, "
-               f"copy bandwidth {env['copy_GB/s']:.1f} GB/s, load average at the start {env['load_average']}")
+               f"copy bandwidth {env['copy_GB/s']:.1f} GB/s")
     busy_line = (f"{busy_total} of {timed_total} timed rows were measured while other processes used more than half "
                  f"a core (marked busy; CPU ratios there can be off by 2-3x)")
 
     print("\n=== summary: headline figures per op (ratios: baseline time / fused time)")
     print(machine)
-    print_table(summary, ["op", "headline", "value", "busy"])
+    print_table(summary, columns)
     print(busy_line)
 
     lines = ["# Benchmark report", "", f"Machine: {machine}.", "", busy_line + ".", "", "## Summary", "",
-             markdown_table(["op", "headline", "value", "busy"], summary), ""]
+             markdown_table(columns, summary), ""]
     for result in results:
         env = result["environment"]
         lines += [f"## {result['benchmark']}", "",
-                  f"Device {env['device']}, load average at the end {env['load_average']}, "
-                  f"busy rows {busy_rows(result)[0]} of {busy_rows(result)[1]}.", ""]
+                  f"Device {env['device']}; load average {env['load']['load_before']} at the start, "
+                  f"{env['load']['load_after']} at the end; other processes used {env['load']['other_cores']} "
+                  f"cores on average; busy rows {busy_rows(result)[0]} of {busy_rows(result)[1]}.", ""]
         if result.get("peers"):
             lines += ["Peers: " + ", ".join(f"{name} {version}" for name, version in result["peers"].items()) + ".", ""]
         if result.get("plot"):
