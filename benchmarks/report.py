@@ -39,7 +39,7 @@ def main():
     busy_line = (f"{busy_total} of {timed_total} timed rows were measured while other processes used more than half "
                  f"a core (marked busy; CPU ratios there can be off by 2-3x)")
 
-    print("\n=== summary: headline figures per op (ratios: baseline time / fused time)")
+    print("\n=== summary: headline figures per op (x / fused time: above 1 means fused is faster)")
     print(machine)
     print_table(summary, columns)
     print(busy_line)

@@ -64,5 +64,11 @@ else
   echo "setup:   (nvcc) 5-10 minutes on 2 cores; log: $PWD/build/build.log"
 fi
 build_start=$SECONDS
-run_logged build/build.log python setup.py build_ext --inplace
+# The whole output goes to the log; ninja's step lines ([k/n] ... -c SOURCE) show the progress.
+if ! python setup.py build_ext --inplace 2>&1 | tee build/build.log \
+    | sed -un 's|^\(\[[0-9]*/[0-9]*\]\) .* -c \([^- ][^ ]*\) .*|setup:   \1 \2|p'; then
+  echo "setup: FAILED: python setup.py build_ext --inplace; last lines of $PWD/build/build.log:" >&2
+  tail -n 40 build/build.log >&2
+  exit 1
+fi
 echo "setup: done in $((SECONDS - setup_start))s (build step $((SECONDS - build_start))s)"
