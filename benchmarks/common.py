@@ -163,16 +163,15 @@ def time_paths(fns: dict, device: str, warmup: int = 1, reps: int = 5) -> Timing
         slowest = max(time_call(fn, device) for fn in fns.values())
         reps = max(reps, min(200, max(10, int(0.5 / max(slowest, 1e-6)))))
     probe = LoadProbe().start()
-    best, attempts = None, 0
-    while attempts <= (RETRIES if device == "cpu" and reps > 1 else 0):
-        attempts += 1
+    best, max_attempts = None, 1 + (RETRIES if device == "cpu" and reps > 1 else 0)
+    for attempts in range(1, max_attempts + 1):
         samples = _rounds(fns, device, reps)
         disagreement = _disagreement(samples)
         if best is None or disagreement < best[1]:
             best = samples, disagreement
         if disagreement <= DISAGREEMENT:
             break
-        if attempts <= RETRIES:
+        if attempts < max_attempts:
             print(f"  (paths disagree between rounds by {disagreement:.2f}x: measuring the row again)")
     timings = Timings({name: Timing(s) for name, s in best[0].items()})
     timings.load = probe.stop()
