@@ -41,7 +41,9 @@ step build 240 $PY setup.py build_ext --inplace
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if compgen -G "wheelhouse/*.whl" >/dev/null; then  # the peers, into build/peers (nothing installed system-wide)
   for wheel in wheelhouse/*.whl; do
-    step "peer_$(basename "$wheel" | cut -d- -f1)" 60 $PY -m pip install --no-index --no-deps --target build/peers "$wheel"
+    peer="peer_$(basename "$wheel" | cut -d- -f1)"
+    step "$peer" 60 $PY -m pip install --no-index --no-deps --target build/peers "$wheel"
+    [ "${status[$peer]}" = 0 ] || echo "=== could not install $(basename "$wheel"): its benchmarks list it as missing"
   done
   export PYTHONPATH="$PYTHONPATH:$PWD/build/peers"
 else
