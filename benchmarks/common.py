@@ -22,7 +22,8 @@ import torch
 
 BUSY_OTHER_CORES = 0.5  # other processes' average CPU use above which a CPU row counts as busy
 DISAGREEMENT = 1.3  # a row is measured again when a path's time relative to the first path varies more
-RETRIES = 2  # ... at most this many more times
+RETRIES = 2  # ... at most this many more times,
+RETRY_BUDGET_S = 60  # ... and only while its rounds so far took less than this
 
 
 def parse_args(description: str, extra=None) -> argparse.Namespace:
@@ -151,8 +152,8 @@ def time_paths(fns: dict, device: str, warmup: int = 1, reps: int = 5) -> Timing
     allocator's state (a path that runs after one with large temporaries finds the heap grown and
     skips the page faults of fresh memory) on all paths alike. On CUDA at least 3 warm-up calls
     and 10 rounds, more for short calls (about half a second per path, at most 200); on the CPU a row whose
-    paths disagree between rounds by more than DISAGREEMENT is measured again, up to RETRIES times,
-    and the most consistent attempt is kept."""
+    paths disagree between rounds by more than DISAGREEMENT is measured again, up to RETRIES times
+    while the row has taken less than RETRY_BUDGET_S, and the most consistent attempt is kept."""
     if device == "cuda":
         warmup = max(warmup, 3)
     for fn in fns.values():
@@ -163,16 +164,16 @@ def time_paths(fns: dict, device: str, warmup: int = 1, reps: int = 5) -> Timing
         slowest = max(time_call(fn, device) for fn in fns.values())
         reps = max(reps, min(200, max(10, int(0.5 / max(slowest, 1e-6)))))
     probe = LoadProbe().start()
-    best, max_attempts = None, 1 + (RETRIES if device == "cpu" and reps > 1 else 0)
+    best, max_attempts, started = None, 1 + (RETRIES if device == "cpu" and reps > 1 else 0), time.perf_counter()
     for attempts in range(1, max_attempts + 1):
         samples = _rounds(fns, device, reps)
         disagreement = _disagreement(samples)
         if best is None or disagreement < best[1]:
             best = samples, disagreement
-        if disagreement <= DISAGREEMENT:
+        if (disagreement <= DISAGREEMENT or attempts == max_attempts
+                or time.perf_counter() - started > RETRY_BUDGET_S):
             break
-        if attempts < max_attempts:
-            print(f"  (paths disagree between rounds by {disagreement:.2f}x: measuring the row again)")
+        print(f"  (paths disagree between rounds by {disagreement:.2f}x: measuring the row again)")
     timings = Timings({name: Timing(s) for name, s in best[0].items()})
     timings.load = probe.stop()
     timings.busy = device == "cpu" and timings.load["other_cores"] > BUSY_OTHER_CORES
