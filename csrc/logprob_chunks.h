@@ -26,8 +26,9 @@ namespace fused_rl_ops {
 // and one pass of all N rows, makes one GEMM per chunk.
 struct RowTiling {
   int64_t N, block, pass;
+  bool fixed_block;  // block was given (batch-invariant), not all rows
 
-  RowTiling(int64_t num_rows, int64_t row_block, int64_t pass_rows) : N(num_rows) {
+  RowTiling(int64_t num_rows, int64_t row_block, int64_t pass_rows) : N(num_rows), fixed_block(row_block > 0) {
     block = row_block > 0 ? row_block : std::max<int64_t>(N, 1);
     pass = pass_rows > 0 ? std::max(pass_rows / block, int64_t(1)) * block : block;
     pass = std::min(pass, padded(N));
@@ -36,6 +37,14 @@ struct RowTiling {
   int64_t tail_rows() const { return N % block; }  // rows of the padded last block (0: none)
   int64_t last_full_row() const { return N - tail_rows(); }
 };
+
+// t itself, or a copy where a fixed-block GEMM operand would start off a 256-byte boundary: BLAS
+// libraries may pick their kernel by the operands' alignment, and a token's rows must meet the
+// same kernel in every call (the blocks of a fixed-block tiling then all start 256-byte aligned).
+inline at::Tensor aligned_rows(const at::Tensor& t, const RowTiling& tiling) {
+  const bool misaligned = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 256 != 0;
+  return tiling.fixed_block && misaligned ? t.clone() : t;
+}
 
 // Rows [r0, r0 + block) of t as a GEMM operand: a view, or the zero-padded copy `tail` of the
 // last block.
@@ -88,8 +97,9 @@ at::Tensor logprob_stats_impl(const at::Tensor& hidden, const at::Tensor& weight
   stats.select(1, 0).fill_(-INFINITY);
   if (N == 0 || V == 0) return stats;
   const at::Tensor tok = tokens.contiguous();
+  const RowTiling tiling(N, row_block, pass_rows);
   for_each_logits_chunk<Backend>(
-      Backend::gemm_operand(hidden.contiguous(), acc), weight, chunk_size, RowTiling(N, row_block, pass_rows),
+      aligned_rows(Backend::gemm_operand(hidden.contiguous(), acc), tiling), weight, chunk_size, tiling,
       [&](const at::Tensor& logits, int64_t rows, const at::Tensor&, int64_t c0, int64_t r0) {
         at::Tensor z = logits.narrow(0, 0, rows), stats_rows = stats.narrow(0, r0, rows);
         Backend::stats_rows(z, tok.narrow(0, r0, rows), vocab_start + c0, 1.0 / temperature, stats_rows);
@@ -121,7 +131,8 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidde
   if (N == 0 || V == 0) return {grad_h, grad_w};
   const RowTiling tiling(N, row_block, pass_rows);
   const bool one_pass = tiling.pass >= N;
-  const at::Tensor h = Backend::gemm_operand(hidden.contiguous(), acc), tok = tokens.contiguous();
+  const at::Tensor h = aligned_rows(Backend::gemm_operand(hidden.contiguous(), acc), tiling);
+  const at::Tensor tok = tokens.contiguous();
   const at::Tensor lse_c = lse.contiguous(), mean_c = mean.contiguous();
   const at::Tensor gl = grad_logprob.contiguous(), ge = grad_entropy.contiguous();
   at::Tensor grad_h_tail = tiling.tail_rows() > 0 ? at::zeros({tiling.block, h.size(1)}, grad_h.options()) : at::Tensor();

@@ -18,8 +18,9 @@ from ._library import acc_dtype, check_device, check_float_dtype, ops
 DEFAULT_WORKSPACE_BYTES = 64 * 2**20
 _MIN_CHUNK = 128
 # batch_invariant=True: (token rows per GEMM, vocab rows per chunk) by device, fixed so that every
-# GEMM has one shape whatever the batch (see RowTiling in csrc/logprob_chunks.h).
-INVARIANT_TILING = {"cpu": (256, 1024), "cuda": (512, 4096)}
+# GEMM has one shape whatever the batch (see RowTiling in csrc/logprob_chunks.h). Row blocks are
+# multiples of 128 so that every block of a 256-byte-aligned hidden starts 256-byte aligned.
+INVARIANT_TILING = {"cpu": (512, 2048), "cuda": (512, 4096)}
 
 
 def chunk_size_for(num_tokens: int, hidden_size: int, element_size: int, workspace_bytes: int) -> int:
@@ -40,7 +41,8 @@ def tiling_for(num_tokens: int, hidden_size: int, element_size: int, workspace_b
     if not batch_invariant:
         return chunk_size_for(num_tokens, hidden_size, element_size, workspace_bytes), 0, 0
     row_block, chunk = INVARIANT_TILING["cuda" if device.type == "cuda" else "cpu"]
-    fitting_rows = (workspace_bytes - 4 * hidden_size * chunk) // ((4 + element_size) * chunk)
+    weight_chunk_copy = 4 * hidden_size * chunk if device.type != "cuda" and element_size < 4 else 0
+    fitting_rows = (workspace_bytes - weight_chunk_copy) // ((4 + element_size) * chunk)
     return chunk, row_block, max(row_block, fitting_rows // row_block * row_block)
 
 

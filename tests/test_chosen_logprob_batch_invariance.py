@@ -26,16 +26,19 @@ def problem(device, dtype):
     hidden = torch.randn(PROBES + others, H, generator=g)
     grads = torch.randn(2, PROBES + others, generator=g)
     to = dict(device=device)
-    return dict(weight=weight.to(device, dtype), hidden=hidden.to(device, dtype), ids=torch.cat([probe_ids, other_ids]).to(**to),
+    return dict(row_block=row_block, weight=weight.to(device, dtype), hidden=hidden.to(device, dtype), ids=torch.cat([probe_ids, other_ids]).to(**to),
                 grad_lp=grads[0].to(**to), grad_ent=grads[1].to(**to), vocab_size=vocab_size)
 
 
-def score(p, order, lead_shape=None, workspace_bytes=fused_rl_ops.DEFAULT_WORKSPACE_BYTES):
-    """Scores rows `order` of the problem in one call (shaped lead_shape); returns the probes'
-    logprob, entropy and hidden gradient, in probe order."""
-    hidden = p["hidden"][order].clone()
+def score(p, order, lead_shape=None, workspace_bytes=fused_rl_ops.DEFAULT_WORKSPACE_BYTES, misaligned=False):
+    """Scores rows `order` of the problem in one call (shaped lead_shape; misaligned: hidden is a
+    view starting one element into its storage); returns the probes' logprob, entropy and hidden
+    gradient, in probe order."""
     shape = lead_shape or (len(order),)
-    h = hidden.reshape(*shape, H).requires_grad_(True)
+    hidden = p["hidden"][order]
+    if misaligned:
+        hidden = torch.cat([hidden.new_zeros(H + 1), hidden.reshape(-1)])[H + 1 :].reshape(hidden.shape)
+    h = hidden.reshape(*shape, H).detach().requires_grad_(True)
     lp, ent = fused_rl_ops.chosen_logprob(h, p["weight"], p["ids"][order].reshape(shape), temperature=0.9,
                                           vocab_size=p["vocab_size"], return_entropy=True,
                                           workspace_bytes=workspace_bytes, batch_invariant=True)
@@ -61,9 +64,10 @@ def test_probe_tokens_bitwise_equal_in_any_batch(device, dtype):
         "batch of 13": score(p, torch.cat([others[:7], probes])),
         "all, permuted": score(p, torch.randperm(total, generator=g)),
         "all, permuted, small workspace": score(p, torch.randperm(total, generator=g), workspace_bytes=1),
+        "all, misaligned hidden": score(p, torch.arange(total), misaligned=True),
         "packed [2, S] among other sequences": score(p, torch.cat([others[:301], probes, others[301:]]),
                                                      lead_shape=(2, total // 2)),
-        "one block's rows, huge workspace": score(p, torch.cat([probes, others[: INVARIANT_TILING["cpu"][0]]]),
+        "one full block, huge workspace": score(p, torch.cat([probes, others[: p["row_block"] - PROBES]]),
                                                   workspace_bytes=2**31),
     }
     alone = calls.pop("each alone")
