@@ -38,11 +38,13 @@ struct RowTiling {
   int64_t last_full_row() const { return N - tail_rows(); }
 };
 
-// t itself, or a copy where a fixed-block GEMM operand would start off a 256-byte boundary: BLAS
-// libraries may pick their kernel by the operands' alignment, and a token's rows must meet the
-// same kernel in every call (the blocks of a fixed-block tiling then all start 256-byte aligned).
+// t itself, or a copy where a fixed-block GEMM operand would start off the alignment its
+// allocator gives (64 bytes on the CPU, 256 on CUDA, where torch tells cuBLASLt the operands'
+// alignment up to 256): BLAS libraries may pick their kernel by alignment, and a token's rows must
+// meet the same kernel in every call. Blocks are multiples of 128 rows, so they all start aligned.
 inline at::Tensor aligned_rows(const at::Tensor& t, const RowTiling& tiling) {
-  const bool misaligned = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 256 != 0;
+  const uintptr_t alignment = t.is_cuda() ? 256 : 64;
+  const bool misaligned = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % alignment != 0;
   return tiling.fixed_block && misaligned ? t.clone() : t;
 }
 
