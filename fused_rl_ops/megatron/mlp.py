@@ -153,7 +153,9 @@ def with_clamped_swiglu_mlp(spec):
 
     swapped = swap(spec)
     if not replaced:
-        raise ValueError("with_clamped_swiglu_mlp: the spec has no dense megatron MLP or SequentialMLP experts to replace")
+        raise ValueError(
+            "with_clamped_swiglu_mlp: the spec has no dense megatron MLP or SequentialMLP experts to replace"
+        )
     return swapped
 
 
