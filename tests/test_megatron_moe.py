@@ -149,7 +149,8 @@ def _check_moe_ppo_step(layout):
 def _check_clamp_is_never_dropped():
     # Fused bias_swiglu (bias_activation_fusion with a SiLU gate) ignores the clamp: refused with the
     # module names and the field, by the check and by attach; with_clamped_swiglu_mlp's model clamps.
-    silu_fused = moe_config(activation_func=F.silu, glu_linear_offset=0.0, bias_activation_fusion=True)
+    silu_fusion = dict(activation_func=F.silu, glu_linear_offset=0.0, bias_activation_fusion=True)
+    silu_fused = moe_config(**silu_fusion)
     model = tiny_model("gpt", silu_fused, vocab_size=VOCAB)
     for refuse in (check_clamp_not_dropped, lambda m: attach(m, rl_output_processor())):
         with pytest.raises(ClampedSwiGLUNotAppliedError) as error:
@@ -159,6 +160,11 @@ def _check_clamp_is_never_dropped():
         for index in range(2):  # this rank's experts
             assert f"decoder.layers.1.mlp.experts.local_experts.{index} (MLP)" in message
     assert check_clamp_not_dropped(tiny_model("gpt", silu_fused, vocab_size=VOCAB, clamped_swiglu_mlp=True))
+
+    # Shared experts stay megatron-core's MLP: a with_clamped_swiglu_mlp model checks them as it builds them.
+    shared = moe_config(**silu_fusion, add_bias_linear=False, moe_shared_expert_intermediate_size=32)
+    with pytest.raises(ClampedSwiGLUNotAppliedError, match=r"\(SharedExpertMLP\): .*bias_activation_fusion=False"):
+        tiny_model("gpt", shared, vocab_size=VOCAB, clamped_swiglu_mlp=True)
 
     # The fused quick-GELU expert kernel (weighted_bias_quick_geglu_impl) clamps; Megatron refuses its
     # unweighted dense form itself, so nothing is silent there.
