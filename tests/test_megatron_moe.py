@@ -166,9 +166,13 @@ def _check_clamp_is_never_dropped():
     with pytest.raises(ClampedSwiGLUNotAppliedError, match=r"\(SharedExpertMLP\): .*bias_activation_fusion=False"):
         tiny_model("gpt", shared, vocab_size=VOCAB, clamped_swiglu_mlp=True)
 
-    # The fused quick-GELU expert kernel (weighted_bias_quick_geglu_impl) clamps; Megatron refuses its
-    # unweighted dense form itself, so nothing is silent there.
-    check_clamp_not_dropped(tiny_model("gpt", moe_config(bias_activation_fusion=True), vocab_size=VOCAB))
+    # The fused quick-GELU expert kernel (weighted_bias_quick_geglu_impl) clamps, but before it adds the
+    # fc1 bias; without biases it is right. Megatron refuses its unweighted dense form itself.
+    with pytest.raises(ClampedSwiGLUNotAppliedError, match=r"local_experts.0 \(MLP\): .*before adding fc1's bias"):
+        check_clamp_not_dropped(tiny_model("gpt", moe_config(bias_activation_fusion=True), vocab_size=VOCAB))
+    check_clamp_not_dropped(
+        tiny_model("gpt", moe_config(bias_activation_fusion=True, add_bias_linear=False), vocab_size=VOCAB)
+    )
 
     # Transformer Engine's activation module (use_te_activation_func) and a non-gated MLP.
     for overrides, field in (

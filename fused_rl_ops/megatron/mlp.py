@@ -194,9 +194,15 @@ def _why_clamp_is_dropped(module):
         return "Transformer Engine's activation module takes no clamp: set use_te_activation_func=False"
     # TEGroupedMLP takes its unfused (clamping) path for interleaved GLU weights even when fusion is on.
     interleaved_grouped = isinstance(module, TEGroupedMLP) and config.moe_mlp_glu_interleave_size is not None
-    if config.bias_activation_fusion and gate not in _QUICK_GELUS and not interleaved_grouped:
-        return ("the fused bias_swiglu / bias_geglu kernels take no clamp (only quick_gelu's does): set "
-                "bias_activation_fusion=False, or use with_clamped_swiglu_mlp")
+    if config.bias_activation_fusion and not interleaved_grouped:
+        if gate not in _QUICK_GELUS:
+            return ("the fused bias_swiglu / bias_geglu kernels take no clamp (only quick_gelu's does): set "
+                    "bias_activation_fusion=False, or use with_clamped_swiglu_mlp")
+        # Routed experts (TEGroupedMLP, SequentialMLP's MLPs) take the weighted kernel; a dense MLP raises.
+        expert = isinstance(module, TEGroupedMLP) or getattr(module.linear_fc1, "is_expert", False)
+        if config.add_bias_linear and expert:
+            return ("the fused weighted quick-GEGLU kernel clamps fc1's output before adding fc1's bias (the "
+                    "unfused path clamps the sum): set bias_activation_fusion=False, or use with_clamped_swiglu_mlp")
     if not config.gated_linear_unit:
         return "only a gated (GLU) MLP clamps: set gated_linear_unit=True, or activation_func_clamp_value=None"
     return None
@@ -206,6 +212,7 @@ def check_clamp_not_dropped(model, prefix=""):
     """Raises ClampedSwiGLUNotAppliedError when any MLP or MoE experts module of `model` has a config
     with activation_func_clamp_value set but would run a path of megatron-core 0.19.2 that ignores
     it: the fused bias_swiglu / bias_geglu kernels (bias_activation_fusion with a SiLU or GELU gate),
+    the fused weighted quick-GEGLU kernel with an fc1 bias (it clamps before adding the bias),
     Transformer Engine's activation modules (use_te_activation_func) and op-fuser MLP, TEGroupedMLP's
     op-fuser ScaledSwiGLU, InferenceGroupedMLP's inference kernels with a SiLU gate, the
     overlapped shared-expert path (moe_shared_expert_overlap), and non-gated MLPs. The message
