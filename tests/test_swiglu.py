@@ -215,6 +215,16 @@ def test_scale_of_one_is_the_plain_op(device):
         assert torch.equal(plain, scaled)
 
 
+def test_scaled_empty_input(device):
+    for rows, F in ((0, 5), (3, 0)):
+        x = torch.randn(rows, 2 * F, device=device, requires_grad=True)
+        scale = torch.rand(rows, device=device, requires_grad=True)
+        y = fused_rl_ops.clamped_swiglu(x, scale=scale)
+        y.sum().backward()
+        assert y.shape == (rows, F) and x.grad.shape == x.shape
+        assert torch.equal(scale.grad, torch.zeros_like(scale))  # an empty row's sum is 0
+
+
 def test_scale_gradient_is_deterministic_across_thread_counts():
     # One row per task, summed in a fixed order: bitwise the same at 1 thread and at several.
     x = (torch.randn(257, 2 * 2880) * 4).requires_grad_(True)
