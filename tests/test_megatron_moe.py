@@ -34,6 +34,7 @@ from fused_rl_ops.megatron import (  # noqa: E402
     ClampedSwiGLUMLP,
     ClampedSwiGLUNotAppliedError,
     ClampedSwiGLUSequentialMLP,
+    ClampedSwiGLUTEGroupedMLP,
     attach,
     check_clamp_not_dropped,
     rl_output_processor,
@@ -182,20 +183,60 @@ def _check_clamp_is_never_dropped():
         with pytest.raises(ClampedSwiGLUNotAppliedError, match=field):
             check_clamp_not_dropped(tiny_model("gpt", moe_config(**overrides), vocab_size=VOCAB))
 
-    # Grouped-GEMM experts (Transformer Engine's grouped linears stood in by identities: only the
-    # activation path matters): megatron-core's bias_swiglu drops the clamp, its unfused path keeps it.
-    def identity_linear(*args, **kwargs):
-        return torch.nn.Identity()
-
-    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    submodules = GroupedMLPSubmodules(linear_fc1=identity_linear, linear_fc2=identity_linear)
+    # Grouped-GEMM experts (Transformer Engine's grouped linears stood in by GroupedLinearStandIn):
+    # megatron-core's bias_swiglu drops the clamp, its unfused path keeps it.
     for config, dropped in ((silu_fused, True), (moe_config(), False)):
-        grouped = TEGroupedMLP(2, config, submodules, pg_collection=pg_collection)
+        grouped = grouped_experts(TEGroupedMLP, config)
         if dropped:
             with pytest.raises(ClampedSwiGLUNotAppliedError, match=r"<model> \(TEGroupedMLP\).*bias_activation_fusion"):
                 check_clamp_not_dropped(grouped)
         else:
             check_clamp_not_dropped(grouped)
+
+
+class GroupedLinearStandIn(torch.nn.Module):
+    """Stands in for Transformer Engine's GroupedLinear (not installed here): one bias-free weight per
+    local expert, applied to that expert's rows."""
+
+    def __init__(self, num_gemms, input_size, output_size, *, config, **unused):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(num_gemms, output_size, input_size) * 2 / math.sqrt(input_size))
+
+    def forward(self, x, tokens_per_expert):
+        rows = x.split(list(tokens_per_expert))
+        return torch.cat([r @ w.T for r, w in zip(rows, self.weight)]), None
+
+
+def grouped_experts(cls, config, seed=0):
+    torch.manual_seed(seed)
+    submodules = GroupedMLPSubmodules(linear_fc1=GroupedLinearStandIn, linear_fc2=GroupedLinearStandIn)
+    return cls(2, config, submodules, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def _check_clamped_swiglu_grouped_experts():
+    # DeepSeek-V4-style SiLU-gated clamped experts on TEGroupedMLP: clamped_swiglu through the
+    # use_te_activation_func hook equals megatron-core's unfused clamped path, with routing weights.
+    silu = dict(activation_func=F.silu, glu_linear_offset=0.0, add_bias_linear=False)
+    megatron = grouped_experts(TEGroupedMLP, moe_config(**silu))
+    ours = grouped_experts(ClampedSwiGLUTEGroupedMLP, moe_config(**silu, use_te_activation_func=True), seed=1)
+    ours.load_state_dict(megatron.state_dict())
+    tokens_per_expert = torch.tensor([5, 3])
+    hidden = torch.randn(8, 32) * 4  # fc1 outputs of std ~8: many beyond the limit
+    probs = torch.rand(8)
+    grads = []
+    for experts in (megatron, ours):
+        h, p = hidden.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        output, _ = experts(h, tokens_per_expert, p)
+        output.backward(torch.ones_like(output))
+        grads.append((output, h.grad, p.grad, experts.linear_fc1.weight.grad, experts.linear_fc2.weight.grad))
+    fc1_out = megatron.linear_fc1(hidden, [5, 3])[0]
+    assert (fc1_out.abs() > LIMIT).float().mean() > 0.05  # the clamp is exercised
+    for theirs, mine in zip(*grads):
+        assert_close(mine, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
+    # Configs the hook cannot serve are refused with what to use instead.
+    for overrides, field in ((dict(), "moe_grouped_gemm=False"), (silu, "use_te_activation_func=True")):
+        with pytest.raises(ClampedSwiGLUNotAppliedError, match=field):
+            grouped_experts(ClampedSwiGLUTEGroupedMLP, moe_config(**overrides))
 
 
 def _moe(rank, world_size):
@@ -209,6 +250,7 @@ def _moe(rank, world_size):
     set_parallel_degrees(tp=1, ep=2, expert_tp=1)
     _check_moe_ppo_step(dict(add_bias_linear=True))
     _check_clamp_is_never_dropped()
+    _check_clamped_swiglu_grouped_experts()
 
 
 def test_moe_ppo_step_matches_megatron_and_the_clamp_is_never_dropped():
@@ -229,13 +271,19 @@ def test_with_clamped_swiglu_mlp_replaces_sequential_experts_and_dense_mlps():
     assert moe.submodules.mlp.keywords["submodules"].experts.func is SequentialMLP
 
 
-@pytest.mark.parametrize("grouped", [TEGroupedMLP, InferenceGroupedMLP])
-def test_with_clamped_swiglu_mlp_refuses_grouped_gemm_experts(grouped):
+def moe_layer_with_experts(experts):
     layer = get_gpt_layer_local_spec(num_experts=4)
     moe = layer.submodules.mlp
-    grouped_experts = functools.partial(grouped, submodules=GroupedMLPSubmodules(linear_fc1=None, linear_fc2=None))
-    moe_submodules = dataclasses.replace(moe.keywords["submodules"], experts=grouped_experts)
+    moe_submodules = dataclasses.replace(moe.keywords["submodules"], experts=experts)
     layer.submodules.mlp = functools.partial(moe.func, submodules=moe_submodules)
-    with pytest.raises(ClampedSwiGLUNotAppliedError, match=f"{grouped.__name__} .*moe_grouped_gemm=False"):
-        with_clamped_swiglu_mlp(layer)
+    return layer
 
+
+def test_with_clamped_swiglu_mlp_swaps_grouped_experts_and_refuses_inference_ones():
+    submodules = GroupedMLPSubmodules(linear_fc1=None, linear_fc2=None)
+    swapped = with_clamped_swiglu_mlp(moe_layer_with_experts(functools.partial(TEGroupedMLP, submodules=submodules)))
+    experts = swapped.submodules.mlp.keywords["submodules"].experts
+    assert experts.func is ClampedSwiGLUTEGroupedMLP and experts.keywords == {"submodules": submodules}
+    inference = moe_layer_with_experts(functools.partial(InferenceGroupedMLP, submodules=submodules))
+    with pytest.raises(ClampedSwiGLUNotAppliedError, match="InferenceGroupedMLP, .*moe_grouped_gemm"):
+        with_clamped_swiglu_mlp(inference)

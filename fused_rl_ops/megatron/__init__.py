@@ -6,6 +6,7 @@ from .mlp import (
     ClampedSwiGLUMLP,
     ClampedSwiGLUNotAppliedError,
     ClampedSwiGLUSequentialMLP,
+    ClampedSwiGLUTEGroupedMLP,
     check_clamp_not_dropped,
     with_clamped_swiglu_mlp,
 )
@@ -15,6 +16,7 @@ __all__ = [
     "ClampedSwiGLUMLP",
     "ClampedSwiGLUNotAppliedError",
     "ClampedSwiGLUSequentialMLP",
+    "ClampedSwiGLUTEGroupedMLP",
     "RLOutputProcessor",
     "attach",
     "check_clamp_not_dropped",

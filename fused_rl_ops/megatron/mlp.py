@@ -1,5 +1,6 @@
 """The clamped SwiGLU MLP for megatron-core (tested with 0.19.2): ClampedSwiGLUMLP (dense MLPs and MoE
 experts, routing weights fused), ClampedSwiGLUSequentialMLP (SequentialMLP with those experts),
+ClampedSwiGLUTEGroupedMLP (grouped-GEMM experts with a SiLU gate),
 with_clamped_swiglu_mlp, which puts them into a layer or block spec, and check_clamp_not_dropped,
 which refuses a model whose configured clamp some module would silently ignore."""
 import dataclasses
@@ -20,6 +21,7 @@ import fused_rl_ops
 __all__ = [
     "ClampedSwiGLUMLP",
     "ClampedSwiGLUSequentialMLP",
+    "ClampedSwiGLUTEGroupedMLP",
     "ClampedSwiGLUNotAppliedError",
     "check_clamp_not_dropped",
     "with_clamped_swiglu_mlp",
@@ -102,20 +104,56 @@ class ClampedSwiGLUNotAppliedError(ValueError):
     """A spec or model where the configured clamp would not be applied (or not by clamped_swiglu)."""
 
 
+class ClampedSwiGLUTEGroupedMLP(TEGroupedMLP):
+    """megatron-core's TEGroupedMLP (grouped-GEMM experts) with its activation computed by clamped_swiglu.
+
+    The one hook megatron-core 0.19.2 gives TEGroupedMLP's activation is self.activation_func, which its
+    forward calls on fc1's output (bias added) when config.use_te_activation_func is True, multiplying
+    by the routing weights itself afterwards (in the activation's dtype). TransformerConfig allows that
+    flag only for a gelu, silu or relu gate, so this serves SiLU-gated clamped experts (DeepSeek-V4
+    style); it refuses, naming what to use instead, a quick-GELU gate (gpt-oss: use SequentialMLP
+    experts, moe_grouped_gemm=False), use_te_activation_func=False, Transformer Engine's op fuser
+    (use_transformer_engine_op_fuser) and interleaved GLU weights (moe_mlp_glu_interleave_size).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        config = self.config
+        if config.activation_func in _QUICK_GELUS:
+            problem = ("a quick-GELU gate (gpt-oss) reaches no activation hook in TEGroupedMLP (TransformerConfig "
+                       "refuses use_te_activation_func for it): build the spec with moe_grouped_gemm=False "
+                       "(SequentialMLP experts)")
+        elif not config.use_te_activation_func:
+            problem = "set use_te_activation_func=True: it is TEGroupedMLP's only activation hook"
+        elif self._with_fused_impl:
+            problem = "Transformer Engine's op fuser has no activation hook: set use_transformer_engine_op_fuser=False"
+        elif config.moe_mlp_glu_interleave_size is not None:
+            problem = "interleaved GLU weights bypass the hook: set moe_mlp_glu_interleave_size=None"
+        else:
+            _gate_alpha(config)
+            del self.activation_func  # Transformer Engine's activation module, when the spec built one
+            self.activation_func = functools.partial(
+                fused_rl_ops.clamped_swiglu,
+                limit=config.activation_func_clamp_value,
+                alpha=1.0,
+                linear_offset=config.glu_linear_offset,
+            )
+            return
+        raise ClampedSwiGLUNotAppliedError(f"ClampedSwiGLUTEGroupedMLP cannot apply clamped_swiglu: {problem}")
+
+
 def _refuse_grouped_gemm_experts(cls):
     raise ClampedSwiGLUNotAppliedError(
-        f"with_clamped_swiglu_mlp: the MoE experts are {cls.__name__} (grouped GEMM). In megatron-core 0.19.2 "
-        f"its activation is computed inside {cls.__name__}.forward, which has no hook for clamped_swiglu "
-        "(its one module hook, use_te_activation_func, is refused for a quick_gelu gate by TransformerConfig "
-        "and drops the clamp for SiLU). Build the layer spec with moe_grouped_gemm=False (SequentialMLP experts) "
-        "to use clamped_swiglu, or keep megatron-core's own unfused grouped path without with_clamped_swiglu_mlp."
+        f"with_clamped_swiglu_mlp: the MoE experts are {cls.__name__}, whose inference kernels take no "
+        "activation hook: use TEGroupedMLP (moe_grouped_gemm=True) or SequentialMLP experts (moe_grouped_gemm=False)"
     )
 
 
 def with_clamped_swiglu_mlp(spec):
     """A copy of a GPT / hybrid layer or block spec with every dense Megatron MLP a ClampedSwiGLUMLP and
-    every SequentialMLP (MoE experts) a ClampedSwiGLUSequentialMLP. Grouped-GEMM experts (TEGroupedMLP
-    and its subclasses) are refused with ClampedSwiGLUNotAppliedError. Shared experts keep
+    every SequentialMLP (MoE experts) a ClampedSwiGLUSequentialMLP, and every TEGroupedMLP (grouped-GEMM
+    experts) a ClampedSwiGLUTEGroupedMLP, which refuses, when built, configs its hook cannot serve
+    (see there); InferenceGroupedMLP is refused with ClampedSwiGLUNotAppliedError. Shared experts keep
     megatron-core's MLP, and check_clamp_not_dropped runs on each when it is built: every MLP of a
     model built from the returned spec applies its configured clamp, or the build raises."""
     replaced = []
@@ -128,6 +166,9 @@ def with_clamped_swiglu_mlp(spec):
             if node.func is SequentialMLP:
                 replaced.append(node)
                 return functools.partial(ClampedSwiGLUSequentialMLP, *node.args, **node.keywords)
+            if node.func is TEGroupedMLP:
+                replaced.append(node)
+                return functools.partial(ClampedSwiGLUTEGroupedMLP, *node.args, **node.keywords)
             if isinstance(node.func, type) and issubclass(node.func, TEGroupedMLP):
                 _refuse_grouped_gemm_experts(node.func)
             # e.g. partial(MoELayer, submodules=MoESubmodules(experts=...)): look inside.
@@ -140,6 +181,9 @@ def with_clamped_swiglu_mlp(spec):
             if node.module is SequentialMLP:
                 replaced.append(node)
                 return dataclasses.replace(node, module=ClampedSwiGLUSequentialMLP)
+            if node.module is TEGroupedMLP:
+                replaced.append(node)
+                return dataclasses.replace(node, module=ClampedSwiGLUTEGroupedMLP)
             if isinstance(node.module, type) and issubclass(node.module, TEGroupedMLP):
                 _refuse_grouped_gemm_experts(node.module)
         if isinstance(node, (list, tuple)):
@@ -171,7 +215,7 @@ def _why_clamp_is_dropped(module):
     (one sentence naming the config field to change), or None when the clamp is applied."""
     config = module.config
     gate = config.activation_func
-    if isinstance(module, ClampedSwiGLUMLP):
+    if isinstance(module, (ClampedSwiGLUMLP, ClampedSwiGLUTEGroupedMLP)):
         return None  # clamped_swiglu applies it, whatever the fusion settings
     if isinstance(module, TEGroupedMLP):
         if isinstance(module, InferenceGroupedMLP) and gate is F.silu:
