@@ -12,10 +12,16 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(fused_rl_ops, m) {
-  m.def("clamped_swiglu(Tensor x, float? limit, float alpha, float linear_offset, bool interleaved) -> Tensor");
+  // clamped_swiglu: scale (per row) makes it the weighted form, with its own backward.
+  m.def(
+      "clamped_swiglu(Tensor x, float? limit, float alpha, float linear_offset, bool interleaved, "
+      "Tensor? scale=None) -> Tensor");
   m.def(
       "clamped_swiglu_backward(Tensor grad_out, Tensor x, float? limit, float alpha, float linear_offset, "
       "bool interleaved) -> Tensor");
+  m.def(
+      "clamped_swiglu_scaled_backward(Tensor grad_out, Tensor x, Tensor scale, float? limit, float alpha, "
+      "float linear_offset, bool interleaved) -> (Tensor, Tensor)");
   // chosen_logprob: per-shard partials, their merge across shards, and the chunked backward.
   // row_block / pass_rows: GEMMs of exactly row_block token rows, pass_rows rows per workspace
   // (0: all rows at once); see RowTiling in logprob_chunks.h.
