@@ -1,6 +1,7 @@
 """chosen_logprob against the naive path and the peers, in one run.
 
-Paths: fused (this package); naive (materialised logits + log_softmax + gather,
+Paths: fused (this package); fused_invariant (chosen_logprob(batch_invariant=True), in the main
+rows only; invariant/fused is its time over the default's: the cost of batch invariance); naive (materialised logits + log_softmax + gather,
 fused_rl_ops.reference); compile (torch.compile of the naive path); megatron (Megatron's
 vocab_parallel_cross_entropy at TP=1 on materialised fp32 logits); cce (Apple's Cut Cross-Entropy,
 linear_cross_entropy(reduction="none"); on the CPU its impl="torch_compile", the one that runs
@@ -104,9 +105,10 @@ def load_peers(device):
 
 def path_fn(path, entropy, peers):
     """fn(hidden, weight, tokens) -> tuple of differentiable outputs (logprob[, entropy])."""
-    if path == "fused":
-        return lambda h, w, t: fused_rl_ops.chosen_logprob(h, w, t, return_entropy=True) if entropy else (
-            fused_rl_ops.chosen_logprob(h, w, t),)
+    if path in ("fused", "fused_invariant"):
+        kw = dict(batch_invariant=path == "fused_invariant")
+        return lambda h, w, t: fused_rl_ops.chosen_logprob(h, w, t, return_entropy=True, **kw) if entropy else (
+            fused_rl_ops.chosen_logprob(h, w, t, **kw),)
     if path in ("naive", "compile"):
         fn = reference.chosen_logprob if path == "naive" else peers["compile"]
         return lambda h, w, t: fn(h, w, t) if entropy else fn(h, w, t)[:1]
@@ -186,14 +188,15 @@ def max_error(fn, hidden, weight, tokens, rows=256):
     return (got.double() - ref).abs().max().item()
 
 
-def add_tflops(row, paths, N, H, V, mode):
+def add_ratios(row, paths, N, H, V, mode):
+    """TFLOP/s of every path and each path's time over the fused one (fused_invariant's: invariant/fused)."""
     flops = (2 if mode == "fwd" else 6) * N * H * V
     for path in paths:
         row[f"{path}_TFLOP/s"] = flops / (row[f"{path}_ms"] * 1e-3) / 1e12
     if mode != "fwd":
         row["fused_hw_TFLOP/s"] = 8 * N * H * V / (row["fused_ms"] * 1e-3) / 1e12
     for path in paths[1:]:
-        row[f"{path}/fused"] = row[f"{path}_ms"] / row["fused_ms"]
+        row["invariant/fused" if path == "fused_invariant" else f"{path}/fused"] = row[f"{path}_ms"] / row["fused_ms"]
 
 
 def sweep(points, dtype, dev, peers, reps):
@@ -265,11 +268,11 @@ def main():
             for mode in ("fwd", "fwd+bwd"):
                 row = {"N": N, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "entropy": entropy,
                        "mode": mode}
-                paths = paths_for(entropy, peers)
+                paths = ["fused", "fused_invariant"] + paths_for(entropy, peers)[1:]
                 times = time_paths({p: run_once(path_fn(p, entropy, peers), mode, hidden, weight, tokens)
                                     for p in paths}, dev, reps=reps)
                 record_times(row, times)
-                add_tflops(row, paths, N, H, V, mode)
+                add_ratios(row, paths, N, H, V, mode)
                 rows.append(row)
                 print_row(row, ["N", "H", "V", "entropy", "mode"]
                           + [c for c in row if c.endswith(("_ms", "/fused")) and "iqr" not in c])
@@ -288,6 +291,8 @@ def main():
         summary_table("chosen_logprob: median time (ms); ratios are path time / fused time",
                       timed, ["N", "H", "V", "entropy", "mode"] + [f"{p}_ms" for p in all_paths]
                       + [f"{p}/fused" for p in all_paths[1:]]),
+        summary_table("chosen_logprob: the cost of batch_invariant=True (fused_invariant time / fused time)",
+                      timed, ["N", "H", "V", "entropy", "mode", "fused_ms", "fused_invariant_ms", "invariant/fused"]),
         summary_table("chosen_logprob: TFLOP/s (2NHV forward, 6NHV forward+backward; fused_hw adds the "
                       "2NHV recompute)", timed, ["N", "H", "V", "entropy", "mode"]
                       + [f"{p}_TFLOP/s" for p in all_paths] + ["fused_hw_TFLOP/s"]),
@@ -315,6 +320,8 @@ def main():
                  "value": rows[-1]["naive/fused_mem"], "busy": False}]
     headline += [{"metric": f"{p} / fused time, fwd+bwd logprob only, {shape}", "value": logprob_only[f"{p}/fused"],
                   "busy": logprob_only["busy"]} for p in all_paths[1:]]
+    headline.append({"metric": f"batch_invariant=True / default time, fwd+bwd with entropy, {shape}",
+                     "value": with_entropy["invariant/fused"], "busy": with_entropy["busy"]})
     write_json(args.json, "chosen_logprob", dev, rows, headline=headline, tables=tables, peers=versions,
                plot=plot_file, sweeps={"V": v_curve, "N": n_curve})
 
