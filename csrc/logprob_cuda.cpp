@@ -63,10 +63,11 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_cuda(const at::Tensor& hidde
                                                          const at::Tensor& tokens, const at::Tensor& lse,
                                                          const at::Tensor& mean, const at::Tensor& grad_logprob,
                                                          const at::Tensor& grad_entropy, double temperature,
-                                                         int64_t vocab_start, int64_t chunk_size) {
+                                                         int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
+                                                         const std::optional<at::Tensor>& main_grad) {
   const c10::cuda::CUDAGuard guard(hidden.device());
   return logprob_backward_impl<CudaBackend>(hidden, weight, tokens, lse, mean, grad_logprob, grad_entropy,
-                                            temperature, vocab_start, chunk_size);
+                                            temperature, vocab_start, valid_rows, chunk_size, main_grad);
 }
 
 at::Tensor logprob_combine_cuda(const at::Tensor& partials_in) {
