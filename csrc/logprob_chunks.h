@@ -3,7 +3,8 @@
 //   gemm_operand(t, acc)                 t as the GEMMs take it (CPU: converted to acc dtype)
 //   logits(h, w, out)                    out = h w^T, accumulated and stored in acc dtype
 //   stats_rows(logits, tokens, col0, inv_temp, stats)            merge a chunk into the row stats
-//   grad_rows(logits, tokens, col0, lse, mean, gl, ge, inv_temp) logits -> d(loss)/d(logits) in place
+//   grad_rows(logits, tokens, col0, row_max, lse, mean, gl, ge, inv_temp)
+//                                        logits -> d(loss)/d(logits) in place
 //   accumulate_grads(dlogits, h, w, grad_h, grad_w_chunk)        grad_h += dlogits w; grad_w = dlogits^T h
 // Only one [tokens, chunk] workspace lives at a time; a fused tensor-core kernel can replace this
 // loop without touching the Python API.
@@ -57,11 +58,12 @@ at::Tensor logprob_stats_impl(const at::Tensor& hidden, const at::Tensor& weight
 // weight's dtype, one [V, H] tensor whose padded rows alone are zeroed). With main_grad ([V, H],
 // Megatron's gradient-accumulation buffer) each chunk's weight gradient, in weight's dtype as an
 // unfused backward hands it over, is added into main_grad's rows instead, through a [chunk, H]
-// buffer, and the returned weight gradient is empty [0, H]. lse and mean (= lse - entropy) are
-// the global per-token values.
+// buffer, and the returned weight gradient is empty [0, H]. row_max, lse and mean (= lse - entropy)
+// are the global per-token values, lse and mean relative to row_max (logprob_math.h).
 template <class Backend>
 std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
-                                                         const at::Tensor& tokens, const at::Tensor& lse,
+                                                         const at::Tensor& tokens, const at::Tensor& row_max,
+                                                         const at::Tensor& lse,
                                                          const at::Tensor& mean, const at::Tensor& grad_logprob,
                                                          const at::Tensor& grad_entropy, double temperature,
                                                          int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
@@ -70,7 +72,7 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidde
   check_logprob_backward_args(weight, valid_rows, main_grad);
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0), H = weight.size(1);
-  for (const at::Tensor* t : {&lse, &mean, &grad_logprob, &grad_entropy}) {
+  for (const at::Tensor* t : {&row_max, &lse, &mean, &grad_logprob, &grad_entropy}) {
     TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == acc && t->device() == hidden.device(),
                 "chosen_logprob backward: per-token tensors must be [N] in the accumulation dtype");
   }
@@ -80,14 +82,14 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidde
   if (!main_grad) grad_w.narrow(0, any_chunk ? valid_rows : 0, any_chunk ? V - valid_rows : V).zero_();
   if (!any_chunk) return {grad_h, grad_w};
   const at::Tensor h = Backend::gemm_operand(hidden.contiguous(), acc), tok = tokens.contiguous();
-  const at::Tensor lse_c = lse.contiguous(), mean_c = mean.contiguous();
+  const at::Tensor max_c = row_max.contiguous(), lse_c = lse.contiguous(), mean_c = mean.contiguous();
   const at::Tensor gl = grad_logprob.contiguous(), ge = grad_entropy.contiguous();
   const at::Tensor chunk_grad = main_grad ? empty_buffer({std::min(chunk_size, valid_rows), H}, weight.options())
                                           : at::Tensor();
   for_each_logits_chunk<Backend>(h, weight.narrow(0, 0, valid_rows), chunk_size,
                                  [&](at::Tensor& logits, const at::Tensor& w_chunk, int64_t c0) {
     const int64_t n = logits.size(1);
-    Backend::grad_rows(logits, tok, vocab_start + c0, lse_c, mean_c, gl, ge, 1.0 / temperature);
+    Backend::grad_rows(logits, tok, vocab_start + c0, max_c, lse_c, mean_c, gl, ge, 1.0 / temperature);
     at::Tensor grad_w_chunk = main_grad ? chunk_grad.narrow(0, 0, n) : grad_w.narrow(0, c0, n);
     Backend::accumulate_grads(logits, h, w_chunk, grad_h, grad_w_chunk);
     if (main_grad) main_grad->narrow(0, c0, n).add_(grad_w_chunk);

@@ -3,7 +3,10 @@
 //   m = max z,  s = sum exp(z - m),  t = sum exp(z - m) (z - m)
 // over the vocabulary seen so far; partials from vocab chunks and TP ranks merge exactly. Then
 //   lse = m + log s,  entropy = lse - sum p z = log s - t / s.
-// t is kept relative to m (every term <= 0), so entropy needs no cancellation of large logits.
+// t is kept relative to m (every term <= 0), so entropy needs no cancellation of large logits; for
+// the same reason the merged row hands on m and log s apart, and the backward works with z - m:
+// the logit gradients then need no difference of large numbers either (lse - entropy rounded at
+// |lse| would cost the entropy gradient ulp(|lse|) of absolute accuracy).
 //
 // Non-finite logits give what float64 log_softmax gives: a NaN makes m NaN (max propagates it), so
 // lse and entropy are NaN; a +inf makes z - m NaN, hence NaN too; a -inf has probability 0 and adds
@@ -58,11 +61,6 @@ FRL_HD void stats_merge(RowStats<T>& a, const RowStats<T>& b) {
 }
 
 template <typename T>
-FRL_HD T stats_lse(const RowStats<T>& r) {
-  return r.max + Math<T>::log(r.sum);
-}
-
-template <typename T>
 FRL_HD T stats_entropy(const RowStats<T>& r) {
   return Math<T>::log(r.sum) - r.ent / r.sum;
 }
@@ -79,7 +77,8 @@ FRL_HD void stats_update_row(T* row, const RowStats<T>& chunk, const T* z, int64
   if (target >= 0 && target < C) row[3] = z[target] * inv_temp;
 }
 
-// Token r of partials [ranks, N, 4] (one row of stats per shard) -> out[r] = (lse, entropy, chosen).
+// Token r of partials [ranks, N, 4] (one row of stats per shard) -> out[r] = (m, log s, entropy,
+// chosen): lse = m + log s.
 template <typename T>
 FRL_HD void combine_row(const T* partials, int64_t ranks, int64_t N, int64_t r, T* out) {
   RowStats<T> row = stats_empty<T>();
@@ -89,14 +88,17 @@ FRL_HD void combine_row(const T* partials, int64_t ranks, int64_t N, int64_t r, 
     stats_merge(row, RowStats<T>{q[0], q[1], q[2]});
     chosen += q[3];
   }
-  out[3 * r] = stats_lse(row);
-  out[3 * r + 1] = stats_entropy(row);
-  out[3 * r + 2] = chosen;
+  out[4 * r] = row.max;
+  out[4 * r + 1] = Math<T>::log(row.sum);
+  out[4 * r + 2] = stats_entropy(row);
+  out[4 * r + 3] = chosen;
 }
 
 // d(grad_logprob * logprob + grad_entropy * entropy) / dz for a column that is not the chosen
 // token, with p = exp(z - lse) and mean = sum p z = lse - entropy:
 //   -p (gl + ge (z - mean)).  The chosen column adds gl.
+// z, lse and mean may all be taken relative to one shift (the kernels pass z - m, log s, and
+// log s - entropy).
 // p = 0 (a -inf logit, or one far below the rest) passes no gradient: written out, ge (z - mean)
 // is inf for a -inf logit and 0 * inf NaN. A NaN p (a NaN row) stays NaN.
 template <typename T>

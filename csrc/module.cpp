@@ -20,7 +20,8 @@ TORCH_LIBRARY(fused_rl_ops, m) {
   m.def("logprob_stats(Tensor hidden, Tensor weight, Tensor tokens, float temperature, int vocab_start, int chunk_size) -> Tensor");
   m.def("logprob_combine(Tensor partials) -> Tensor");
   m.def(
-      "logprob_backward(Tensor hidden, Tensor weight, Tensor tokens, Tensor lse, Tensor mean, Tensor grad_logprob, "
+      "logprob_backward(Tensor hidden, Tensor weight, Tensor tokens, Tensor row_max, Tensor lse, Tensor mean, "
+      "Tensor grad_logprob, "
       "Tensor grad_entropy, float temperature, int vocab_start, int valid_rows, int chunk_size, "
       "Tensor(a!)? main_grad) -> (Tensor, Tensor)");
   m.def("value_head(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor");

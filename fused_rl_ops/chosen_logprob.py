@@ -166,9 +166,10 @@ class _ChosenLogprob(torch.autograd.Function):
             partials = torch.stack(gathered)
         else:
             partials = stats.unsqueeze(0)
-        lse, entropy, chosen = ops.logprob_combine(partials).unbind(1)
-        logprob = torch.where(ignore, 0.0, chosen - lse)
-        ctx.save_for_backward(hidden, weight, tokens, ignore, lse, entropy)
+        # lse = row_max + log_sum, kept apart: z - row_max is exact near the top of the row.
+        row_max, log_sum, entropy, chosen = ops.logprob_combine(partials).unbind(1)
+        logprob = torch.where(ignore, 0.0, (chosen - row_max) - log_sum)
+        ctx.save_for_backward(hidden, weight, tokens, ignore, row_max, log_sum, entropy)
         ctx.args = (temperature, vocab_start, n_valid, chunk, tp_group, reduce_hidden_grad)
         # main_grad is the backward's output buffer, not an input of its math: kept on ctx, not saved
         # (autograd's version check would trip on its in-place updates). The placeholder needs the
@@ -178,14 +179,14 @@ class _ChosenLogprob(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
-        hidden, weight, tokens, ignore, lse, entropy = ctx.saved_tensors
+        hidden, weight, tokens, ignore, row_max, log_sum, entropy = ctx.saved_tensors
         temperature, vocab_start, n_valid, chunk, tp_group, reduce_hidden_grad = ctx.args
-        grad_logprob = torch.zeros_like(lse) if grad_logprob is None else torch.where(ignore, 0.0, grad_logprob)
-        grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy
+        grad_logprob = torch.zeros_like(entropy) if grad_logprob is None else torch.where(ignore, 0.0, grad_logprob)
+        grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy
         # One [V_local, H] weight gradient, padded rows zeroed by the op; or none, added into main_grad.
         grad_hidden, grad_weight = ops.logprob_backward(
-            hidden, weight, tokens, lse, lse - entropy, grad_logprob.to(lse.dtype).contiguous(),
-            grad_entropy.to(lse.dtype).contiguous(), temperature, vocab_start, n_valid, chunk, ctx.main_grad)
+            hidden, weight, tokens, row_max, log_sum, log_sum - entropy, grad_logprob.to(entropy.dtype).contiguous(),
+            grad_entropy.to(entropy.dtype).contiguous(), temperature, vocab_start, n_valid, chunk, ctx.main_grad)
         if ctx.main_grad is not None:
             grad_weight = _main_grad_placeholder(ctx.weight_param)
         if reduce_hidden_grad and tp_group is not None and dist.get_world_size(tp_group) > 1:
@@ -281,11 +282,11 @@ def _(hidden, weight, tokens, temperature, vocab_start, chunk_size):
 
 @torch.library.register_fake("fused_rl_ops::logprob_combine")
 def _(partials):
-    return partials.new_empty(partials.shape[1], 3)
+    return partials.new_empty(partials.shape[1], 4)
 
 
 @torch.library.register_fake("fused_rl_ops::logprob_backward")
-def _(hidden, weight, tokens, lse, mean, grad_logprob, grad_entropy, temperature, vocab_start, valid_rows, chunk_size,
-      main_grad):
+def _(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy, temperature, vocab_start, valid_rows,
+      chunk_size, main_grad):
     grad_weight = weight.new_empty(0, weight.shape[1]) if main_grad is not None else torch.empty_like(weight)
     return hidden.new_empty(hidden.shape, dtype=acc_dtype(hidden.dtype)), grad_weight

@@ -138,8 +138,9 @@ def test_opcheck(device):
     torch.library.opcheck(ops.logprob_stats, (hidden, weight, tokens, 0.9, 100, 128))
     stats = ops.logprob_stats(hidden, weight, tokens, 0.9, 0, 128)
     torch.library.opcheck(ops.logprob_combine, (torch.stack([stats, stats]),))
-    lse, ent, _ = ops.logprob_combine(stats[None]).unbind(1)
-    per_token = [lse.contiguous(), (lse - ent).contiguous(), torch.randn(9, device=device), torch.randn(9, device=device)]
+    row_max, log_sum, ent, _ = ops.logprob_combine(stats[None]).unbind(1)
+    per_token = [row_max.contiguous(), log_sum.contiguous(), (log_sum - ent).contiguous(),
+                 torch.randn(9, device=device), torch.randn(9, device=device)]
     torch.library.opcheck(ops.logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128, None))
     main_grad = torch.randn(weight.shape, device=device)
     torch.library.opcheck(ops.logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128, main_grad))
