@@ -105,9 +105,9 @@ def _check_group(tp_group, error, shard_and_fields):
     share the messages. Without it a failing rank would leave the others waiting in the all-gather."""
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(tp_group)) else "cpu"
     mine = [int(error is not None)] + (shard_and_fields or [0] * (2 + len(_GROUP_FIELDS)))
-    gathered = torch.empty(dist.get_world_size(tp_group), len(mine), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(gathered, torch.tensor(mine, dtype=torch.int64, device=device), group=tp_group)
-    rows = gathered.tolist()
+    gathered = [torch.empty(len(mine), dtype=torch.int64, device=device) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=device), group=tp_group)
+    rows = torch.stack(gathered).tolist()
     if any(row[0] for row in rows):
         messages = [None] * len(rows)
         dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=tp_group)
