@@ -63,8 +63,8 @@ at::Tensor logprob_stats_impl(const at::Tensor& hidden, const at::Tensor& weight
 template <class Backend>
 std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
                                                          const at::Tensor& tokens, const at::Tensor& row_max,
-                                                         const at::Tensor& lse,
-                                                         const at::Tensor& mean, const at::Tensor& grad_logprob,
+                                                         const at::Tensor& lse, const at::Tensor& mean,
+                                                         const at::Tensor& grad_logprob,
                                                          const at::Tensor& grad_entropy, double temperature,
                                                          int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
                                                          const std::optional<at::Tensor>& main_grad) {

@@ -93,9 +93,9 @@ struct CpuBackend {
     AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "logprob_grad_cpu", [&] {
       grad_rows_cpu<scalar_t>(logits.mutable_data_ptr<scalar_t>(), logits.size(0), logits.size(1), col0,
                               tokens.const_data_ptr<int64_t>(), row_max.const_data_ptr<scalar_t>(),
-                              lse.const_data_ptr<scalar_t>(),
-                              mean.const_data_ptr<scalar_t>(), gl.const_data_ptr<scalar_t>(),
-                              ge.const_data_ptr<scalar_t>(), static_cast<scalar_t>(inv_temp));
+                              lse.const_data_ptr<scalar_t>(), mean.const_data_ptr<scalar_t>(),
+                              gl.const_data_ptr<scalar_t>(), ge.const_data_ptr<scalar_t>(),
+                              static_cast<scalar_t>(inv_temp));
     });
   }
 
@@ -114,8 +114,8 @@ at::Tensor logprob_stats_cpu(const at::Tensor& hidden, const at::Tensor& weight,
 
 std::tuple<at::Tensor, at::Tensor> logprob_backward_cpu(const at::Tensor& hidden, const at::Tensor& weight,
                                                         const at::Tensor& tokens, const at::Tensor& row_max,
-                                                        const at::Tensor& lse,
-                                                        const at::Tensor& mean, const at::Tensor& grad_logprob,
+                                                        const at::Tensor& lse, const at::Tensor& mean,
+                                                        const at::Tensor& grad_logprob,
                                                         const at::Tensor& grad_entropy, double temperature,
                                                         int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
                                                         const std::optional<at::Tensor>& main_grad) {

@@ -35,9 +35,9 @@ struct CudaBackend {
                         double inv_temp) {
     C10_CUDA_CHECK(launch_logprob_grad_rows(logits.mutable_data_ptr<float>(), logits.size(0), logits.size(1), col0,
                                             tokens.const_data_ptr<int64_t>(), row_max.const_data_ptr<float>(),
-                                            lse.const_data_ptr<float>(),
-                                            mean.const_data_ptr<float>(), gl.const_data_ptr<float>(),
-                                            ge.const_data_ptr<float>(), static_cast<float>(inv_temp), stream()));
+                                            lse.const_data_ptr<float>(), mean.const_data_ptr<float>(),
+                                            gl.const_data_ptr<float>(), ge.const_data_ptr<float>(),
+                                            static_cast<float>(inv_temp), stream()));
   }
 
   static void accumulate_grads(const at::Tensor& dlogits, const at::Tensor& h, const at::Tensor& w,
@@ -63,8 +63,8 @@ at::Tensor logprob_stats_cuda(const at::Tensor& hidden, const at::Tensor& weight
 
 std::tuple<at::Tensor, at::Tensor> logprob_backward_cuda(const at::Tensor& hidden, const at::Tensor& weight,
                                                          const at::Tensor& tokens, const at::Tensor& row_max,
-                                                         const at::Tensor& lse,
-                                                         const at::Tensor& mean, const at::Tensor& grad_logprob,
+                                                         const at::Tensor& lse, const at::Tensor& mean,
+                                                         const at::Tensor& grad_logprob,
                                                          const at::Tensor& grad_entropy, double temperature,
                                                          int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
                                                          const std::optional<at::Tensor>& main_grad) {

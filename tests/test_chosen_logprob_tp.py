@@ -1,4 +1,5 @@
-"""chosen_logprob across tensor-parallel ranks: real processes on gloo."""
+"""chosen_logprob across tensor-parallel ranks: real processes on gloo. Besides the results, NaN and
+-inf across ranks, and invalid or mismatched arguments raising the same error on every rank."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -55,6 +56,8 @@ def tensor_parallel_checks(rank, world):
 
 
     nonfinite_checks(rank, world, hidden, weight, tokens, grad_lp, grad_ent, kw)
+    if world == 2:  # in this run: a spawn costs more than the checks
+        bad_group_checks(rank, world)
 
 
 def assert_same_with_nan(ours, single):
@@ -158,7 +161,3 @@ def test_tensor_parallel_matches_single_rank(world):
 def test_tensor_parallel_matches_megatron(world):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (the GPU machine has none)")
     run_distributed(megatron_checks, world)
-
-
-def test_invalid_calls_raise_on_every_rank():
-    run_distributed(bad_group_checks, 2)
