@@ -168,6 +168,11 @@ def assert_matches(got, want, naive, scales, counts, dtypes):
 @settings(max_examples=400)
 @given(case=cases())
 def test_matches_float64_on_random_cases(case):
+    # What the examples cover, in --hypothesis-show-statistics.
+    for event in (str(case["dtype"]), "hidden " + case["hidden_layout"], "weight " + case["weight_layout"]):
+        hypothesis.event(event)
+    hypothesis.event("non-finite inputs" if case["specials"] else "finite inputs")
+    hypothesis.event("padded vocab" if case["vocab_size"] < case["V"] else "no padding")
     bases, tokens, grads = build(case)
     got = run(case, bases, tokens, grads, fused=True)
     want = run(case, bases, tokens, grads, fused=False)
