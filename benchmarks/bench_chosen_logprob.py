@@ -1,5 +1,7 @@
 """chosen_logprob vs the naive path (materialised logits + log_softmax + gather) and Megatron's
 vocab_parallel_cross_entropy (TP=1; it also materialises the logits, and has no entropy).
+fused_invariant is chosen_logprob(batch_invariant=True); invariant/fused is its time over the
+default's (the cost of batch invariance), both timed in the same interleaved rounds.
 
 Reports time (forward, forward+backward; with and without entropy), extra peak memory beyond the
 inputs (CPU: peak RSS growth in a fresh process; CUDA: max_memory_allocated), the max error of the
@@ -59,9 +61,10 @@ def megatron_logprob(hidden, weight, tokens):
 
 def path_fn(path, entropy):
     """fn(hidden, weight, tokens) -> tuple of differentiable outputs."""
-    if path == "fused":
-        return lambda h, w, t: fused_rl_ops.chosen_logprob(h, w, t, return_entropy=True) if entropy else (
-            fused_rl_ops.chosen_logprob(h, w, t),)
+    if path in ("fused", "fused_invariant"):
+        kw = dict(batch_invariant=path == "fused_invariant")
+        return lambda h, w, t: fused_rl_ops.chosen_logprob(h, w, t, return_entropy=True, **kw) if entropy else (
+            fused_rl_ops.chosen_logprob(h, w, t, **kw),)
     if path == "naive":
         return lambda h, w, t: reference.chosen_logprob(h, w, t) if entropy else reference.chosen_logprob(h, w, t)[:1]
     return lambda h, w, t: (megatron_logprob(h, w, t),)
@@ -168,7 +171,7 @@ def main():
                 row = {"N": N, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "entropy": entropy,
                        "mode": mode}
                 paths = {path: run_once(path, entropy, mode, hidden, weight, tokens)
-                         for path in ["fused", "naive"] + ([] if entropy else ["megatron"])}
+                         for path in ["fused", "fused_invariant", "naive"] + ([] if entropy else ["megatron"])}
                 for name, fn in ({} if entropy else extra).items():
                     paths[name] = lambda fn=fn: fn(hidden, weight, tokens)
                 for name, t in time_paths(paths, dev, reps=reps).items():
@@ -176,6 +179,7 @@ def main():
                 flops = (2 if mode == "fwd" else 8) * N * H * V
                 row["fused_TFLOP/s"] = flops / (row["fused_ms"] * 1e-3) / 1e12
                 row["naive/fused"] = row["naive_ms"] / row["fused_ms"]
+                row["invariant/fused"] = row["fused_invariant_ms"] / row["fused_ms"]
                 if "megatron_ms" in row:
                     row["megatron/fused"] = row["megatron_ms"] / row["fused_ms"]
                 rows.append(row)
@@ -192,6 +196,7 @@ def main():
     print("\nchosen_logprob: times in ms; ratios are baseline time / fused time")
     for keys in (["N", "H", "V", "entropy", "mode", "fused_ms", "naive_ms", "megatron_ms", "fused_TFLOP/s",
                   "naive/fused", "megatron/fused"],
+                 ["N", "H", "V", "entropy", "mode", "fused_ms", "fused_invariant_ms", "invariant/fused"],
                  ["N", "H", "V", "fused_MiB", "naive_MiB", "megatron_MiB", "fused/naive_mem", "fused_max_err",
                   "naive_max_err"]):
         print_table([r for r in rows if keys[-1] in r], keys)

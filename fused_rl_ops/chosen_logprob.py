@@ -18,6 +18,10 @@ from ._library import acc_dtype, check_device, check_float_dtype, ops
 
 DEFAULT_WORKSPACE_BYTES = 64 * 2**20
 _MIN_CHUNK = 128
+# batch_invariant=True: (token rows per GEMM, vocab rows per chunk) by device, fixed so that every
+# GEMM has one shape whatever the batch (see RowTiling in csrc/logprob_chunks.h). Row blocks are
+# multiples of 128, so every block of an aligned hidden starts aligned (aligned_rows there).
+INVARIANT_TILING = {"cpu": (512, 2048), "cuda": (512, 4096)}
 
 
 def chunk_size_for(num_tokens: int, hidden_size: int, element_size: int, workspace_bytes: int) -> int:
@@ -27,6 +31,20 @@ def chunk_size_for(num_tokens: int, hidden_size: int, element_size: int, workspa
     per_row = 4 * num_tokens + element_size * num_tokens + 4 * hidden_size
     rows = workspace_bytes // max(per_row, 1)
     return max(_MIN_CHUNK, rows // _MIN_CHUNK * _MIN_CHUNK)
+
+
+def tiling_for(num_tokens: int, hidden_size: int, element_size: int, workspace_bytes: int, device: torch.device,
+               batch_invariant: bool) -> tuple[int, int, int]:
+    """(chunk_size, row_block, pass_rows) for the kernels. By default one GEMM per chunk takes all
+    tokens (row_block = pass_rows = 0) and the chunk width follows the token count. Batch-invariant:
+    the device's fixed row block and chunk width, and as many row blocks per pass as fit in
+    workspace_bytes (at least one); the pass size changes no result."""
+    if not batch_invariant:
+        return chunk_size_for(num_tokens, hidden_size, element_size, workspace_bytes), 0, 0
+    row_block, chunk = INVARIANT_TILING["cuda" if device.type == "cuda" else "cpu"]
+    weight_chunk_copy = 4 * hidden_size * chunk if device.type != "cuda" and element_size < 4 else 0
+    fitting_rows = (workspace_bytes - weight_chunk_copy) // ((4 + element_size) * chunk)
+    return chunk, row_block, max(row_block, fitting_rows // row_block * row_block)
 
 
 def _check_args(hidden, weight, tokens, temperature):
@@ -157,9 +175,9 @@ def _main_grad_placeholder(weight):
 
 class _ChosenLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, ignore, temperature, vocab_start, n_valid, chunk, tp_group,
+    def forward(ctx, hidden, weight, tokens, ignore, temperature, vocab_start, n_valid, tiling, tp_group,
                 reduce_hidden_grad, main_grad):
-        stats = ops.logprob_stats(hidden, weight[:n_valid], tokens, temperature, vocab_start, chunk)
+        stats = ops.logprob_stats(hidden, weight[:n_valid], tokens, temperature, vocab_start, *tiling)
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(tp_group))]
             dist.all_gather(gathered, stats, group=tp_group)
@@ -170,7 +188,7 @@ class _ChosenLogprob(torch.autograd.Function):
         row_max, log_sum, entropy, chosen = ops.logprob_combine(partials).unbind(1)
         logprob = torch.where(ignore, 0.0, (chosen - row_max) - log_sum)
         ctx.save_for_backward(hidden, weight, tokens, ignore, row_max, log_sum, entropy)
-        ctx.args = (temperature, vocab_start, n_valid, chunk, tp_group, reduce_hidden_grad)
+        ctx.args = (temperature, vocab_start, n_valid, tiling, tp_group, reduce_hidden_grad)
         # main_grad is the backward's output buffer, not an input of its math: kept on ctx, not saved
         # (autograd's version check would trip on its in-place updates). The placeholder needs the
         # parameter object itself (its attributes), as Megatron's layers do.
@@ -180,13 +198,13 @@ class _ChosenLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
         hidden, weight, tokens, ignore, row_max, log_sum, entropy = ctx.saved_tensors
-        temperature, vocab_start, n_valid, chunk, tp_group, reduce_hidden_grad = ctx.args
+        temperature, vocab_start, n_valid, tiling, tp_group, reduce_hidden_grad = ctx.args
         grad_logprob = torch.zeros_like(entropy) if grad_logprob is None else torch.where(ignore, 0.0, grad_logprob)
         grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy
         # One [V_local, H] weight gradient, padded rows zeroed by the op; or none, added into main_grad.
         grad_hidden, grad_weight = ops.logprob_backward(
             hidden, weight, tokens, row_max, log_sum, log_sum - entropy, grad_logprob.to(entropy.dtype).contiguous(),
-            grad_entropy.to(entropy.dtype).contiguous(), temperature, vocab_start, n_valid, chunk, ctx.main_grad)
+            grad_entropy.to(entropy.dtype).contiguous(), temperature, vocab_start, n_valid, *tiling, ctx.main_grad)
         if ctx.main_grad is not None:
             grad_weight = _main_grad_placeholder(ctx.weight_param)
         if reduce_hidden_grad and tp_group is not None and dist.get_world_size(tp_group) > 1:
@@ -210,6 +228,7 @@ def chosen_logprob(
     check_group: bool = True,
     main_grad: Optional[torch.Tensor] = None,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+    batch_invariant: bool = False,
 ):
     """log softmax(hidden @ weight.T / temperature)[tokens] over the (vocab-parallel) vocabulary.
 
@@ -243,6 +262,13 @@ def chosen_logprob(
     chunk, instead of returning one (see _main_grad_placeholder for what the weight receives).
     workspace_bytes bounds the per-chunk buffers (see chunk_size_for; with main_grad add a
     [chunk, H] gradient buffer).
+
+    batch_invariant=True makes each token's logprob, entropy and hidden gradient bitwise
+    independent of the other tokens of the call (their number, order, leading shape, ignored
+    positions) and of workspace_bytes, on one machine with one library build and thread count:
+    GEMMs of fixed shape (INVARIANT_TILING) over vocab chunks merged in vocab order. The weight
+    gradient, a sum over tokens, stays deterministic but not batch-invariant. The workspace then
+    holds at least one [row_block, chunk] block.
     """
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
@@ -267,16 +293,17 @@ def chosen_logprob(
     lead = tokens.shape
     hidden2d = hidden.reshape(-1, hidden_size)
     tokens1d = tokens.reshape(-1).to(torch.int64)
-    chunk = chunk_size_for(hidden2d.shape[0], hidden_size, hidden.element_size(), workspace_bytes)
+    tiling = tiling_for(hidden2d.shape[0], hidden_size, hidden.element_size(), workspace_bytes, hidden.device,
+                        batch_invariant)
     logprob, entropy = _ChosenLogprob.apply(hidden2d, weight, tokens1d, tokens1d == ignore_index, float(temperature),
-                                            int(vocab_start), n_valid, chunk, tp_group, bool(reduce_hidden_grad),
+                                            int(vocab_start), n_valid, tiling, tp_group, bool(reduce_hidden_grad),
                                             main_grad)
     logprob, entropy = logprob.reshape(lead), entropy.reshape(lead)
     return (logprob, entropy) if return_entropy else logprob
 
 
 @torch.library.register_fake("fused_rl_ops::logprob_stats")
-def _(hidden, weight, tokens, temperature, vocab_start, chunk_size):
+def _(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block=0, pass_rows=0):
     return hidden.new_empty(hidden.shape[0], 4, dtype=acc_dtype(hidden.dtype))
 
 
@@ -287,6 +314,6 @@ def _(partials):
 
 @torch.library.register_fake("fused_rl_ops::logprob_backward")
 def _(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy, temperature, vocab_start, valid_rows,
-      chunk_size, main_grad):
+      chunk_size, row_block=0, pass_rows=0, main_grad=None):
     grad_weight = weight.new_empty(0, weight.shape[1]) if main_grad is not None else torch.empty_like(weight)
     return hidden.new_empty(hidden.shape, dtype=acc_dtype(hidden.dtype)), grad_weight

@@ -1,7 +1,7 @@
 """Property-based sweep of chosen_logprob (hypothesis): random shapes (empty, N = 1, H = 1, V_local = 1,
 V not a multiple of the chunk), dtypes, layouts (strided, transposed, expanded, storage offset),
-token dtypes, workspaces, values from denormals to 1e4 and non-finite ones, against float64
-autograd; and every kind of invalid call raises a clear error."""
+token dtypes, workspaces, batch_invariant, values from denormals to 1e4 and non-finite ones, against
+float64 autograd; and every kind of invalid call raises a clear error."""
 import math
 
 import pytest
@@ -62,6 +62,7 @@ def cases(draw):
         strided_tokens=draw(st.booleans()),
         temperature=draw(st.sampled_from([0.5, 1.0, 1.7])),
         workspace=draw(st.sampled_from([1, 5000, 2**26])),
+        batch_invariant=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -99,7 +100,8 @@ def run(case, bases, tokens, grads, *, fused, acc=torch.float64):
     kw = dict(temperature=case["temperature"])
     if fused:
         lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, tokens, vocab_size=case["vocab_size"],
-                                              return_entropy=True, workspace_bytes=case["workspace"], **kw)
+                                              return_entropy=True, workspace_bytes=case["workspace"],
+                                              batch_invariant=case["batch_invariant"], **kw)
     else:
         lp, ent = reference.chosen_logprob(hidden, weight[: case["vocab_size"]], tokens.long(), **kw)
     (lp * grads[0].to(lp.dtype) + ent * grads[1].to(lp.dtype)).sum().backward()
