@@ -25,7 +25,9 @@ struct ScalarMath {
   static FRL_HD S select(bool c, S a, S b) { return c ? a : b; }
   static FRL_HD S exp(S x) { return ::exp(x); }
   static FRL_HD S log(S x) { return ::log(x); }
-  static FRL_HD S max(S a, S b) { return a > b ? a : b; }
+  // NaN-propagating in either argument, like at::vec::maximum and torch.maximum: a bare a > b ? a : b
+  // would drop a NaN in a but not in b, so the lanes of a reduction could disagree.
+  static FRL_HD S max(S a, S b) { return (a > b || a != a) ? a : b; }
   static FRL_HD S recip(S x) { return S(1) / x; }
 };
 

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <optional>
 
 namespace fused_rl_ops {
 
@@ -19,6 +20,17 @@ inline void check_logprob_inputs(const at::Tensor& hidden, const at::Tensor& wei
   TORCH_CHECK(temperature > 0 && std::isfinite(temperature), "chosen_logprob: temperature must be > 0");
   TORCH_CHECK(chunk_size > 0, "chosen_logprob: chunk_size must be > 0");
   TORCH_CHECK(row_block >= 0 && pass_rows >= 0, "chosen_logprob: row_block and pass_rows must be >= 0 (0: all rows)");
+}
+
+inline void check_logprob_backward_args(const at::Tensor& weight, int64_t valid_rows,
+                                        const std::optional<at::Tensor>& main_grad) {
+  TORCH_CHECK(valid_rows >= 0 && valid_rows <= weight.size(0), "chosen_logprob backward: valid_rows ", valid_rows,
+              " outside [0, ", weight.size(0), "]");
+  if (!main_grad) return;
+  TORCH_CHECK(main_grad->sizes() == weight.sizes() && main_grad->device() == weight.device() &&
+                  (main_grad->scalar_type() == at::kFloat || main_grad->scalar_type() == weight.scalar_type()),
+              "chosen_logprob: main_grad must have weight's shape ", weight.sizes(), " and device, in float32 or ",
+              "weight's dtype; got ", main_grad->sizes(), " ", main_grad->scalar_type(), " on ", main_grad->device());
 }
 
 inline void check_combine_input(const at::Tensor& partials) {

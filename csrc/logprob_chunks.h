@@ -3,7 +3,8 @@
 //   gemm_operand(t, acc)                 t as the GEMMs take it (CPU: converted to acc dtype)
 //   logits(h, w, out)                    out = h w^T, accumulated and stored in acc dtype
 //   stats_rows(logits, tokens, col0, inv_temp, stats)            merge a chunk into the row stats
-//   grad_rows(logits, tokens, col0, lse, mean, gl, ge, inv_temp) logits -> d(loss)/d(logits) in place
+//   grad_rows(logits, tokens, col0, row_max, lse, mean, gl, ge, inv_temp)
+//                                        logits -> d(loss)/d(logits) in place
 //   grad_operand(dlogits, dtype)         the logit gradients as the gradient GEMMs take them
 //   add_mm(out, a, b)                    out += a b, out in acc dtype
 //   mm(out, a, b)                        out = a b, accumulated in acc dtype, stored in out's dtype
@@ -109,42 +110,56 @@ at::Tensor logprob_stats_impl(const at::Tensor& hidden, const at::Tensor& weight
   return stats;
 }
 
-// Gradients of sum(grad_logprob * logprob + grad_entropy * entropy) for this shard: the hidden
-// gradient (in the accumulation dtype, a partial sum over this shard's vocabulary) and the weight
-// gradient (in weight's dtype). lse and mean (= lse - entropy) are the global per-token values.
+// Gradients of sum(grad_logprob * logprob + grad_entropy * entropy) for this shard, whose first
+// valid_rows rows of weight are vocabulary (the rest padding): the hidden gradient (in the
+// accumulation dtype, a partial sum over this shard's vocabulary) and the weight gradient (in
+// weight's dtype, one [V, H] tensor whose padded rows alone are zeroed). With main_grad ([V, H],
+// Megatron's gradient-accumulation buffer) each chunk's weight gradient, in weight's dtype as an
+// unfused backward hands it over, is added into main_grad's rows instead, through a [chunk, H]
+// buffer, and the returned weight gradient is empty [0, H]. row_max, lse and mean (= lse - entropy)
+// are the global per-token values, lse and mean relative to row_max (logprob_math.h).
 // The hidden gradient takes one GEMM per row block and chunk, summed over chunks in vocab order;
 // the weight gradient sums over all tokens (over passes in order, in the accumulation dtype).
 template <class Backend>
 std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
-                                                         const at::Tensor& tokens, const at::Tensor& lse,
-                                                         const at::Tensor& mean, const at::Tensor& grad_logprob,
+                                                         const at::Tensor& tokens, const at::Tensor& row_max,
+                                                         const at::Tensor& lse, const at::Tensor& mean,
+                                                         const at::Tensor& grad_logprob,
                                                          const at::Tensor& grad_entropy, double temperature,
-                                                         int64_t vocab_start, int64_t chunk_size, int64_t row_block,
-                                                         int64_t pass_rows) {
+                                                         int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
+                                                         int64_t row_block, int64_t pass_rows,
+                                                         const std::optional<at::Tensor>& main_grad) {
   check_logprob_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
+  check_logprob_backward_args(weight, valid_rows, main_grad);
   const auto acc = acc_dtype(hidden.scalar_type());
-  const int64_t N = hidden.size(0), V = weight.size(0);
-  for (const at::Tensor* t : {&lse, &mean, &grad_logprob, &grad_entropy}) {
+  const int64_t N = hidden.size(0), V = weight.size(0), H = weight.size(1);
+  for (const at::Tensor* t : {&row_max, &lse, &mean, &grad_logprob, &grad_entropy}) {
     TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == acc && t->device() == hidden.device(),
                 "chosen_logprob backward: per-token tensors must be [N] in the accumulation dtype");
   }
-  at::Tensor grad_h = empty_buffer({N, hidden.size(1)}, hidden.options().dtype(acc)).zero_();
-  at::Tensor grad_w = empty_buffer(weight.sizes(), weight.options()).zero_();
-  if (N == 0 || V == 0) return {grad_h, grad_w};
+  at::Tensor grad_h = empty_buffer({N, H}, hidden.options().dtype(acc)).zero_();
+  at::Tensor grad_w = main_grad ? at::empty({0, H}, weight.options()) : empty_buffer(weight.sizes(), weight.options());
+  const bool any_chunk = N > 0 && valid_rows > 0;
+  if (!main_grad) grad_w.narrow(0, any_chunk ? valid_rows : 0, any_chunk ? V - valid_rows : V).zero_();
+  if (!any_chunk) return {grad_h, grad_w};
   const RowTiling tiling(N, row_block, pass_rows);
   const bool one_pass = tiling.pass >= N;
   const at::Tensor h = aligned_rows(Backend::gemm_operand(hidden.contiguous(), acc), tiling);
   const at::Tensor tok = tokens.contiguous();
-  const at::Tensor lse_c = lse.contiguous(), mean_c = mean.contiguous();
+  const at::Tensor max_c = row_max.contiguous(), lse_c = lse.contiguous(), mean_c = mean.contiguous();
   const at::Tensor gl = grad_logprob.contiguous(), ge = grad_entropy.contiguous();
-  at::Tensor grad_h_tail = tiling.tail_rows() > 0 ? at::zeros({tiling.block, h.size(1)}, grad_h.options()) : at::Tensor();
+  at::Tensor grad_h_tail = tiling.tail_rows() > 0 ? at::zeros({tiling.block, H}, grad_h.options()) : at::Tensor();
   at::Tensor grad_w_acc;  // the weight-chunk gradient summed over passes (several passes only)
-  for_each_logits_chunk<Backend>(h, weight, chunk_size, tiling, [&](const at::Tensor& logits, int64_t rows,
-                                                                    const at::Tensor& w_chunk, int64_t c0, int64_t r0) {
+  const at::Tensor chunk_grad = main_grad ? empty_buffer({std::min(chunk_size, valid_rows), H}, weight.options())
+                                          : at::Tensor();
+  for_each_logits_chunk<Backend>(h, weight.narrow(0, 0, valid_rows), chunk_size, tiling,
+                                 [&](const at::Tensor& logits, int64_t rows, const at::Tensor& w_chunk, int64_t c0,
+                                     int64_t r0) {
     const int64_t n = logits.size(1);
     at::Tensor z = logits.narrow(0, 0, rows);
-    Backend::grad_rows(z, tok.narrow(0, r0, rows), vocab_start + c0, lse_c.narrow(0, r0, rows),
-                       mean_c.narrow(0, r0, rows), gl.narrow(0, r0, rows), ge.narrow(0, r0, rows), 1.0 / temperature);
+    Backend::grad_rows(z, tok.narrow(0, r0, rows), vocab_start + c0, max_c.narrow(0, r0, rows),
+                       lse_c.narrow(0, r0, rows), mean_c.narrow(0, r0, rows), gl.narrow(0, r0, rows),
+                       ge.narrow(0, r0, rows), 1.0 / temperature);
     // The padding rows of a last block hold the logits of zero rows (zeros) and reach only
     // grad_h_tail's padding.
     const at::Tensor d = Backend::grad_operand(logits, hidden.scalar_type());
@@ -152,12 +167,17 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidde
       at::Tensor out = block_rows(grad_h, grad_h_tail, tiling, r0 + b0);
       Backend::add_mm(out, d.narrow(0, b0, tiling.block), w_chunk);
     }
-    at::Tensor grad_w_chunk = grad_w.narrow(0, c0, n);
+    at::Tensor grad_w_chunk = main_grad ? chunk_grad.narrow(0, 0, n) : grad_w.narrow(0, c0, n);
     const at::Tensor d_rows = d.narrow(0, 0, rows).t(), h_rows = h.narrow(0, r0, rows);
-    if (one_pass) return Backend::mm(grad_w_chunk, d_rows, h_rows);
-    if (r0 == 0) grad_w_acc = at::zeros({n, h.size(1)}, grad_h.options());
-    Backend::add_mm(grad_w_acc, d_rows, h_rows);
-    if (r0 + rows == N) grad_w_chunk.copy_(grad_w_acc);
+    if (one_pass) {
+      Backend::mm(grad_w_chunk, d_rows, h_rows);
+    } else {
+      if (r0 == 0) grad_w_acc = at::zeros({n, H}, grad_h.options());
+      Backend::add_mm(grad_w_acc, d_rows, h_rows);
+      if (r0 + rows < N) return;
+      grad_w_chunk.copy_(grad_w_acc);
+    }
+    if (main_grad) main_grad->narrow(0, c0, n).add_(grad_w_chunk);
   });
   if (tiling.tail_rows() > 0) {
     grad_h.narrow(0, tiling.last_full_row(), tiling.tail_rows()).copy_(grad_h_tail.narrow(0, 0, tiling.tail_rows()));

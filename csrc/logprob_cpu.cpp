@@ -53,18 +53,20 @@ void stats_rows_cpu(const acc* logits, int64_t N, int64_t C, int64_t col0, const
 }
 
 template <typename acc>
-void grad_rows_cpu(acc* logits, int64_t N, int64_t C, int64_t col0, const int64_t* tokens, const acc* lse,
-                   const acc* mean, const acc* gl, const acc* ge, acc inv_temp) {
+void grad_rows_cpu(acc* logits, int64_t N, int64_t C, int64_t col0, const int64_t* tokens, const acc* row_max,
+                   const acc* lse, const acc* mean, const acc* gl, const acc* ge, acc inv_temp) {
   using Vec = at::vec::Vectorized<acc>;
   const int64_t C_vec = C - C % Vec::size();
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       acc* z = logits + r * C;
-      const Vec vinv(inv_temp), vlse(lse[r]), vmean(mean[r]), vgl(gl[r]), vge(ge[r]);
+      const Vec vinv(inv_temp), vmax(row_max[r]), vlse(lse[r]), vmean(mean[r]), vgl(gl[r]), vge(ge[r]);
       for (int64_t k = 0; k < C_vec; k += Vec::size()) {
-        (logit_grad(Vec::loadu(z + k) * vinv, vlse, vmean, vgl, vge) * vinv).store(z + k);
+        (logit_grad(Vec::loadu(z + k) * vinv - vmax, vlse, vmean, vgl, vge) * vinv).store(z + k);
       }
-      for (int64_t k = C_vec; k < C; ++k) z[k] = logit_grad(z[k] * inv_temp, lse[r], mean[r], gl[r], ge[r]) * inv_temp;
+      for (int64_t k = C_vec; k < C; ++k) {
+        z[k] = logit_grad(z[k] * inv_temp - row_max[r], lse[r], mean[r], gl[r], ge[r]) * inv_temp;
+      }
       const int64_t target = tokens[r] - col0;
       if (target >= 0 && target < C) z[target] += gl[r] * inv_temp;
     }
@@ -85,13 +87,15 @@ struct CpuBackend {
     });
   }
 
-  static void grad_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, const at::Tensor& lse,
-                        const at::Tensor& mean, const at::Tensor& gl, const at::Tensor& ge, double inv_temp) {
+  static void grad_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, const at::Tensor& row_max,
+                        const at::Tensor& lse, const at::Tensor& mean, const at::Tensor& gl, const at::Tensor& ge,
+                        double inv_temp) {
     AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "logprob_grad_cpu", [&] {
       grad_rows_cpu<scalar_t>(logits.mutable_data_ptr<scalar_t>(), logits.size(0), logits.size(1), col0,
-                              tokens.const_data_ptr<int64_t>(), lse.const_data_ptr<scalar_t>(),
-                              mean.const_data_ptr<scalar_t>(), gl.const_data_ptr<scalar_t>(),
-                              ge.const_data_ptr<scalar_t>(), static_cast<scalar_t>(inv_temp));
+                              tokens.const_data_ptr<int64_t>(), row_max.const_data_ptr<scalar_t>(),
+                              lse.const_data_ptr<scalar_t>(), mean.const_data_ptr<scalar_t>(),
+                              gl.const_data_ptr<scalar_t>(), ge.const_data_ptr<scalar_t>(),
+                              static_cast<scalar_t>(inv_temp));
     });
   }
 
@@ -113,20 +117,23 @@ at::Tensor logprob_stats_cpu(const at::Tensor& hidden, const at::Tensor& weight,
 }
 
 std::tuple<at::Tensor, at::Tensor> logprob_backward_cpu(const at::Tensor& hidden, const at::Tensor& weight,
-                                                        const at::Tensor& tokens, const at::Tensor& lse,
-                                                        const at::Tensor& mean, const at::Tensor& grad_logprob,
+                                                        const at::Tensor& tokens, const at::Tensor& row_max,
+                                                        const at::Tensor& lse, const at::Tensor& mean,
+                                                        const at::Tensor& grad_logprob,
                                                         const at::Tensor& grad_entropy, double temperature,
-                                                        int64_t vocab_start, int64_t chunk_size, int64_t row_block,
-                                                        int64_t pass_rows) {
-  return logprob_backward_impl<CpuBackend>(hidden, weight, tokens, lse, mean, grad_logprob, grad_entropy,
-                                           temperature, vocab_start, chunk_size, row_block, pass_rows);
+                                                        int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
+                                                        int64_t row_block, int64_t pass_rows,
+                                                        const std::optional<at::Tensor>& main_grad) {
+  return logprob_backward_impl<CpuBackend>(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy,
+                                           temperature, vocab_start, valid_rows, chunk_size, row_block, pass_rows,
+                                           main_grad);
 }
 
 at::Tensor logprob_combine_cpu(const at::Tensor& partials_in) {
   check_combine_input(partials_in);
   const at::Tensor partials = partials_in.contiguous();
   const int64_t ranks = partials.size(0), N = partials.size(1);
-  at::Tensor out = at::empty({N, 3}, partials.options());
+  at::Tensor out = at::empty({N, 4}, partials.options());
   AT_DISPATCH_FLOATING_TYPES(partials.scalar_type(), "logprob_combine_cpu", [&] {
     const scalar_t* p = partials.const_data_ptr<scalar_t>();
     scalar_t* o = out.mutable_data_ptr<scalar_t>();

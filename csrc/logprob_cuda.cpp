@@ -30,12 +30,14 @@ struct CudaBackend {
                                              stats.mutable_data_ptr<float>(), stream()));
   }
 
-  static void grad_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, const at::Tensor& lse,
-                        const at::Tensor& mean, const at::Tensor& gl, const at::Tensor& ge, double inv_temp) {
+  static void grad_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, const at::Tensor& row_max,
+                        const at::Tensor& lse, const at::Tensor& mean, const at::Tensor& gl, const at::Tensor& ge,
+                        double inv_temp) {
     C10_CUDA_CHECK(launch_logprob_grad_rows(logits.mutable_data_ptr<float>(), logits.size(0), logits.size(1), col0,
-                                            tokens.const_data_ptr<int64_t>(), lse.const_data_ptr<float>(),
-                                            mean.const_data_ptr<float>(), gl.const_data_ptr<float>(),
-                                            ge.const_data_ptr<float>(), static_cast<float>(inv_temp), stream()));
+                                            tokens.const_data_ptr<int64_t>(), row_max.const_data_ptr<float>(),
+                                            lse.const_data_ptr<float>(), mean.const_data_ptr<float>(),
+                                            gl.const_data_ptr<float>(), ge.const_data_ptr<float>(),
+                                            static_cast<float>(inv_temp), stream()));
   }
 
   // Tensor cores take the logit gradients in the inputs' dtype; the hidden gradient still
@@ -61,14 +63,17 @@ at::Tensor logprob_stats_cuda(const at::Tensor& hidden, const at::Tensor& weight
 }
 
 std::tuple<at::Tensor, at::Tensor> logprob_backward_cuda(const at::Tensor& hidden, const at::Tensor& weight,
-                                                         const at::Tensor& tokens, const at::Tensor& lse,
-                                                         const at::Tensor& mean, const at::Tensor& grad_logprob,
+                                                         const at::Tensor& tokens, const at::Tensor& row_max,
+                                                         const at::Tensor& lse, const at::Tensor& mean,
+                                                         const at::Tensor& grad_logprob,
                                                          const at::Tensor& grad_entropy, double temperature,
-                                                         int64_t vocab_start, int64_t chunk_size, int64_t row_block,
-                                                         int64_t pass_rows) {
+                                                         int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
+                                                         int64_t row_block, int64_t pass_rows,
+                                                         const std::optional<at::Tensor>& main_grad) {
   const c10::cuda::CUDAGuard guard(hidden.device());
-  return logprob_backward_impl<CudaBackend>(hidden, weight, tokens, lse, mean, grad_logprob, grad_entropy,
-                                            temperature, vocab_start, chunk_size, row_block, pass_rows);
+  return logprob_backward_impl<CudaBackend>(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy,
+                                            temperature, vocab_start, valid_rows, chunk_size, row_block, pass_rows,
+                                            main_grad);
 }
 
 at::Tensor logprob_combine_cuda(const at::Tensor& partials_in) {
@@ -76,7 +81,7 @@ at::Tensor logprob_combine_cuda(const at::Tensor& partials_in) {
   TORCH_CHECK(partials_in.scalar_type() == at::kFloat, "logprob_combine: float64 is supported on CPU only");
   const c10::cuda::CUDAGuard guard(partials_in.device());
   const at::Tensor partials = partials_in.contiguous();
-  at::Tensor out = at::empty({partials.size(1), 3}, partials.options());
+  at::Tensor out = at::empty({partials.size(1), 4}, partials.options());
   C10_CUDA_CHECK(launch_logprob_combine(partials.const_data_ptr<float>(), partials.size(0), partials.size(1),
                                         out.mutable_data_ptr<float>(), stream()));
   return out;

@@ -15,11 +15,12 @@ cudaError_t launch_logprob_stats_rows(const float* logits, int64_t N, int64_t C,
 }
 
 cudaError_t launch_logprob_grad_rows(float* logits, int64_t N, int64_t C, int64_t col0, const int64_t* tokens,
-                                     const float* lse, const float* mean, const float* gl, const float* ge,
-                                     float inv_temp, cudaStream_t stream) {
+                                     const float* row_max, const float* lse, const float* mean, const float* gl,
+                                     const float* ge, float inv_temp, cudaStream_t stream) {
   if (N == 0 || C == 0) return cudaSuccess;
   const RowLaunch cfg = row_launch(N, C, 256);
-  grad_rows_kernel<<<cfg.grid, cfg.block, 0, stream>>>(logits, N, C, col0, tokens, lse, mean, gl, ge, inv_temp);
+  grad_rows_kernel<<<cfg.grid, cfg.block, 0, stream>>>(logits, N, C, col0, tokens, row_max, lse, mean, gl, ge,
+                                                       inv_temp);
   return cudaGetLastError();
 }
 

@@ -35,15 +35,15 @@ __global__ void stats_rows_kernel(const float* __restrict__ logits, int64_t N, i
 }
 
 __global__ void grad_rows_kernel(float* __restrict__ logits, int64_t N, int64_t C, int64_t col0,
-                                 const int64_t* __restrict__ tokens, const float* __restrict__ lse,
-                                 const float* __restrict__ mean, const float* __restrict__ gl,
-                                 const float* __restrict__ ge, float inv_temp) {
+                                 const int64_t* __restrict__ tokens, const float* __restrict__ row_max,
+                                 const float* __restrict__ lse, const float* __restrict__ mean,
+                                 const float* __restrict__ gl, const float* __restrict__ ge, float inv_temp) {
   for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < N; r += int64_t(gridDim.x) * blockDim.y) {
     float* z = logits + r * C;
-    const float l = lse[r], mu = mean[r], g = gl[r], e = ge[r];
+    const float m = row_max[r], l = lse[r], mu = mean[r], g = gl[r], e = ge[r];
     const int64_t target = tokens[r] - col0;
     for (int64_t k = threadIdx.x; k < C; k += blockDim.x) {
-      float d = logit_grad(z[k] * inv_temp, l, mu, g, e);
+      float d = logit_grad(z[k] * inv_temp - m, l, mu, g, e);
       if (k == target) d += g;
       z[k] = d * inv_temp;
     }

@@ -3,7 +3,17 @@
 //   m = max z,  s = sum exp(z - m),  t = sum exp(z - m) (z - m)
 // over the vocabulary seen so far; partials from vocab chunks and TP ranks merge exactly. Then
 //   lse = m + log s,  entropy = lse - sum p z = log s - t / s.
-// t is kept relative to m (every term <= 0), so entropy needs no cancellation of large logits.
+// t is kept relative to m (every term <= 0), so entropy needs no cancellation of large logits; for
+// the same reason the merged row hands on m and log s apart, and the backward works with z - m:
+// the logit gradients then need no difference of large numbers either (lse - entropy rounded at
+// |lse| would cost the entropy gradient ulp(|lse|) of absolute accuracy).
+//
+// Non-finite logits give what float64 log_softmax gives: a NaN makes m NaN (max propagates it), so
+// lse and entropy are NaN; a +inf makes z - m NaN, hence NaN too; a -inf has probability 0 and adds
+// nothing (0 log 0 = 0), so the rest stays finite. A partial with no probability mass (no valid
+// rows: a chunk or rank of padding, or only -inf logits) is marked by max = -inf with sum = ent = 0;
+// merges skip it by that mark, never by its sum (a NaN sum must propagate). A row whose logits are
+// all -inf ends with sum 0, so lse = -inf and entropy = NaN, as the reference gives.
 #pragma once
 
 #include "common.h"
@@ -17,19 +27,29 @@ struct RowStats {
   T ent;  // t
 };
 
-// Adds one logit z to the sums taken against the row maximum m.
+// The stats of no logits at all.
 template <typename T>
-FRL_HD void stats_add(T z, T m, T& s, T& t) {
-  const T e = Math<T>::exp(z - m);
-  s = s + e;
-  t = t + e * (z - m);
+FRL_HD RowStats<T> stats_empty() {
+  return {T(-INFINITY), T(0), T(0)};
 }
 
-// Merges b into a: both sums are moved to the larger maximum.
+// Adds one logit z to the sums taken against the row maximum m. A -inf logit adds nothing: computed,
+// it would add 0 * -inf = NaN to t (and NaN to both when m is -inf as well).
+template <typename T>
+FRL_HD void stats_add(T z, T m, T& s, T& t) {
+  const T d = z - m;
+  const T e = Math<T>::exp(d);
+  const auto minus_inf = z == T(-INFINITY);
+  s = s + Math<T>::select(minus_inf, T(0), e);
+  t = t + Math<T>::select(minus_inf, T(0), e * d);
+}
+
+// Merges b into a: both sums are moved to the larger maximum. A partial marked empty (max = -inf)
+// changes nothing; any NaN in either reaches the result.
 template <typename T>
 FRL_HD void stats_merge(RowStats<T>& a, const RowStats<T>& b) {
-  if (!(b.sum > T(0))) return;  // b saw no logits
-  if (!(a.sum > T(0))) {
+  if (b.max == T(-INFINITY)) return;
+  if (a.max == T(-INFINITY)) {
     a = b;
     return;
   }
@@ -38,11 +58,6 @@ FRL_HD void stats_merge(RowStats<T>& a, const RowStats<T>& b) {
   a.ent = ea * (a.ent + a.sum * (a.max - m)) + eb * (b.ent + b.sum * (b.max - m));
   a.sum = ea * a.sum + eb * b.sum;
   a.max = m;
-}
-
-template <typename T>
-FRL_HD T stats_lse(const RowStats<T>& r) {
-  return r.max + Math<T>::log(r.sum);
 }
 
 template <typename T>
@@ -62,28 +77,34 @@ FRL_HD void stats_update_row(T* row, const RowStats<T>& chunk, const T* z, int64
   if (target >= 0 && target < C) row[3] = z[target] * inv_temp;
 }
 
-// Token r of partials [ranks, N, 4] (one row of stats per shard) -> out[r] = (lse, entropy, chosen).
+// Token r of partials [ranks, N, 4] (one row of stats per shard) -> out[r] = (m, log s, entropy,
+// chosen): lse = m + log s.
 template <typename T>
 FRL_HD void combine_row(const T* partials, int64_t ranks, int64_t N, int64_t r, T* out) {
-  RowStats<T> row{T(-INFINITY), T(0), T(0)};
+  RowStats<T> row = stats_empty<T>();
   T chosen = 0;  // only the owning shard's is nonzero
   for (int64_t k = 0; k < ranks; ++k) {
     const T* q = partials + (k * N + r) * 4;
     stats_merge(row, RowStats<T>{q[0], q[1], q[2]});
     chosen += q[3];
   }
-  out[3 * r] = stats_lse(row);
-  out[3 * r + 1] = stats_entropy(row);
-  out[3 * r + 2] = chosen;
+  out[4 * r] = row.max;
+  out[4 * r + 1] = Math<T>::log(row.sum);
+  out[4 * r + 2] = stats_entropy(row);
+  out[4 * r + 3] = chosen;
 }
 
 // d(grad_logprob * logprob + grad_entropy * entropy) / dz for a column that is not the chosen
 // token, with p = exp(z - lse) and mean = sum p z = lse - entropy:
 //   -p (gl + ge (z - mean)).  The chosen column adds gl.
+// z, lse and mean may all be taken relative to one shift (the kernels pass z - m, log s, and
+// log s - entropy).
+// p = 0 (a -inf logit, or one far below the rest) passes no gradient: written out, ge (z - mean)
+// is inf for a -inf logit and 0 * inf NaN. A NaN p (a NaN row) stays NaN.
 template <typename T>
 FRL_HD T logit_grad(T z, T lse, T mean, T gl, T ge) {
   const T p = Math<T>::exp(z - lse);
-  return T(0) - p * (gl + ge * (z - mean));
+  return Math<T>::select(p == T(0), T(0), T(0) - p * (gl + ge * (z - mean)));
 }
 
 }  // namespace fused_rl_ops

@@ -30,9 +30,9 @@ TORCH_LIBRARY(fused_rl_ops, m) {
       "int row_block=0, int pass_rows=0) -> Tensor");
   m.def("logprob_combine(Tensor partials) -> Tensor");
   m.def(
-      "logprob_backward(Tensor hidden, Tensor weight, Tensor tokens, Tensor lse, Tensor mean, Tensor grad_logprob, "
-      "Tensor grad_entropy, float temperature, int vocab_start, int chunk_size, int row_block=0, int pass_rows=0) "
-      "-> (Tensor, Tensor)");
+      "logprob_backward(Tensor hidden, Tensor weight, Tensor tokens, Tensor row_max, Tensor lse, Tensor mean, "
+      "Tensor grad_logprob, Tensor grad_entropy, float temperature, int vocab_start, int valid_rows, int chunk_size, "
+      "int row_block=0, int pass_rows=0, Tensor(a!)? main_grad=None) -> (Tensor, Tensor)");
   m.def("value_head(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor");
   m.def("value_head_backward_hidden(Tensor grad_out, Tensor weight, ScalarType dtype) -> Tensor");
   m.def("value_head_backward_params(Tensor grad_out, Tensor hidden) -> (Tensor, Tensor)");

@@ -8,6 +8,7 @@ fixed order; the backward recomputes each chunk's logits and turns them into log
 place. Memory beyond inputs, outputs and gradients: the workspace (`workspace_bytes`, default
 DEFAULT_WORKSPACE_BYTES) plus O(tokens) state, independent of the vocabulary size.
 """
+import struct
 from typing import Optional
 
 import torch
@@ -69,6 +70,90 @@ def _check_args(hidden, weight, tokens, temperature):
     check_device(op, hidden=hidden, weight=weight, tokens=tokens)
 
 
+def _resolve_vocab(weight, world, rank, vocab_start, vocab_size):
+    """(vocab_start, vocab_size) with their defaults, checked as far as this rank can see."""
+    local_vocab = weight.shape[0]
+    if vocab_start is None:
+        vocab_start = rank * local_vocab
+    if vocab_size is None:
+        vocab_size = world * local_vocab
+    if vocab_size < 1:
+        raise ValueError(f"chosen_logprob: vocab_size must be >= 1, got {vocab_size}")
+    if vocab_start < 0:
+        raise ValueError(f"chosen_logprob: vocab_start must be >= 0, got {vocab_start}")
+    if world == 1 and (vocab_start != 0 or vocab_size > local_vocab):
+        raise ValueError(f"chosen_logprob: without a tensor-parallel group the weight holds the whole vocabulary: "
+                         f"vocab_start must be 0 and vocab_size <= {local_vocab} (its rows), got vocab_start "
+                         f"{vocab_start} and vocab_size {vocab_size}")
+    return vocab_start, vocab_size
+
+
+def _check_main_grad(main_grad, weight):
+    if main_grad is None:
+        return
+    if (not isinstance(main_grad, torch.Tensor) or main_grad.shape != weight.shape
+            or main_grad.device != weight.device or main_grad.dtype not in (torch.float32, weight.dtype)):
+        got = (f"{tuple(main_grad.shape)} {main_grad.dtype} on {main_grad.device}"
+               if isinstance(main_grad, torch.Tensor) else type(main_grad).__name__)
+        raise ValueError(f"chosen_logprob: main_grad must be a float32 (or weight-dtype) tensor of weight's shape "
+                         f"{tuple(weight.shape)} on {weight.device}, got {got}")
+
+
+# What every rank of tp_group must agree on, in the order _check_group gathers it.
+_GROUP_FIELDS = ("token count", "hidden size", "dtype", "temperature", "ignore_index", "vocab_size",
+                 "reduce_hidden_grad", "token ids")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _group_fields(hidden, tokens, temperature, ignore_index, vocab_size, reduce_hidden_grad):
+    flat = tokens.reshape(-1).long()
+    # A cheap fingerprint of the ids and their order (distinct weights per position).
+    fingerprint = int((flat * (torch.arange(flat.numel(), device=flat.device) % 8191 + 1)).sum())
+    temperature_bits = struct.unpack("<q", struct.pack("<d", float(temperature)))[0]
+    return [flat.numel(), hidden.shape[-1], _DTYPES.index(hidden.dtype), temperature_bits, ignore_index, vocab_size,
+            int(reduce_hidden_grad), fingerprint]
+
+
+def _check_group(tp_group, error, shard_and_fields):
+    """Raises on every rank of tp_group, with the same message, when any rank rejected its arguments
+    (error; shard_and_fields is then None) or the ranks disagree: on _GROUP_FIELDS, or on shards
+    [vocab_start, vocab_start + V_local) (shard_and_fields = [vocab_start, V_local, *fields]) that
+    do not tile [0, total rows) with vocab_size <= total rows. One all-gather of a
+    few int64 per rank (a host synchronisation on CUDA); a second, only when some rank failed, to
+    share the messages. Without it a failing rank would leave the others waiting in the all-gather."""
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(tp_group)) else "cpu"
+    mine = [int(error is not None)] + (shard_and_fields or [0] * (2 + len(_GROUP_FIELDS)))
+    gathered = [torch.empty(len(mine), dtype=torch.int64, device=device) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=device), group=tp_group)
+    rows = torch.stack(gathered).tolist()
+    if any(row[0] for row in rows):
+        messages = [None] * len(rows)
+        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=tp_group)
+        if error is not None:
+            raise error
+        failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+        raise ValueError(f"chosen_logprob: other ranks of tp_group rejected their arguments ({failed})")
+    for k, name in enumerate(_GROUP_FIELDS):
+        values = [row[3 + k] for row in rows]
+        if len(set(values)) > 1:
+            if name == "dtype":
+                values = [_DTYPES[v] for v in values]
+            elif name == "temperature":
+                values = [struct.unpack("<d", struct.pack("<q", v))[0] for v in values]
+            shown = "differ" if name == "token ids" else f"per rank: {values}"
+            raise ValueError(f"chosen_logprob: the ranks of tp_group disagree on the {name} ({shown})")
+    total = 0
+    for start, rows_here in sorted((row[1], row[2]) for row in rows):
+        if start != total:
+            shards = [(row[1], row[1] + row[2]) for row in rows]
+            raise ValueError(f"chosen_logprob: the ranks' vocab shards [vocab_start, vocab_start + V_local) must "
+                             f"tile [0, total rows) without gaps or overlaps; got {shards} by rank")
+        total += rows_here
+    vocab_size = rows[0][3 + _GROUP_FIELDS.index("vocab_size")]
+    if vocab_size > total:
+        raise ValueError(f"chosen_logprob: vocab_size {vocab_size} is beyond the {total} rows the ranks hold")
+
+
 def _check_token_range(tokens, vocab_size, ignore_index):
     valid = (tokens == ignore_index) | ((tokens >= 0) & (tokens < vocab_size))
     if not bool(valid.all()):
@@ -77,40 +162,54 @@ def _check_token_range(tokens, vocab_size, ignore_index):
                          f"({ignore_index}); found {bad}")
 
 
+def _main_grad_placeholder(weight):
+    """What megatron-core's linear layers (LinearWithGradAccumulationAndAsyncCommunication) return as
+    the gradient of a weight whose gradient they added into main_grad: under Megatron's DDP (the
+    weight carries grad_added_to_main_grad) a placeholder of the weight's shape, zeros when
+    weight.zero_out_wgrad, which DDP's hook then drops without adding; otherwise nothing."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    return torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
+
+
 class _ChosenLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, ignore, temperature, vocab_start, n_valid, tiling, tp_group,
-                reduce_hidden_grad):
-        local_weight = weight[:n_valid]
-        stats = ops.logprob_stats(hidden, local_weight, tokens, temperature, vocab_start, *tiling)
+                reduce_hidden_grad, main_grad):
+        stats = ops.logprob_stats(hidden, weight[:n_valid], tokens, temperature, vocab_start, *tiling)
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(tp_group))]
             dist.all_gather(gathered, stats, group=tp_group)
             partials = torch.stack(gathered)
         else:
             partials = stats.unsqueeze(0)
-        lse, entropy, chosen = ops.logprob_combine(partials).unbind(1)
-        logprob = torch.where(ignore, 0.0, chosen - lse)
-        ctx.save_for_backward(hidden, weight, tokens, ignore, lse, entropy)
+        # lse = row_max + log_sum, kept apart: z - row_max is exact near the top of the row.
+        row_max, log_sum, entropy, chosen = ops.logprob_combine(partials).unbind(1)
+        logprob = torch.where(ignore, 0.0, (chosen - row_max) - log_sum)
+        ctx.save_for_backward(hidden, weight, tokens, ignore, row_max, log_sum, entropy)
         ctx.args = (temperature, vocab_start, n_valid, tiling, tp_group, reduce_hidden_grad)
+        # main_grad is the backward's output buffer, not an input of its math: kept on ctx, not saved
+        # (autograd's version check would trip on its in-place updates). The placeholder needs the
+        # parameter object itself (its attributes), as Megatron's layers do.
+        ctx.main_grad, ctx.weight_param = main_grad, (weight if main_grad is not None else None)
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
-        hidden, weight, tokens, ignore, lse, entropy = ctx.saved_tensors
+        hidden, weight, tokens, ignore, row_max, log_sum, entropy = ctx.saved_tensors
         temperature, vocab_start, n_valid, tiling, tp_group, reduce_hidden_grad = ctx.args
-        grad_logprob = torch.zeros_like(lse) if grad_logprob is None else torch.where(ignore, 0.0, grad_logprob)
-        grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy
-        grad_hidden, grad_local_weight = ops.logprob_backward(
-            hidden, weight[:n_valid], tokens, lse, lse - entropy, grad_logprob.to(lse.dtype).contiguous(),
-            grad_entropy.to(lse.dtype).contiguous(), temperature, vocab_start, *tiling)
+        grad_logprob = torch.zeros_like(entropy) if grad_logprob is None else torch.where(ignore, 0.0, grad_logprob)
+        grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy
+        # One [V_local, H] weight gradient, padded rows zeroed by the op; or none, added into main_grad.
+        grad_hidden, grad_weight = ops.logprob_backward(
+            hidden, weight, tokens, row_max, log_sum, log_sum - entropy, grad_logprob.to(entropy.dtype).contiguous(),
+            grad_entropy.to(entropy.dtype).contiguous(), temperature, vocab_start, n_valid, *tiling, ctx.main_grad)
+        if ctx.main_grad is not None:
+            grad_weight = _main_grad_placeholder(ctx.weight_param)
         if reduce_hidden_grad and tp_group is not None and dist.get_world_size(tp_group) > 1:
             dist.all_reduce(grad_hidden, group=tp_group)  # fp32: the sum is taken before rounding
-        grad_weight = grad_local_weight
-        if n_valid < weight.shape[0]:  # padded rows take no part, so get no gradient
-            grad_weight = torch.cat([grad_local_weight, grad_local_weight.new_zeros(weight.shape[0] - n_valid,
-                                                                                    weight.shape[1])])
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None, None, None, None
 
 
 def chosen_logprob(
@@ -126,6 +225,8 @@ def chosen_logprob(
     reduce_hidden_grad: bool = True,
     return_entropy: bool = False,
     check_tokens: bool = True,
+    check_group: bool = True,
+    main_grad: Optional[torch.Tensor] = None,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     batch_invariant: bool = False,
 ):
@@ -144,9 +245,23 @@ def chosen_logprob(
     tp_group the hidden gradient is summed over the group, unless reduce_hidden_grad=False (for a
     sequence-parallel gather whose backward reduce-scatters it).
 
+    Non-finite values give what float64 log_softmax over the valid rows gives: a NaN logit (from
+    hidden or any valid weight row) or a +inf one makes the token's logprob and entropy NaN, and
+    its gradients NaN (its hidden-gradient row and every valid weight-gradient row); a -inf logit
+    has probability 0 and adds nothing. Padding rows never take part, whatever they hold.
+
     check_tokens validates token ids against [0, vocab_size) (a host synchronisation on CUDA;
     False skips it: an out-of-range id then matches no row and yields -lse, never an out-of-bounds
-    read). workspace_bytes bounds the per-chunk buffers (see chunk_size_for).
+    read). check_group (with a tp_group of more than one rank) makes every rank raise the same
+    clear error when any rank's arguments are invalid, or when the ranks disagree on the tokens,
+    hidden size, dtype, temperature, ignore_index, vocab_size or reduce_hidden_grad, or hold vocab
+    shards that do not tile [0, total rows): one all-gather of a few integers per call and a host
+    synchronisation; False skips it (a rank with invalid arguments then raises alone while the others
+    wait in the collective). main_grad ([V_local, H], float32 or weight's dtype: Megatron's
+    gradient-accumulation buffer) makes the backward add the weight gradient into it, chunk by
+    chunk, instead of returning one (see _main_grad_placeholder for what the weight receives).
+    workspace_bytes bounds the per-chunk buffers (see chunk_size_for; with main_grad add a
+    [chunk, H] gradient buffer).
 
     batch_invariant=True makes each token's logprob, entropy and hidden gradient bitwise
     independent of the other tokens of the call (their number, order, leading shape, ignored
@@ -155,18 +270,24 @@ def chosen_logprob(
     gradient, a sum over tokens, stays deterministic but not batch-invariant. The workspace then
     holds at least one [row_block, chunk] block.
     """
-    _check_args(hidden, weight, tokens, temperature)
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    error = None
+    try:
+        _check_args(hidden, weight, tokens, temperature)
+        vocab_start, vocab_size = _resolve_vocab(weight, world, rank, vocab_start, vocab_size)
+        _check_main_grad(main_grad, weight)
+        if check_tokens:
+            _check_token_range(tokens, vocab_size, ignore_index)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    if world > 1 and check_group:
+        shard_and_fields = None if error is not None else [vocab_start, weight.shape[0]] + _group_fields(
+            hidden, tokens, temperature, ignore_index, vocab_size, reduce_hidden_grad)
+        _check_group(tp_group, error, shard_and_fields)
+    elif error is not None:
+        raise error
     local_vocab, hidden_size = weight.shape
-    if vocab_start is None:
-        vocab_start = rank * local_vocab
-    if vocab_size is None:
-        vocab_size = world * local_vocab
-    if vocab_size < 1:
-        raise ValueError(f"chosen_logprob: vocab_size must be >= 1, got {vocab_size}")
-    if check_tokens:
-        _check_token_range(tokens, vocab_size, ignore_index)
     n_valid = min(max(vocab_size - vocab_start, 0), local_vocab)
 
     lead = tokens.shape
@@ -175,7 +296,8 @@ def chosen_logprob(
     tiling = tiling_for(hidden2d.shape[0], hidden_size, hidden.element_size(), workspace_bytes, hidden.device,
                         batch_invariant)
     logprob, entropy = _ChosenLogprob.apply(hidden2d, weight, tokens1d, tokens1d == ignore_index, float(temperature),
-                                            int(vocab_start), n_valid, tiling, tp_group, bool(reduce_hidden_grad))
+                                            int(vocab_start), n_valid, tiling, tp_group, bool(reduce_hidden_grad),
+                                            main_grad)
     logprob, entropy = logprob.reshape(lead), entropy.reshape(lead)
     return (logprob, entropy) if return_entropy else logprob
 
@@ -187,10 +309,11 @@ def _(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block=0,
 
 @torch.library.register_fake("fused_rl_ops::logprob_combine")
 def _(partials):
-    return partials.new_empty(partials.shape[1], 3)
+    return partials.new_empty(partials.shape[1], 4)
 
 
 @torch.library.register_fake("fused_rl_ops::logprob_backward")
-def _(hidden, weight, tokens, lse, mean, grad_logprob, grad_entropy, temperature, vocab_start, chunk_size, row_block=0,
-      pass_rows=0):
-    return hidden.new_empty(hidden.shape, dtype=acc_dtype(hidden.dtype)), torch.empty_like(weight)
+def _(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy, temperature, vocab_start, valid_rows,
+      chunk_size, row_block=0, pass_rows=0, main_grad=None):
+    grad_weight = weight.new_empty(0, weight.shape[1]) if main_grad is not None else torch.empty_like(weight)
+    return hidden.new_empty(hidden.shape, dtype=acc_dtype(hidden.dtype)), grad_weight

@@ -23,15 +23,17 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
 torch.cuda.synchronize()
 print("sanitizer cases ran")
 
-# chosen_logprob: several chunks (the last one partial), padded rows, an ignored token.
+# chosen_logprob: several chunks (the last one partial), padded rows, an ignored token; the weight
+# gradient returned and added into a main_grad.
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
     hidden = torch.randn(37, 33, device=dev, dtype=dtype, requires_grad=True)
     weight = (torch.randn(300, 33, device=dev, dtype=dtype) * 0.2).requires_grad_(True)
     tokens = torch.randint(0, 290, (37,), device=dev)
     tokens[0] = -100
-    lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, tokens, temperature=0.7, vocab_size=290,
-                                          return_entropy=True, workspace_bytes=1)
-    (lp.sum() + ent.sum()).backward()
+    for main_grad in (None, torch.zeros(300, 33, device=dev)):
+        lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, tokens, temperature=0.7, vocab_size=290,
+                                              return_entropy=True, workspace_bytes=1, main_grad=main_grad)
+        (lp.sum() + ent.sum()).backward()
 torch.cuda.synchronize()
 print("chosen_logprob cases ran")
 

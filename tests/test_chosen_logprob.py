@@ -139,10 +139,39 @@ def test_opcheck(device):
     torch.library.opcheck(ops.logprob_stats, (hidden, weight, tokens, 0.9, 100, 128, 4, 8))  # blocks of 4, passes of 8
     stats = ops.logprob_stats(hidden, weight, tokens, 0.9, 0, 128)
     torch.library.opcheck(ops.logprob_combine, (torch.stack([stats, stats]),))
-    lse, ent, _ = ops.logprob_combine(stats[None]).unbind(1)
-    per_token = [lse.contiguous(), (lse - ent).contiguous(), torch.randn(9, device=device), torch.randn(9, device=device)]
-    torch.library.opcheck(ops.logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 128))
-    torch.library.opcheck(ops.logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 128, 4, 8))
+    row_max, log_sum, ent, _ = ops.logprob_combine(stats[None]).unbind(1)
+    per_token = [row_max.contiguous(), log_sum.contiguous(), (log_sum - ent).contiguous(),
+                 torch.randn(9, device=device), torch.randn(9, device=device)]
+    torch.library.opcheck(ops.logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128))
+    torch.library.opcheck(ops.logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128, 4, 8))
+    main_grad = torch.randn(weight.shape, device=device)
+    torch.library.opcheck(ops.logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128, 4, 8,
+                                                 main_grad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_weight_gradient_added_into_main_grad(device, dtype, batch_invariant):
+    """With main_grad the weight gradient goes into it, bitwise what adding the returned gradient would
+    give; the weight gets no gradient, or Megatron's placeholder when it carries grad_added_to_main_grad."""
+    hidden, weight, tokens = make_inputs(20, 16, 300, dtype, device, vocab_size=290)
+    grads = torch.randn(20, device=device), torch.randn(20, device=device)
+    kw = dict(vocab_size=290, workspace_bytes=SMALLEST_WORKSPACE, batch_invariant=batch_invariant)
+    _, _, unfused_grad_h, unfused_grad_w = run_ours(hidden, weight, tokens, *grads, **kw)
+    start = torch.randn(weight.shape, device=device)
+    for megatron_ddp in (False, True):
+        main_grad = start.clone()
+        h = hidden.clone().requires_grad_(True)
+        w = torch.nn.Parameter(weight.clone())
+        if megatron_ddp:
+            w.grad_added_to_main_grad = False
+        lp, ent = fused_rl_ops.chosen_logprob(h, w, tokens, return_entropy=True, main_grad=main_grad, **kw)
+        (lp * grads[0] + ent * grads[1]).sum().backward()
+        assert torch.equal(main_grad, start + unfused_grad_w.float()) and torch.equal(h.grad, unfused_grad_h)
+        if megatron_ddp:
+            assert w.grad_added_to_main_grad and w.grad.shape == w.shape
+        else:
+            assert w.grad is None
 
 
 def test_torch_compile(device):

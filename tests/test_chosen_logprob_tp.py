@@ -1,4 +1,5 @@
-"""chosen_logprob across tensor-parallel ranks: real processes on gloo."""
+"""chosen_logprob across tensor-parallel ranks: real processes on gloo. Besides the results, NaN and
+-inf across ranks, and invalid or mismatched arguments raising the same error on every rank."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -52,6 +53,85 @@ def tensor_parallel_checks(rank, world):
     summed = partial[2].clone()
     dist.all_reduce(summed)
     torch.testing.assert_close(summed, full[2], atol=1e-5, rtol=1e-5)
+
+
+    nonfinite_checks(rank, world, hidden, weight, tokens, grad_lp, grad_ent, kw)
+    if world == 2:  # in this run: a spawn costs more than the checks
+        bad_group_checks(rank, world)
+
+
+def assert_same_with_nan(ours, single):
+    for a, b in zip(ours, single):
+        assert torch.equal(a.isnan(), b.isnan())
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def nonfinite_checks(rank, world, hidden, weight, tokens, grad_lp, grad_ent, kw):
+    """A NaN in one rank's weight row reaches every rank's results; -inf logits filling a whole rank's
+    shard leave the others' finite. Both as the single-rank op (itself tested against float64)."""
+    shard = slice(rank * LOCAL_V, (rank + 1) * LOCAL_V)
+    nan_weight = weight.clone()
+    nan_weight[LOCAL_V + 3, 5] = float("nan")  # rank 1's shard
+    full = fwd_bwd(hidden, nan_weight, tokens, grad_lp, grad_ent, **kw)
+    tp = fwd_bwd(hidden, nan_weight[shard], tokens, grad_lp, grad_ent, tp_group=dist.group.WORLD, **kw)
+    assert tp[1].isnan().all() and tp[2].isnan().all()
+    assert_same_with_nan(tp[:3], full[:3])
+    assert_same_with_nan(tp[3:], (full[3][shard],))
+
+    minus_inf_hidden, minus_inf_weight = hidden.clone(), weight.clone()
+    minus_inf_hidden[..., 7] = 1.0
+    minus_inf_weight[:LOCAL_V, 7] = float("-inf")  # rank 0's whole shard
+    full = fwd_bwd(minus_inf_hidden, minus_inf_weight, tokens, grad_lp, grad_ent, **kw)
+    tp = fwd_bwd(minus_inf_hidden, minus_inf_weight[shard], tokens, grad_lp, grad_ent, tp_group=dist.group.WORLD,
+                 **kw)
+    assert tp[1].isfinite().all()
+    assert_same_with_nan(tp[:3], full[:3])
+    assert_same_with_nan(tp[3:], (full[3][shard],))
+
+
+def call_per_rank(rank, hidden, weight, tokens, changes):
+    """chosen_logprob on this rank's shard, with changes[rank] (a function of the call's arguments)."""
+    call = dict(hidden=hidden, weight=weight[rank * LOCAL_V : (rank + 1) * LOCAL_V], tokens=tokens,
+                tp_group=dist.group.WORLD)
+    changes.get(rank, lambda c: None)(call)
+    return fused_rl_ops.chosen_logprob(call.pop("hidden"), call.pop("weight"), call.pop("tokens"), **call)
+
+
+def set_bf16(call):
+    call.update(hidden=call["hidden"].bfloat16(), weight=call["weight"].bfloat16())
+
+
+# (rank -> change of its call, pattern of the error every rank must raise, or {rank: pattern})
+BAD_GROUP_CALLS = [
+    ({1: lambda c: c.update(hidden=c["hidden"][:-1], tokens=c["tokens"][:-1])}, "disagree on the token count"),
+    ({1: set_bf16}, "disagree on the dtype"),
+    ({1: lambda c: c.update(hidden=torch.randn(S, B, H + 1), weight=torch.randn(LOCAL_V, H + 1))},
+     "disagree on the hidden size"),
+    ({1: lambda c: c.update(temperature=0.5)}, r"disagree on the temperature \(per rank: \[1.0, 0.5\]\)"),
+    ({1: lambda c: c.update(tokens=c["tokens"].flip(0))}, "disagree on the token ids"),
+    ({1: lambda c: c.update(reduce_hidden_grad=False)}, "disagree on the reduce_hidden_grad"),
+    ({0: lambda c: c.update(vocab_start=0), 1: lambda c: c.update(vocab_start=0)}, "tile"),
+    ({1: lambda c: c.update(vocab_start=3 * LOCAL_V)}, "tile"),
+    ({0: lambda c: c.update(vocab_size=2 * LOCAL_V + 1), 1: lambda c: c.update(vocab_size=2 * LOCAL_V + 1)},
+     "beyond the 200 rows"),
+    ({1: lambda c: c["tokens"].__setitem__((0, 0), 10**6)},
+     {0: r"other ranks.*rank 1: ValueError: chosen_logprob: token ids", 1: "token ids must lie"}),
+    ({1: lambda c: c.update(weight=c["weight"].double())},
+     {0: r"other ranks.*rank 1: TypeError: chosen_logprob: weight must have", 1: "weight must have hidden's dtype"}),
+    ({1: lambda c: c.update(vocab_start=-5)}, {0: "rank 1: ValueError", 1: "vocab_start must be >= 0"}),
+]
+
+
+def bad_group_checks(rank, world):
+    hidden, weight = shared_inputs(world)
+    tokens = torch.randint(0, world * LOCAL_V, (S, B), generator=torch.Generator().manual_seed(4))
+    for changes, pattern in BAD_GROUP_CALLS:
+        pattern = pattern[rank] if isinstance(pattern, dict) else pattern
+        with pytest.raises((ValueError, TypeError), match=pattern):
+            call_per_rank(rank, hidden.clone(), weight, tokens.clone(), changes)
+    # The group is still in step: a valid call gives the single-rank result.
+    single = fused_rl_ops.chosen_logprob(hidden, weight, tokens)
+    torch.testing.assert_close(call_per_rank(rank, hidden, weight, tokens, {}), single, atol=1e-5, rtol=1e-5)
 
 
 def megatron_checks(rank, world):

@@ -345,6 +345,33 @@ def _check_wrapped_models():
     assert_close(outputs["logprobs"], megatron_logprobs, rtol=0, atol=2e-2)
 
 
+def _check_gradient_accumulation_fusion():
+    """Megatron's DDP with gradient_accumulation_fusion on the output layer: the processor adds the
+    output weight's gradient into main_grad (Megatron's own layers would need the CUDA-only
+    fused_weight_gradient_mlp_cuda, so only the output layer is switched to the fusion, which the
+    processor replaces). Over two micro-batches every main_grad is bitwise what the unfused path
+    gives (gradient returned, added by DDP's hook). (overlap_grad_reduce starts its reduction on a
+    CUDA stream: not on the CPU.)"""
+    batches = [make_batch(vocab=REAL_VOCAB, seed=seed) for seed in (0, 1)]
+    coeffs = [same_on_all_ranks(B, S, seed=seed) for seed in (4, 5)]
+    main_grads = {}
+    for fusion in (False, True):
+        config = tiny_config()
+        ddp_model = DistributedDataParallel(config, DistributedDataParallelConfig(), tiny_model("gpt", config))
+        output_layer = ddp_model.module.output_layer
+        output_layer.gradient_accumulation_fusion = fusion
+        attach(ddp_model, rl_output_processor(vocab_size=REAL_VOCAB))
+        for batch, coeff in zip(batches, coeffs):
+            outputs = ddp_model(*batch, labels=batch[0])
+            (coeff * outputs["logprobs"]).sum().backward()
+            # The placeholder gradient went to DDP's hook, which dropped it without adding.
+            assert output_layer.weight.grad_added_to_main_grad == fusion and output_layer.weight.grad is None
+        main_grads[fusion] = {name: p.main_grad.clone() for name, p in ddp_model.named_parameters()}
+    assert main_grads[True]["module.output_layer.weight"].abs().sum() > 0
+    for name, main_grad in main_grads[False].items():
+        assert torch.equal(main_grads[True][name], main_grad), name
+
+
 def _check_clamped_swiglu_mlp():
     """ClampedSwiGLUMLP equals Megatron's unfused clamped GLU, forward and backward, in GPT and hybrid specs."""
     batch = make_batch()
@@ -379,6 +406,7 @@ def _hybrid_wrapped_and_mlp(rank, world_size):
     set_parallel_degrees(tp=2)
     _check_hybrid_model()
     _check_wrapped_models()
+    _check_gradient_accumulation_fusion()
     _check_clamped_swiglu_mlp()
 
 

@@ -206,3 +206,33 @@ def test_backward_ops_check_their_arguments():
         ops.value_head_backward_hidden(torch.randn(4).bfloat16(), weight, torch.bfloat16)
     with pytest.raises(RuntimeError, match="weight must be"):
         ops.value_head(hidden, torch.randn(3, 8), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H", [64, 1003])  # SIMD / vectorised only, and with a scalar tail
+@pytest.mark.parametrize("where, value", [("hidden", math.nan), ("hidden", math.inf), ("hidden", -math.inf),
+                                          ("hidden zero weight", math.inf), ("weight", math.nan),
+                                          ("weight", math.inf), ("bias", math.nan), ("bias", -math.inf)])
+def test_non_finite_values_and_gradients_as_float64_linear(device, dtype, H, where, value):
+    """NaN / inf in hidden, weight or bias reach the values and the gradients exactly where F.linear in
+    float64 puts them (inf * 0 = NaN included); everything else stays finite and close."""
+    hidden, weight, bias = make_inputs((130,), H, device, dtype, bias_shape=(1,))
+    with torch.no_grad():
+        if where.startswith("hidden"):
+            hidden[[3, 70], H - 1] = value
+            if where == "hidden zero weight":
+                weight[H - 1] = 0.0
+        elif where == "weight":
+            weight[H - 1] = value
+        else:
+            bias.fill_(value)
+    grad_out = torch.randn(130, device=device)
+    results = run_with_grads(value_head, hidden, weight, bias, grad_out)
+    expected = reference_results(hidden, weight, bias, grad_out)
+    for name, got, want in zip(("values", "hidden grad", "weight grad", "bias grad"), results, expected):
+        got = got.double().cpu()
+        assert torch.equal(got.isnan(), want.isnan()), f"{name}: NaN at {got.isnan().nonzero().tolist()[:5]}"
+        assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got[got.isinf()], want[want.isinf()]), name
+        rounding = 2**-8 if dtype == torch.bfloat16 and name == "hidden grad" else 0.0
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=max(1e-5, rounding), equal_nan=True,
+                                   msg=lambda m: f"{name}: {m}")

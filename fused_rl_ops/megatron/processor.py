@@ -10,7 +10,9 @@ ignore_index get logprob 0 and no gradient; entropy is computed everywhere. The 
 vocab shard (tied embedding or output_layer.weight) over the output layer's TP group. With sequence
 parallel the hidden states are gathered with Megatron's gather, whose backward reduce-scatters, so
 chosen_logprob leaves its hidden gradient unreduced (summed exactly once). MuP output scaling is
-refused.
+refused. Under Megatron's DDP with gradient_accumulation_fusion the output weight's gradient is
+added into its `main_grad` chunk by chunk, as Megatron's own output layer does, instead of being
+returned as a [V_local, H] tensor.
 """
 import torch
 
@@ -101,6 +103,7 @@ class RLOutputProcessor:
             tp_group=tp_group,
             reduce_hidden_grad=not sequence_parallel,
             return_entropy=self.return_entropy,
+            main_grad=_fused_main_grad(output_layer, weight),
         )
         per_token = tuple(result) if self.return_entropy else (result,)
         if self.value_head is None:
@@ -125,6 +128,15 @@ class RLOutputProcessor:
 
     def _value_from_weight(self, hidden_states):
         return fused_rl_ops.value_head(hidden_states, self.value_head)
+
+
+def _fused_main_grad(output_layer, weight):
+    """The buffer the weight gradient goes straight into, as Megatron's own output layer does it
+    (megatron-core's LinearWithGradAccumulationAndAsyncCommunication): weight.main_grad when the
+    layer has gradient_accumulation_fusion and the weight carries one (Megatron's DDP); else None."""
+    if getattr(output_layer, "gradient_accumulation_fusion", False) and hasattr(weight, "main_grad"):
+        return weight.main_grad
+    return None
 
 
 def rl_output_processor(*, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
