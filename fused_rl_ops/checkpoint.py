@@ -21,13 +21,13 @@ EP group hold as many local experts. Loading first checks the checkpoint against
 global shapes, dtypes, TP divisibility, expert counts, data files present with their exact lengths
 and checksums recorded); any such error leaves the module untouched and is raised on every rank.
 Then DCP reads straight into the module's tensors (parameters keep their storage: views into
-Megatron's DDP buffers stay views), verifying each stored item's crc32c as it reads it
+Megatron's DDP buffers stay views), verifying each stored item's hash (XXH3) as it reads it
 (fused_rl_ops.checkpoint_integrity); `staged=True` reads into temporaries first, so that a checksum
 mismatch or an I/O error mid-read also leaves the module unchanged. A save that dies part-way leaves
 no `.metadata`, so nothing loads from it (an older checkpoint it was overwriting is gone too).
 
 Both functions are collective over the default group (DCP coordinates over it). They need DCP's
-CheckpointableTensor (torch >= 2.14) and the crc32c package.
+CheckpointableTensor (torch >= 2.14) and the xxhash package.
 """
 from typing import NamedTuple, Optional, Union
 
@@ -42,7 +42,7 @@ from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from .sharding import ShardingMetadataError, ShardSpec, from_dtensor, read_sharding, to_dtensor
 from .sharding import check_stride_divides, global_shape
 from .checkpoint_experts import ExpertLayout, check_expert_counts, expert_prefix
-from .checkpoint_integrity import ChecksummedReader, ChecksummedWriter, check_data_files, read_metadata
+from .checkpoint_integrity import ChecksummedReader, ChecksummedWriter, check_data_files, read_metadata, require_xxhash
 
 __all__ = [
     "ShardSpec",
@@ -57,13 +57,14 @@ __all__ = [
 
 # --- saving and loading ---------------------------------------------------------------------------
 
-def _require_checkpointable_tensor():
+def _require_dependencies():
     """An older DCP, without CheckpointableTensor, would take each rank's shard for the whole
     tensor and keep one rank's: the silent failure this module exists to prevent."""
     if not hasattr(dcp, "CheckpointableTensor"):
         raise RuntimeError(
             "save_sharded/load_sharded need torch.distributed.checkpoint.CheckpointableTensor "
             f"(torch 2.14 has it); this is torch {torch.__version__}")
+    require_xxhash()
 
 
 class _Group(NamedTuple):
@@ -98,10 +99,11 @@ class _Layout(NamedTuple):
 
 
 def _layout(state: dict, tp_group, ep_group, expert_tp_group) -> _Layout:
-    world = dist.group.WORLD if dist.is_initialized() else None
-    tp = _Group.of(world if tp_group is None else tp_group)
+    tp = _Group.of(dist.group.WORLD if tp_group is None else tp_group)
     expert_tp = tp if expert_tp_group is None else _Group.of(expert_tp_group)
-    ep = _Group(1, 0, (dist.get_rank() if dist.is_initialized() else 0,)) if ep_group is None else _Group.of(ep_group)
+    # Without expert parallelism every rank holds every expert: an EP group of its own.
+    own_rank = dist.get_rank() if dist.is_initialized() else 0
+    ep = _Group(1, 0, (own_rank,)) if ep_group is None else _Group.of(ep_group)
     return _Layout(tp, expert_tp, ep, ExpertLayout.of(state, ep.size, ep.rank))
 
 
@@ -309,7 +311,7 @@ class _SavePlanner(dcp.DefaultSavePlanner):
 def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, *, tp_group=None, ep_group=None,
                  expert_tp_group=None) -> None:
     """Saves each entry as its logical global tensor with DCP (see the module docstring)."""
-    _require_checkpointable_tensor()
+    _require_dependencies()
     entries, _ = _entries_agreed(_state_of(module_or_state_dict), (tp_group, ep_group, expert_tp_group),
                                  with_checksums=True)
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -363,7 +365,7 @@ def _failures(exc: dcp.CheckpointException) -> str:
 def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
                  staged: bool = False) -> None:
     """Loads a save_sharded checkpoint into module at its (TP, EP) layout, in place or staged (module docstring)."""
-    _require_checkpointable_tensor()
+    _require_dependencies()
     entries, _ = _entries_agreed(module.state_dict(keep_vars=True), (tp_group, ep_group, expert_tp_group),
                                  with_checksums=False, check=lambda *mine: _reason_not_to_load(*mine, path))
 

@@ -23,7 +23,7 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-python -m pip install -q torch==2.14.1 "megatron-core==0.19.2" pytest numpy matplotlib ninja setuptools wheel
+python -m pip install -q torch==2.14.1 "megatron-core==0.19.2" xxhash pytest numpy matplotlib ninja setuptools wheel
 
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda

@@ -30,9 +30,11 @@ from fused_rl_ops.checkpoint import (
 )
 
 # save_sharded/load_sharded need DCP's CheckpointableTensor (torch 2.14; the GPU machine's torch 2.11
-# lacks it) and the tiny-GPTModel check needs megatron-core: elsewhere those tests do not apply.
-needs_checkpointable_dcp = pytest.mark.skipif(not hasattr(dcp, "CheckpointableTensor"),
-                                              reason="this torch's DCP has no CheckpointableTensor")
+# lacks it) and the xxhash package (CI installs it), and the tiny-GPTModel check needs megatron-core:
+# elsewhere those tests do not apply.
+needs_checkpointable_dcp = pytest.mark.skipif(
+    not hasattr(dcp, "CheckpointableTensor") or checkpoint_integrity.xxhash is None,
+    reason="this torch's DCP has no CheckpointableTensor, or the xxhash package is missing")
 
 # --- reference helpers ----------------------------------------------------------------------------
 
