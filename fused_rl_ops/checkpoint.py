@@ -227,8 +227,8 @@ def _check_layouts_agree(gathered: list):
             raise ValueError(f"expert-parallel ranks {ranks} hold different numbers of local experts: {counts}")
 
 
-def _entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None) -> tuple:
-    """(stored name -> _Entry, _Layout) once every rank has read its specs, passed
+def _entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None) -> dict:
+    """stored name -> _Entry once every rank has read its specs, passed
     check(entries, layout) (which returns an error or None) and agrees with the ranks of its groups
     (_check_layouts_agree). One collective exchanges all of it, and every rank checks every group,
     so all raise together and none is left waiting in a later collective."""
@@ -244,7 +244,7 @@ def _entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None
     if all(h is not None for _, h, _ in gathered):
         _check_layouts_agree(gathered)
     _raise_first_error(error, [e for e, _, _ in gathered])
-    return entries, layout
+    return entries
 
 
 def _as_checkpoint_chunks(tensor: torch.Tensor, spec: ShardSpec, tp_size: int, tp_rank: int) -> torch.Tensor:
@@ -312,8 +312,8 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
                  expert_tp_group=None) -> None:
     """Saves each entry as its logical global tensor with DCP (see the module docstring)."""
     _require_dependencies()
-    entries, _ = _entries_agreed(_state_of(module_or_state_dict), (tp_group, ep_group, expert_tp_group),
-                                 with_checksums=True)
+    entries = _entries_agreed(_state_of(module_or_state_dict), (tp_group, ep_group, expert_tp_group),
+                              with_checksums=True)
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
 
@@ -366,8 +366,8 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
                  staged: bool = False) -> None:
     """Loads a save_sharded checkpoint into module at its (TP, EP) layout, in place or staged (module docstring)."""
     _require_dependencies()
-    entries, _ = _entries_agreed(module.state_dict(keep_vars=True), (tp_group, ep_group, expert_tp_group),
-                                 with_checksums=False, check=lambda *mine: _reason_not_to_load(*mine, path))
+    entries = _entries_agreed(module.state_dict(keep_vars=True), (tp_group, ep_group, expert_tp_group),
+                              with_checksums=False, check=lambda *mine: _reason_not_to_load(*mine, path))
 
     loaded = _dcp_state(entries, torch.empty_like if staged else _alias)
     # No flattening: DCP would otherwise put loaded objects (extra state) into a copy of `loaded`.
