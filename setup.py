@@ -81,6 +81,29 @@ else:
     extension = cpp_extension.CppExtension("fused_rl_ops._C", sources, extra_compile_args={"cxx": cxx_flags},
                                            extra_link_args=link_flags)
 
+
+def write_build_info():
+    """Writes fused_rl_ops/_build_info.py (git-ignored) with the facts of this build, which
+    `python -m fused_rl_ops` prints; rewritten only when they change, so re-runs touch nothing."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).parent
+    info = {
+        "version": tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if WITH_CUDA else None,
+        "cuda_archs": os.environ["TORCH_CUDA_ARCH_LIST"] if WITH_CUDA else None,
+        "cpu_isa": "AVX2+FMA" if "-mavx2" in cxx_flags else f"{platform.machine()} baseline (no AVX2)",
+    }
+    text = ('"""Facts of the build, written by setup.py."""\n'
+            + "".join(f"{key.upper()} = {value!r}\n" for key, value in info.items()))
+    path = root / "fused_rl_ops" / "_build_info.py"
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+write_build_info()
 setup(
     packages=find_packages(include=["fused_rl_ops", "fused_rl_ops.*"]),
     ext_modules=[extension],

@@ -20,7 +20,8 @@ does; staged_load_s is load_sharded(..., staged=True), which reads into fresh te
 copies them into the parameters (the price of surviving an I/O error mid-read unchanged). At
 page-cache speed on the CPU, where filling fresh memory means page faults, that copy is most of
 the staged path's overhead; with parameters on a GPU the temporaries come from the caching
-allocator and copy at device speed."""
+allocator and copy at device speed. The plot (--json PATH -> PATH.png) draws save and load times
+per path."""
 import itertools
 import math
 import os
@@ -30,7 +31,8 @@ import time
 
 import torch
 
-from common import parse_args, print_table, write_json
+from common import (LoadProbe, bar_chart, busy_note, BUSY_OTHER_CORES, parse_args, png_path, pyplot, save_figure,
+                    summary_table, write_json)
 from fused_rl_ops.testing.distributed import run_distributed
 
 TP = 2
@@ -181,12 +183,16 @@ def main():
     reps = 1 if args.quick else args.reps
     params = 1e6 if args.quick else args.params
     root = tempfile.mkdtemp(prefix="bench_checkpoint_", dir=args.dir)
+    probe = LoadProbe().start()
     try:
         results_path = os.path.join(root, "results.pt")
         run_distributed(_worker, TP, _hidden_size_for(int(params)), reps, root, results_path)
         rows = torch.load(results_path)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    load = probe.stop()
+    for row in rows:
+        row.update(load, busy=load["other_cores"] > BUSY_OTHER_CORES)
     plain, adapter = rows
     for row in rows:
         row["save_overhead_%"] = 100 * (row["save_s"] / plain["save_s"] - 1)
@@ -194,11 +200,26 @@ def main():
     adapter["staged_load_overhead_%"] = 100 * (adapter["staged_load_s"] / plain["load_s"] - 1)
     adapter["save_checksum_%_of_plain"] = 100 * adapter["save_checksum_s"] / plain["save_s"]
     adapter["load_checksum_%_of_plain"] = 100 * adapter["load_checksum_s"] / plain["load_s"]
-    print(f"\ncheckpoint at TP={TP} on gloo, {adapter['params'] / 1e6:.1f}M parameters (fp32), medians of {reps}")
-    print_table(rows, ["writer", "params", "save_s", "load_s", "staged_load_s", "bytes_written", "save_overhead_%",
-                       "load_overhead_%", "staged_load_overhead_%", "save_checksum_s", "load_checksum_s",
-                       "save_checksum_%_of_plain", "load_checksum_%_of_plain"])
-    write_json(args.json, "checkpoint", "cpu", rows, reps=reps)
+    table = summary_table(f"checkpoint at TP={TP} on gloo, {adapter['params'] / 1e6:.1f}M parameters (fp32), "
+                          f"medians of {reps}", rows, ["writer", "params", "save_s", "load_s", "staged_load_s",
+                                                       "bytes_written", "save_overhead_%", "load_overhead_%",
+                                                       "staged_load_overhead_%", "save_checksum_s",
+                                                       "load_checksum_s", "save_checksum_%_of_plain",
+                                                       "load_checksum_%_of_plain"])
+    if adapter["busy"]:
+        print("  ! " + busy_note(adapter))
+    plot_file = png_path(args.json)
+    if plot_file:
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(6, 4))
+        bar_chart(ax, ["save", "load", "staged load"],
+                  {row["writer"]: [row["save_s"], row["load_s"], row.get("staged_load_s")] for row in rows}, "seconds")
+        ax.set_title(f"checkpoint save / load, TP={TP} on gloo, {adapter['params'] / 1e6:.1f}M fp32 parameters"
+                     + (" (! busy)" if adapter["busy"] else ""), fontsize=9)
+        save_figure(fig, plot_file)
+    headline = [{"metric": f"adapter {op} overhead over plain DCP (%)", "value": adapter[f"{op}_overhead_%"],
+                 "busy": adapter["busy"]} for op in ("save", "load", "staged_load")]
+    write_json(args.json, "checkpoint", "cpu", rows, headline=headline, tables=[table], plot=plot_file, reps=reps)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,22 @@
-"""chosen_logprob vs the naive path (materialised logits + log_softmax + gather) and Megatron's
-vocab_parallel_cross_entropy (TP=1; it also materialises the logits, and has no entropy).
+"""chosen_logprob against the naive path and the peers, in one run.
 
-Reports time (forward, forward+backward; with and without entropy), extra peak memory beyond the
-inputs (CPU: peak RSS growth in a fresh process; CUDA: max_memory_allocated), the max error of the
-logprob against float64 on the first tokens, effective TFLOP/s counting 2*N*H*V forward and
-8*N*H*V forward+backward, and a PNG of peak memory and time against V."""
-import json
+Paths: fused (this package); fused_invariant (chosen_logprob(batch_invariant=True), in the main
+rows only; invariant/fused is its time over the default's: the cost of batch invariance); naive (materialised logits + log_softmax + gather,
+fused_rl_ops.reference); compile (torch.compile of the naive path); megatron (Megatron's
+vocab_parallel_cross_entropy at TP=1 on materialised fp32 logits); cce (Apple's Cut Cross-Entropy,
+linear_cross_entropy(reduction="none"); on the CPU its impl="torch_compile", the one that runs
+there); liger (Liger-Kernel's fused linear cross entropy, reduction="none"; CUDA only). The peers
+give -cross-entropy, which is the chosen-token logprob; they have no entropy, so rows with entropy
+time fused, naive and compile only. A peer that is not installed or cannot run here is listed as
+missing in the JSON, with the reason.
+
+Reports time (forward, forward+backward; median and IQR), extra peak memory beyond the inputs
+(CPU: peak RSS growth, one fresh process per path; CUDA: max_memory_allocated), the max error of
+the logprob against float64 on the first tokens, and TFLOP/s of every path counting the model's
+FLOPs: 2*N*H*V forward (the logits GEMM), 6*N*H*V forward+backward (plus the two gradient GEMMs).
+The fused path also recomputes the logits in its backward, 8*N*H*V in all: fused_hw_TFLOP/s counts
+those. The plot (--json PATH -> PATH.png) draws time and peak memory of forward+backward (logprob
+only) against V and against N for every path."""
 import os
 import socket
 import subprocess
@@ -16,18 +27,14 @@ import torch.distributed as dist
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from common import parse_args, print_table, synchronize, time_paths, write_json
+from common import (find_peers, parse_args, png_path, print_row, pyplot, record_times, save_figure,
+                    summary_table, synchronize, time_paths, write_json)
 
 
 def extra_args(parser):
-    parser.add_argument("--peak-of", help=argparse_suppress(), nargs=6)
-    parser.add_argument("--no-plot", action="store_true")
-
-
-def argparse_suppress():
     import argparse
 
-    return argparse.SUPPRESS
+    parser.add_argument("--peak-of", help=argparse.SUPPRESS, nargs=4)
 
 
 def make_inputs(N, H, V, dtype, device, seed=0):
@@ -57,19 +64,63 @@ def megatron_logprob(hidden, weight, tokens):
     return -vocab_parallel_cross_entropy(logits[:, None], tokens[:, None]).squeeze(1)
 
 
-def path_fn(path, entropy):
-    """fn(hidden, weight, tokens) -> tuple of differentiable outputs."""
-    if path == "fused":
-        return lambda h, w, t: fused_rl_ops.chosen_logprob(h, w, t, return_entropy=True) if entropy else (
-            fused_rl_ops.chosen_logprob(h, w, t),)
-    if path == "naive":
-        return lambda h, w, t: reference.chosen_logprob(h, w, t) if entropy else reference.chosen_logprob(h, w, t)[:1]
-    return lambda h, w, t: (megatron_logprob(h, w, t),)
+def load_megatron(device):
+    init_megatron(device)
+    return megatron_logprob
 
 
-def run_once(path, entropy, mode, hidden, weight, tokens):
-    fn = path_fn(path, entropy)
+def load_cce(device):
+    from cut_cross_entropy import linear_cross_entropy
 
+    impl = "cce" if device == "cuda" else "torch_compile"
+    return lambda h, w, t: -linear_cross_entropy(h, w, t, reduction="none", impl=impl)
+
+
+def load_liger(device):
+    if device != "cuda":
+        raise RuntimeError("Liger-Kernel's Triton kernels run on CUDA only")
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return lambda h, w, t: -liger_fused_linear_cross_entropy(h, w, t, reduction="none")
+
+
+def load_compile(device):
+    torch._dynamo.config.recompile_limit = 64  # one graph per mode; dynamic shapes cover the sweeps
+    return torch.compile(reference.chosen_logprob, dynamic=True)
+
+
+PEERS = {  # name -> (distribution, loader(device) -> fn(hidden, weight, tokens))
+    "compile": (None, load_compile),
+    "megatron": ("megatron-core", load_megatron),
+    "cce": ("cut-cross-entropy", load_cce),
+    "liger": ("liger-kernel", load_liger),
+}
+ENTROPY_PEERS = {"compile"}  # peers that also give the entropy
+
+
+def load_peers(device):
+    return find_peers({name: (dist_name, lambda loader=loader: loader(device))
+                       for name, (dist_name, loader) in PEERS.items()})
+
+
+def path_fn(path, entropy, peers):
+    """fn(hidden, weight, tokens) -> tuple of differentiable outputs (logprob[, entropy])."""
+    if path in ("fused", "fused_invariant"):
+        kw = dict(batch_invariant=path == "fused_invariant")
+        return lambda h, w, t: fused_rl_ops.chosen_logprob(h, w, t, return_entropy=True, **kw) if entropy else (
+            fused_rl_ops.chosen_logprob(h, w, t, **kw),)
+    if path in ("naive", "compile"):
+        fn = reference.chosen_logprob if path == "naive" else peers["compile"]
+        return lambda h, w, t: fn(h, w, t) if entropy else fn(h, w, t)[:1]
+    fn = peers[path]
+    return lambda h, w, t: (fn(h, w, t),)
+
+
+def paths_for(entropy, peers):
+    return ["fused", "naive"] + [p for p in peers if p in ENTROPY_PEERS or not entropy]
+
+
+def run_once(fn, mode, hidden, weight, tokens):
     def run():
         if mode == "fwd":
             with torch.no_grad():
@@ -82,19 +133,27 @@ def run_once(path, entropy, mode, hidden, weight, tokens):
     return run
 
 
-def peak_bytes(path, N, H, V, dtype, device):
-    """Extra peak memory of one forward+backward with entropy (CPU: in a fresh process)."""
+def peak_mib(path, shapes, dtype, device, peers) -> list:
+    """Extra peak memory (MiB) of one forward+backward (logprob only) per (N, H, V) in shapes; on
+    the CPU measured in one fresh process per path."""
     if device == "cuda":
-        hidden, weight, tokens = make_inputs(N, H, V, dtype, device)
-        synchronize(device)
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        run_once(path, path != "megatron", "fwd+bwd", hidden, weight, tokens)()
-        synchronize(device)
-        return torch.cuda.max_memory_allocated() - base
-    out = subprocess.run([sys.executable, __file__, "--peak-of", path, str(N), str(H), str(V), str(dtype), device],
-                         capture_output=True, text=True, check=True)
-    return int(out.stdout.split()[-1])
+        peaks = []
+        for N, H, V in shapes:
+            hidden, weight, tokens = make_inputs(N, H, V, dtype, device)
+            synchronize(device)
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            run_once(path_fn(path, False, peers), "fwd+bwd", hidden, weight, tokens)()
+            synchronize(device)
+            peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
+            del hidden, weight, tokens
+        return peaks
+    spec = ";".join(f"{N},{H},{V}" for N, H, V in shapes)
+    out = subprocess.run([sys.executable, __file__, "--peak-of", path, spec, str(dtype), device],
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"peak memory of {path} failed:\n{out.stderr[-2000:]}")
+    return [int(v) / 2**20 for v in out.stdout.split()[-len(shapes):]]
 
 
 def rss_kib(field):
@@ -102,63 +161,105 @@ def rss_kib(field):
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def peak_in_this_process(path, N, H, V, dtype, device):
-    if path == "megatron":
-        init_megatron(device)
+def peak_in_this_process(path, spec, dtype, device):
+    """Prints the peak RSS growth in bytes of each shape's forward+backward, one per line."""
+    import warnings
+
+    warnings.filterwarnings("ignore")  # a helper process: its output is the numbers only
     dtype = getattr(torch, dtype.replace("torch.", ""))
-    run_once(path, path != "megatron", "fwd+bwd", *make_inputs(64, H, 256, dtype, device))()  # one-time costs
-    hidden, weight, tokens = make_inputs(N, H, V, dtype, device)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
-    before = rss_kib("VmRSS")
-    run_once(path, path != "megatron", "fwd+bwd", hidden, weight, tokens)()
-    print((rss_kib("VmHWM") - before) * 1024)
+    peers = {path: PEERS[path][1](device)} if path in PEERS else {}
+    fn = path_fn(path, False, peers)
+    for N, H, V in (map(int, shape.split(",")) for shape in spec.split(";")):
+        run_once(fn, "fwd+bwd", *make_inputs(64, H, 256, dtype, device))()  # one-time costs (and compiling)
+        hidden, weight, tokens = make_inputs(N, H, V, dtype, device)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
+        before = rss_kib("VmRSS")
+        run_once(fn, "fwd+bwd", hidden, weight, tokens)()
+        print((rss_kib("VmHWM") - before) * 1024)
+        del hidden, weight, tokens
 
 
-def max_error(path, hidden, weight, tokens, rows=256):
+def max_error(fn, hidden, weight, tokens, rows=256):
     h, t = hidden[:rows], tokens[:rows]
     ref, _ = reference.chosen_logprob(h.double(), weight.double(), t)
     with torch.no_grad():
-        got = path_fn(path, False)(h, weight, t)[0]
+        got = fn(h, weight, t)[0]
     return (got.double() - ref).abs().max().item()
 
 
-def optional_baselines(device):
-    """Liger-Kernel / cut-cross-entropy on CUDA when importable (logprob = -per-token CE)."""
-    found = {}
-    if device != "cuda":
-        return found
-    try:
-        from cut_cross_entropy import linear_cross_entropy
+def add_ratios(row, paths, N, H, V, mode):
+    """TFLOP/s of every path and each path's time over the fused one (fused_invariant's: invariant/fused)."""
+    flops = (2 if mode == "fwd" else 6) * N * H * V
+    for path in paths:
+        row[f"{path}_TFLOP/s"] = flops / (row[f"{path}_ms"] * 1e-3) / 1e12
+    if mode != "fwd":
+        row["fused_hw_TFLOP/s"] = 8 * N * H * V / (row["fused_ms"] * 1e-3) / 1e12
+    for path in paths[1:]:
+        row["invariant/fused" if path == "fused_invariant" else f"{path}/fused"] = row[f"{path}_ms"] / row["fused_ms"]
 
-        found["cce"] = lambda h, w, t: (-linear_cross_entropy(h, w, t, reduction="none"),)
-    except ImportError:
-        pass
-    try:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-        found["liger"] = lambda h, w, t: (-liger_fused_linear_cross_entropy(h, w, t, reduction="none"),)
-    except ImportError:
-        pass
-    return found
+def sweep(points, dtype, dev, peers, reps):
+    """Forward+backward time and peak memory (logprob only) of every path at each (N, H, V)."""
+    paths = paths_for(False, peers)
+    curve = [{"N": N, "H": H, "V": V} for N, H, V in points]
+    for point in curve:
+        hidden, weight, tokens = make_inputs(point["N"], point["H"], point["V"], dtype, dev)
+        times = time_paths({p: run_once(path_fn(p, False, peers), "fwd+bwd", hidden, weight, tokens) for p in paths},
+                           dev, reps=reps)
+        record_times(point, times)
+        del hidden, weight, tokens
+    for path in paths:
+        for point, mib in zip(curve, peak_mib(path, points, dtype, dev, peers)):
+            point[f"{path}_MiB"] = mib
+    return curve
+
+
+def plot(v_curve, n_curve, paths, path, device, dtype):
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for col, (curve, x) in enumerate(((v_curve, "V"), (n_curve, "N"))):
+        xs = [p[x] for p in curve]
+        for name in paths:
+            axes[0, col].plot(xs, [p[f"{name}_ms"] for p in curve], marker="o", label=name)
+            axes[1, col].plot(xs, [p[f"{name}_MiB"] for p in curve], marker="o", label=name)
+        fixed = ", ".join(f"{k}={curve[0][k]}" for k in ("N", "H", "V") if k != x)
+        axes[0, col].set(ylabel="time (ms)", title=f"fwd+bwd time against {x} ({fixed})")
+        axes[1, col].set(ylabel="extra peak memory (MiB)", title=f"fwd+bwd peak memory against {x} ({fixed})")
+        for ax in axes[:, col]:
+            ax.set(xlabel=x, xscale="log", yscale="log")
+            ax.set_xticks(xs, [str(v) for v in xs], minor=False)
+            ax.set_xticks([], minor=True)
+    for ax in axes.flat:
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+    busy = "  (! measured on a busy machine)" if any(p.get("busy") for p in v_curve + n_curve) else ""
+    fig.suptitle(f"chosen_logprob (logprob only) on {device}, {str(dtype).replace('torch.', '')}{busy}")
+    save_figure(fig, path)
 
 
 def main():
     args = parse_args(__doc__, extra_args)
     if args.peak_of:
-        path, N, H, V, dtype, device = args.peak_of
-        peak_in_this_process(path, int(N), int(H), int(V), dtype, device)
+        path, spec, dtype, device = args.peak_of
+        peak_in_this_process(path, spec, dtype, device)
         return
     dev = args.device
     if dev == "cpu":
         shapes = [(256, 128, 8192)] if args.quick else [(2048, 512, 32768), (4096, 1024, 65536)]
-        dtype, sweep = torch.float32, (1024, 256, [4096, 8192, 16384, 32768])
+        dtype, reps = torch.float32, 3 if args.quick else 2
+        v_sweep = [(256, 128, V) for V in (2048, 8192, 32768)] if args.quick else \
+            [(1024, 256, V) for V in (4096, 8192, 16384, 32768)]
+        n_sweep = [(N, 128, 8192) for N in (64, 256, 1024)] if args.quick else \
+            [(N, 256, 16384) for N in (256, 1024, 4096)]
     else:
         shapes = [(2048, 1024, 32768)] if args.quick else [(8192, 4096, 131072)]
-        dtype, sweep = torch.bfloat16, (4096, 4096, [32768, 65536, 131072, 262144])
-    reps = 1 if dev == "cpu" else 5
-    init_megatron(dev)
-    extra = optional_baselines(dev)
+        dtype, reps = torch.bfloat16, 10
+        v_sweep = [(2048, 1024, V) for V in (16384, 32768, 65536)] if args.quick else \
+            [(4096, 4096, V) for V in (32768, 65536, 131072, 262144)]
+        n_sweep = [(N, 1024, 32768) for N in (1024, 2048, 4096)] if args.quick else \
+            [(N, 4096, 131072) for N in (2048, 4096, 8192, 16384)]
+    peers, versions = load_peers(dev)
 
     rows = []
     for N, H, V in shapes:
@@ -167,72 +268,62 @@ def main():
             for mode in ("fwd", "fwd+bwd"):
                 row = {"N": N, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "entropy": entropy,
                        "mode": mode}
-                paths = {path: run_once(path, entropy, mode, hidden, weight, tokens)
-                         for path in ["fused", "naive"] + ([] if entropy else ["megatron"])}
-                for name, fn in ({} if entropy else extra).items():
-                    paths[name] = lambda fn=fn: fn(hidden, weight, tokens)
-                for name, t in time_paths(paths, dev, reps=reps).items():
-                    row[f"{name}_ms"] = t * 1e3
-                flops = (2 if mode == "fwd" else 8) * N * H * V
-                row["fused_TFLOP/s"] = flops / (row["fused_ms"] * 1e-3) / 1e12
-                row["naive/fused"] = row["naive_ms"] / row["fused_ms"]
-                if "megatron_ms" in row:
-                    row["megatron/fused"] = row["megatron_ms"] / row["fused_ms"]
+                paths = ["fused", "fused_invariant"] + paths_for(entropy, peers)[1:]
+                times = time_paths({p: run_once(path_fn(p, entropy, peers), mode, hidden, weight, tokens)
+                                    for p in paths}, dev, reps=reps)
+                record_times(row, times)
+                add_ratios(row, paths, N, H, V, mode)
                 rows.append(row)
-                print_table([row], list(row))
+                print_row(row, ["N", "H", "V", "entropy", "mode"]
+                          + [c for c in row if c.endswith(("_ms", "/fused")) and "iqr" not in c])
         memory = {"N": N, "H": H, "V": V, "mode": "peak fwd+bwd"}
-        for path in ("fused", "naive", "megatron"):
-            memory[f"{path}_MiB"] = peak_bytes(path, N, H, V, dtype, dev) / 2**20
-            memory[f"{path}_max_err"] = max_error(path, hidden, weight, tokens)
-        memory["fused/naive_mem"] = memory["fused_MiB"] / memory["naive_MiB"]
+        for path in paths_for(False, peers):
+            memory[f"{path}_MiB"] = peak_mib(path, [(N, H, V)], dtype, dev, peers)[0]
+            memory[f"{path}_max_err"] = max_error(path_fn(path, False, peers), hidden, weight, tokens)
+        memory["naive/fused_mem"] = memory["naive_MiB"] / memory["fused_MiB"]
         rows.append(memory)
-        print_table([memory], list(memory))
+        print_row(memory, list(memory))
         del hidden, weight, tokens
 
-    print("\nchosen_logprob: times in ms; ratios are baseline time / fused time")
-    for keys in (["N", "H", "V", "entropy", "mode", "fused_ms", "naive_ms", "megatron_ms", "fused_TFLOP/s",
-                  "naive/fused", "megatron/fused"],
-                 ["N", "H", "V", "fused_MiB", "naive_MiB", "megatron_MiB", "fused/naive_mem", "fused_max_err",
-                  "naive_max_err"]):
-        print_table([r for r in rows if keys[-1] in r], keys)
+    all_paths = paths_for(False, peers)
+    timed = [r for r in rows if "fused_ms" in r]
+    tables = [
+        summary_table("chosen_logprob: median time (ms); ratios are path time / fused time",
+                      timed, ["N", "H", "V", "entropy", "mode"] + [f"{p}_ms" for p in all_paths]
+                      + [f"{p}/fused" for p in all_paths[1:]]),
+        summary_table("chosen_logprob: the cost of batch_invariant=True (fused_invariant time / fused time)",
+                      timed, ["N", "H", "V", "entropy", "mode", "fused_ms", "fused_invariant_ms", "invariant/fused"]),
+        summary_table("chosen_logprob: TFLOP/s (2NHV forward, 6NHV forward+backward; fused_hw adds the "
+                      "2NHV recompute)", timed, ["N", "H", "V", "entropy", "mode"]
+                      + [f"{p}_TFLOP/s" for p in all_paths] + ["fused_hw_TFLOP/s"]),
+        summary_table("chosen_logprob: extra peak memory (MiB) and max |error| against float64",
+                      [r for r in rows if "fused_MiB" in r], ["N", "H", "V"] + [f"{p}_MiB" for p in all_paths]
+                      + ["naive/fused_mem"] + [f"{p}_max_err" for p in all_paths]),
+    ]
 
-    curve = []
-    if not args.no_plot and not args.quick:
-        N, H, Vs = sweep
-        for V in Vs:
-            hidden, weight, tokens = make_inputs(N, H, V, dtype, dev)
-            point = {"N": N, "H": H, "V": V}
-            times = time_paths({path: run_once(path, True, "fwd+bwd", hidden, weight, tokens)
-                                for path in ("fused", "naive")}, dev, reps=reps)
-            for path, t in times.items():
-                point[f"{path}_ms"] = t * 1e3
-                point[f"{path}_MiB"] = peak_bytes(path, N, H, V, dtype, dev) / 2**20
-            curve.append(point)
-        print_table(curve, list(curve[0]))
-        if args.json:
-            plot(curve, os.path.splitext(args.json)[0] + ".png", dev)
-    write_json(args.json, "chosen_logprob", dev, rows, sweep=curve)
+    v_curve = sweep(v_sweep, dtype, dev, peers, reps)
+    n_curve = sweep(n_sweep, dtype, dev, peers, reps)
+    tables.append(summary_table("chosen_logprob sweeps: fwd+bwd (logprob only) time (ms) and peak memory (MiB)",
+                                v_curve + n_curve, ["N", "H", "V"] + [f"{p}_ms" for p in all_paths]
+                                + [f"{p}_MiB" for p in all_paths]))
+    plot_file = png_path(args.json)
+    if plot_file:
+        plot(v_curve, n_curve, all_paths, plot_file, dev, dtype)
 
-
-def plot(curve, path, device):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(10, 4))
-    V = [p["V"] for p in curve]
-    for name in ("fused", "naive"):
-        ax_mem.plot(V, [p[f"{name}_MiB"] for p in curve], marker="o", label=name)
-        ax_time.plot(V, [p[f"{name}_ms"] for p in curve], marker="o", label=name)
-    ax_mem.set(xlabel="vocab size V", ylabel="extra peak memory (MiB)", xscale="log", title="peak memory, fwd+bwd")
-    ax_time.set(xlabel="vocab size V", ylabel="time (ms)", xscale="log", title="time, fwd+bwd with entropy")
-    for ax in (ax_mem, ax_time):
-        ax.legend()
-    fig.suptitle(f"chosen_logprob on {device}, N={curve[0]['N']}, H={curve[0]['H']}")
-    fig.tight_layout()
-    fig.savefig(path)
-    print(f"wrote {path}")
+    largest = [r for r in timed if (r["N"], r["H"], r["V"]) == shapes[-1]]
+    with_entropy = next(r for r in largest if r["entropy"] and r["mode"] == "fwd+bwd")
+    logprob_only = next(r for r in largest if not r["entropy"] and r["mode"] == "fwd+bwd")
+    shape = "N={N} H={H} V={V}".format(**with_entropy)
+    headline = [{"metric": f"naive / fused time, fwd+bwd with entropy, {shape}",
+                 "value": with_entropy["naive/fused"], "busy": with_entropy["busy"]},
+                {"metric": f"naive / fused extra peak memory, fwd+bwd, {shape}",
+                 "value": rows[-1]["naive/fused_mem"], "busy": False}]
+    headline += [{"metric": f"{p} / fused time, fwd+bwd logprob only, {shape}", "value": logprob_only[f"{p}/fused"],
+                  "busy": logprob_only["busy"]} for p in all_paths[1:]]
+    headline.append({"metric": f"batch_invariant=True / default time, fwd+bwd with entropy, {shape}",
+                     "value": with_entropy["invariant/fused"], "busy": with_entropy["busy"]})
+    write_json(args.json, "chosen_logprob", dev, rows, headline=headline, tables=tables, peers=versions,
+               plot=plot_file, sweeps={"V": v_curve, "N": n_curve})
 
 
 if __name__ == "__main__":

@@ -4,21 +4,21 @@ forward+backward.
 The fused op runs with an fp32 weight (bf16 hidden with an fp32 head), the fp32 path is
 reference.value_head (F.linear(hidden.float(), w)), the native path F.linear with the weight in
 hidden's dtype. Effective bandwidth counts the bytes that must move: forward reads hidden and
-writes the values; backward reads hidden and grad_out and writes the hidden gradient."""
+writes the values; backward reads hidden and grad_out and writes the hidden gradient. The plot
+(--json PATH -> PATH.png) draws every path's GB/s per shape under the machine's measured copy
+bandwidth."""
 import torch
 import torch.nn.functional as F
 
 from fused_rl_ops import reference
 from fused_rl_ops.value_head import value_head
-from common import add_times, parse_args, print_table, run_mode, time_paths, write_json
+from common import add_times, bandwidth_figure, parse_args, png_path, run_mode, summary_table, time_paths, write_json
 
 args = parse_args(__doc__)
 dev = args.device
 shapes = [(2048, 4096)] if args.quick else [(n, h) for n in (8192, 32768) for h in (4096, 8192)]
 dtypes = [torch.bfloat16, torch.float32]
-reps = 2 if args.quick else 3 if dev == "cpu" else 5
-# A GPU call takes tens of microseconds: time `inner` calls between synchronisations.
-inner = 1 if dev == "cpu" else 20
+reps = 3 if dev == "cpu" else 5
 
 
 def native(hidden, weight):
@@ -38,13 +38,18 @@ for tokens, H in shapes:
             row = {"tokens": tokens, "H": H, "dtype": str(dtype).replace("torch.", ""), "mode": mode}
             runs = {name: run_mode(fn, [hidden, weight], [grad.to(fn(hidden, weight).dtype)], mode)
                     for name, fn in paths.items()}
-            times = time_paths({name: lambda run=run: [run() for _ in range(inner)] for name, run in runs.items()},
-                               dev, reps=reps)
-            times = {name: t / inner for name, t in times.items()}
+            times = time_paths(runs, dev, reps=reps)
             rows.append(add_times(row, times, bytes_moved, ["fp32", "native"]))
         del hidden, weight, grad
 
-print("\nvalue_head, speedup = baseline time / fused time")
-print_table(rows, ["tokens", "H", "dtype", "mode", "fused_ms", "fused_GB/s", "fp32_ms", "native_ms", "x_fp32",
-                   "x_native"])
-write_json(args.json, "value_head", dev, rows)
+table = summary_table("value_head, speedup x_<path> = path time / fused time", rows,
+                      ["tokens", "H", "dtype", "mode", "fused_ms", "fused_GB/s", "fused_%copy", "fp32_ms", "native_ms",
+                       "x_fp32", "x_native"])
+plot_file = png_path(args.json)
+bandwidth_figure(rows, list(paths), lambda r: f"{r['tokens']}x{r['H']} {r['dtype']}", "value_head", dev, plot_file)
+top = [r for r in rows if r["mode"] == "fwd+bwd" and r["dtype"] == "bfloat16"][-1]
+shape = f"{top['tokens']}x{top['H']} bf16 fwd+bwd"
+headline = [{"metric": f"{p} / fused time, {shape}", "value": top[f"x_{p}"], "busy": top["busy"]}
+            for p in ("fp32", "native")]
+headline.append({"metric": f"fused % of copy bandwidth, {shape}", "value": top["fused_%copy"], "busy": top["busy"]})
+write_json(args.json, "value_head", dev, rows, headline=headline, tables=[table], plot=plot_file)

@@ -8,7 +8,7 @@
 namespace fused_rl_ops {
 
 inline void check_logprob_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                                 double temperature, int64_t chunk_size) {
+                                 double temperature, int64_t chunk_size, int64_t row_block, int64_t pass_rows) {
   TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
               "chosen_logprob: hidden must be [N, H] and weight [V, H], got ", hidden.sizes(), " and ", weight.sizes());
   TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), "chosen_logprob: hidden and weight dtypes differ");
@@ -18,6 +18,7 @@ inline void check_logprob_inputs(const at::Tensor& hidden, const at::Tensor& wei
               "chosen_logprob: hidden, weight and tokens must be on one device");
   TORCH_CHECK(temperature > 0 && std::isfinite(temperature), "chosen_logprob: temperature must be > 0");
   TORCH_CHECK(chunk_size > 0, "chosen_logprob: chunk_size must be > 0");
+  TORCH_CHECK(row_block >= 0 && pass_rows >= 0, "chosen_logprob: row_block and pass_rows must be >= 0 (0: all rows)");
 }
 
 inline void check_combine_input(const at::Tensor& partials) {

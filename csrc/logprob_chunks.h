@@ -4,9 +4,11 @@
 //   logits(h, w, out)                    out = h w^T, accumulated and stored in acc dtype
 //   stats_rows(logits, tokens, col0, inv_temp, stats)            merge a chunk into the row stats
 //   grad_rows(logits, tokens, col0, lse, mean, gl, ge, inv_temp) logits -> d(loss)/d(logits) in place
-//   accumulate_grads(dlogits, h, w, grad_h, grad_w_chunk)        grad_h += dlogits w; grad_w = dlogits^T h
-// Only one [tokens, chunk] workspace lives at a time; a fused tensor-core kernel can replace this
-// loop without touching the Python API.
+//   grad_operand(dlogits, dtype)         the logit gradients as the gradient GEMMs take them
+//   add_mm(out, a, b)                    out += a b, out in acc dtype
+//   mm(out, a, b)                        out = a b, accumulated in acc dtype, stored in out's dtype
+// Only one workspace of logits lives at a time; a fused tensor-core kernel can replace this loop
+// without touching the Python API.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,19 +18,71 @@
 
 namespace fused_rl_ops {
 
-// Calls fn(logits, w_chunk, c0) for each chunk of weight's rows [c0, c0 + n): logits = h w_chunk^T,
-// [N, n] in the accumulation dtype, in one workspace reused by every chunk.
+// How the token rows meet the GEMMs. Every GEMM takes exactly `block` rows (a last, shorter block
+// runs on a zero-padded copy), and the rows are walked in passes of `pass` rows (a multiple of
+// `block`) that share the logits workspace. With a block and chunk width fixed independently of
+// the batch, every GEMM call has one shape, so each row's dot products are computed by the same
+// kernel in the same order whatever the other rows are (batch invariance); the default, one block
+// and one pass of all N rows, makes one GEMM per chunk.
+struct RowTiling {
+  int64_t N, block, pass;
+  bool fixed_block;  // block was given (batch-invariant), not all rows
+
+  RowTiling(int64_t num_rows, int64_t row_block, int64_t pass_rows) : N(num_rows), fixed_block(row_block > 0) {
+    block = row_block > 0 ? row_block : std::max<int64_t>(N, 1);
+    pass = pass_rows > 0 ? std::max(pass_rows / block, int64_t(1)) * block : block;
+    pass = std::min(pass, padded(N));
+  }
+  int64_t padded(int64_t rows) const { return (rows + block - 1) / block * block; }
+  int64_t tail_rows() const { return N % block; }  // rows of the padded last block (0: none)
+  int64_t last_full_row() const { return N - tail_rows(); }
+};
+
+// t itself, or a copy where a fixed-block GEMM operand would start off the alignment its
+// allocator gives (64 bytes on the CPU, 256 on CUDA, where torch tells cuBLASLt the operands'
+// alignment up to 256): BLAS libraries may pick their kernel by alignment, and a token's rows must
+// meet the same kernel in every call. Blocks are multiples of 128 rows, so they all start aligned.
+inline at::Tensor aligned_rows(const at::Tensor& t, const RowTiling& tiling) {
+  const uintptr_t alignment = t.is_cuda() ? 256 : 64;
+  const bool misaligned = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % alignment != 0;
+  return tiling.fixed_block && misaligned ? t.clone() : t;
+}
+
+// Rows [r0, r0 + block) of t as a GEMM operand: a view, or the zero-padded copy `tail` of the
+// last block.
+inline at::Tensor block_rows(const at::Tensor& t, const at::Tensor& tail, const RowTiling& tiling, int64_t r0) {
+  return r0 < tiling.last_full_row() ? t.narrow(0, r0, tiling.block) : tail;
+}
+
+// Calls fn(logits, rows, w_chunk, c0, r0) for each chunk of weight's rows [c0, c0 + n) and each pass
+// of token rows [r0, r0 + rows): logits[:rows] = h[r0 : r0 + rows] w_chunk^T, [rows, n] in the
+// accumulation dtype (then the padding of a last block, up to a multiple of the block), in one
+// workspace reused by every chunk and pass. Chunks come in vocab order, so each row merges them in
+// one order.
 template <class Backend, class Fn>
-void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_t chunk_size, const Fn& fn) {
+void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_t chunk_size,
+                           const RowTiling& tiling, const Fn& fn) {
   const int64_t N = h.size(0), V = weight.size(0), chunk = std::min(chunk_size, V);
+  const auto acc = acc_dtype(h.scalar_type());
   const at::Tensor w = weight.contiguous();
-  at::Tensor workspace = empty_buffer({N * chunk}, h.options().dtype(acc_dtype(h.scalar_type())));
+  at::Tensor h_tail;
+  if (tiling.tail_rows() > 0) {
+    h_tail = at::zeros({tiling.block, h.size(1)}, h.options());
+    h_tail.narrow(0, 0, tiling.tail_rows()).copy_(h.narrow(0, tiling.last_full_row(), tiling.tail_rows()));
+  }
+  at::Tensor workspace = empty_buffer({tiling.pass * chunk}, h.options().dtype(acc));
   for (int64_t c0 = 0; c0 < V; c0 += chunk) {
     const int64_t n = std::min(chunk, V - c0);
-    at::Tensor logits = workspace.narrow(0, 0, N * n).view({N, n});
-    const at::Tensor w_chunk = Backend::gemm_operand(w.narrow(0, c0, n), acc_dtype(h.scalar_type()));
-    Backend::logits(h, w_chunk, logits);
-    fn(logits, w_chunk, c0);
+    const at::Tensor w_chunk = Backend::gemm_operand(w.narrow(0, c0, n), acc);
+    for (int64_t r0 = 0; r0 < N; r0 += tiling.pass) {
+      const int64_t rows = std::min(tiling.pass, N - r0);
+      at::Tensor logits = workspace.narrow(0, 0, tiling.padded(rows) * n).view({-1, n});
+      for (int64_t b0 = 0; b0 < rows; b0 += tiling.block) {
+        at::Tensor out = logits.narrow(0, b0, tiling.block);
+        Backend::logits(block_rows(h, h_tail, tiling, r0 + b0), w_chunk, out);
+      }
+      fn(logits, rows, w_chunk, c0, r0);
+    }
   }
 }
 
@@ -36,31 +90,38 @@ void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_
 // token is not in [vocab_start, vocab_start + V).
 template <class Backend>
 at::Tensor logprob_stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                              double temperature, int64_t vocab_start, int64_t chunk_size) {
-  check_logprob_inputs(hidden, weight, tokens, temperature, chunk_size);
+                              double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
+                              int64_t pass_rows) {
+  check_logprob_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0);
   at::Tensor stats = at::zeros({N, 4}, hidden.options().dtype(acc));
   stats.select(1, 0).fill_(-INFINITY);
   if (N == 0 || V == 0) return stats;
   const at::Tensor tok = tokens.contiguous();
-  for_each_logits_chunk<Backend>(Backend::gemm_operand(hidden.contiguous(), acc), weight, chunk_size,
-                                 [&](at::Tensor& logits, const at::Tensor&, int64_t c0) {
-                                   Backend::stats_rows(logits, tok, vocab_start + c0, 1.0 / temperature, stats);
-                                 });
+  const RowTiling tiling(N, row_block, pass_rows);
+  for_each_logits_chunk<Backend>(
+      aligned_rows(Backend::gemm_operand(hidden.contiguous(), acc), tiling), weight, chunk_size, tiling,
+      [&](const at::Tensor& logits, int64_t rows, const at::Tensor&, int64_t c0, int64_t r0) {
+        at::Tensor z = logits.narrow(0, 0, rows), stats_rows = stats.narrow(0, r0, rows);
+        Backend::stats_rows(z, tok.narrow(0, r0, rows), vocab_start + c0, 1.0 / temperature, stats_rows);
+      });
   return stats;
 }
 
 // Gradients of sum(grad_logprob * logprob + grad_entropy * entropy) for this shard: the hidden
 // gradient (in the accumulation dtype, a partial sum over this shard's vocabulary) and the weight
 // gradient (in weight's dtype). lse and mean (= lse - entropy) are the global per-token values.
+// The hidden gradient takes one GEMM per row block and chunk, summed over chunks in vocab order;
+// the weight gradient sums over all tokens (over passes in order, in the accumulation dtype).
 template <class Backend>
 std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
                                                          const at::Tensor& tokens, const at::Tensor& lse,
                                                          const at::Tensor& mean, const at::Tensor& grad_logprob,
                                                          const at::Tensor& grad_entropy, double temperature,
-                                                         int64_t vocab_start, int64_t chunk_size) {
-  check_logprob_inputs(hidden, weight, tokens, temperature, chunk_size);
+                                                         int64_t vocab_start, int64_t chunk_size, int64_t row_block,
+                                                         int64_t pass_rows) {
+  check_logprob_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0);
   for (const at::Tensor* t : {&lse, &mean, &grad_logprob, &grad_entropy}) {
@@ -70,14 +131,37 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidde
   at::Tensor grad_h = empty_buffer({N, hidden.size(1)}, hidden.options().dtype(acc)).zero_();
   at::Tensor grad_w = empty_buffer(weight.sizes(), weight.options()).zero_();
   if (N == 0 || V == 0) return {grad_h, grad_w};
-  const at::Tensor h = Backend::gemm_operand(hidden.contiguous(), acc), tok = tokens.contiguous();
+  const RowTiling tiling(N, row_block, pass_rows);
+  const bool one_pass = tiling.pass >= N;
+  const at::Tensor h = aligned_rows(Backend::gemm_operand(hidden.contiguous(), acc), tiling);
+  const at::Tensor tok = tokens.contiguous();
   const at::Tensor lse_c = lse.contiguous(), mean_c = mean.contiguous();
   const at::Tensor gl = grad_logprob.contiguous(), ge = grad_entropy.contiguous();
-  for_each_logits_chunk<Backend>(h, weight, chunk_size, [&](at::Tensor& logits, const at::Tensor& w_chunk, int64_t c0) {
-    Backend::grad_rows(logits, tok, vocab_start + c0, lse_c, mean_c, gl, ge, 1.0 / temperature);
-    at::Tensor grad_w_chunk = grad_w.narrow(0, c0, logits.size(1));
-    Backend::accumulate_grads(logits, h, w_chunk, grad_h, grad_w_chunk);
+  at::Tensor grad_h_tail = tiling.tail_rows() > 0 ? at::zeros({tiling.block, h.size(1)}, grad_h.options()) : at::Tensor();
+  at::Tensor grad_w_acc;  // the weight-chunk gradient summed over passes (several passes only)
+  for_each_logits_chunk<Backend>(h, weight, chunk_size, tiling, [&](const at::Tensor& logits, int64_t rows,
+                                                                    const at::Tensor& w_chunk, int64_t c0, int64_t r0) {
+    const int64_t n = logits.size(1);
+    at::Tensor z = logits.narrow(0, 0, rows);
+    Backend::grad_rows(z, tok.narrow(0, r0, rows), vocab_start + c0, lse_c.narrow(0, r0, rows),
+                       mean_c.narrow(0, r0, rows), gl.narrow(0, r0, rows), ge.narrow(0, r0, rows), 1.0 / temperature);
+    // The padding rows of a last block hold the logits of zero rows (zeros) and reach only
+    // grad_h_tail's padding.
+    const at::Tensor d = Backend::grad_operand(logits, hidden.scalar_type());
+    for (int64_t b0 = 0; b0 < rows; b0 += tiling.block) {
+      at::Tensor out = block_rows(grad_h, grad_h_tail, tiling, r0 + b0);
+      Backend::add_mm(out, d.narrow(0, b0, tiling.block), w_chunk);
+    }
+    at::Tensor grad_w_chunk = grad_w.narrow(0, c0, n);
+    const at::Tensor d_rows = d.narrow(0, 0, rows).t(), h_rows = h.narrow(0, r0, rows);
+    if (one_pass) return Backend::mm(grad_w_chunk, d_rows, h_rows);
+    if (r0 == 0) grad_w_acc = at::zeros({n, h.size(1)}, grad_h.options());
+    Backend::add_mm(grad_w_acc, d_rows, h_rows);
+    if (r0 + rows == N) grad_w_chunk.copy_(grad_w_acc);
   });
+  if (tiling.tail_rows() > 0) {
+    grad_h.narrow(0, tiling.last_full_row(), tiling.tail_rows()).copy_(grad_h_tail.narrow(0, 0, tiling.tail_rows()));
+  }
   return {grad_h, grad_w};
 }
 

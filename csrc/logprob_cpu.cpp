@@ -95,26 +95,31 @@ struct CpuBackend {
     });
   }
 
-  static void accumulate_grads(const at::Tensor& dlogits, const at::Tensor& h, const at::Tensor& w,
-                               at::Tensor& grad_h, at::Tensor& grad_w_chunk) {
-    grad_h.addmm_(dlogits, w);
-    if (grad_w_chunk.scalar_type() == dlogits.scalar_type()) at::mm_out(grad_w_chunk, dlogits.t(), h);
-    else grad_w_chunk.copy_(at::mm(dlogits.t(), h));
+  static at::Tensor grad_operand(const at::Tensor& dlogits, at::ScalarType) { return dlogits; }
+
+  static void add_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) { out.addmm_(a, b); }
+
+  static void mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+    if (out.scalar_type() == a.scalar_type()) at::mm_out(out, a, b);
+    else out.copy_(at::mm(a, b));
   }
 };
 
 at::Tensor logprob_stats_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                             double temperature, int64_t vocab_start, int64_t chunk_size) {
-  return logprob_stats_impl<CpuBackend>(hidden, weight, tokens, temperature, vocab_start, chunk_size);
+                             double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
+                             int64_t pass_rows) {
+  return logprob_stats_impl<CpuBackend>(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block,
+                                        pass_rows);
 }
 
 std::tuple<at::Tensor, at::Tensor> logprob_backward_cpu(const at::Tensor& hidden, const at::Tensor& weight,
                                                         const at::Tensor& tokens, const at::Tensor& lse,
                                                         const at::Tensor& mean, const at::Tensor& grad_logprob,
                                                         const at::Tensor& grad_entropy, double temperature,
-                                                        int64_t vocab_start, int64_t chunk_size) {
+                                                        int64_t vocab_start, int64_t chunk_size, int64_t row_block,
+                                                        int64_t pass_rows) {
   return logprob_backward_impl<CpuBackend>(hidden, weight, tokens, lse, mean, grad_logprob, grad_entropy,
-                                           temperature, vocab_start, chunk_size);
+                                           temperature, vocab_start, chunk_size, row_block, pass_rows);
 }
 
 at::Tensor logprob_combine_cpu(const at::Tensor& partials_in) {

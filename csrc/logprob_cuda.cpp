@@ -38,35 +38,37 @@ struct CudaBackend {
                                             ge.const_data_ptr<float>(), static_cast<float>(inv_temp), stream()));
   }
 
-  static void accumulate_grads(const at::Tensor& dlogits, const at::Tensor& h, const at::Tensor& w,
-                               at::Tensor& grad_h, at::Tensor& grad_w_chunk) {
-    if (h.scalar_type() == at::kFloat) {
-      grad_h.addmm_(dlogits, w);
-      at::mm_out(grad_w_chunk, dlogits.t(), h);
-      return;
-    }
-    // Tensor cores take the logit gradients in the inputs' dtype; the hidden gradient still
-    // accumulates over chunks in fp32.
-    const at::Tensor d = dlogits.to(h.scalar_type());
-    at::addmm_out(grad_h, grad_h, d, w, at::kFloat);
-    at::mm_out(grad_w_chunk, d.t(), h);
+  // Tensor cores take the logit gradients in the inputs' dtype; the hidden gradient still
+  // accumulates over chunks in fp32.
+  static at::Tensor grad_operand(const at::Tensor& dlogits, at::ScalarType dtype) {
+    return dtype == at::kFloat ? dlogits : dlogits.to(dtype);
   }
+
+  static void add_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+    if (a.scalar_type() == at::kFloat) out.addmm_(a, b);
+    else at::addmm_out(out, out, a, b, at::kFloat);
+  }
+
+  static void mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) { at::mm_out(out, a, b); }
 };
 
 at::Tensor logprob_stats_cuda(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                              double temperature, int64_t vocab_start, int64_t chunk_size) {
+                              double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
+                              int64_t pass_rows) {
   const c10::cuda::CUDAGuard guard(hidden.device());
-  return logprob_stats_impl<CudaBackend>(hidden, weight, tokens, temperature, vocab_start, chunk_size);
+  return logprob_stats_impl<CudaBackend>(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block,
+                                         pass_rows);
 }
 
 std::tuple<at::Tensor, at::Tensor> logprob_backward_cuda(const at::Tensor& hidden, const at::Tensor& weight,
                                                          const at::Tensor& tokens, const at::Tensor& lse,
                                                          const at::Tensor& mean, const at::Tensor& grad_logprob,
                                                          const at::Tensor& grad_entropy, double temperature,
-                                                         int64_t vocab_start, int64_t chunk_size) {
+                                                         int64_t vocab_start, int64_t chunk_size, int64_t row_block,
+                                                         int64_t pass_rows) {
   const c10::cuda::CUDAGuard guard(hidden.device());
   return logprob_backward_impl<CudaBackend>(hidden, weight, tokens, lse, mean, grad_logprob, grad_entropy,
-                                            temperature, vocab_start, chunk_size);
+                                            temperature, vocab_start, chunk_size, row_block, pass_rows);
 }
 
 at::Tensor logprob_combine_cuda(const at::Tensor& partials_in) {

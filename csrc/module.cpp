@@ -12,16 +12,27 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(fused_rl_ops, m) {
-  m.def("clamped_swiglu(Tensor x, float? limit, float alpha, float linear_offset, bool interleaved) -> Tensor");
+  // clamped_swiglu: scale (per row) makes it the weighted form, with its own backward.
+  m.def(
+      "clamped_swiglu(Tensor x, float? limit, float alpha, float linear_offset, bool interleaved, "
+      "Tensor? scale=None) -> Tensor");
   m.def(
       "clamped_swiglu_backward(Tensor grad_out, Tensor x, float? limit, float alpha, float linear_offset, "
       "bool interleaved) -> Tensor");
+  m.def(
+      "clamped_swiglu_scaled_backward(Tensor grad_out, Tensor x, Tensor scale, float? limit, float alpha, "
+      "float linear_offset, bool interleaved) -> (Tensor, Tensor)");
   // chosen_logprob: per-shard partials, their merge across shards, and the chunked backward.
-  m.def("logprob_stats(Tensor hidden, Tensor weight, Tensor tokens, float temperature, int vocab_start, int chunk_size) -> Tensor");
+  // row_block / pass_rows: GEMMs of exactly row_block token rows, pass_rows rows per workspace
+  // (0: all rows at once); see RowTiling in logprob_chunks.h.
+  m.def(
+      "logprob_stats(Tensor hidden, Tensor weight, Tensor tokens, float temperature, int vocab_start, int chunk_size, "
+      "int row_block=0, int pass_rows=0) -> Tensor");
   m.def("logprob_combine(Tensor partials) -> Tensor");
   m.def(
       "logprob_backward(Tensor hidden, Tensor weight, Tensor tokens, Tensor lse, Tensor mean, Tensor grad_logprob, "
-      "Tensor grad_entropy, float temperature, int vocab_start, int chunk_size) -> (Tensor, Tensor)");
+      "Tensor grad_entropy, float temperature, int vocab_start, int chunk_size, int row_block=0, int pass_rows=0) "
+      "-> (Tensor, Tensor)");
   m.def("value_head(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor");
   m.def("value_head_backward_hidden(Tensor grad_out, Tensor weight, ScalarType dtype) -> Tensor");
   m.def("value_head_backward_params(Tensor grad_out, Tensor hidden) -> (Tensor, Tensor)");

@@ -13,6 +13,7 @@ namespace fused_rl_ops {
 // One call's tensors, viewed as [rows, 2F] inputs and [rows, F] outputs (all contiguous).
 struct SwigluCall {
   at::Tensor x, half, full;  // x [rows, 2F]; half: y or dy [rows, F]; full: dx [rows, 2F] (backward)
+  at::Tensor scale;          // the weighted form's per-row scale, [rows] in x's accumulation dtype; else undefined
   int64_t rows, F;
   SwigluParams p;
 };
@@ -30,6 +31,23 @@ inline SwigluCall swiglu_call(const at::Tensor& x_in, std::optional<double> limi
   return call;
 }
 
+// The weighted form's scale: x.shape[:-1] or x.shape[:-1] + (1,), float32 or x's dtype, on x's device;
+// returned contiguous in x's accumulation dtype (a [rows] view; the widening is exact).
+inline at::Tensor swiglu_scale_rows(const at::Tensor& scale, const at::Tensor& x) {
+  const auto lead = x.sizes().slice(0, x.dim() - 1);
+  auto with_one = lead.vec();
+  with_one.push_back(1);
+  TORCH_CHECK(scale.sizes() == lead || scale.sizes() == at::IntArrayRef(with_one),
+              "clamped_swiglu: scale must have shape x.shape[:-1] ", lead, " or x.shape[:-1] + (1,), got ",
+              scale.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat || scale.scalar_type() == x.scalar_type(),
+              "clamped_swiglu: scale must be float32 or x's dtype (", x.scalar_type(), "), got ",
+              scale.scalar_type());
+  TORCH_CHECK(scale.device() == x.device(), "clamped_swiglu: scale must be on x's device (", x.device(), "), got ",
+              scale.device());
+  return scale.to(acc_dtype(x.scalar_type())).contiguous();
+}
+
 inline std::vector<int64_t> swiglu_out_shape(const at::Tensor& x) {
   auto shape = x.sizes().vec();
   shape.back() /= 2;
@@ -38,8 +56,9 @@ inline std::vector<int64_t> swiglu_out_shape(const at::Tensor& x) {
 
 // Forward: allocates y as `half`.
 inline SwigluCall swiglu_forward_call(const at::Tensor& x, std::optional<double> limit, double alpha,
-                                      double linear_offset) {
+                                      double linear_offset, const std::optional<at::Tensor>& scale) {
   SwigluCall call = swiglu_call(x, limit, alpha, linear_offset);
+  if (scale.has_value()) call.scale = swiglu_scale_rows(*scale, x);
   call.half = empty_buffer(swiglu_out_shape(x), x.options());
   return call;
 }
@@ -54,6 +73,25 @@ inline SwigluCall swiglu_backward_call(const at::Tensor& grad_out, const at::Ten
   call.half = grad_out.contiguous();
   call.full = empty_buffer(call.x.sizes(), call.x.options());
   return call;
+}
+
+// Weighted backward: as swiglu_backward_call, plus the scale; the scale's gradient is allocated by
+// swiglu_scale_grad_buffer.
+inline SwigluCall swiglu_scaled_backward_call(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& scale,
+                                              std::optional<double> limit, double alpha, double linear_offset) {
+  SwigluCall call = swiglu_backward_call(grad_out, x, limit, alpha, linear_offset);
+  call.scale = swiglu_scale_rows(scale, x);
+  return call;
+}
+
+// The [rows] gradient of the scale in the accumulation dtype: zeros when there is no element to sum.
+inline at::Tensor swiglu_scale_grad_buffer(const SwigluCall& call) {
+  return call.rows == 0 ? at::zeros_like(call.scale) : at::empty_like(call.scale);
+}
+
+// The scale gradient in the scale's own shape and dtype.
+inline at::Tensor swiglu_scale_grad(const at::Tensor& grad_rows, const at::Tensor& scale) {
+  return grad_rows.view(scale.sizes()).to(scale.scalar_type());
 }
 
 }  // namespace fused_rl_ops

@@ -91,13 +91,18 @@ void store_gu(const typename L::Parts& g, const typename L::Parts& u, int64_t k,
   L::store(b, out.g + 2 * k + L::kWidth);
 }
 
-template <typename scalar_t>
-void forward_tile(const Halves<const scalar_t>& in, scalar_t* y, bool interleaved, const SwigluParams& p) {
+// kScaled: the weighted form, every output times the row's scale.
+template <typename scalar_t, bool kScaled>
+void forward_tile(const Halves<const scalar_t>& in, scalar_t* y, bool interleaved, const SwigluParams& p,
+                  acc_t<scalar_t> scale) {
   using L = Lanes<scalar_t>;
   for (int64_t k = 0; k < kTile; k += L::kWidth) {
     typename L::Parts g, u, out;
     load_gu(in, k, interleaved, g, u);
-    for (int i = 0; i < L::kParts; ++i) out[i] = swiglu_forward<typename L::Acc, typename L::M>(g[i], u[i], p);
+    for (int i = 0; i < L::kParts; ++i) {
+      out[i] = swiglu_forward<typename L::Acc, typename L::M>(g[i], u[i], p);
+      if constexpr (kScaled) out[i] = out[i] * typename L::Acc(scale);
+    }
     L::store(out, y + k);
   }
 }
@@ -111,6 +116,24 @@ void backward_tile(const Halves<const scalar_t>& in, const scalar_t* dy, const H
     load_gu(in, k, interleaved, g, u);
     for (int i = 0; i < L::kParts; ++i) {
       swiglu_backward<typename L::Acc, typename L::M>(g[i], u[i], d[i], p, dg[i], du[i]);
+    }
+    store_gu(dg, du, k, interleaved, dx);
+  }
+}
+
+// The weighted backward of one tile: also adds each output's d/dscale term into the lanes of `dscale`
+// (the row's running sum, in a fixed order).
+template <typename scalar_t>
+void scaled_backward_tile(const Halves<const scalar_t>& in, const scalar_t* dy, const Halves<scalar_t>& dx,
+                          bool interleaved, const SwigluParams& p, acc_t<scalar_t> scale,
+                          Vectorized<acc_t<scalar_t>>& dscale) {
+  using L = Lanes<scalar_t>;
+  const typename L::Acc s(scale);
+  for (int64_t k = 0; k < kTile; k += L::kWidth) {
+    typename L::Parts g, u, d = L::load(dy + k), dg, du;
+    load_gu(in, k, interleaved, g, u);
+    for (int i = 0; i < L::kParts; ++i) {
+      dscale = dscale + swiglu_scaled_backward<typename L::Acc, typename L::M>(g[i], u[i], d[i], s, p, dg[i], du[i]);
     }
     store_gu(dg, du, k, interleaved, dx);
   }
@@ -153,20 +176,22 @@ void for_each_tile(int64_t rows, int64_t F, const Fn& fn) {
   });
 }
 
-template <typename scalar_t>
-void swiglu_forward_cpu(const scalar_t* x, scalar_t* y, int64_t rows, int64_t F, bool interleaved,
-                        const SwigluParams& p) {
+// kScaled: the weighted form, with [rows] scales.
+template <typename scalar_t, bool kScaled>
+void swiglu_forward_cpu(const scalar_t* x, scalar_t* y, const acc_t<scalar_t>* scale, int64_t rows, int64_t F,
+                        bool interleaved, const SwigluParams& p) {
   const RowLayout layout{F, interleaved};
   for_each_tile(rows, F, [&](int64_t r, int64_t c, int64_t n) {
     const scalar_t* xr = x + r * 2 * F;
     scalar_t* yr = y + r * F + c;
+    const acc_t<scalar_t> s = kScaled ? scale[r] : 1;
     if (n == kTile) {
-      forward_tile<scalar_t>(layout.tile(xr, c), yr, interleaved, p);
+      forward_tile<scalar_t, kScaled>(layout.tile(xr, c), yr, interleaved, p, s);
       return;
     }
     alignas(64) scalar_t in[2 * kTile] = {}, out[kTile];
     layout.copy(layout.tile(xr, c), layout.buffer(in), n);
-    forward_tile<scalar_t>(layout.buffer<const scalar_t>(in), out, interleaved, p);
+    forward_tile<scalar_t, kScaled>(layout.buffer<const scalar_t>(in), out, interleaved, p, s);
     std::memcpy(yr, out, n * sizeof(scalar_t));
   });
 }
@@ -191,12 +216,57 @@ void swiglu_backward_cpu(const scalar_t* dy, const scalar_t* x, scalar_t* dx, in
   });
 }
 
+// The weighted backward: one row per task, its tiles in order, so that the scale's gradient (the
+// lanes' running sums, then the lanes in order) is summed in a fixed order at any thread count.
+template <typename scalar_t>
+void swiglu_scaled_backward_cpu(const scalar_t* dy, const scalar_t* x, const acc_t<scalar_t>* scale, scalar_t* dx,
+                                acc_t<scalar_t>* dscale, int64_t rows, int64_t F, bool interleaved,
+                                const SwigluParams& p) {
+  using acc = acc_t<scalar_t>;
+  const RowLayout layout{F, interleaved};
+  const int64_t tiles_per_row = (F + kTile - 1) / kTile;
+  at::parallel_for(0, rows, (16 + tiles_per_row - 1) / tiles_per_row, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = x + r * 2 * F;
+      const scalar_t* dyr = dy + r * F;
+      scalar_t* dxr = dx + r * 2 * F;
+      Vectorized<acc> sum(0);
+      for (int64_t c = 0; c < F; c += kTile) {
+        const int64_t n = std::min(kTile, F - c);
+        if (n == kTile) {
+          scaled_backward_tile<scalar_t>(layout.tile(xr, c), dyr + c, layout.tile(dxr, c), interleaved, p, scale[r],
+                                         sum);
+          continue;
+        }
+        // Zero-padded gate, linear and dy: the padding adds 0 to the sum.
+        alignas(64) scalar_t in[2 * kTile] = {}, d[kTile] = {}, out[2 * kTile];
+        layout.copy(layout.tile(xr, c), layout.buffer(in), n);
+        std::memcpy(d, dyr + c, n * sizeof(scalar_t));
+        scaled_backward_tile<scalar_t>(layout.buffer<const scalar_t>(in), d, layout.buffer(out), interleaved, p,
+                                       scale[r], sum);
+        layout.copy(layout.buffer<const scalar_t>(out), layout.tile(dxr, c), n);
+      }
+      alignas(64) acc lanes[Vectorized<acc>::size()];
+      sum.store(lanes);
+      acc total = 0;
+      for (acc v : lanes) total += v;
+      dscale[r] = total;
+    }
+  });
+}
+
 at::Tensor clamped_swiglu_cpu(const at::Tensor& x, std::optional<double> limit, double alpha, double linear_offset,
-                              bool interleaved) {
-  const SwigluCall c = swiglu_forward_call(x, limit, alpha, linear_offset);
+                              bool interleaved, const std::optional<at::Tensor>& scale) {
+  const SwigluCall c = swiglu_forward_call(x, limit, alpha, linear_offset, scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_cpu", [&] {
-    swiglu_forward_cpu(c.x.const_data_ptr<scalar_t>(), c.half.mutable_data_ptr<scalar_t>(), c.rows, c.F, interleaved,
-                       c.p);
+    const scalar_t* in = c.x.const_data_ptr<scalar_t>();
+    scalar_t* out = c.half.mutable_data_ptr<scalar_t>();
+    if (c.scale.defined()) {
+      swiglu_forward_cpu<scalar_t, true>(in, out, c.scale.const_data_ptr<acc_t<scalar_t>>(), c.rows, c.F,
+                                         interleaved, c.p);
+    } else {
+      swiglu_forward_cpu<scalar_t, false>(in, out, nullptr, c.rows, c.F, interleaved, c.p);
+    }
   });
   return c.half;
 }
@@ -211,11 +281,27 @@ at::Tensor clamped_swiglu_backward_cpu(const at::Tensor& grad_out, const at::Ten
   return c.full;
 }
 
+std::tuple<at::Tensor, at::Tensor> clamped_swiglu_scaled_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x,
+                                                                      const at::Tensor& scale,
+                                                                      std::optional<double> limit, double alpha,
+                                                                      double linear_offset, bool interleaved) {
+  const SwigluCall c = swiglu_scaled_backward_call(grad_out, x, scale, limit, alpha, linear_offset);
+  at::Tensor grad_scale = swiglu_scale_grad_buffer(c);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_scaled_backward_cpu", [&] {
+    using acc = acc_t<scalar_t>;
+    swiglu_scaled_backward_cpu(c.half.const_data_ptr<scalar_t>(), c.x.const_data_ptr<scalar_t>(),
+                               c.scale.const_data_ptr<acc>(), c.full.mutable_data_ptr<scalar_t>(),
+                               grad_scale.mutable_data_ptr<acc>(), c.rows, c.F, interleaved, c.p);
+  });
+  return {c.full, swiglu_scale_grad(grad_scale, scale)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_rl_ops, CPU, m) {
   m.impl("clamped_swiglu", &clamped_swiglu_cpu);
   m.impl("clamped_swiglu_backward", &clamped_swiglu_backward_cpu);
+  m.impl("clamped_swiglu_scaled_backward", &clamped_swiglu_scaled_backward_cpu);
 }
 
 }  // namespace fused_rl_ops

@@ -33,20 +33,45 @@ __device__ __forceinline__ void load_gate_linear(const T* row, int64_t F, int64_
   }
 }
 
+// scale: the weighted form's [rows] fp32 scales (y = scale * swiglu, rounded once), or null.
 template <typename T, int N, bool kInterleaved>
-__global__ void
-    swiglu_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t F, SwigluParams p) {
+__global__ void swiglu_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale, T* __restrict__ y,
+                                      int64_t rows, int64_t F, SwigluParams p) {
   for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < rows; r += int64_t(gridDim.x) * blockDim.y) {
+    const float s = scale == nullptr ? 1.0f : scale[r];
     for (int64_t c = threadIdx.x * int64_t(N); c < F; c += int64_t(blockDim.x) * N) {
     float g[N], u[N];
     load_gate_linear<T, N, kInterleaved>(x + r * 2 * F, F, c, g, u);
     Pack<T, N> out;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      out.v[k] = from_float<T>(swiglu_forward(g[k], u[k], p));
+      out.v[k] = from_float<T>(swiglu_forward(g[k], u[k], p) * s);
     }
     *reinterpret_cast<Pack<T, N>*>(y + r * F + c) = out;
     }
+  }
+}
+
+// Stores gradients of gate and linear values for outputs [c, c + N) of one row.
+template <typename T, int N, bool kInterleaved>
+__device__ __forceinline__ void store_gate_linear(T* row, int64_t F, int64_t c, const float* dg, const float* du) {
+  if (kInterleaved) {
+    Pack<T, 2 * N> out;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      out.v[2 * k] = from_float<T>(dg[k]);
+      out.v[2 * k + 1] = from_float<T>(du[k]);
+    }
+    *reinterpret_cast<Pack<T, 2 * N>*>(row + 2 * c) = out;
+  } else {
+    Pack<T, N> og, ou;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      og.v[k] = from_float<T>(dg[k]);
+      ou.v[k] = from_float<T>(du[k]);
+    }
+    *reinterpret_cast<Pack<T, N>*>(row + c) = og;
+    *reinterpret_cast<Pack<T, N>*>(row + F + c) = ou;
   }
 }
 
@@ -64,26 +89,60 @@ __global__ void
       const float d = to_float(pdy.v[k]);
       swiglu_backward(g[k], u[k], d, p, dg[k], du[k]);
     }
-    T* dxr = dx + r * 2 * F;
-    if (kInterleaved) {
-      Pack<T, 2 * N> out;
-#pragma unroll
-      for (int k = 0; k < N; ++k) {
-        out.v[2 * k] = from_float<T>(dg[k]);
-        out.v[2 * k + 1] = from_float<T>(du[k]);
-      }
-      *reinterpret_cast<Pack<T, 2 * N>*>(dxr + 2 * c) = out;
-    } else {
-      Pack<T, N> og, ou;
-#pragma unroll
-      for (int k = 0; k < N; ++k) {
-        og.v[k] = from_float<T>(dg[k]);
-        ou.v[k] = from_float<T>(du[k]);
-      }
-      *reinterpret_cast<Pack<T, N>*>(dxr + c) = og;
-      *reinterpret_cast<Pack<T, N>*>(dxr + F + c) = ou;
+    store_gate_linear<T, N, kInterleaved>(dx + r * 2 * F, F, c, dg, du);
     }
+  }
+}
+
+// Sum of v over the blockDim.x threads of this thread's row (blockDim.x a power of two, at most
+// kThreads), in the same order on every call; thread x = 0 of the row gets the total. Every thread
+// of the block must call it (it synchronises the block).
+__device__ __forceinline__ float row_sum(float v) {
+  __shared__ float warp_totals[kThreads / kWarp];
+  const int width = blockDim.x < kWarp ? blockDim.x : kWarp;
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    if (offset < width) v += __shfl_xor_sync(0xffffffffu, v, offset);  // stays within the row's lanes
+  }
+  if (blockDim.x <= kWarp) return v;
+  const int thread = threadIdx.y * blockDim.x + threadIdx.x;
+  __syncthreads();  // the previous call's totals are read
+  if (thread % kWarp == 0) warp_totals[thread / kWarp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  if (threadIdx.x == 0) {
+    const int first = threadIdx.y * blockDim.x / kWarp;
+    for (int w = 0; w < int(blockDim.x) / kWarp; ++w) total += warp_totals[first + w];
+  }
+  return total;
+}
+
+// The weighted backward (y = scale * swiglu): dx as swiglu_backward_kernel with dy * scale, and
+// dscale[r] = sum over the row of dy * swiglu, each thread summing its outputs in order and
+// row_sum combining the threads in a fixed order (deterministic). The row loop runs the same
+// number of times in every thread of a block, as row_sum's barriers require.
+template <typename T, int N, bool kInterleaved>
+__global__ void swiglu_scaled_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                              const float* __restrict__ scale, T* __restrict__ dx,
+                                              float* __restrict__ dscale, int64_t rows, int64_t F, SwigluParams p) {
+  for (int64_t first = blockIdx.x * int64_t(blockDim.y); first < rows; first += int64_t(gridDim.x) * blockDim.y) {
+    const int64_t r = first + threadIdx.y;
+    float partial = 0.0f;
+    if (r < rows) {
+      const float s = scale[r];
+      for (int64_t c = threadIdx.x * int64_t(N); c < F; c += int64_t(blockDim.x) * N) {
+        float g[N], u[N], dg[N], du[N];
+        load_gate_linear<T, N, kInterleaved>(x + r * 2 * F, F, c, g, u);
+        const auto pdy = *reinterpret_cast<const Pack<T, N>*>(dy + r * F + c);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          partial += swiglu_scaled_backward(g[k], u[k], to_float(pdy.v[k]), s, p, dg[k], du[k]);
+        }
+        store_gate_linear<T, N, kInterleaved>(dx + r * 2 * F, F, c, dg, du);
+      }
     }
+    const float total = row_sum(partial);
+    if (r < rows && threadIdx.x == 0) dscale[r] = total;
   }
 }
 

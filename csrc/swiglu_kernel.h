@@ -1,5 +1,6 @@
 // Torch-free launchers of the clamped SwiGLU CUDA kernels. x is [rows, 2F] contiguous, y and dy
-// [rows, F] contiguous; p.limit = +inf means no clamp. Return the launch's cudaError_t.
+// [rows, F] contiguous; p.limit = +inf means no clamp; scale (the weighted form) and dscale are
+// [rows] fp32, scale null for the plain form. Return the launch's cudaError_t.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,9 +9,12 @@
 
 namespace fused_rl_ops {
 
-cudaError_t launch_swiglu_forward(const void* x, void* y, int64_t rows, int64_t F, DType dtype,
+cudaError_t launch_swiglu_forward(const void* x, const float* scale, void* y, int64_t rows, int64_t F, DType dtype,
                                   bool interleaved, SwigluParams p, cudaStream_t stream);
 cudaError_t launch_swiglu_backward(const void* dy, const void* x, void* dx, int64_t rows, int64_t F,
                                    DType dtype, bool interleaved, SwigluParams p, cudaStream_t stream);
+cudaError_t launch_swiglu_scaled_backward(const void* dy, const void* x, const float* scale, void* dx, float* dscale,
+                                          int64_t rows, int64_t F, DType dtype, bool interleaved, SwigluParams p,
+                                          cudaStream_t stream);
 
 }  // namespace fused_rl_ops

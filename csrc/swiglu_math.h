@@ -22,28 +22,50 @@ FRL_HD T swiglu_sigmoid(T x) {
   return M::recip(T(1) + M::exp(T(0) - x));
 }
 
+// One element's clamped gate g', sigmoid(alpha g') and u' + beta, which forward and backward share.
+template <typename T>
+struct SwigluTerms {
+  T gate, sig, lin;
+};
+
 template <typename T, typename M = Math<T>>
-FRL_HD T swiglu_forward(T g, T u, const SwigluParams& p) {
+FRL_HD SwigluTerms<T> swiglu_terms(T g, T u, const SwigluParams& p) {
   const T lim(p.limit), neg(-p.limit);
   g = M::select(g > lim, lim, g);  // NaN stays NaN, as torch.clamp
   u = M::select(u > lim, lim, M::select(u < neg, neg, u));
-  const T s = swiglu_sigmoid<T, M>(T(p.alpha) * g);
-  return g * s * (u + T(p.offset));
+  return {g, swiglu_sigmoid<T, M>(T(p.alpha) * g), u + T(p.offset)};
+}
+
+template <typename T, typename M = Math<T>>
+FRL_HD T swiglu_forward(T g, T u, const SwigluParams& p) {
+  const SwigluTerms<T> t = swiglu_terms<T, M>(g, u, p);
+  return t.gate * t.sig * t.lin;
+}
+
+// d/dg and d/du for upstream gradient dy, from the terms of (g, u).
+template <typename T, typename M = Math<T>>
+FRL_HD void swiglu_input_grads(const SwigluTerms<T>& t, T g, T u, T dy, const SwigluParams& p, T& dg, T& du) {
+  const T lim(p.limit), neg(-p.limit), zero(0), alpha(p.alpha);
+  dg = dy * t.lin * (t.sig + alpha * t.gate * t.sig * (T(1) - t.sig));
+  du = dy * t.gate * t.sig;
+  dg = M::select(g > lim, zero, dg);
+  du = M::select((u > lim) | (u < neg), zero, du);
 }
 
 // Writes d/dg and d/du of swiglu_forward for upstream gradient dy.
 template <typename T, typename M = Math<T>>
 FRL_HD void swiglu_backward(T g, T u, T dy, const SwigluParams& p, T& dg, T& du) {
-  const T lim(p.limit), neg(-p.limit), zero(0);
-  const T gc = M::select(g > lim, lim, g);
-  const T uc = M::select(u > lim, lim, M::select(u < neg, neg, u));
-  const T alpha(p.alpha);
-  const T s = swiglu_sigmoid<T, M>(alpha * gc);
-  const T lin = uc + T(p.offset);
-  dg = dy * lin * (s + alpha * gc * s * (T(1) - s));
-  du = dy * gc * s;
-  dg = M::select(g > lim, zero, dg);
-  du = M::select((u > lim) | (u < neg), zero, du);
+  swiglu_input_grads<T, M>(swiglu_terms<T, M>(g, u, p), g, u, dy, p, dg, du);
+}
+
+// The weighted form y = scale * swiglu_forward(g, u) (scale: the row's routing weight): writes
+// d/dg and d/du, and returns this element's term dy * swiglu_forward(g, u) of d/dscale (the
+// kernels sum it over the row).
+template <typename T, typename M = Math<T>>
+FRL_HD T swiglu_scaled_backward(T g, T u, T dy, T scale, const SwigluParams& p, T& dg, T& du) {
+  const SwigluTerms<T> t = swiglu_terms<T, M>(g, u, p);
+  swiglu_input_grads<T, M>(t, g, u, dy * scale, p, dg, du);
+  return dy * (t.gate * t.sig * t.lin);
 }
 
 }  // namespace fused_rl_ops

@@ -14,9 +14,25 @@ allocated (torch's MemTracker). The rollout, loss and forward-backward are in
 fused_rl_ops/testing/ppo.py; tests/test_megatron.py runs them and checks fused against naive
 (outputs, every gradient, the updated parameters) to fp32 tolerance.
 """
+import logging
+import warnings
+
 import torch
 
 from fused_rl_ops.testing.ppo import forward_backward, make_rollout, model_inputs
+
+# Third-party messages this example cannot act on, filtered here only (not in the package). This
+# runs in every rank: the spawned ranks import this file again.
+for message in (
+    r".*(Apex|Transformer Engine and Apex|absl\.logging) (is|are) not installed",  # megatron-core without them
+    r"full scope is deprecated",  # megatron-core's own default config
+    r"When using async grad allreduce",  # CUDA-only advice from megatron-core
+    r"`torch\.distributed\.all_gather_into_tensor` is deprecated",  # called inside megatron-core
+    r"Module is None\. Skipping (PRE|POST)_BW hook",  # torch's MemTracker
+):
+    warnings.filterwarnings("ignore", message=message)
+logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)  # "GPTModel IS DEPRECATED"
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found" (CPU run)
 
 
 def _masked_stats(name, values, mask):

@@ -17,6 +17,10 @@ from ._library import acc_dtype, check_device, check_float_dtype, ops
 
 DEFAULT_WORKSPACE_BYTES = 64 * 2**20
 _MIN_CHUNK = 128
+# batch_invariant=True: (token rows per GEMM, vocab rows per chunk) by device, fixed so that every
+# GEMM has one shape whatever the batch (see RowTiling in csrc/logprob_chunks.h). Row blocks are
+# multiples of 128, so every block of an aligned hidden starts aligned (aligned_rows there).
+INVARIANT_TILING = {"cpu": (512, 2048), "cuda": (512, 4096)}
 
 
 def chunk_size_for(num_tokens: int, hidden_size: int, element_size: int, workspace_bytes: int) -> int:
@@ -26,6 +30,20 @@ def chunk_size_for(num_tokens: int, hidden_size: int, element_size: int, workspa
     per_row = 4 * num_tokens + element_size * num_tokens + 4 * hidden_size
     rows = workspace_bytes // max(per_row, 1)
     return max(_MIN_CHUNK, rows // _MIN_CHUNK * _MIN_CHUNK)
+
+
+def tiling_for(num_tokens: int, hidden_size: int, element_size: int, workspace_bytes: int, device: torch.device,
+               batch_invariant: bool) -> tuple[int, int, int]:
+    """(chunk_size, row_block, pass_rows) for the kernels. By default one GEMM per chunk takes all
+    tokens (row_block = pass_rows = 0) and the chunk width follows the token count. Batch-invariant:
+    the device's fixed row block and chunk width, and as many row blocks per pass as fit in
+    workspace_bytes (at least one); the pass size changes no result."""
+    if not batch_invariant:
+        return chunk_size_for(num_tokens, hidden_size, element_size, workspace_bytes), 0, 0
+    row_block, chunk = INVARIANT_TILING["cuda" if device.type == "cuda" else "cpu"]
+    weight_chunk_copy = 4 * hidden_size * chunk if device.type != "cuda" and element_size < 4 else 0
+    fitting_rows = (workspace_bytes - weight_chunk_copy) // ((4 + element_size) * chunk)
+    return chunk, row_block, max(row_block, fitting_rows // row_block * row_block)
 
 
 def _check_args(hidden, weight, tokens, temperature):
@@ -61,10 +79,10 @@ def _check_token_range(tokens, vocab_size, ignore_index):
 
 class _ChosenLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, ignore, temperature, vocab_start, n_valid, chunk, tp_group,
+    def forward(ctx, hidden, weight, tokens, ignore, temperature, vocab_start, n_valid, tiling, tp_group,
                 reduce_hidden_grad):
         local_weight = weight[:n_valid]
-        stats = ops.logprob_stats(hidden, local_weight, tokens, temperature, vocab_start, chunk)
+        stats = ops.logprob_stats(hidden, local_weight, tokens, temperature, vocab_start, *tiling)
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(tp_group))]
             dist.all_gather(gathered, stats, group=tp_group)
@@ -74,18 +92,18 @@ class _ChosenLogprob(torch.autograd.Function):
         lse, entropy, chosen = ops.logprob_combine(partials).unbind(1)
         logprob = torch.where(ignore, 0.0, chosen - lse)
         ctx.save_for_backward(hidden, weight, tokens, ignore, lse, entropy)
-        ctx.args = (temperature, vocab_start, n_valid, chunk, tp_group, reduce_hidden_grad)
+        ctx.args = (temperature, vocab_start, n_valid, tiling, tp_group, reduce_hidden_grad)
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
         hidden, weight, tokens, ignore, lse, entropy = ctx.saved_tensors
-        temperature, vocab_start, n_valid, chunk, tp_group, reduce_hidden_grad = ctx.args
+        temperature, vocab_start, n_valid, tiling, tp_group, reduce_hidden_grad = ctx.args
         grad_logprob = torch.zeros_like(lse) if grad_logprob is None else torch.where(ignore, 0.0, grad_logprob)
         grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy
         grad_hidden, grad_local_weight = ops.logprob_backward(
             hidden, weight[:n_valid], tokens, lse, lse - entropy, grad_logprob.to(lse.dtype).contiguous(),
-            grad_entropy.to(lse.dtype).contiguous(), temperature, vocab_start, chunk)
+            grad_entropy.to(lse.dtype).contiguous(), temperature, vocab_start, *tiling)
         if reduce_hidden_grad and tp_group is not None and dist.get_world_size(tp_group) > 1:
             dist.all_reduce(grad_hidden, group=tp_group)  # fp32: the sum is taken before rounding
         grad_weight = grad_local_weight
@@ -109,6 +127,7 @@ def chosen_logprob(
     return_entropy: bool = False,
     check_tokens: bool = True,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+    batch_invariant: bool = False,
 ):
     """log softmax(hidden @ weight.T / temperature)[tokens] over the (vocab-parallel) vocabulary.
 
@@ -128,6 +147,13 @@ def chosen_logprob(
     check_tokens validates token ids against [0, vocab_size) (a host synchronisation on CUDA;
     False skips it: an out-of-range id then matches no row and yields -lse, never an out-of-bounds
     read). workspace_bytes bounds the per-chunk buffers (see chunk_size_for).
+
+    batch_invariant=True makes each token's logprob, entropy and hidden gradient bitwise
+    independent of the other tokens of the call (their number, order, leading shape, ignored
+    positions) and of workspace_bytes, on one machine with one library build and thread count:
+    GEMMs of fixed shape (INVARIANT_TILING) over vocab chunks merged in vocab order. The weight
+    gradient, a sum over tokens, stays deterministic but not batch-invariant. The workspace then
+    holds at least one [row_block, chunk] block.
     """
     _check_args(hidden, weight, tokens, temperature)
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -146,15 +172,16 @@ def chosen_logprob(
     lead = tokens.shape
     hidden2d = hidden.reshape(-1, hidden_size)
     tokens1d = tokens.reshape(-1).to(torch.int64)
-    chunk = chunk_size_for(hidden2d.shape[0], hidden_size, hidden.element_size(), workspace_bytes)
+    tiling = tiling_for(hidden2d.shape[0], hidden_size, hidden.element_size(), workspace_bytes, hidden.device,
+                        batch_invariant)
     logprob, entropy = _ChosenLogprob.apply(hidden2d, weight, tokens1d, tokens1d == ignore_index, float(temperature),
-                                            int(vocab_start), n_valid, chunk, tp_group, bool(reduce_hidden_grad))
+                                            int(vocab_start), n_valid, tiling, tp_group, bool(reduce_hidden_grad))
     logprob, entropy = logprob.reshape(lead), entropy.reshape(lead)
     return (logprob, entropy) if return_entropy else logprob
 
 
 @torch.library.register_fake("fused_rl_ops::logprob_stats")
-def _(hidden, weight, tokens, temperature, vocab_start, chunk_size):
+def _(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block=0, pass_rows=0):
     return hidden.new_empty(hidden.shape[0], 4, dtype=acc_dtype(hidden.dtype))
 
 
@@ -164,5 +191,6 @@ def _(partials):
 
 
 @torch.library.register_fake("fused_rl_ops::logprob_backward")
-def _(hidden, weight, tokens, lse, mean, grad_logprob, grad_entropy, temperature, vocab_start, chunk_size):
+def _(hidden, weight, tokens, lse, mean, grad_logprob, grad_entropy, temperature, vocab_start, chunk_size, row_block=0,
+      pass_rows=0):
     return hidden.new_empty(hidden.shape, dtype=acc_dtype(hidden.dtype)), torch.empty_like(weight)

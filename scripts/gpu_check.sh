@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One run on a GPU machine (Python 3.12 with torch, nvcc, pytest; no package registry needed):
 # builds for the local GPU only, runs the whole test suite (CPU and CUDA), compute-sanitizer
-# (memcheck, racecheck) on small calls of every CUDA kernel, and every benchmark on CUDA.
-# Usage: scripts/gpu_check.sh OUTDIR   -> OUTDIR/summary.json plus logs, junit.xml, bench_*.json
+# (memcheck, racecheck) on small calls of every CUDA kernel, and the kernel benchmarks on CUDA
+# against the peers (installed from wheelhouse/, made by scripts/fetch_peer_wheels.sh, when present).
+# Every stage's time limit is cut to what is left of TOTAL_S (default 480 s), so the whole run
+# fits in 8 minutes.
+# Usage: scripts/gpu_check.sh OUTDIR   -> OUTDIR/summary.json plus logs, junit.xml, bench_*.json / .png
 set -uo pipefail
 OUT="${1:?usage: gpu_check.sh OUTDIR}"
 mkdir -p "$OUT"
@@ -15,10 +18,17 @@ export PATH="${CUDA_HOME:-/usr/local/cuda}/bin:$PATH"
 export TORCH_CUDA_ARCH_LIST="$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
 export MAX_JOBS="$(nproc)"
 
+deadline=$((SECONDS + ${TOTAL_S:-480}))
 declare -A status seconds
-step() {  # step NAME TIMEOUT_S COMMAND...: runs one stage, logging to OUT/NAME.log
+step() {  # step NAME TIMEOUT_S COMMAND...: runs one stage (at most until the deadline), logging to OUT/NAME.log
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
+  if [ $((deadline - SECONDS)) -lt "$limit" ]; then limit=$((deadline - SECONDS)); fi
+  if [ "$limit" -le 0 ]; then
+    echo "=== $name: skipped, no time left"
+    status[$name]=124 seconds[$name]=0
+    return
+  fi
   echo "=== $name"
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   status[$name]=$?
@@ -29,14 +39,26 @@ step() {  # step NAME TIMEOUT_S COMMAND...: runs one stage, logging to OUT/NAME.
 
 step build 240 $PY setup.py build_ext --inplace
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G "wheelhouse/*.whl" >/dev/null; then  # the peers, into build/peers (nothing installed system-wide)
+  for wheel in wheelhouse/*.whl; do
+    peer="peer_$(basename "$wheel" | cut -d- -f1)"
+    step "$peer" 60 $PY -m pip install --no-index --no-deps --target build/peers "$wheel"
+    [ "${status[$peer]}" = 0 ] || echo "=== could not install $(basename "$wheel"): its benchmarks list it as missing"
+  done
+  export PYTHONPATH="$PYTHONPATH:$PWD/build/peers"
+else
+  echo "=== no wheelhouse/: benchmarking only the peers already installed (see scripts/fetch_peer_wheels.sh)"
+fi
 step tests 200 $PY -m pytest -q -x --junitxml="$OUT/junit.xml" tests
 for tool in memcheck racecheck; do
   step "sanitizer_$tool" 90 compute-sanitizer --tool "$tool" --error-exitcode 1 $PY scripts/sanitizer_cases.py
 done
-for bench in benchmarks/bench_{swiglu,chosen_logprob,value_head}.py; do  # the kernel benchmarks
+for bench in benchmarks/bench_{chosen_logprob,swiglu,value_head}.py; do  # the kernel benchmarks
   name="$(basename "$bench" .py)"
-  step "$name" 120 $PY "$bench" --device cuda --json "$OUT/$name.json"
+  step "$name" 150 $PY "$bench" --device cuda --json "$OUT/$name.json"
+  grep '^peer ' "$OUT/$name.log" || true  # which peers ran, which are missing and why
 done
+step report 30 $PY benchmarks/report.py "$OUT"
 
 {
   echo "{"

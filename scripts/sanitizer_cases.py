@@ -14,6 +14,12 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for offset in (0, 1):
                 x = storage[offset : offset + 5 * 2 * F].view(5, 2 * F).detach().requires_grad_(True)
                 fused_rl_ops.clamped_swiglu(x, 7.0, interleaved=interleaved).sum().backward()
+                scale = torch.rand(5, device=dev, requires_grad=True)
+                fused_rl_ops.clamped_swiglu(x, 7.0, interleaved=interleaved, scale=scale).sum().backward()
+        # The weighted backward's row sum across several warps of one row, and rows past the grid.
+        x = torch.randn(3000, 2 * 1000, device=dev, dtype=dtype, requires_grad=True)
+        scale = torch.rand(3000, 1, device=dev, requires_grad=True)
+        fused_rl_ops.clamped_swiglu(x, 7.0, interleaved=interleaved, scale=scale).sum().backward()
 torch.cuda.synchronize()
 print("sanitizer cases ran")
 

@@ -1,7 +1,11 @@
 # Sourced by test.sh and bench.sh: finds Python >= 3.12, makes .venv, installs the pinned
-# dependencies and builds the extension (with nvcc when a CUDA toolkit is present).
+# dependencies (again only when their list or the Python changes) and builds the extension in place
+# with ninja (with nvcc when a CUDA toolkit is present), which recompiles only what changed.
+# The first run takes minutes and says so; a re-run with nothing changed takes seconds.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+DEPS=(torch==2.14.1 "megatron-core==0.19.2" xxhash pytest numpy matplotlib ninja setuptools wheel cut-cross-entropy liger-kernel)
 
 find_python() {
   local candidates=("${PYTHON:-}" python3.12 python3)
@@ -17,16 +21,54 @@ find_python() {
   return 1
 }
 
+run_logged() {  # run_logged LOG COMMAND...: output into LOG; on failure shows its tail and exits
+  local log=$1
+  shift
+  if ! "$@" >"$log" 2>&1; then
+    echo "setup: FAILED: $*" >&2
+    echo "setup: last lines of $PWD/$log:" >&2
+    tail -n 40 "$log" >&2
+    exit 1
+  fi
+}
+
+setup_start=$SECONDS
+mkdir -p build
 if [ ! -x .venv/bin/python ]; then
-  "$(find_python)" -m venv .venv
+  python="$(find_python)"
+  echo "setup: creating .venv with $python (first run only)"
+  "$python" -m venv .venv
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pip install -q --upgrade pip
-python -m pip install -q torch==2.14.1 "megatron-core==0.19.2" xxhash pytest numpy matplotlib ninja setuptools wheel
+
+# The dependencies: installed when the stamp (hash of DEPS and the Python version) changes.
+deps_stamp="$(printf '%s\n' "${DEPS[@]}" "$(python -VV)" | sha256sum | cut -d' ' -f1)"
+if [ "$(cat .venv/deps.stamp 2>/dev/null)" != "$deps_stamp" ]; then
+  echo "setup: installing ${DEPS[*]} into .venv"
+  echo "setup:   (first run: about 1-2 minutes, mostly downloading torch; log: $PWD/build/pip.log)"
+  run_logged build/pip.log python -m pip install --upgrade pip "${DEPS[@]}"
+  echo "$deps_stamp" >.venv/deps.stamp
+fi
+# The checkout on the venv's path, as an editable install would put it (the extension is built in place).
+echo "$PWD" >"$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/fused_rl_ops_checkout.pth"
 
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda
 fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
-python -m pip install -q --no-build-isolation -e ".[megatron,test,bench]"
+if compgen -G "fused_rl_ops/_C*.so" >/dev/null; then
+  echo "setup: updating the extension (recompiles only changed sources; log: $PWD/build/build.log)"
+else
+  echo "setup: building the extension, first time: CPU kernels about 2 minutes, with the CUDA kernels"
+  echo "setup:   (nvcc) 5-10 minutes on 2 cores; log: $PWD/build/build.log"
+fi
+build_start=$SECONDS
+# The whole output goes to the log; ninja's step lines ([k/n] ... -c SOURCE) show the progress.
+if ! python setup.py build_ext --inplace 2>&1 | tee build/build.log \
+    | sed -un 's|^\(\[[0-9]*/[0-9]*\]\) .* -c \([^- ][^ ]*\) .*|setup:   \1 \2|p'; then
+  echo "setup: FAILED: python setup.py build_ext --inplace; last lines of $PWD/build/build.log:" >&2
+  tail -n 40 build/build.log >&2
+  exit 1
+fi
+echo "setup: done in $((SECONDS - setup_start))s (build step $((SECONDS - build_start))s)"

@@ -136,11 +136,13 @@ def test_opcheck(device):
     hidden, weight, tokens = make_inputs(9, 12, 200, torch.float32, device)
     ops = torch.ops.fused_rl_ops
     torch.library.opcheck(ops.logprob_stats, (hidden, weight, tokens, 0.9, 100, 128))
+    torch.library.opcheck(ops.logprob_stats, (hidden, weight, tokens, 0.9, 100, 128, 4, 8))  # blocks of 4, passes of 8
     stats = ops.logprob_stats(hidden, weight, tokens, 0.9, 0, 128)
     torch.library.opcheck(ops.logprob_combine, (torch.stack([stats, stats]),))
     lse, ent, _ = ops.logprob_combine(stats[None]).unbind(1)
     per_token = [lse.contiguous(), (lse - ent).contiguous(), torch.randn(9, device=device), torch.randn(9, device=device)]
     torch.library.opcheck(ops.logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 128))
+    torch.library.opcheck(ops.logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 128, 4, 8))
 
 
 def test_torch_compile(device):

@@ -1,7 +1,26 @@
 """Megatron-core integration (tested with megatron-core 0.19.2; importing this imports megatron-core):
-the RL output processor, its registration on every Megatron code path, and the clamped SwiGLU MLP."""
+the RL output processor, its registration on every Megatron code path, the clamped SwiGLU MLP (dense
+and MoE experts), and the check that a configured clamp is never dropped."""
 from .attach import attach, detach
-from .mlp import ClampedSwiGLUMLP, with_clamped_swiglu_mlp
+from .mlp import (
+    ClampedSwiGLUMLP,
+    ClampedSwiGLUNotAppliedError,
+    ClampedSwiGLUSequentialMLP,
+    ClampedSwiGLUTEGroupedMLP,
+    check_clamp_not_dropped,
+    with_clamped_swiglu_mlp,
+)
 from .processor import RLOutputProcessor, rl_output_processor
 
-__all__ = ["ClampedSwiGLUMLP", "RLOutputProcessor", "attach", "detach", "rl_output_processor", "with_clamped_swiglu_mlp"]
+__all__ = [
+    "ClampedSwiGLUMLP",
+    "ClampedSwiGLUNotAppliedError",
+    "ClampedSwiGLUSequentialMLP",
+    "ClampedSwiGLUTEGroupedMLP",
+    "RLOutputProcessor",
+    "attach",
+    "check_clamp_not_dropped",
+    "detach",
+    "rl_output_processor",
+    "with_clamped_swiglu_mlp",
+]

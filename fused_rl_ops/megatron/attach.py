@@ -1,6 +1,7 @@
 """attach / detach: make every forward (and schedule plan) of a Megatron model use an output processor.
 
-`attach` unwraps Megatron's DDP / FSDP / Float16Module wrappers to the language model, then:
+`attach` unwraps Megatron's DDP / FSDP / Float16Module wrappers to the language model, refuses a model
+whose configured SwiGLU clamp some module would ignore (mlp.check_clamp_not_dropped), then:
 
 - GPTModel with the native hook (megatron-core >= 0.18): a forward pre-hook adds
   `output_processor=processor` to every call, and the model's `build_schedule_plan` gets the same
@@ -20,6 +21,8 @@ import inspect
 import torch
 from megatron.core.utils import unwrap_model
 
+from .mlp import check_clamp_not_dropped
+
 __all__ = ["attach", "detach"]
 
 _ATTACHMENT = "_fused_rl_ops_output_processor_undo"
@@ -30,6 +33,7 @@ def attach(model, processor):
     language_model = unwrap_model(model)
     if getattr(language_model, _ATTACHMENT, None) is not None:
         raise RuntimeError("attach: this model already has an output processor attached; detach it first")
+    check_clamp_not_dropped(language_model)
     if "output_processor" in inspect.signature(language_model.forward).parameters:
         undo = _attach_through_native_hook(language_model, processor)
     else:

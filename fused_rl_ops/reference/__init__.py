@@ -6,8 +6,10 @@ import torch
 
 
 def clamped_swiglu(x: torch.Tensor, limit: Optional[float] = 7.0, *, alpha: float = 1.702,
-                   linear_offset: float = 1.0, interleaved: bool = False) -> torch.Tensor:
-    """Eager chunk, clamp, sigmoid and multiply, in x's dtype.
+                   linear_offset: float = 1.0, interleaved: bool = False,
+                   scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Eager chunk, clamp, sigmoid and multiply, in x's dtype; with scale (one per row), then times
+    scale in the promoted dtype and back to x's dtype, as megatron-core's MLP applies routing weights.
 
     The clamp is spelled with torch.where so that its gradient follows the op's contract: kept on
     the boundary (|u| = L, g = L) and NaN for NaN inputs. torch.clamp's own gradient (torch 2.14)
@@ -19,7 +21,10 @@ def clamped_swiglu(x: torch.Tensor, limit: Optional[float] = 7.0, *, alpha: floa
     if limit is not None:
         g = torch.where(g > limit, limit, g)
         u = torch.where(u > limit, limit, torch.where(u < -limit, -limit, u))
-    return g * torch.sigmoid(alpha * g) * (u + linear_offset)
+    y = g * torch.sigmoid(alpha * g) * (u + linear_offset)
+    if scale is None:
+        return y
+    return (y * scale.reshape(*y.shape[:-1], 1)).to(x.dtype)
 
 
 def chosen_logprob(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0,

@@ -103,18 +103,25 @@ def install_cpu_shims():
     WrappedTorchNorm.__new__ = sequence_parallel_torch_norm
 
 
-def set_parallel_degrees(tp: int, pp: int = 1):
+def set_parallel_degrees(tp: int, pp: int = 1, ep: int = 1, expert_tp=None):
     """Installs the shims and (re)initialises megatron-core's parallel state over the default group
-    with TP degree tp and pp pipeline stages (the remaining ranks are data-parallel replicas)."""
+    with TP degree tp, pp pipeline stages, and for MoE layers ep expert-parallel ranks and expert
+    TP degree expert_tp (default: tp) (the remaining ranks are data-parallel replicas)."""
     from megatron.core import parallel_state
 
     install_cpu_shims()
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=expert_tp,
+    )
 
 
 def tiny_config(**overrides):
-    """A 2-layer, hidden-32 TransformerConfig at the current TP / PP degrees, no fusions, no dropout."""
+    """A 2-layer, hidden-32 TransformerConfig at the current TP / PP / EP / expert-TP degrees, no
+    fusions, no dropout."""
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
@@ -125,6 +132,8 @@ def tiny_config(**overrides):
         num_attention_heads=4,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         use_cpu_initialization=True,
         params_dtype=torch.float32,
         hidden_dropout=0.0,
@@ -171,19 +180,26 @@ def tiny_model(kind="gpt", config=None, *, seed=0, vocab_size=256, tied_embeddin
                clamped_swiglu_mlp=False, seq_length=16):
     """A GPTModel ("gpt") or a HybridModel ("hybrid": attention and MLP layers alternating) from
     Megatron's local (non-TE) modules with learned absolute positions, for this pipeline stage, at
-    config's (default tiny_config()) TP degree and sequence-parallel setting.
+    config's (default tiny_config()) TP degree and sequence-parallel setting. A GPT config with
+    num_moe_experts gets megatron-core's local block spec (MoE layers as config.moe_layer_freq
+    says, SequentialMLP experts).
     clamped_swiglu_mlp: its MLPs are fused_rl_ops.megatron.ClampedSwiGLUMLP.
     Megatron builds every weight as a full master tensor from the CPU RNG and keeps this rank's
     shard, so a given seed means the same logical weights at every degree."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from fused_rl_ops.megatron import with_clamped_swiglu_mlp
 
     config = config or tiny_config()
-    spec = get_gpt_layer_local_spec() if kind == "gpt" else local_hybrid_stack_spec()
+    if kind != "gpt":
+        spec = local_hybrid_stack_spec()
+    elif config.num_moe_experts:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    else:
+        spec = get_gpt_layer_local_spec()
     if clamped_swiglu_mlp:
         spec = with_clamped_swiglu_mlp(spec)
     common = dict(
