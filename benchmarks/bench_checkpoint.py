@@ -5,10 +5,15 @@ column-parallel GLU fc1 with partition stride 2 and a row-parallel fc2, with rep
 row biases; plus a vocab-parallel embedding; sized to about --params parameters in all. Plain DCP
 saves the same local tensors wrapped as DTensors (Shard / Replicate) and loads them back into
 DTensors; the adapter reads the legacy attributes, checks the TP ranks agree, checksums the
-replicated tensors (save) or checks the checkpoint against the module (load), and writes or reads
-stride-2 tensors as two chunks. Times are medians over --reps, each save or load between
-barriers; the files land on the disk under --dir (fsync'd by DCP's FileSystemWriter, for both)
+replicated tensors (save) or checks the checkpoint against the module (load), writes or reads
+stride-2 tensors as two chunks, and hashes every stored item (XXH3) as it writes it or verifies
+it before reading it. Times are medians over --reps, each save or load between barriers; the
+files land on the disk under --dir (fsync'd by DCP's FileSystemWriter, for both)
 and are read back from the page cache.
+
+save_checksum_s / load_checksum_s are the parts of the adapter's save_s / load_s spent hashing,
+timed around every hash call on rank 0; checksum_%_of_plain is that time against plain DCP's
+save or load.
 
 load_s is load_sharded's default path, which reads straight into the parameters as plain DCP
 does; staged_load_s is load_sharded(..., staged=True), which reads into fresh temporaries and
@@ -22,6 +27,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 
 import torch
 
@@ -87,15 +93,48 @@ def _directory_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
+class _TimedHashing:
+    """Stands in for the xxhash module used by fused_rl_ops.checkpoint_integrity, adding up the
+    time spent hashing."""
+
+    def __init__(self, real):
+        self.real = real
+        self.seconds = 0.0
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        result = fn(*args)
+        self.seconds += time.perf_counter() - start
+        return result
+
+    def xxh3_64_intdigest(self, data):
+        return self._timed(self.real.xxh3_64_intdigest, data)
+
+    def xxh3_64(self):
+        hasher = self.real.xxh3_64()
+        timed = self
+
+        class Hasher:
+            def update(self, data):
+                timed._timed(hasher.update, data)
+
+            def intdigest(self):
+                return hasher.intdigest()
+
+        return Hasher()
+
+
 def _worker(rank, world_size, hidden, reps, root, results_path):
     import statistics
-    import time
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import init_device_mesh
 
+    from fused_rl_ops import checkpoint_integrity
     from fused_rl_ops.checkpoint import load_sharded, save_sharded
+
+    timed_hashing = checkpoint_integrity.xxhash = _TimedHashing(checkpoint_integrity.xxhash)
 
     model = MegatronShapedModel(hidden, rank)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -109,14 +148,17 @@ def _worker(rank, world_size, hidden, reps, root, results_path):
         ("adapter", "staged_load"): lambda path: load_sharded(model, path, staged=True),
     }
     times = {key: [] for key in operations}
+    checksum_times = {key: [] for key in operations}
     for _ in range(reps + 1):  # the first round warms up
         for (writer, op), run in operations.items():
             path = f"{root}/{writer}"
             dist.barrier()
+            timed_hashing.seconds = 0.0
             start = time.perf_counter()
             run(path)
             dist.barrier()
             times[(writer, op)].append(time.perf_counter() - start)
+            checksum_times[(writer, op)].append(timed_hashing.seconds)
     if rank == 0:
         params = sum(p.numel() * (TP if p.tensor_model_parallel else 1) for p in model.parameters())
         rows = []
@@ -126,6 +168,8 @@ def _worker(rank, world_size, hidden, reps, root, results_path):
                          "load_s": statistics.median(times[(writer, "load")][1:]),
                          "bytes_written": _directory_bytes(f"{root}/{writer}")})
         rows[1]["staged_load_s"] = statistics.median(times[("adapter", "staged_load")][1:])
+        rows[1]["save_checksum_s"] = statistics.median(checksum_times[("adapter", "save")][1:])
+        rows[1]["load_checksum_s"] = statistics.median(checksum_times[("adapter", "load")][1:])
         torch.save(rows, results_path)
 
 
@@ -154,10 +198,14 @@ def main():
         row["save_overhead_%"] = 100 * (row["save_s"] / plain["save_s"] - 1)
         row["load_overhead_%"] = 100 * (row["load_s"] / plain["load_s"] - 1)
     adapter["staged_load_overhead_%"] = 100 * (adapter["staged_load_s"] / plain["load_s"] - 1)
+    adapter["save_checksum_%_of_plain"] = 100 * adapter["save_checksum_s"] / plain["save_s"]
+    adapter["load_checksum_%_of_plain"] = 100 * adapter["load_checksum_s"] / plain["load_s"]
     table = summary_table(f"checkpoint at TP={TP} on gloo, {adapter['params'] / 1e6:.1f}M parameters (fp32), "
                           f"medians of {reps}", rows, ["writer", "params", "save_s", "load_s", "staged_load_s",
                                                        "bytes_written", "save_overhead_%", "load_overhead_%",
-                                                       "staged_load_overhead_%"])
+                                                       "staged_load_overhead_%", "save_checksum_s",
+                                                       "load_checksum_s", "save_checksum_%_of_plain",
+                                                       "load_checksum_%_of_plain"])
     if adapter["busy"]:
         print("  ! " + busy_note(adapter))
     plot_file = png_path(args.json)

@@ -1,21 +1,34 @@
 """Checkpoints that reshard bit for bit: save_sharded / load_sharded through torch.distributed.checkpoint.
 
+    save_sharded(module_or_state_dict, path, *, tp_group=None, ep_group=None, expert_tp_group=None)
+    load_sharded(module, path, *, tp_group=None, ep_group=None, expert_tp_group=None, staged=False)
+
 Every entry is stored as its logical global tensor (a stride-2 GLU fc1 as `[W ; V]`, from
 fused_rl_ops.sharding's ShardSpec), so a checkpoint saved at one tensor-parallel degree loads at any
 degree that divides the sharded dimension, and plain `dcp.load` of a full tensor reads the real weight.
 
-Saving first checks, in one collective, that the ranks of each TP group hold the same entries with
-the same specs, shapes and dtypes, and that tensors claiming to be replicated have the same bytes.
-Loading first checks the checkpoint against the module (names, global shapes, dtypes, TP
-divisibility, data files present and long enough); any such error leaves the module untouched and
-is raised on every rank. Then DCP reads straight into the module's tensors (parameters keep their
-storage: views into Megatron's DDP buffers stay views); `staged=True` reads into temporaries first,
-so that an I/O error mid-read also leaves the module unchanged.
+Groups: `tp_group` is the tensor-parallel group of dense tensors (None: the default group).
+Expert tensors (megatron-core SequentialMLP's `...local_experts.<i>....`) are stored under their
+global expert index `ep_rank * num_local_experts + i` (fused_rl_ops.checkpoint_experts), with
+`ep_group` the expert-parallel group (None: no expert parallelism) and `expert_tp_group` the group
+their tensor-parallel sharding runs over (None: `tp_group`). So an MoE checkpoint saved at one (TP,
+EP) layout loads at any other whose degrees divide the sharded dims and the expert count.
 
-Both functions are collective over the default group (DCP coordinates over it); `tp_group` only
-defines the TP layout. They need DCP's CheckpointableTensor (torch >= 2.14).
+Saving first checks, in one collective, that the ranks of each TP group hold the same dense entries
+(and the ranks of each expert TP group the same expert entries) with the same specs, shapes and
+dtypes, that tensors claiming to be replicated there have the same bytes, and that the ranks of each
+EP group hold as many local experts. Loading first checks the checkpoint against the module (names,
+global shapes, dtypes, TP divisibility, expert counts, data files present with their exact lengths
+and checksums recorded); any such error leaves the module untouched and is raised on every rank.
+Then DCP reads straight into the module's tensors (parameters keep their storage: views into
+Megatron's DDP buffers stay views), verifying each stored item's hash (XXH3) as it reads it
+(fused_rl_ops.checkpoint_integrity); `staged=True` reads into temporaries first, so that a checksum
+mismatch or an I/O error mid-read also leaves the module unchanged. A save that dies part-way leaves
+no `.metadata`, so nothing loads from it (an older checkpoint it was overwriting is gone too).
+
+Both functions are collective over the default group (DCP coordinates over it). They need DCP's
+CheckpointableTensor (torch >= 2.14) and the xxhash package.
 """
-import os
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -28,6 +41,8 @@ from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 # Re-exported so `import fused_rl_ops.checkpoint as ck` keeps offering the sharding names.
 from .sharding import ShardingMetadataError, ShardSpec, from_dtensor, read_sharding, to_dtensor
 from .sharding import check_stride_divides, global_shape
+from .checkpoint_experts import ExpertLayout, check_expert_counts, expert_prefix
+from .checkpoint_integrity import ChecksummedReader, ChecksummedWriter, check_data_files, read_metadata, require_xxhash
 
 __all__ = [
     "ShardSpec",
@@ -42,40 +57,77 @@ __all__ = [
 
 # --- saving and loading ---------------------------------------------------------------------------
 
-def _require_checkpointable_tensor():
+def _require_dependencies():
     """An older DCP, without CheckpointableTensor, would take each rank's shard for the whole
     tensor and keep one rank's: the silent failure this module exists to prevent."""
     if not hasattr(dcp, "CheckpointableTensor"):
         raise RuntimeError(
             "save_sharded/load_sharded need torch.distributed.checkpoint.CheckpointableTensor "
             f"(torch 2.14 has it); this is torch {torch.__version__}")
+    require_xxhash()
 
 
-def _tp_size_and_rank(tp_group) -> tuple:
-    if not dist.is_initialized():
-        return 1, 0
-    return dist.get_world_size(tp_group), dist.get_rank(tp_group)
+class _Group(NamedTuple):
+    """A process group as the checks need it: size, this rank's rank in it, its global ranks."""
+
+    size: int
+    rank: int
+    ranks: tuple
+
+    @classmethod
+    def of(cls, group) -> "_Group":
+        if not dist.is_initialized():
+            return cls(1, 0, (0,))
+        return cls(dist.get_world_size(group), dist.get_rank(group), tuple(dist.get_process_group_ranks(group)))
 
 
-def _local_entries(state: dict, tp_size: int) -> dict:
-    """name -> (local tensor, ShardSpec) for tensors, (value, None) for other objects."""
+class _Entry(NamedTuple):
+    """One stored entry on this rank: its name in the module, its local tensor (or object), the
+    tensor's ShardSpec (None for objects) and the TP group it is split over."""
+
+    module_name: str
+    local: object
+    spec: Optional[ShardSpec]
+    tp: _Group
+
+
+class _Layout(NamedTuple):
+    tp: _Group  # dense tensors
+    expert_tp: _Group  # expert tensors
+    ep: _Group
+    experts: ExpertLayout
+
+
+def _layout(state: dict, tp_group, ep_group, expert_tp_group) -> _Layout:
+    tp = _Group.of(dist.group.WORLD if tp_group is None else tp_group)
+    expert_tp = tp if expert_tp_group is None else _Group.of(expert_tp_group)
+    # Without expert parallelism every rank holds every expert: an EP group of its own.
+    own_rank = dist.get_rank() if dist.is_initialized() else 0
+    ep = _Group(1, 0, (own_rank,)) if ep_group is None else _Group.of(ep_group)
+    return _Layout(tp, expert_tp, ep, ExpertLayout.of(state, ep.size, ep.rank))
+
+
+def _local_entries(state: dict, layout: _Layout) -> dict:
+    """stored name -> _Entry (expert tensors under their global expert index)."""
     entries = {}
     for name, value in state.items():
+        stored = layout.experts.stored_name(name)
+        tp = layout.tp if expert_prefix(name) is None else layout.expert_tp
         if not isinstance(value, torch.Tensor):
-            entries[name] = (value, None)
+            entries[stored] = _Entry(name, value, None, tp)
             continue
         spec = read_sharding(value, name)
         local = value
         if isinstance(value, DTensor):
-            if value.device_mesh.size() != tp_size:
+            if value.device_mesh.size() != tp.size:
                 raise ShardingMetadataError(
-                    f"{name}: DTensor mesh has {value.device_mesh.size()} ranks but the tensor-parallel "
-                    f"group has {tp_size}")
+                    f"{name}: DTensor mesh has {value.device_mesh.size()} ranks but its tensor-parallel "
+                    f"group has {tp.size}")
             local = value.to_local()
         if local.is_meta:
             raise ValueError(f"{name}: is a meta tensor; it has no data to save or load into")
         check_stride_divides(name, local, spec)
-        entries[name] = (local, spec)
+        entries[stored] = _Entry(name, local, spec, tp)
     return entries
 
 
@@ -106,7 +158,8 @@ class _Held(NamedTuple):
 
 def _held(entries: dict, with_checksums: bool) -> dict:
     held = {}
-    for name, (local, spec) in entries.items():
+    for name, entry in entries.items():
+        local, spec = entry.local, entry.spec
         if spec is None:
             held[name] = _Held("object")
         elif spec.sharded:
@@ -134,48 +187,62 @@ def _raise_first_error(mine: Optional[Exception], errors: list):
             raise type(other)(f"rank {rank} failed: {other}")
 
 
-def _check_tp_ranks_agree(held_by_rank: list, ranks: tuple):
-    """Raises unless the given ranks (one tensor-parallel group) hold the same entries, layouts,
-    shapes, dtypes and (where computed) the same bytes in their replicated tensors."""
+def _check_ranks_agree(held_by_rank: list, ranks: tuple, kind: str):
+    """Raises unless the given ranks (one tensor-parallel group of that kind) hold the same
+    entries, layouts, shapes, dtypes and (where computed) the same bytes in their replicated tensors."""
     first = ranks[0]
     reference = held_by_rank[first]
     for rank in ranks[1:]:
         other = held_by_rank[rank]
         if reference.keys() != other.keys():
             raise ValueError(
-                f"tensor-parallel ranks {first} and {rank} hold different entries: only on {first}: "
+                f"{kind} ranks {first} and {rank} hold different entries: only on {first}: "
                 f"{sorted(reference.keys() - other.keys())}, only on {rank}: {sorted(other.keys() - reference.keys())}")
         for name, mine in reference.items():
             theirs = other[name]
             if mine._replace(checksum=None) != theirs._replace(checksum=None):
                 raise ShardingMetadataError(
-                    f"{name}: tensor-parallel ranks disagree on (layout, local shape, dtype): "
+                    f"{name}: {kind} ranks disagree on (layout, local shape, dtype): "
                     f"rank {first} has {mine[:3]}, rank {rank} has {theirs[:3]}")
             if mine.checksum != theirs.checksum:
                 raise ShardingMetadataError(
-                    f"{name}: claims to be replicated but its bytes differ between tensor-parallel ranks {first} "
+                    f"{name}: claims to be replicated but its bytes differ between {kind} ranks {first} "
                     f"and {rank}; a sharded tensor labelled replicated would be saved from one rank only")
 
 
-def _entries_agreed_by_tp_ranks(state: dict, tp_group, tp_size: int, with_checksums: bool, check=None) -> dict:
-    """name -> (local tensor, ShardSpec), or (object, None) for non-tensors, once every rank has
-    read its specs, passed check(entries) (which returns an error or None) and agrees with the
-    other ranks of its tensor-parallel group. One collective exchanges all of it, and every rank
-    checks every group, so all raise together and none is left waiting in a later collective."""
-    entries, held, error = None, None, None
+def _check_layouts_agree(gathered: list):
+    """Dense entries agree within each TP group, expert entries within each expert TP group (ranks
+    of one TP group at different EP ranks hold different experts), and the ranks of each EP group
+    hold as many experts in each experts module."""
+    held = [h for _, h, _ in gathered]
+    dense = [{n: v for n, v in h.items() if expert_prefix(n) is None} for h in held]
+    expert = [{n: v for n, v in h.items() if expert_prefix(n) is not None} for h in held]
+    for ranks in sorted({layout.tp.ranks for _, _, layout in gathered}):
+        _check_ranks_agree(dense, ranks, "tensor-parallel")
+    for ranks in sorted({layout.expert_tp.ranks for _, _, layout in gathered}):
+        _check_ranks_agree(expert, ranks, "expert tensor-parallel")
+    for ranks in sorted({layout.ep.ranks for _, _, layout in gathered}):
+        counts = [gathered[r][2].experts.local_counts for r in ranks]
+        if any(c != counts[0] for c in counts):
+            raise ValueError(f"expert-parallel ranks {ranks} hold different numbers of local experts: {counts}")
+
+
+def _entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None) -> dict:
+    """stored name -> _Entry once every rank has read its specs, passed
+    check(entries, layout) (which returns an error or None) and agrees with the ranks of its groups
+    (_check_layouts_agree). One collective exchanges all of it, and every rank checks every group,
+    so all raise together and none is left waiting in a later collective."""
+    entries, held, layout, error = None, None, None, None
     try:
-        entries = _local_entries(state, tp_size)
+        layout = _layout(state, *groups)
+        entries = _local_entries(state, layout)
         held = _held(entries, with_checksums)
-        error = check(entries) if check else None
+        error = check(entries, layout) if check else None
     except ValueError as exc:
         error = exc
-    group = tp_group if tp_group is not None else dist.group.WORLD
-    tp_ranks = tuple(dist.get_process_group_ranks(group)) if dist.is_initialized() else (0,)
-    gathered = _gather_from_all_ranks((error, held, tp_ranks))
-    held_by_rank = [h for _, h, _ in gathered]
-    if all(h is not None for h in held_by_rank):
-        for ranks in sorted({r for _, _, r in gathered}):
-            _check_tp_ranks_agree(held_by_rank, ranks)
+    gathered = _gather_from_all_ranks((error, held, layout))
+    if all(h is not None for _, h, _ in gathered):
+        _check_layouts_agree(gathered)
     _raise_first_error(error, [e for e, _, _ in gathered])
     return entries
 
@@ -207,17 +274,17 @@ def _alias(local: torch.Tensor) -> torch.Tensor:
     return local.detach()
 
 
-def _dcp_state(entries: dict, tp_size: int, tp_rank: int, make_buffer) -> dict:
+def _dcp_state(entries: dict, make_buffer) -> dict:
     """The state dict handed to DCP: make_buffer(local) for each tensor (marked with its chunks if
     sharded), other objects as they are."""
     state = {}
-    for name, (local, spec) in entries.items():
-        if spec is None:
-            state[name] = local
-        elif spec.sharded:
-            state[name] = _as_checkpoint_chunks(make_buffer(local), spec, tp_size, tp_rank)
+    for name, entry in entries.items():
+        if entry.spec is None:
+            state[name] = entry.local
+        elif entry.spec.sharded:
+            state[name] = _as_checkpoint_chunks(make_buffer(entry.local), entry.spec, entry.tp.size, entry.tp.rank)
         else:
-            state[name] = make_buffer(local)
+            state[name] = make_buffer(entry.local)
     return state
 
 
@@ -241,101 +308,84 @@ class _SavePlanner(dcp.DefaultSavePlanner):
         return data
 
 
-def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, *, tp_group=None) -> None:
+def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, *, tp_group=None, ep_group=None,
+                 expert_tp_group=None) -> None:
     """Saves each entry as its logical global tensor with DCP (see the module docstring)."""
-    _require_checkpointable_tensor()
-    tp_size, tp_rank = _tp_size_and_rank(tp_group)
-    entries = _entries_agreed_by_tp_ranks(_state_of(module_or_state_dict), tp_group, tp_size, with_checksums=True)
-    state = _dcp_state(entries, tp_size, tp_rank, _alias)
+    _require_dependencies()
+    entries = _entries_agreed(_state_of(module_or_state_dict), (tp_group, ep_group, expert_tp_group),
+                              with_checksums=True)
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, overwrite=True), planner=planner)
+    dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
 
 
-def _read_metadata(path: str) -> Metadata:
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise FileNotFoundError(f"no checkpoint at {path!r}: its .metadata file does not exist")
-    try:
-        return dcp.FileSystemReader(path).read_metadata()
-    except Exception as exc:  # unpickling a damaged file can raise almost anything
-        raise ValueError(f"checkpoint {path!r}: .metadata is unreadable (truncated?): {exc!r}") from exc
-
-
-def _check_against_checkpoint(entries: dict, metadata: Metadata, tp_size: int, path: str):
+def _check_against_checkpoint(entries: dict, layout: _Layout, metadata: Metadata, path: str):
     stored = metadata.state_dict_metadata
-    missing, unexpected = sorted(entries.keys() - stored.keys()), sorted(stored.keys() - entries.keys())
+    check_expert_counts(stored.keys(), layout.experts, path)
+    missing = sorted(entries.keys() - stored.keys())
+    unexpected = sorted(n for n in stored.keys() - entries.keys() if layout.experts.holds(n))
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match the module: missing {missing}, unexpected {unexpected}")
-    for name, (local, spec) in entries.items():
+    for name, (module_name, local, spec, tp) in entries.items():
         md = stored[name]
         if (spec is None) != isinstance(md, BytesStorageMetadata):
             kinds = ("an object", "a tensor") if spec is None else ("a tensor", "an object")
-            raise ValueError(f"{name}: the module holds {kinds[0]}, the checkpoint {kinds[1]}")
+            raise ValueError(f"{module_name}: the module holds {kinds[0]}, the checkpoint {kinds[1]} (as {name})")
         if spec is None:
             continue
         saved_shape = tuple(md.size)
-        if spec.sharded and len(saved_shape) == local.dim() and saved_shape[spec.dim] % (spec.stride * tp_size):
+        if spec.sharded and len(saved_shape) == local.dim() and saved_shape[spec.dim] % (spec.stride * tp.size):
             raise ValueError(
-                f"{name}: cannot be split across tensor-parallel degree {tp_size}: dim {spec.dim} has "
-                f"{saved_shape[spec.dim]} entries in the checkpoint, not a multiple of {tp_size} ranks x "
+                f"{module_name}: cannot be split across tensor-parallel degree {tp.size}: dim {spec.dim} has "
+                f"{saved_shape[spec.dim]} entries in the checkpoint, not a multiple of {tp.size} ranks x "
                 f"stride {spec.stride}")
-        expected = global_shape(local.shape, spec, tp_size)
+        expected = global_shape(local.shape, spec, tp.size)
         if saved_shape != expected:
             raise ValueError(
-                f"{name}: the checkpoint holds global shape {saved_shape}, the module expects {expected} "
-                f"(local {tuple(local.shape)} at tensor-parallel degree {tp_size})")
+                f"{module_name}: the checkpoint holds global shape {saved_shape} (as {name}), the module expects "
+                f"{expected} (local {tuple(local.shape)} at tensor-parallel degree {tp.size})")
         if md.properties.dtype != local.dtype:
-            raise ValueError(f"{name}: the checkpoint holds {md.properties.dtype}, the module {local.dtype}")
+            raise ValueError(f"{module_name}: the checkpoint holds {md.properties.dtype}, the module {local.dtype}")
 
 
-def _check_data_files(metadata: Metadata, path: str):
-    """Every data file the checkpoint's entries point into exists and is long enough."""
-    needed = {}
-    for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for file, size in sorted(needed.items()):
-        full = os.path.join(path, file)
-        if not os.path.isfile(full):
-            raise FileNotFoundError(f"checkpoint {path!r} is incomplete: data file {file} does not exist")
-        if os.path.getsize(full) < size:
-            raise ValueError(
-                f"checkpoint {path!r} is truncated: data file {file} has {os.path.getsize(full)} bytes, "
-                f"its entries need {size}")
-
-
-def _reason_not_to_load(entries: dict, path: str, tp_size: int) -> Optional[Exception]:
+def _reason_not_to_load(entries: dict, layout: _Layout, path: str) -> Optional[Exception]:
     """None when the checkpoint at path can be loaded into entries, else the error saying why not."""
     try:
-        metadata = _read_metadata(path)
-        _check_against_checkpoint(entries, metadata, tp_size, path)
-        _check_data_files(metadata, path)
+        metadata = read_metadata(path)
+        _check_against_checkpoint(entries, layout, metadata, path)
+        check_data_files(metadata, path)
         return None
     except (ValueError, OSError) as exc:
         return exc
 
 
-def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, staged: bool = False) -> None:
-    """Loads a save_sharded checkpoint into module at its TP degree, in place or staged (module docstring)."""
-    _require_checkpointable_tensor()
-    tp_size, tp_rank = _tp_size_and_rank(tp_group)
-    entries = _entries_agreed_by_tp_ranks(module.state_dict(keep_vars=True), tp_group, tp_size, with_checksums=False,
-                                          check=lambda mine: _reason_not_to_load(mine, path, tp_size))
+def _failures(exc: dcp.CheckpointException) -> str:
+    return "; ".join(f"rank {rank}: {error!r}" for rank, (error, _) in sorted(exc.failures.items()))
 
-    loaded = _dcp_state(entries, tp_size, tp_rank, torch.empty_like if staged else _alias)
+
+def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
+                 staged: bool = False) -> None:
+    """Loads a save_sharded checkpoint into module at its (TP, EP) layout, in place or staged (module docstring)."""
+    _require_dependencies()
+    entries = _entries_agreed(module.state_dict(keep_vars=True), (tp_group, ep_group, expert_tp_group),
+                              with_checksums=False, check=lambda *mine: _reason_not_to_load(*mine, path))
+
+    loaded = _dcp_state(entries, torch.empty_like if staged else _alias)
     # No flattening: DCP would otherwise put loaded objects (extra state) into a copy of `loaded`.
     planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
-        dcp.load(loaded, storage_reader=dcp.FileSystemReader(path), planner=planner)
+        dcp.load(loaded, storage_reader=ChecksummedReader(path), planner=planner)
     except dcp.CheckpointException as exc:
         if staged:
-            raise RuntimeError(f"reading checkpoint {path!r} failed; the module was left unchanged") from exc
+            raise RuntimeError(
+                f"reading checkpoint {path!r} failed; the module was left unchanged: {_failures(exc)}") from exc
         raise RuntimeError(
-            f"reading checkpoint {path!r} failed part-way; the module may be partially loaded (pass "
-            "staged=True to read into temporaries first and leave it unchanged on such a failure)") from exc
+            f"reading checkpoint {path!r} failed part-way; the module may be partially loaded (pass staged=True "
+            f"to read into temporaries first and leave it unchanged on such a failure): {_failures(exc)}") from exc
 
     with torch.no_grad():
-        for name, (local, spec) in entries.items():
-            if spec is None:
-                owner = name[: -len(_EXTRA_STATE_KEY_SUFFIX)].rstrip(".")
+        for name, entry in entries.items():
+            if entry.spec is None:
+                owner = entry.module_name[: -len(_EXTRA_STATE_KEY_SUFFIX)].rstrip(".")
                 module.get_submodule(owner).set_extra_state(loaded[name])
             elif staged:
-                local.copy_(loaded[name])
+                entry.local.copy_(loaded[name])

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-DEPS=(torch==2.14.1 "megatron-core==0.19.2" pytest hypothesis numpy matplotlib ninja setuptools wheel cut-cross-entropy liger-kernel)
+DEPS=(torch==2.14.1 "megatron-core==0.19.2" xxhash pytest hypothesis numpy matplotlib ninja setuptools wheel cut-cross-entropy liger-kernel)
 
 find_python() {
   local candidates=("${PYTHON:-}" python3.12 python3)

@@ -7,6 +7,9 @@ the test's own reference split (Megatron's rule: chunks of N / (stride * tp), ra
 r, r + tp, ...), not from the code under test.
 """
 import os
+import pickle
+import re
+import shutil
 import zlib
 
 import pytest
@@ -14,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from fused_rl_ops import checkpoint_integrity
 from fused_rl_ops.testing.distributed import run_distributed
 from fused_rl_ops.checkpoint import (
     ShardingMetadataError,
@@ -26,9 +30,11 @@ from fused_rl_ops.checkpoint import (
 )
 
 # save_sharded/load_sharded need DCP's CheckpointableTensor (torch 2.14; the GPU machine's torch 2.11
-# lacks it) and the tiny-GPTModel check needs megatron-core: elsewhere those tests do not apply.
-needs_checkpointable_dcp = pytest.mark.skipif(not hasattr(dcp, "CheckpointableTensor"),
-                                              reason="this torch's DCP has no CheckpointableTensor")
+# lacks it) and the xxhash package (CI installs it), and the tiny-GPTModel check needs megatron-core:
+# elsewhere those tests do not apply.
+needs_checkpointable_dcp = pytest.mark.skipif(
+    not hasattr(dcp, "CheckpointableTensor") or checkpoint_integrity.xxhash is None,
+    reason="this torch's DCP has no CheckpointableTensor, or the xxhash package is missing")
 
 # --- reference helpers ----------------------------------------------------------------------------
 
@@ -429,7 +435,7 @@ def _load_failures(rank, world_size, root):
     for name in ("good", "truncated", "no_data", "bad_metadata"):
         save_sharded(Toy(original, 2, rank, step=7), f"{root}/{name}")
 
-    _assert_load_fails_untouched(f"{root}/absent", FileNotFoundError, "no checkpoint at")
+    _assert_load_fails_untouched(f"{root}/absent", FileNotFoundError, "no complete checkpoint at")
     _on_rank_0(lambda: _truncate_to_half(f"{root}/truncated/__1_0.distcp"))
     _assert_load_fails_untouched(f"{root}/truncated", ValueError, "truncated: data file __1_0.distcp")
     _on_rank_0(lambda: os.remove(f"{root}/no_data/__0_0.distcp"))
@@ -487,6 +493,69 @@ def _load_failures(rank, world_size, root):
     target = Toy(logical_state(seed=2), 2, rank, step=0)
     load_sharded(target, f"{root}/good")
     assert_all_same(target, Toy(original, 2, rank, step=7))
+
+    _damaged_data(rank, root, original)
+
+
+def _stored_items(path):
+    """(data file, first byte, end, entry name) of every item in a checkpoint, read from DCP's own
+    .metadata (DCP's per-item storage info)."""
+    with open(f"{path}/.metadata", "rb") as f:
+        metadata = pickle.load(f)
+    return sorted((info.relative_path, info.offset, info.offset + info.length, index.fqn)
+                  for index, info in metadata.storage_data.items())
+
+
+def _damaged_data(rank, root, original):
+    """Checksums: a flipped byte in any data file, a data file from another save of the same model,
+    a data file longer than its entries, a checkpoint without checksums, and another model's
+    checkpoint. Every error names the entry or file; the staged path leaves the module unchanged."""
+    save_sharded(Toy(logical_state(seed=3), 2, rank, step=9), f"{root}/other_save")
+    items = _stored_items(f"{root}/good")
+    # one flipped byte in the middle of the largest item of each data file (tensor bytes, mostly)
+    for file in sorted({item[0] for item in items}):
+        start, end, name = max((item[1:] for item in items if item[0] == file), key=lambda item: item[1] - item[0])
+        damaged = f"{root}/flipped_{file}"
+
+        def flip(damaged=damaged, file=file, start=start, end=end):
+            shutil.copytree(f"{root}/good", damaged)
+            with open(f"{damaged}/{file}", "r+b") as f:
+                f.seek((start + end) // 2)
+                byte = f.read(1)[0]
+                f.seek((start + end) // 2)
+                f.write(bytes([byte ^ 0x10]))
+
+        _on_rank_0(flip)
+        expected = rf"{re.escape(name)}: its bytes {start}..{end} in data file {file} .* do not match the checksum"
+        _assert_load_fails_untouched(damaged, RuntimeError, f"left unchanged.*{expected}", paths=(True,))
+        with pytest.raises(RuntimeError, match=f"may be partially loaded.*{expected}"):
+            load_sharded(Toy(logical_state(seed=2), 2, rank, step=0), damaged)
+
+    # The data of another save beside this save's .metadata: same sizes, other bytes.
+    def mix():
+        shutil.copytree(f"{root}/good", f"{root}/mixed")
+        shutil.copy(f"{root}/other_save/__1_0.distcp", f"{root}/mixed/__1_0.distcp")
+
+    _on_rank_0(mix)
+    _assert_load_fails_untouched(f"{root}/mixed", RuntimeError,
+                                 r"left unchanged.*: its bytes \d+\.\.\d+ in data file __1_0.distcp", paths=(True,))
+
+    # Checked before anything is read, so both paths leave the module unchanged.
+    def grow():
+        shutil.copytree(f"{root}/good", f"{root}/longer")
+        with open(f"{root}/longer/__0_0.distcp", "ab") as f:
+            f.write(b"\0")
+
+    _on_rank_0(grow)
+    _assert_load_fails_untouched(f"{root}/longer", ValueError, "inconsistent: data file __0_0.distcp has")
+    dcp.save(Toy(original, 1, 0, step=7).state_dict(), checkpoint_id=f"{root}/plain_dcp",  # the logical tensors
+             planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
+    _assert_load_fails_untouched(f"{root}/plain_dcp", ValueError, "no checksum for .* not written by save_sharded")
+    another_model = torch.nn.Linear(6, 6)
+    weight = another_model.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"does not match the module: missing \['bias', 'weight'\], unexpected \[.*"):
+        load_sharded(another_model, f"{root}/good")
+    assert same_bits(another_model.weight, weight)
 
 
 def _two_rank_checks(rank, world_size, root):
@@ -594,3 +663,165 @@ def test_round_trips_across_tp_degrees_and_tiny_gpt(tmp_path):
     fp32 reduction-order tolerance). One spawned run: starting processes is most of the time."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     run_distributed(_four_rank_checks, 4, str(tmp_path))
+
+
+# --- a save that dies part-way (2 processes, one of them killed) ---------------------------------
+
+def _dies_while_writing(rank, world_size, root):
+    save_sharded(Toy(logical_state(seed=1), 2, rank, step=7), root)  # a complete checkpoint
+    dist.barrier()
+    if rank == 1:  # overwriting it, rank 1 dies once its first item is in its data file
+        def close_then_die(self):
+            real_close(self)
+            os._exit(17)
+
+        real_close = checkpoint_integrity._HashingStream.close
+        checkpoint_integrity._HashingStream.close = close_then_die
+    save_sharded(Toy(logical_state(seed=3), 2, rank, step=9), root)
+
+
+@needs_checkpointable_dcp
+def test_a_save_killed_part_way_leaves_nothing_loadable(tmp_path):
+    """A rank killed in the middle of overwriting a checkpoint: the old .metadata must not survive
+    beside the new partial data, so load_sharded (here in this process, at TP 1) refuses the
+    directory and leaves the module unchanged."""
+    with pytest.raises(Exception, match="exit code 17"):
+        run_distributed(_dies_while_writing, 2, str(tmp_path))
+    assert os.path.getsize(tmp_path / "__1_0.distcp") > 0
+    target = Toy(logical_state(seed=2), 1, 0, step=0)
+    tensors, _ = _snapshot(target)
+    for staged in (False, True):
+        with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+            load_sharded(target, str(tmp_path), staged=staged)
+    assert all(same_bits(t, tensors[name]) for name, t in tensors_of(target).items())
+
+
+# --- expert-parallel round trips (4 processes) ----------------------------------------------------
+
+EXPERT_PREFIX = "decoder.layers.1.mlp.experts.local_experts"
+# Shaped like megatron-core 0.19.2's MoE layer with SequentialMLP experts: the name after
+# "local_experts.<i>.", logical shape of one expert, dtype, sharding attributes, (dim, stride).
+EXPERT_LAYOUT = [
+    ("linear_fc1.weight", (16, 6), torch.bfloat16, legacy(0, 2), (0, 2)),  # GLU [W ; V]
+    ("linear_fc2.weight", (6, 8), torch.float32, legacy(1), (1, 1)),
+    ("linear_fc2.bias", (6,), torch.float32, {}, None),  # replicated over expert TP
+]
+DENSE_LAYOUT = [
+    ("decoder.layers.0.mlp.linear_fc1.weight", (16, 6), torch.float32, legacy(0, 2), (0, 2)),
+    ("decoder.layers.0.mlp.linear_fc2.weight", (6, 8), torch.float32, legacy(1), (1, 1)),
+    ("decoder.layers.1.mlp.router.weight", (4, 6), torch.float32, {}, None),
+    ("decoder.final_layernorm.weight", (6,), torch.float32, {}, None),
+]
+
+
+def moe_logical_state(num_experts, seed):
+    state = {name: random_bits(shape, dtype, seed * 1000 + i) for i, (name, shape, dtype, _, _) in enumerate(DENSE_LAYOUT)}
+    for e in range(num_experts):
+        for i, (name, shape, dtype, _, _) in enumerate(EXPERT_LAYOUT):
+            state[f"{EXPERT_PREFIX}.{e}.{name}"] = random_bits(shape, dtype, seed * 1000 + 100 * (e + 1) + i)
+    return state
+
+
+def _shard(full, split, size, rank):
+    return reference_shard(full, *split, size, rank) if split else full
+
+
+class MoEToy(torch.nn.Module):
+    """One rank of a model with a dense MLP and a SequentialMLP-shaped MoE layer: dense shards over
+    the TP group, experts ep_rank * n .. + n - 1 of the logical state as local experts 0..n-1,
+    sharded over the expert TP group; `allreduce` set on expert parameters as megatron-core sets
+    it (False when they use the expert process groups: EP > 1 or expert TP != TP)."""
+
+    def __init__(self, logical, layout, num_local):
+        super().__init__()
+        tp_group, ep_group, expert_tp_group = layout
+        tp, ep = _size_and_rank(tp_group), _size_and_rank(ep_group)
+        etp = tp if expert_tp_group is None else _size_and_rank(expert_tp_group)  # expert TP defaults to TP
+        for name, _, _, attributes, split in DENSE_LAYOUT:
+            add_parameter(self, name, _shard(logical[name], split, *tp).clone(), attributes)
+        uses_expert_groups = ep[0] > 1 or etp[0] != tp[0]
+        for i in range(num_local):
+            for name, _, _, attributes, split in EXPERT_LAYOUT:
+                full = logical[f"{EXPERT_PREFIX}.{ep[1] * num_local + i}.{name}"]
+                add_parameter(self, f"{EXPERT_PREFIX}.{i}.{name}", _shard(full, split, *etp).clone(),
+                              {**attributes, "allreduce": not uses_expert_groups})
+
+
+def _size_and_rank(group):
+    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+def _moe_layouts():
+    """(TP group, EP group, expert TP group) of each layout on 4 ranks; every rank creates every group."""
+    singles, pairs, everyone = tp_group_of_size(1), tp_group_of_size(2), tp_group_of_size(4)
+    strided = None
+    for ranks in ([0, 2], [1, 3]):
+        group = dist.new_group(ranks)
+        strided = group if dist.get_rank() in ranks else strided
+    return {
+        "TP2/EP1": (pairs, None, None),  # expert TP = TP 2; data-parallel replicas {0, 2}, {1, 3}
+        "TP1/EP2": (singles, pairs, None),
+        "TP1/EP4": (singles, everyone, None),
+        "TP2/EP2": (pairs, strided, None),  # TP ranks {0, 1} hold the same experts (expert TP 2)
+        "TP2/EP2/ETP1": (pairs, pairs, singles),  # TP ranks {0, 1} hold different experts
+    }
+
+
+def _moe_kwargs(layout):
+    return dict(zip(("tp_group", "ep_group", "expert_tp_group"), layout))
+
+
+def _assert_untouched_by_failing_load(module, path, layout, match):
+    before = {name: t.clone() for name, t in tensors_of(module).items()}
+    for staged in (False, True):
+        with pytest.raises(ValueError, match=match):
+            load_sharded(module, path, staged=staged, **_moe_kwargs(layout))
+        assert all(same_bits(t, before[name]) for name, t in tensors_of(module).items())
+
+
+def _expert_parallel_checks(rank, world_size, root):
+    layouts = _moe_layouts()
+    original = moe_logical_state(4, seed=1)
+    for save in ("TP2/EP1", "TP2/EP2", "TP2/EP2/ETP1", "TP1/EP2"):
+        layout = layouts[save]
+        save_sharded(MoEToy(original, layout, 4 // _size_and_rank(layout[1])[0]), f"{root}/{save}",
+                     **_moe_kwargs(layout))
+    for i, (save, load) in enumerate([("TP2/EP1", "TP1/EP2"), ("TP1/EP2", "TP1/EP4"), ("TP2/EP2", "TP2/EP1"),
+                                      ("TP2/EP2/ETP1", "TP2/EP2"), ("TP2/EP2", "TP2/EP2/ETP1"),
+                                      ("TP1/EP2", "TP2/EP2/ETP1"), ("TP2/EP1", "TP1/EP4")]):
+        layout = layouts[load]
+        num_local = 4 // _size_and_rank(layout[1])[0]
+        target = MoEToy(moe_logical_state(4, seed=2), layout, num_local)
+        expected = MoEToy(original, layout, num_local)
+        assert_all_differ(target, expected)
+        load_sharded(target, f"{root}/{save}", staged=bool(i % 2), **_moe_kwargs(layout))
+        assert_all_same(target, expected)
+
+    # Expert counts that do not fit are refused before any tensor is read.
+    _assert_untouched_by_failing_load(MoEToy(original, layouts["TP1/EP2"], 1), f"{root}/TP2/EP1", layouts["TP1/EP2"],
+                                      "holds 4 experts under .*local_experts., the module 2 .1 per rank x "
+                                      "expert-parallel degree 2")
+    _assert_untouched_by_failing_load(MoEToy(moe_logical_state(8, 2), layouts["TP1/EP4"], 2), f"{root}/TP2/EP1",
+                                      layouts["TP1/EP4"], "holds 4 experts .*, the module 8")
+    six = moe_logical_state(6, seed=3)
+    save_sharded(MoEToy(six, layouts["TP1/EP2"], 3), f"{root}/six", **_moe_kwargs(layouts["TP1/EP2"]))
+    _assert_untouched_by_failing_load(MoEToy(original, layouts["TP1/EP4"], 1), f"{root}/six", layouts["TP1/EP4"],
+                                      "its 6 experts under .* cannot be split over expert-parallel degree 4")
+    holed = {name: t for name, t in six.items() if ".local_experts.2." not in name}
+    dcp.save(holed, checkpoint_id=f"{root}/holed")
+    _assert_untouched_by_failing_load(MoEToy(original, layouts["TP1/EP2"], 2), f"{root}/holed", layouts["TP1/EP2"],
+                                      r"numbered \[0, 1, 3, 4, 5\], not 0..4: missing \[2\]")
+    with pytest.raises(ValueError, match=r"local expert indices \[0, 1, 3, 4, 5\] are not 0..4"):
+        save_sharded(holed, f"{root}/holed_save", **_moe_kwargs(layouts["TP1/EP4"]))
+    uneven = MoEToy(original, layouts["TP1/EP2"], 2 if rank % 2 else 1)
+    with pytest.raises(ValueError, match="expert-parallel ranks .* hold different numbers of local experts"):
+        save_sharded(uneven, f"{root}/uneven", **_moe_kwargs(layouts["TP1/EP2"]))
+
+
+@needs_checkpointable_dcp
+def test_expert_parallel_round_trips(tmp_path):
+    """An MoE-shaped toy with 4 experts saved at (TP, EP, expert TP) = (2, 1, 2), (2, 2, 2),
+    (2, 2, 1) and (1, 2, 1) loads bit for bit at another layout (TP 2 / EP 1 -> TP 1 / EP 2,
+    EP 2 -> EP 4, expert TP 2 <-> 1 at TP 2, ...); expert counts that do not fit are clear errors
+    with the module untouched. One spawned run of 4 processes."""
+    run_distributed(_expert_parallel_checks, 4, str(tmp_path))
