@@ -28,6 +28,7 @@ HARNESS = ROOT / "tests" / "kernels_on_cpu"
 CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
 CXX = os.environ.get("CXX", "g++")
 OPS = ("logprob", "swiglu", "value_head")
+DRIVERS = (*OPS, "harness_selftest")
 BUILDS = {
     "plain": [],
     "tsan": ["-fsanitize=thread"],
@@ -57,15 +58,16 @@ pytestmark = [
 # Building and running the drivers
 
 
-def build_drivers(csrc, out_dir, ops=OPS):
-    """Compiles <op>_driver for every op and build variant into out_dir/<variant>/, in parallel."""
+def build_drivers(csrc, out_dir, drivers=DRIVERS):
+    """Compiles each driver (tests/kernels_on_cpu/NAME.cpp; <op>_driver.cpp for an op) against the
+    kernel headers in csrc, in every build variant, into out_dir/<variant>/NAME, in parallel."""
     jobs = []
     for variant, flags in BUILDS.items():
         (out_dir / variant).mkdir(parents=True, exist_ok=True)
-        for op in ops:
+        for name in (f"{d}_driver" if d in OPS else d for d in drivers):
             cmd = [CXX, "-std=c++17", "-O1", "-g", "-pthread", "-Wall", "-Wno-unknown-pragmas", *flags,
-                   f"-I{CUDA_INCLUDE}", f"-I{csrc}", f"-I{HARNESS}", str(HARNESS / f"{op}_driver.cpp"),
-                   "-o", str(out_dir / variant / f"{op}_driver")]
+                   f"-I{CUDA_INCLUDE}", f"-I{csrc}", f"-I{HARNESS}", str(HARNESS / f"{name}.cpp"),
+                   "-o", str(out_dir / variant / name)]
             jobs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     errors = [job.communicate()[0] for job in jobs if job.wait() != 0]
     assert not errors, "driver build failed:\n" + "\n".join(errors)
@@ -436,3 +438,76 @@ def test_value_head_backward_params(drivers, tmp_path, rows, H, offset, dtype):
     assert_within(out["bias_partials"], g_blocks.sum(-1), sum_tolerance(g_blocks), "stage 1 bias partials")
     assert_within(out["grad_weight"], terms.sum(0), sum_tolerance(terms.T), "grad_weight")
     assert_within(out["grad_bias"], g.sum()[None], sum_tolerance(g[None]), "grad_bias")
+
+
+# ---------------------------------------------------------------------------------------------
+# The model itself: its checks of synchronisation, and the launch shapes of cuda_utils.cuh
+
+
+@pytest.mark.parametrize("scenario,error", [
+    ("good_exchanges", None),
+    ("bad_launch_configs_are_errors", None),
+    ("device_sizes", None),
+    ("bad_barrier_after_return", "threads wait at __syncthreads()"),
+    ("bad_barriers_at_two_places", "threads wait at different __syncthreads()"),
+    ("bad_shuffle_absent_lanes", "names lanes absent from this warp"),
+    ("bad_shuffle_returned_lanes", "returned while its warp waits"),
+    ("bad_deadlock", "deadlock: timed out"),
+])
+def test_harness_selftest(drivers, scenario, error):
+    env = {**os.environ, **SANITIZER_ENV, "CUDA_ON_HOST_TIMEOUT_S": "2"}
+    for variant in BUILDS:
+        r = subprocess.run([str(drivers / variant / "harness_selftest"), scenario], capture_output=True, text=True,
+                           env=env, timeout=120)
+        if error is None:
+            assert r.returncode == 0 and r.stdout == "ok\n" and not r.stderr, f"[{variant}] {r.stderr[:4000]}"
+        else:
+            assert r.returncode == 70 and error in r.stderr and "Sanitizer" not in r.stderr, f"[{variant}] {r.stderr[:4000]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Proof that the harness catches bugs: known defects planted in a copy of the kernel headers, one
+# at a time, each reported by a case above.
+
+DEFECTS = {
+    # value_head stage 1 without the barrier between writing and reading the group sums.
+    "syncthreads_deleted": (
+        "value_head_kernel.cuh", "  __syncthreads();\n  if (threadIdx.y != 0 || c >= H) return;",
+        "  if (threadIdx.y != 0 || c >= H) return;",
+        lambda d, tmp: test_value_head_backward_params(d, tmp, 130, 40, 0, torch.float32),
+        "ThreadSanitizer: data race"),
+    # The same barrier placed after threads return: reached by part of the block.
+    "barrier_after_return": (
+        "value_head_kernel.cuh", "  __syncthreads();\n  if (threadIdx.y != 0 || c >= H) return;",
+        "  if (threadIdx.y != 0 || c >= H) return;\n  __syncthreads();",
+        lambda d, tmp: test_value_head_backward_params(d, tmp, 130, 40, 0, torch.float32),
+        "cuda_on_host error"),
+    # chosen_logprob's max loop reads one column past the row.
+    "loop_bound_le": (
+        "logprob_kernel.cuh", "for (int64_t k = lane; k < C; k += kWarp) m =",
+        "for (int64_t k = lane; k <= C; k += kWarp) m =",
+        lambda d, tmp: test_logprob_stats_rows(d, tmp, 21, 45, 1, 1.0),
+        "AddressSanitizer: heap-buffer-overflow"),
+    # warp_sum's butterfly starting at offset 8: each half-warp sums only itself (a row of more
+    # than 16 packs).
+    "shuffle_offset_halved": (
+        "cuda_utils.cuh", "for (int offset = kWarp / 2; offset > 0; offset /= 2)",
+        "for (int offset = kWarp / 4; offset > 0; offset /= 2)",
+        lambda d, tmp: test_value_head_forward_and_backward_hidden(d, tmp, 9, 640, 2, 0, True, torch.float32),
+        "forward: "),
+}
+
+
+@pytest.mark.parametrize("defect", list(DEFECTS))
+def test_planted_defect_is_caught(tmp_path, defect):
+    header, good, bad, case, report = DEFECTS[defect]
+    csrc = tmp_path / "csrc"
+    shutil.copytree(CSRC, csrc)
+    text = (csrc / header).read_text()
+    assert text.count(good) == 1, f"{header} no longer holds the line this defect changes"
+    (csrc / header).write_text(text.replace(good, bad))
+    op = {"logprob_kernel.cuh": "logprob", "value_head_kernel.cuh": "value_head"}.get(header, "value_head")
+    drivers = build_drivers(csrc, tmp_path / "build", drivers=(op,))
+    (tmp_path / "run").mkdir()
+    with pytest.raises(AssertionError, match=re.escape(report)):
+        case(drivers, tmp_path / "run")

@@ -219,7 +219,7 @@ struct Device {
 };
 inline std::mutex runtime_mu;
 inline std::vector<Device> devices(1);
-inline int current_device = 0;
+inline thread_local int current_device = 0;  // per host thread, as in CUDA
 inline cudaError_t get_device_error = cudaSuccess;  // returned by cudaGetDevice when set
 inline cudaError_t last_error = cudaSuccess;
 inline unsigned block_order_seed = 0;  // 0: blocks in order
