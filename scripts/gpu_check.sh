@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine (Python 3.12 with torch, nvcc, pytest; no package registry needed):
 # builds for the local GPU only, runs the whole test suite (CPU and CUDA), compute-sanitizer
-# (memcheck, racecheck) on small calls of every CUDA kernel, and every benchmark on CUDA.
+# (memcheck, racecheck, synccheck) on small calls of every CUDA kernel, and every benchmark on CUDA.
 # Usage: scripts/gpu_check.sh OUTDIR   -> OUTDIR/summary.json plus logs, junit.xml, bench_*.json
 set -uo pipefail
 OUT="${1:?usage: gpu_check.sh OUTDIR}"
@@ -30,7 +30,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: runs one stage, logging to OUT/NAME.
 step build 240 $PY setup.py build_ext --inplace
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 step tests 200 $PY -m pytest -q -x --junitxml="$OUT/junit.xml" tests
-for tool in memcheck racecheck; do
+for tool in memcheck racecheck synccheck; do
   step "sanitizer_$tool" 90 compute-sanitizer --tool "$tool" --error-exitcode 1 $PY scripts/sanitizer_cases.py
 done
 for bench in benchmarks/bench_{swiglu,chosen_logprob,value_head}.py; do  # the kernel benchmarks

@@ -86,7 +86,7 @@ def sources_hash():
 def drivers():
     out_dir = ROOT / "build" / "kernels_on_cpu" / sources_hash()
     if not (out_dir / "complete").exists():
-        shutil.rmtree(out_dir, ignore_errors=True)
+        shutil.rmtree(out_dir.parent, ignore_errors=True)  # builds of older sources
         build_drivers(CSRC, out_dir)
         (out_dir / "complete").touch()
     return out_dir
@@ -139,6 +139,15 @@ def run_case(drivers, op, kernel, buffers, scalars, *, grid=None, block_order_se
     return outputs, notes
 
 
+# Grid-stride passes: "several" launches one block for all the rows, "one" the launcher's own grid
+# on a device large enough for every row tile (grid_for); the driver reports the passes made.
+GRIDS = {"several": (1,), "one": None}
+
+
+def assert_passes(notes, passes):
+    assert (int(notes["passes"]) > 1) if passes == "several" else (int(notes["passes"]) == 1), notes
+
+
 def dtype_scalar(dtype):
     return DTYPES[dtype][1]
 
@@ -183,14 +192,14 @@ def stats_tolerance(terms, zmax):
     return 2 * (terms + 2 * zmax + 2) * (1 + 2 * zmax) * FP32_EPS
 
 
-@pytest.mark.parametrize("N,C,grid", [
-    (21, 45, 1),    # 3 row blocks on 1 block: three grid-stride passes; C: a lane tail
-    (21, 45, 3),    # exactly one pass, the last block with 3 idle warps
-    (8, 96, 1),     # one full block; C a multiple of the warp
-    (13, 7, 2),     # fewer columns than lanes (a short last chunk)
+@pytest.mark.parametrize("N,C,passes", [
+    (21, 45, "several"),  # 3 tiles of 8 rows on 1 block; C: a lane tail
+    (21, 45, "one"),      # 3 blocks, the last with 3 idle warps
+    (8, 96, "one"),       # one full block; C a multiple of the warp
+    (13, 7, "several"),   # fewer columns than lanes (a short last chunk)
 ])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprob_stats_rows(drivers, tmp_path, N, C, grid, temperature):
+def test_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature):
     col0 = 100  # the chunk holds global ids [100, 100 + C)
     inv_temp = float(torch.tensor(1 / temperature, dtype=torch.float32))
     logits = torch.randn(N, C) * 3
@@ -205,9 +214,10 @@ def test_logprob_stats_rows(drivers, tmp_path, N, C, grid, temperature):
     stats = torch.stack([m0, s0, t0, torch.full((N,), 0.5, dtype=torch.float64)], 1).float()
     stats[~has_earlier] = torch.tensor([-math.inf, 0.0, 0.0, 0.0])
 
-    out, _ = run_case(drivers, "logprob", "stats_rows",
-                      {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats)},
-                      {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=(grid,), tmp_dir=tmp_path)
+    out, notes = run_case(drivers, "logprob", "stats_rows",
+                          {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats)},
+                          {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=GRIDS[passes], tmp_dir=tmp_path)
+    assert_passes(notes, passes)
     got = out["stats"].double()
 
     z = (logits * inv_temp).double()  # the kernel's fp32 product, exactly
@@ -227,14 +237,14 @@ def test_logprob_stats_rows(drivers, tmp_path, N, C, grid, temperature):
     assert torch.equal(out["stats"][:, 3], expected_chosen)
 
 
-@pytest.mark.parametrize("N,C,grid", [
-    (20, 45, 1),   # block (64, 4): 5 row tiles on one block, a column tail
-    (20, 45, 5),   # exactly one pass
-    (9, 300, 2),   # block (256, 1): two column passes per row, rows over two blocks
-    (33, 3, 1),    # block (4, 64): a partial row tile
+@pytest.mark.parametrize("N,C,passes", [
+    (20, 45, "several"),  # block (64, 4): 5 row tiles on one block, a column tail
+    (20, 45, "one"),
+    (9, 300, "several"),  # block (256, 1): two column passes per row
+    (33, 3, "one"),       # block (4, 64): a partial row tile
 ])
 @pytest.mark.parametrize("temperature", [1.0, 1.3])
-def test_logprob_grad_rows(drivers, tmp_path, N, C, grid, temperature):
+def test_logprob_grad_rows(drivers, tmp_path, N, C, passes, temperature):
     col0 = 64
     inv_temp = float(torch.tensor(1 / temperature, dtype=torch.float32))
     logits = torch.randn(N, C) * 3
@@ -245,10 +255,11 @@ def test_logprob_grad_rows(drivers, tmp_path, N, C, grid, temperature):
     lse, ent = lse_entropy64(torch.cat([z, torch.randn(N, 50, dtype=torch.float64)], 1))
     mean = lse - ent
     gl, ge = torch.randn(N), torch.randn(N)
-    out, _ = run_case(drivers, "logprob", "grad_rows",
-                      {"logits": Buf(logits), "tokens": Buf(tokens), "lse": Buf(lse.float()),
-                       "mean": Buf(mean.float()), "gl": Buf(gl), "ge": Buf(ge)},
-                      {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=(grid,), tmp_dir=tmp_path)
+    out, notes = run_case(drivers, "logprob", "grad_rows",
+                          {"logits": Buf(logits), "tokens": Buf(tokens), "lse": Buf(lse.float()),
+                           "mean": Buf(mean.float()), "gl": Buf(gl), "ge": Buf(ge)},
+                          {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=GRIDS[passes], tmp_dir=tmp_path)
+    assert_passes(notes, passes)
 
     l, mu = lse.float().double()[:, None], mean.float().double()[:, None]
     g, e = gl.double()[:, None], ge.double()[:, None]
@@ -263,8 +274,8 @@ def test_logprob_grad_rows(drivers, tmp_path, N, C, grid, temperature):
     assert_within(out["logits"], expected, tol + 1e-30, "logit gradients")
 
 
-@pytest.mark.parametrize("ranks,N,grid", [(3, 300, 1), (3, 300, 2), (1, 5, 1), (4, 17, 1)])
-def test_logprob_combine(drivers, tmp_path, ranks, N, grid):
+@pytest.mark.parametrize("ranks,N,passes", [(3, 300, "several"), (3, 300, "one"), (1, 5, "one"), (4, 17, "one")])
+def test_logprob_combine(drivers, tmp_path, ranks, N, passes):
     # Each rank's partials from its own shard of logits; rank 1 holds only padded vocab rows (no
     # logits: empty stats) when there are several; the chosen logit sits on one rank.
     C = 20
@@ -275,8 +286,10 @@ def test_logprob_combine(drivers, tmp_path, ranks, N, grid):
     owner = torch.randint(0, ranks, (N,))
     partials[owner, torch.arange(N), 3] = torch.randn(N, dtype=torch.float64)
     partials = partials.float()
-    out, _ = run_case(drivers, "logprob", "combine", {"partials": Buf(partials), "out": Buf(torch.full((N, 3), math.nan))},
-                      {"N": N, "ranks": ranks}, grid=(grid,), tmp_dir=tmp_path)
+    out, notes = run_case(drivers, "logprob", "combine",
+                          {"partials": Buf(partials), "out": Buf(torch.full((N, 3), math.nan))},
+                          {"N": N, "ranks": ranks}, grid=GRIDS[passes], tmp_dir=tmp_path)
+    assert_passes(notes, passes)
 
     seen = torch.cat([z[k] for k in range(ranks) if k != 1 or ranks == 1], 1)
     # The float32 partials carry their own rounding: recompute the reference from them.
@@ -325,20 +338,21 @@ def assert_rounded_once(actual, expected, dtype, what, fp32_error=0.0):
     assert_within(actual, expected, tol, what)
 
 
-# (rows, F, grid, offset, expected width as a multiple of 16 bytes, or 1)
+# (rows, F, grid-stride passes, pointer offset in elements, vector or scalar path). Blocks are
+# [rows, F / N] tiles of 256 threads: with F = 64, 8 to 32 rows per tile.
 SWIGLU_CASES = [
-    (9, 64, 1, 0, "vector"),   # F/N columns per row: several row tiles on one block
-    (9, 64, 9, 0, "vector"),   # exactly one pass (a row per thread row... one tile per block)
-    (5, 37, 2, 0, "scalar"),   # an F no vector width divides: the scalar path, row tails
-    (5, 64, 1, 1, "scalar"),   # an aligned F but a misaligned pointer: the scalar path
-    (3, 600, 1, 0, "vector"),  # more columns than the block has threads: column passes
+    (40, 64, "several", 0, "vector"),
+    (40, 64, "one", 0, "vector"),
+    (5, 37, "several", 0, "scalar"),  # an F no vector width divides: row tails
+    (5, 64, "one", 1, "scalar"),      # an aligned F but a misaligned pointer
+    (2, 2080, "several", 0, "vector"),  # more packs per row than threads: column passes too
 ]
 
 
-@pytest.mark.parametrize("rows,F,grid,offset,path", SWIGLU_CASES)
+@pytest.mark.parametrize("rows,F,passes,offset,path", SWIGLU_CASES)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-def test_swiglu_forward_and_backward(drivers, tmp_path, rows, F, grid, offset, path, interleaved, dtype):
+def test_swiglu_forward_and_backward(drivers, tmp_path, rows, F, passes, offset, path, interleaved, dtype):
     x = swiglu_input(rows, F, dtype)
     dy = torch.randn(rows, F).to(dtype)
     y_ref, dx_ref = swiglu_reference(x, dy, interleaved)
@@ -347,16 +361,18 @@ def test_swiglu_forward_and_backward(drivers, tmp_path, rows, F, grid, offset, p
 
     out, notes = run_case(drivers, "swiglu", "forward",
                           {"x": Buf(x, offset), "y": Buf(torch.full((rows, F), math.nan).to(dtype), offset)},
-                          scalars, grid=(grid,), block_order_seed=rows, tmp_dir=tmp_path / "fwd")
+                          scalars, grid=GRIDS[passes], block_order_seed=rows, tmp_dir=tmp_path / "fwd")
     assert int(notes["width"]) == expected_width
+    assert_passes(notes, passes)
     # u' + offset cancels for u' near -offset: an absolute fp32 error of eps |u'| |g' s| <= 50 eps.
     assert_rounded_once(out["y"], y_ref, dtype, "y", fp32_error=8 * FP32_EPS * 50)
 
     out, notes = run_case(drivers, "swiglu", "backward",
                           {"x": Buf(x, offset), "y": Buf(dy, offset),
                            "x_grad": Buf(torch.full((rows, 2 * F), math.nan).to(dtype), offset)},
-                          scalars, grid=(grid,), tmp_dir=tmp_path / "bwd")
+                          scalars, grid=GRIDS[passes], tmp_dir=tmp_path / "bwd")
     assert int(notes["width"]) == expected_width
+    assert_passes(notes, passes)
     # d/dg = dy (u' + offset) (s + alpha g' s (1 - s)) cancels between terms of up to ~100 in size
     # for |g|, |u| <= 7 (the clamp), |dy| <= 4: an absolute fp32 error of a few eps times 100.
     assert_rounded_once(out["x_grad"], dx_ref, dtype, "dx", fp32_error=8 * FP32_EPS * 100)
@@ -373,19 +389,20 @@ def sum_tolerance(terms):
     return (terms.shape[-1] + 1) * FP32_EPS / 2 * terms.abs().sum(-1)
 
 
-# (rows, H, grid, offset, vector path?)
+# (rows, H, grid-stride passes, pointer offset in elements, vector path?). The forward's blocks
+# take 8 rows, backward_hidden's [rows, H / N] tiles of 256 threads up to 32.
 VALUE_HEAD_CASES = [
-    (20, 40, 1, 0, True),      # 3 row blocks of 8 on one block: grid-stride passes
-    (20, 40, 3, 0, True),      # exactly one pass
-    (13, 37, 1, 0, False),     # H no width divides: the scalar path
-    (13, 40, 1, 1, False),     # a misaligned pointer: the scalar path
-    (9, 640, 2, 0, True),      # enough packs for the 4-loads-in-flight loop and its tail
+    (70, 40, "several", 0, True),
+    (70, 40, "one", 0, True),
+    (13, 37, "several", 0, False),  # H no width divides: the scalar path
+    (13, 40, "one", 1, False),      # a misaligned pointer: the scalar path
+    (9, 640, "several", 0, True),   # enough packs for the 4-loads-in-flight loop and its tail
 ]
 
 
-@pytest.mark.parametrize("rows,H,grid,offset,vector", VALUE_HEAD_CASES)
+@pytest.mark.parametrize("rows,H,passes,offset,vector", VALUE_HEAD_CASES)
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-def test_value_head_forward_and_backward_hidden(drivers, tmp_path, rows, H, grid, offset, vector, dtype):
+def test_value_head_forward_and_backward_hidden(drivers, tmp_path, rows, H, passes, offset, vector, dtype):
     hidden = torch.randn(rows, H).to(dtype)
     weight = torch.randn(H)
     bias = torch.randn(1)
@@ -395,8 +412,9 @@ def test_value_head_forward_and_backward_hidden(drivers, tmp_path, rows, H, grid
     out, notes = run_case(drivers, "value_head", "forward",
                           {"hidden": Buf(hidden, offset), "weight": Buf(weight, offset), "bias": Buf(bias),
                            "out": Buf(torch.full((rows,), math.nan))},
-                          scalars, grid=(grid,), block_order_seed=7, tmp_dir=tmp_path / "fwd")
+                          scalars, grid=GRIDS[passes], block_order_seed=7, tmp_dir=tmp_path / "fwd")
     assert int(notes["width"]) == width
+    assert_passes(notes, passes)
     terms = hidden.double() * weight.double()
     expected = terms.sum(1) + (bias.double() if rows % 2 else 0.0)
     assert_within(out["out"], expected, sum_tolerance(terms) + FP32_EPS * expected.abs(), "forward")
@@ -405,8 +423,9 @@ def test_value_head_forward_and_backward_hidden(drivers, tmp_path, rows, H, grid
     out, notes = run_case(drivers, "value_head", "backward_hidden",
                           {"grad_out": Buf(grad_out), "weight": Buf(weight, offset),
                            "grad_hidden": Buf(torch.full((rows, H), math.nan).to(dtype), offset)},
-                          scalars, grid=(grid,), tmp_dir=tmp_path / "bwd")
+                          scalars, grid=GRIDS[passes], tmp_dir=tmp_path / "bwd")
     assert int(notes["width"]) == width
+    assert_passes(notes, passes)
     assert_rounded_once(out["grad_hidden"], grad_out.double()[:, None] * weight.double(), dtype, "grad_hidden")
 
 
@@ -486,14 +505,14 @@ DEFECTS = {
     "loop_bound_le": (
         "logprob_kernel.cuh", "for (int64_t k = lane; k < C; k += kWarp) m =",
         "for (int64_t k = lane; k <= C; k += kWarp) m =",
-        lambda d, tmp: test_logprob_stats_rows(d, tmp, 21, 45, 1, 1.0),
+        lambda d, tmp: test_logprob_stats_rows(d, tmp, 21, 45, "several", 1.0),
         "AddressSanitizer: heap-buffer-overflow"),
     # warp_sum's butterfly starting at offset 8: each half-warp sums only itself (a row of more
     # than 16 packs).
     "shuffle_offset_halved": (
         "cuda_utils.cuh", "for (int offset = kWarp / 2; offset > 0; offset /= 2)",
         "for (int offset = kWarp / 4; offset > 0; offset /= 2)",
-        lambda d, tmp: test_value_head_forward_and_backward_hidden(d, tmp, 9, 640, 2, 0, True, torch.float32),
+        lambda d, tmp: test_value_head_forward_and_backward_hidden(d, tmp, 9, 640, "several", 0, True, torch.float32),
         "forward: "),
 }
 

@@ -238,7 +238,7 @@ template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, Args&&... args) {
   const uint64_t threads = uint64_t(block.x) * block.y * block.z;
   if (threads == 0 || threads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
-      grid.y > 65535 || grid.z > 65535) {
+      grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535) {
     record(cudaErrorInvalidConfiguration);
     return;
   }

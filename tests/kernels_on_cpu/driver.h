@@ -3,14 +3,16 @@
 //
 // case.txt, one entry a line:
 //   kernel NAME                      which launch the driver makes
-//   grid X Y Z                       the grid of a grid-stride kernel (the test picks it)
+//   grid X Y Z                       the grid of a grid-stride kernel; none: the launcher's own
+//                                    for a device large enough for one pass (kLargeDevice)
 //   block_order_seed S               run the blocks in a shuffled order (0: in order)
 //   int NAME VALUE / float NAME VALUE    scalar arguments
 //   buffer NAME DTYPE COUNT OFFSET   NAME.bin holds COUNT elements (f32, bf16, f16, i64); the
 //                                    driver places them OFFSET elements past a 16-byte boundary
 //                                    and with nothing after them, so a read past the end is an
 //                                    AddressSanitizer report; written back to NAME.out after
-// The driver prints "NAME VALUE" lines about the launch it made (e.g. the vector width).
+// The driver prints "NAME VALUE" lines about the launch it made: the vector width and the number
+// of grid-stride passes.
 #pragma once
 
 #include "cuda_on_host.h"
@@ -23,6 +25,9 @@
 #include <sstream>
 
 namespace driver {
+
+// A device on which the launchers' grid_for gives every row tile a block of its own.
+inline const fused_rl_ops::DeviceSize kLargeDevice{1 << 16, 2048};
 
 struct Buffer {
   std::string dtype;
@@ -79,6 +84,15 @@ class Case {
 
   int64_t i(const std::string& name) const { return static_cast<int64_t>(scalar(name)); }
   float f(const std::string& name) const { return static_cast<float>(scalar(name)); }
+
+  // The grid of a launch striding over `rows` rows, block_rows per block: the case's, or the
+  // launcher's own (on kLargeDevice); prints how many passes the blocks make.
+  dim3 row_grid(int64_t rows, int64_t block_rows, dim3 launcher_grid) const {
+    const dim3 g = grid.x ? grid : launcher_grid;
+    const int64_t per_pass = block_rows * g.x;
+    std::cout << "passes " << (rows + per_pass - 1) / per_pass << "\n";
+    return g;
+  }
 
   fused_rl_ops::DType dtype() const { return static_cast<fused_rl_ops::DType>(i("dtype")); }
 

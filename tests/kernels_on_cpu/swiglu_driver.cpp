@@ -1,5 +1,6 @@
 // Runs the clamped SwiGLU CUDA kernels (csrc/swiglu_kernel.cuh) on the CPU, through
-// launch_with_width and the block shape of swiglu_kernel.cu; the grid is the case's.
+// launch_with_width and the launch shapes of swiglu_kernel.cu (the grid: the case's, or the
+// launcher's for one pass).
 #include "driver.h"
 #include "swiglu_kernel.cuh"
 
@@ -19,12 +20,13 @@ int main(int argc, char** argv) {
         using T = std::remove_pointer_t<decltype(type_tag)>;
         constexpr int N = decltype(width)::value;
         std::cout << "width " << N << "\n";
-        const dim3 block = row_launch(rows, F / N, kThreads, DeviceSize{}).block;
+        const RowLaunch cfg = row_launch(rows, F / N, kThreads, driver::kLargeDevice);
+        const dim3 grid = c.row_grid(rows, cfg.block.y, cfg.grid);
         if (forward)
-          launch(swiglu_forward_kernel<T, N, kInter>, c.grid, block, 0, static_cast<const T*>(x), static_cast<T*>(y),
+          launch(swiglu_forward_kernel<T, N, kInter>, grid, cfg.block, 0, static_cast<const T*>(x), static_cast<T*>(y),
                  rows, F, p);
         else
-          launch(swiglu_backward_kernel<T, N, kInter>, c.grid, block, 0, static_cast<const T*>(y),
+          launch(swiglu_backward_kernel<T, N, kInter>, grid, cfg.block, 0, static_cast<const T*>(y),
                  static_cast<const T*>(x), static_cast<T*>(c.raw("x_grad")), rows, F, p);
       };
       constexpr int kBytes = kInter ? 8 : 16;

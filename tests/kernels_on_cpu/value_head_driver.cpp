@@ -1,6 +1,7 @@
 // Runs the value-head CUDA kernels (csrc/value_head_kernel.cuh) on the CPU, through
-// launch_with_width and the shapes of value_head_kernel.cu; forward and backward_hidden take the
-// case's grid, backward_params (both reduction stages) the launcher's.
+// launch_with_width and the launch shapes of value_head_kernel.cu; forward and backward_hidden
+// stride over rows (the grid: the case's, or the launcher's for one pass), backward_params (both
+// reduction stages) has a grid fixed by the work.
 #include "driver.h"
 #include "value_head_kernel.cuh"
 
@@ -17,7 +18,9 @@ int main(int argc, char** argv) {
         using T = std::remove_pointer_t<decltype(type_tag)>;
         constexpr int N = decltype(width)::value;
         std::cout << "width " << N << "\n";
-        launch(value_head_forward_kernel<T, N>, c.grid, dim3(kWarp, kForwardWarps), 0, static_cast<const T*>(hidden),
+        const dim3 grid = c.row_grid(rows, kForwardWarps, grid_for((rows + kForwardWarps - 1) / kForwardWarps,
+                                                                   kWarp * kForwardWarps, driver::kLargeDevice));
+        launch(value_head_forward_kernel<T, N>, grid, dim3(kWarp, kForwardWarps), 0, static_cast<const T*>(hidden),
                c.buf<float>("weight"), bias, c.buf<float>("out"), rows, H);
       });
     }
@@ -27,8 +30,8 @@ int main(int argc, char** argv) {
         using T = std::remove_pointer_t<decltype(type_tag)>;
         constexpr int N = decltype(width)::value;
         std::cout << "width " << N << "\n";
-        const dim3 block = row_launch(rows, H / N, kBroadcastThreads, DeviceSize{}).block;
-        launch(value_head_backward_hidden_kernel<T, N>, c.grid, block, 0, c.buf<float>("grad_out"),
+        const RowLaunch cfg = row_launch(rows, H / N, kBroadcastThreads, driver::kLargeDevice);
+        launch(value_head_backward_hidden_kernel<T, N>, c.row_grid(rows, cfg.block.y, cfg.grid), cfg.block, 0, c.buf<float>("grad_out"),
                c.buf<float>("weight"), static_cast<T*>(grad_hidden), rows, H);
       });
     }
