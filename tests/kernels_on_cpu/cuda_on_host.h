@@ -207,8 +207,12 @@ T from_bits(uint64_t b) {
   return v;
 }
 
-inline void check_width(int width) {
-  if (width < 1 || width > 32 || (width & (width - 1))) fail("shuffle width " + std::to_string(width) + " is not a power of 2 in [1, 32]");
+// One shuffle of the calling lane: v goes to the warp, the value of lane source(lane) comes back.
+template <typename T, typename Source>
+T shuffle(unsigned mask, T v, int width, Site at, const Source& source) {
+  if (width < 1 || width > 32 || (width & (width - 1)))
+    fail("shuffle width " + std::to_string(width) + " is not a power of 2 in [1, 32]");
+  return from_bits<T>(warp().exchange(lane(), mask, to_bits(v), source(lane()), at));
 }
 
 // The stand-in device the runtime calls answer for (what a test sets), and the launch error
@@ -326,29 +330,25 @@ inline void __syncwarp(unsigned mask = 0xffffffffu, cuda_on_host::Site at = {__b
 template <typename T>
 T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32,
               cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
-  cuda_on_host::check_width(width);
-  const int lane = cuda_on_host::lane(), src = lane / width * width + (src_lane % width + width) % width;
-  return cuda_on_host::from_bits<T>(cuda_on_host::warp().exchange(lane, mask, cuda_on_host::to_bits(v), src, at));
+  return cuda_on_host::shuffle(mask, v, width, at,
+                               [&](int lane) { return lane / width * width + (src_lane & (width - 1)); });
 }
 
 // A source past the caller's group of `width` lanes gives the caller's own value (CUDA's rule).
 template <typename T>
 T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32,
                   cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
-  cuda_on_host::check_width(width);
-  const int lane = cuda_on_host::lane();
-  int src = lane ^ lane_mask;
-  if (src >= (lane / width + 1) * width || src < 0 || src > 31) src = lane;
-  return cuda_on_host::from_bits<T>(cuda_on_host::warp().exchange(lane, mask, cuda_on_host::to_bits(v), src, at));
+  return cuda_on_host::shuffle(mask, v, width, at, [&](int lane) {
+    const int src = lane ^ lane_mask;
+    return src >= (lane / width + 1) * width || src < 0 || src > 31 ? lane : src;
+  });
 }
 
 template <typename T>
 T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32,
                    cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
-  cuda_on_host::check_width(width);
-  const int lane = cuda_on_host::lane();
-  const int src = lane % width + int(delta) < width ? lane + int(delta) : lane;
-  return cuda_on_host::from_bits<T>(cuda_on_host::warp().exchange(lane, mask, cuda_on_host::to_bits(v), src, at));
+  return cuda_on_host::shuffle(mask, v, width, at,
+                               [&](int lane) { return lane % width + int(delta) < width ? lane + int(delta) : lane; });
 }
 
 template <typename T>
