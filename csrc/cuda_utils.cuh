@@ -70,7 +70,9 @@ inline cudaError_t current_device_size(DeviceSize& out) {
   }
   DeviceSize size;
   err = cudaDeviceGetAttribute(&size.sms, cudaDevAttrMultiProcessorCount, dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&size.threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, dev);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&size.threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, dev);
+  }
   if (err != cudaSuccess) return err;
   const std::lock_guard<std::mutex> lock(mu);
   known.emplace(dev, size);

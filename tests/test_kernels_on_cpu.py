@@ -164,14 +164,12 @@ def assert_within(actual, expected, tol, what):
 # ---------------------------------------------------------------------------------------------
 # chosen_logprob: stats_rows_kernel, grad_rows_kernel, combine_kernel (logprob_kernel.cuh)
 
-ROWS_PER_BLOCK = 8  # stats_rows_kernel: one warp per row, 8 warps per block
-
-
 def row_stats64(z):
     """(max, sum, ent) of logits z [N, C] (already divided by the temperature), as logprob_math.h
     keeps them, in float64; rows with no columns are (-inf, 0, 0)."""
     if z.shape[1] == 0:
-        return torch.full((z.shape[0],), -math.inf, dtype=torch.float64), *torch.zeros(2, z.shape[0], dtype=torch.float64)
+        empty = torch.zeros(z.shape[0], dtype=torch.float64)
+        return empty - math.inf, empty, empty
     m = z.max(1).values
     e = (z - m[:, None]).exp()
     return m, e.sum(1), (e * (z - m[:, None])).sum(1)
@@ -282,7 +280,8 @@ def test_logprob_combine(drivers, tmp_path, ranks, N, passes):
     z = torch.randn(ranks, N, C, dtype=torch.float64) * 4
     partials = torch.zeros(ranks, N, 4, dtype=torch.float64)
     for k in range(ranks):
-        partials[k, :, 0], partials[k, :, 1], partials[k, :, 2] = row_stats64(z[k] if k != 1 or ranks == 1 else z[k, :, :0])
+        padded = k == 1 and ranks > 1
+        partials[k, :, 0], partials[k, :, 1], partials[k, :, 2] = row_stats64(z[k, :, :0] if padded else z[k])
     owner = torch.randint(0, ranks, (N,))
     partials[owner, torch.arange(N), 3] = torch.randn(N, dtype=torch.float64)
     partials = partials.float()
@@ -445,7 +444,8 @@ def test_value_head_backward_params(drivers, tmp_path, rows, H, offset, dtype):
                           {"grad_out": Buf(grad_out), "hidden": Buf(hidden, offset),
                            "weight_partials": Buf(torch.full((blocks, H), math.nan), offset),
                            "bias_partials": Buf(torch.full((blocks,), math.nan)),
-                           "grad_weight": Buf(torch.full((H,), math.nan)), "grad_bias": Buf(torch.full((1,), math.nan))},
+                           "grad_weight": Buf(torch.full((H,), math.nan)),
+                           "grad_bias": Buf(torch.full((1,), math.nan))},
                           dict(rows=rows, H=H, dtype=dtype_scalar(dtype)), block_order_seed=3, tmp_dir=tmp_path)
     vector = H % (16 // hidden.element_size()) == 0 and offset == 0
     assert int(notes["width"]) == (16 // hidden.element_size() if vector else 1)
@@ -481,7 +481,8 @@ def test_harness_selftest(drivers, scenario, error):
         if error is None:
             assert r.returncode == 0 and r.stdout == "ok\n" and not r.stderr, f"[{variant}] {r.stderr[:4000]}"
         else:
-            assert r.returncode == 70 and error in r.stderr and "Sanitizer" not in r.stderr, f"[{variant}] {r.stderr[:4000]}"
+            assert r.returncode == 70 and error in r.stderr and "Sanitizer" not in r.stderr, \
+                f"[{variant}] {r.stderr[:4000]}"
 
 
 # ---------------------------------------------------------------------------------------------

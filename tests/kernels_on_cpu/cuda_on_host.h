@@ -137,7 +137,8 @@ struct Warp {
   uint64_t exchange(int lane, unsigned m, uint64_t v, int src, Site at) {
     std::unique_lock<std::mutex> lock(mu);
     const unsigned bit = 1u << lane;
-    if (!(m & bit)) fail("lane " + std::to_string(lane) + " calls a *_sync at " + at.str() + " whose mask leaves it out");
+    if (!(m & bit))
+      fail("lane " + std::to_string(lane) + " calls a *_sync at " + at.str() + " whose mask leaves it out");
     if (m & ~present) fail("*_sync mask at " + at.str() + " names lanes absent from this warp");
     if (m & returned) fail("*_sync mask at " + at.str() + " names lanes that returned");
     if (arrived == 0) {

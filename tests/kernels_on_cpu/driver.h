@@ -80,7 +80,6 @@ class Case {
     if (it == buffers_.end()) cuda_on_host::fail("case has no buffer " + name);
     return it->second.data;
   }
-  bool has(const std::string& name) const { return buffers_.count(name) > 0; }
 
   int64_t i(const std::string& name) const { return static_cast<int64_t>(scalar(name)); }
   float f(const std::string& name) const { return static_cast<float>(scalar(name)); }

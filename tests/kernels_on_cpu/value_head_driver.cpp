@@ -31,22 +31,23 @@ int main(int argc, char** argv) {
         constexpr int N = decltype(width)::value;
         std::cout << "width " << N << "\n";
         const RowLaunch cfg = row_launch(rows, H / N, kBroadcastThreads, driver::kLargeDevice);
-        launch(value_head_backward_hidden_kernel<T, N>, c.row_grid(rows, cfg.block.y, cfg.grid), cfg.block, 0, c.buf<float>("grad_out"),
-               c.buf<float>("weight"), static_cast<T*>(grad_hidden), rows, H);
+        launch(value_head_backward_hidden_kernel<T, N>, c.row_grid(rows, cfg.block.y, cfg.grid), cfg.block, 0,
+               c.buf<float>("grad_out"), c.buf<float>("weight"), static_cast<T*>(grad_hidden), rows, H);
       });
     }
     if (c.kernel != "backward_params") cuda_on_host::fail("unknown kernel " + c.kernel);
     const void* hidden = c.raw("hidden");
     const int64_t blocks = value_head_row_blocks(rows);
     float *weight_partials = c.buf<float>("weight_partials"), *bias_partials = c.buf<float>("bias_partials");
-    const cudaError_t err = launch_with_width<16>(c.dtype(), H, {hidden, weight_partials}, [&](auto* type_tag, auto width) {
+    const auto partials = [&](auto* type_tag, auto width) {
       using T = std::remove_pointer_t<decltype(type_tag)>;
       constexpr int N = decltype(width)::value;
       std::cout << "width " << N << "\n";
       const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>((H / N + kWarp - 1) / kWarp));
       launch(value_head_partials_kernel<T, N>, grid, dim3(kWarp, kRowGroups), 0, c.buf<float>("grad_out"),
              static_cast<const T*>(hidden), weight_partials, bias_partials, rows, H);
-    });
+    };
+    const cudaError_t err = launch_with_width<16>(c.dtype(), H, {hidden, weight_partials}, partials);
     if (err != cudaSuccess) return err;
     const auto sum_partials = [&](const float* partials, float* out, int64_t cols) {
       launch(sum_partials_kernel, dim3(static_cast<unsigned>((cols + kWarp - 1) / kWarp)), dim3(kWarp, kSumSlices), 0,
