@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <initializer_list>
+#include <map>
+#include <mutex>
 #include <type_traits>
 
 #include "common.h"
@@ -44,18 +46,44 @@ struct alignas(sizeof(T) * N) Pack {
 
 inline bool is_aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-inline int sm_count() {
-  static int counts[64] = {};
+// What launch shapes need of a device, read from its properties.
+struct DeviceSize {
+  int sms = 0;
+  int threads_per_sm = 0;  // resident threads per SM: 2048 on sm_80 / sm_90, 1536 on sm_86 / sm_89
+};
+
+// The current device's DeviceSize, queried once per device (thread-safe). A failing runtime call
+// returns its error; nothing is guessed.
+inline cudaError_t current_device_size(DeviceSize& out) {
   int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev >= 64) return 132;
-  if (counts[dev] == 0) cudaDeviceGetAttribute(&counts[dev], cudaDevAttrMultiProcessorCount, dev);
-  return counts[dev];
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  static std::mutex mu;
+  static std::map<int, DeviceSize> known;
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    const auto it = known.find(dev);
+    if (it != known.end()) {
+      out = it->second;
+      return cudaSuccess;
+    }
+  }
+  DeviceSize size;
+  err = cudaDeviceGetAttribute(&size.sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&size.threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, dev);
+  }
+  if (err != cudaSuccess) return err;
+  const std::lock_guard<std::mutex> lock(mu);
+  known.emplace(dev, size);
+  out = size;
+  return cudaSuccess;
 }
 
-// Grid for a grid-stride loop over `work` blocks: enough to fill the device, no more.
-inline unsigned grid_for(int64_t work_blocks, int threads) {
-  const int64_t max_blocks = int64_t(sm_count()) * (2048 / threads);
+// Grid for a grid-stride loop over `work` blocks of `threads`: enough to fill the device, no more.
+inline unsigned grid_for(int64_t work_blocks, int threads, const DeviceSize& dev) {
+  const int64_t resident = dev.threads_per_sm / threads;
+  const int64_t max_blocks = int64_t(dev.sms) * (resident > 0 ? resident : 1);
   return static_cast<unsigned>(work_blocks < 1 ? 1 : (work_blocks < max_blocks ? work_blocks : max_blocks));
 }
 
@@ -64,11 +92,11 @@ inline unsigned grid_for(int64_t work_blocks, int threads) {
 struct RowLaunch {
   dim3 grid, block;
 };
-inline RowLaunch row_launch(int64_t rows, int64_t cols, int threads) {
+inline RowLaunch row_launch(int64_t rows, int64_t cols, int threads, const DeviceSize& dev) {
   int tx = 1;
   while (tx < threads && tx < cols) tx *= 2;
   const int ty = threads / tx;
-  return {dim3(grid_for((rows + ty - 1) / ty, threads)), dim3(tx, ty)};
+  return {dim3(grid_for((rows + ty - 1) / ty, threads, dev)), dim3(tx, ty)};
 }
 
 // Calls fn with a null pointer of the element type named by dt.

@@ -11,10 +11,12 @@ template <typename Launch>
 cudaError_t launch_rows(std::initializer_list<const void*> ptrs, int64_t rows, int64_t F, DType dtype,
                         bool interleaved, const Launch& launch) {
   if (rows * F == 0) return cudaSuccess;
+  DeviceSize dev;
+  if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   auto run = [&](auto interleaved_tag) {
     constexpr bool kInter = decltype(interleaved_tag)::value;
     return launch_with_width<kInter ? 8 : 16>(dtype, F, ptrs, [&](auto* type_tag, auto width) {
-      launch(type_tag, width, interleaved_tag, row_launch(rows, F / decltype(width)::value, kThreads));
+      launch(type_tag, width, interleaved_tag, row_launch(rows, F / decltype(width)::value, kThreads, dev));
     });
   };
   return interleaved ? run(std::true_type{}) : run(std::false_type{});

@@ -12,11 +12,24 @@ constexpr int kThreads = 256;
 
 // Threads are laid out [rows, columns] within a block (blockDim.x threads along a row, each
 // owning N outputs; blockDim.y rows), blocks stride over rows: no integer division per element.
+// x's (gate, linear) pairs of outputs [c, c + N) in the interleaved layout, moved as one pack. The
+// scalar path (N = 1) only has T's alignment, so its pair is two elements, not an aligned pack.
+template <typename T, int N>
+struct InterleavedPack {
+  using type = Pack<T, 2 * N>;
+};
+template <typename T>
+struct InterleavedPack<T, 1> {
+  struct type {
+    T v[2];
+  };
+};
+
 // Loads gate and linear values for outputs [c, c + N) of one row.
 template <typename T, int N, bool kInterleaved>
 __device__ __forceinline__ void load_gate_linear(const T* row, int64_t F, int64_t c, float* g, float* u) {
   if (kInterleaved) {
-    const auto pack = *reinterpret_cast<const Pack<T, 2 * N>*>(row + 2 * c);
+    const auto pack = *reinterpret_cast<const typename InterleavedPack<T, N>::type*>(row + 2 * c);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       g[k] = to_float(pack.v[2 * k]);
@@ -56,13 +69,13 @@ __global__ void swiglu_forward_kernel(const T* __restrict__ x, const float* __re
 template <typename T, int N, bool kInterleaved>
 __device__ __forceinline__ void store_gate_linear(T* row, int64_t F, int64_t c, const float* dg, const float* du) {
   if (kInterleaved) {
-    Pack<T, 2 * N> out;
+    typename InterleavedPack<T, N>::type out;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       out.v[2 * k] = from_float<T>(dg[k]);
       out.v[2 * k + 1] = from_float<T>(du[k]);
     }
-    *reinterpret_cast<Pack<T, 2 * N>*>(row + 2 * c) = out;
+    *reinterpret_cast<typename InterleavedPack<T, N>::type*>(row + 2 * c) = out;
   } else {
     Pack<T, N> og, ou;
 #pragma unroll

@@ -16,10 +16,12 @@ cudaError_t sum_partials(const float* partials, float* out, int64_t blocks, int6
 cudaError_t launch_value_head_forward(const void* hidden, const float* weight, const float* bias, float* out,
                                       int64_t rows, int64_t H, DType dtype, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
+  DeviceSize dev;
+  if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   return launch_with_width<16>(dtype, H, {hidden, weight}, [&](auto* type_tag, auto width) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     constexpr int N = decltype(width)::value;
-    const unsigned grid = grid_for((rows + kForwardWarps - 1) / kForwardWarps, kWarp * kForwardWarps);
+    const unsigned grid = grid_for((rows + kForwardWarps - 1) / kForwardWarps, kWarp * kForwardWarps, dev);
     value_head_forward_kernel<T, N><<<grid, dim3(kWarp, kForwardWarps), 0, stream>>>(
         static_cast<const T*>(hidden), weight, bias, out, rows, H);
   });
@@ -28,10 +30,12 @@ cudaError_t launch_value_head_forward(const void* hidden, const float* weight, c
 cudaError_t launch_value_head_backward_hidden(const float* grad_out, const float* weight, void* grad_hidden,
                                               int64_t rows, int64_t H, DType dtype, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
+  DeviceSize dev;
+  if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   return launch_with_width<16>(dtype, H, {weight, grad_hidden}, [&](auto* type_tag, auto width) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     constexpr int N = decltype(width)::value;
-    const RowLaunch cfg = row_launch(rows, H / N, kBroadcastThreads);
+    const RowLaunch cfg = row_launch(rows, H / N, kBroadcastThreads, dev);
     value_head_backward_hidden_kernel<T, N><<<cfg.grid, cfg.block, 0, stream>>>(
         grad_out, weight, static_cast<T*>(grad_hidden), rows, H);
   });

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine (Python 3.12 with torch, nvcc, pytest; no package registry needed):
 # builds for the local GPU only, runs the whole test suite (CPU and CUDA), compute-sanitizer
-# (memcheck, racecheck) on small calls of every CUDA kernel, and the kernel benchmarks on CUDA
+# (memcheck, racecheck, synccheck) on small calls of every CUDA kernel, and the kernel benchmarks on CUDA
 # against the peers (installed from wheelhouse/, made by scripts/fetch_peer_wheels.sh, when present).
 # Every stage's time limit is cut to what is left of TOTAL_S (default 480 s), so the whole run
 # fits in 8 minutes.
@@ -50,7 +50,7 @@ else
   echo "=== no wheelhouse/: benchmarking only the peers already installed (see scripts/fetch_peer_wheels.sh)"
 fi
 step tests 200 $PY -m pytest -q -x --junitxml="$OUT/junit.xml" tests
-for tool in memcheck racecheck; do
+for tool in memcheck racecheck synccheck; do
   step "sanitizer_$tool" 90 compute-sanitizer --tool "$tool" --error-exitcode 1 $PY scripts/sanitizer_cases.py
 done
 for bench in benchmarks/bench_{chosen_logprob,swiglu,value_head}.py; do  # the kernel benchmarks

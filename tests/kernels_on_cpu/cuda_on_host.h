@@ -1,0 +1,358 @@
+// cuda_on_host.h: a small CUDA execution model for the host, so that g++ compiles the package's
+// kernel headers (csrc/*_kernel.cuh) unchanged and runs their launches on the CPU, under
+// ThreadSanitizer, AddressSanitizer and UBSan. Test infrastructure only (tests/kernels_on_cpu/).
+//
+// What it models:
+//   - launch(kernel, grid, block, shared_bytes, args...) stands in for kernel<<<grid, block,
+//     shared_bytes>>>(args...): one OS thread per CUDA thread of a block, the blocks one after
+//     another (in order, or shuffled by set_block_order_seed); threadIdx, blockIdx, blockDim,
+//     gridDim. An invalid configuration (CUDA's limits) runs nothing and is returned by
+//     cudaGetLastError(), as on a GPU.
+//   - __shared__: a static variable shared by every thread (blocks run one at a time); extern
+//     dynamic shared memory of shared_bytes bytes per block through dynamic_shared().
+//   - __syncthreads(): a barrier of the whole block. A thread leaves the block when it returns;
+//     a barrier reached after some threads returned, a thread returning while others wait, and
+//     threads waiting at different __syncthreads() calls are reported errors.
+//   - warps of 32 lanes (linear thread index / 32): __shfl_sync, __shfl_xor_sync,
+//     __shfl_down_sync and __syncwarp exchange values through a per-warp barrier; a mask naming
+//     absent lanes, lanes that returned, or not the calling lane, and lanes of one warp passing
+//     different masks or waiting at different calls are reported errors.
+//   - a barrier waited on longer than CUDA_ON_HOST_TIMEOUT_S seconds (default 60) is a reported
+//     deadlock. Every reported error prints "cuda_on_host error: ..." and exits with status 70.
+//   - CUDA's own vector_types.h (float4, dim3), cuda_fp16.h / cuda_bf16.h host conversions, the
+//     host's math library, __ldg; and the runtime calls the launch helpers make (cudaGetDevice,
+//     cudaDeviceGetAttribute, cudaGetLastError) against a configurable stand-in device.
+//   All synchronisation is std::mutex / std::condition_variable, so ThreadSanitizer sees the
+//   happens-before edges a barrier or a shuffle gives, and reports accesses no barrier orders.
+// What it does not model: races between blocks (they run one after another), code generation
+// (register allocation, nvcc's optimisations, spills), uninitialised shared memory (statics start
+// at zero and keep the previous block's values), memory spaces and caches, the GPU's fp32
+// last-bit differences (nvcc contracts a * b + c into fma; fast-math intrinsics), and warps whose
+// lanes run disjoint shuffles at the same time (reported as an error here).
+#pragma once
+
+#if defined(__CUDACC__)
+#error "cuda_on_host.h is for host compilers; nvcc compiles the kernels itself"
+#endif
+
+// Before CUDA's headers, which keep a definition made here.
+#define __shared__ static
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+// The built-in variables, per OS thread (= CUDA thread).
+inline thread_local uint3 threadIdx;
+inline thread_local uint3 blockIdx;
+inline thread_local dim3 blockDim;
+inline thread_local dim3 gridDim;
+
+namespace cuda_on_host {
+
+[[noreturn]] inline void fail(const std::string& what) {
+  std::fprintf(stderr, "cuda_on_host error: block (%u,%u,%u) thread (%u,%u,%u): %s\n", blockIdx.x, blockIdx.y,
+               blockIdx.z, threadIdx.x, threadIdx.y, threadIdx.z, what.c_str());
+  std::fflush(stderr);
+  std::_Exit(70);
+}
+
+inline std::chrono::seconds timeout() {
+  const char* s = std::getenv("CUDA_ON_HOST_TIMEOUT_S");
+  return std::chrono::seconds(s ? std::atoi(s) : 60);
+}
+
+struct Site {  // where a barrier or shuffle was called from
+  const char* file = nullptr;
+  int line = 0;
+  bool operator!=(const Site& o) const { return line != o.line || std::strcmp(file, o.file) != 0; }
+  std::string str() const { return std::string(file) + ":" + std::to_string(line); }
+};
+
+// Waits on cv until done() (lock held), failing as a deadlock after the timeout.
+template <typename Done>
+void wait_or_fail(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, Done done, const char* what) {
+  if (!cv.wait_for(lock, timeout(), done)) fail(std::string("deadlock: timed out waiting at ") + what);
+}
+
+// __syncthreads() of one block.
+struct BlockBarrier {
+  std::mutex mu;
+  std::condition_variable cv;
+  int threads = 0, live = 0, arrived = 0;
+  unsigned long generation = 0;
+  Site site;
+
+  void sync(Site at) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (live != threads)
+      fail("__syncthreads() at " + at.str() + " reached after " + std::to_string(threads - live) + " of " +
+           std::to_string(threads) + " threads returned");
+    if (arrived == 0) site = at;
+    else if (site != at) fail("threads wait at different __syncthreads(): " + site.str() + " and " + at.str());
+    if (++arrived == threads) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+      return;
+    }
+    const unsigned long mine = generation;
+    wait_or_fail(cv, lock, [&] { return generation != mine; }, "__syncthreads()");
+  }
+
+  void thread_returned() {
+    std::lock_guard<std::mutex> lock(mu);
+    --live;
+    if (arrived > 0)
+      fail("thread returned while " + std::to_string(arrived) + " threads wait at __syncthreads() at " + site.str());
+  }
+};
+
+// One warp's shuffles: every lane of the mask deposits its value and source lane; the last to
+// arrive hands each lane its result.
+struct Warp {
+  std::mutex mu;
+  std::condition_variable cv;
+  unsigned present = 0, returned = 0, arrived = 0, mask = 0;
+  unsigned long generation = 0;
+  Site site;
+  uint64_t value[32] = {}, result[32] = {};
+  int source[32] = {};
+
+  uint64_t exchange(int lane, unsigned m, uint64_t v, int src, Site at) {
+    std::unique_lock<std::mutex> lock(mu);
+    const unsigned bit = 1u << lane;
+    if (!(m & bit))
+      fail("lane " + std::to_string(lane) + " calls a *_sync at " + at.str() + " whose mask leaves it out");
+    if (m & ~present) fail("*_sync mask at " + at.str() + " names lanes absent from this warp");
+    if (m & returned) fail("*_sync mask at " + at.str() + " names lanes that returned");
+    if (arrived == 0) {
+      mask = m;
+      site = at;
+    } else if (m != mask || site != at) {
+      fail("lanes of one warp at different *_sync calls or masks: " + site.str() + " and " + at.str());
+    }
+    if (!(m & (1u << src))) fail("*_sync at " + at.str() + " reads lane " + std::to_string(src) + ", outside its mask");
+    value[lane] = v;
+    source[lane] = src;
+    arrived |= bit;
+    if (arrived == mask) {
+      for (int l = 0; l < 32; ++l)
+        if (mask & (1u << l)) result[l] = value[source[l]];
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+      return result[lane];
+    }
+    const unsigned long mine = generation;
+    wait_or_fail(cv, lock, [&] { return generation != mine; }, "a warp shuffle");
+    return result[lane];
+  }
+
+  void lane_returned(int lane) {
+    std::lock_guard<std::mutex> lock(mu);
+    returned |= 1u << lane;
+    if (arrived & ~returned && mask & (1u << lane))
+      fail("lane " + std::to_string(lane) + " returned while its warp waits at a *_sync naming it at " + site.str());
+  }
+};
+
+// The state of the block now running, shared by its threads.
+struct Block {
+  BlockBarrier barrier;
+  std::vector<Warp> warps;
+  std::vector<unsigned char> dynamic_shared;
+
+  void reset(int threads, size_t shared_bytes) {
+    barrier.threads = barrier.live = threads;
+    barrier.arrived = 0;
+    warps = std::vector<Warp>((threads + 31) / 32);
+    for (int t = 0; t < threads; t += 32) warps[t / 32].present = threads - t >= 32 ? ~0u : (1u << (threads - t)) - 1;
+    dynamic_shared.assign(shared_bytes, 0xff);
+  }
+};
+
+inline thread_local Block* current_block = nullptr;
+inline thread_local int current_thread = 0;  // linear index within the block
+
+inline int lane() { return current_thread % 32; }
+inline Warp& warp() { return current_block->warps[current_thread / 32]; }
+
+// Bitwise copies of shuffled values (at most 8 bytes, as CUDA's shuffles take).
+template <typename T>
+uint64_t to_bits(T v) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
+  uint64_t b = 0;
+  std::memcpy(&b, &v, sizeof(T));
+  return b;
+}
+template <typename T>
+T from_bits(uint64_t b) {
+  T v;
+  std::memcpy(&v, &b, sizeof(T));
+  return v;
+}
+
+// One shuffle of the calling lane: v goes to the warp, the value of lane source(lane) comes back.
+template <typename T, typename Source>
+T shuffle(unsigned mask, T v, int width, Site at, const Source& source) {
+  if (width < 1 || width > 32 || (width & (width - 1)))
+    fail("shuffle width " + std::to_string(width) + " is not a power of 2 in [1, 32]");
+  return from_bits<T>(warp().exchange(lane(), mask, to_bits(v), source(lane()), at));
+}
+
+// The stand-in device the runtime calls answer for (what a test sets), and the launch error
+// cudaGetLastError() returns.
+struct Device {
+  int sms = 132, threads_per_sm = 2048;
+  cudaError_t error = cudaSuccess;  // returned by cudaDeviceGetAttribute when set
+};
+inline std::mutex runtime_mu;
+inline std::vector<Device> devices(1);
+inline thread_local int current_device = 0;  // per host thread, as in CUDA
+inline cudaError_t get_device_error = cudaSuccess;  // returned by cudaGetDevice when set
+inline cudaError_t last_error = cudaSuccess;
+inline unsigned block_order_seed = 0;  // 0: blocks in order
+
+inline void set_block_order_seed(unsigned seed) { block_order_seed = seed; }
+
+inline cudaError_t record(cudaError_t err) {
+  std::lock_guard<std::mutex> lock(runtime_mu);
+  last_error = err;
+  return err;
+}
+
+// Runs kernel(args...) over grid x block, blocks one after another: block.x * block.y * block.z
+// threads run every block in turn, meeting at a rendezvous between blocks.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, Args&&... args) {
+  const uint64_t threads = uint64_t(block.x) * block.y * block.z;
+  if (threads == 0 || threads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
+      grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535) {
+    record(cudaErrorInvalidConfiguration);
+    return;
+  }
+  if (shared_bytes > 48 * 1024) {
+    record(cudaErrorInvalidValue);
+    return;
+  }
+  const std::tuple<Params...> params(std::forward<Args>(args)...);  // converted as a launch converts
+  std::vector<uint64_t> order(uint64_t(grid.x) * grid.y * grid.z);
+  std::iota(order.begin(), order.end(), 0);
+  if (block_order_seed) std::shuffle(order.begin(), order.end(), std::mt19937(block_order_seed));
+
+  Block state;
+  state.reset(int(threads), shared_bytes);
+  std::mutex mu;  // rendezvous between blocks
+  std::condition_variable cv;
+  size_t done = 0, finished_block = 0;
+  auto run = [&](int t) {
+    current_block = &state;
+    current_thread = t;
+    blockDim = block;
+    gridDim = grid;
+    threadIdx = uint3{unsigned(t % block.x), unsigned(t / block.x % block.y), unsigned(t / (block.x * block.y))};
+    for (size_t k = 0; k < order.size(); ++k) {
+      const uint64_t b = order[k];
+      blockIdx = uint3{unsigned(b % grid.x), unsigned(b / grid.x % grid.y), unsigned(b / (uint64_t(grid.x) * grid.y))};
+      std::apply(kernel, params);
+      state.barrier.thread_returned();
+      state.warps[t / 32].lane_returned(t % 32);
+      std::unique_lock<std::mutex> lock(mu);
+      if (++done == threads) {  // the last thread out resets the block for the next
+        done = 0;
+        state.reset(int(threads), shared_bytes);
+        ++finished_block;
+        cv.notify_all();
+      } else {
+        wait_or_fail(cv, lock, [&] { return finished_block > k; }, "the end of a block");
+      }
+    }
+    current_block = nullptr;
+  };
+  std::vector<std::thread> pool;
+  for (int t = 0; t < int(threads); ++t) pool.emplace_back(run, t);
+  for (auto& th : pool) th.join();
+  record(cudaSuccess);
+}
+
+inline void* dynamic_shared() { return current_block->dynamic_shared.data(); }
+
+}  // namespace cuda_on_host
+
+// The runtime calls of the launch helpers (cuda_utils.cuh), answered for the stand-in devices.
+extern "C" inline cudaError_t cudaGetLastError() {
+  std::lock_guard<std::mutex> lock(cuda_on_host::runtime_mu);
+  const cudaError_t err = cuda_on_host::last_error;
+  cuda_on_host::last_error = cudaSuccess;
+  return err;
+}
+extern "C" inline cudaError_t cudaGetDevice(int* device) {
+  std::lock_guard<std::mutex> lock(cuda_on_host::runtime_mu);
+  if (cuda_on_host::get_device_error != cudaSuccess) return cuda_on_host::get_device_error;
+  *device = cuda_on_host::current_device;
+  return cudaSuccess;
+}
+extern "C" inline cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int device) {
+  std::lock_guard<std::mutex> lock(cuda_on_host::runtime_mu);
+  if (device < 0 || device >= int(cuda_on_host::devices.size())) return cudaErrorInvalidDevice;
+  const cuda_on_host::Device& d = cuda_on_host::devices[device];
+  if (d.error != cudaSuccess) return d.error;
+  if (attr == cudaDevAttrMultiProcessorCount) *value = d.sms;
+  else if (attr == cudaDevAttrMaxThreadsPerMultiProcessor) *value = d.threads_per_sm;
+  else cuda_on_host::fail("cudaDeviceGetAttribute: attribute " + std::to_string(int(attr)) + " is not modelled");
+  return cudaSuccess;
+}
+
+// The device functions the kernels call. Site defaults to the caller's file and line.
+inline void __syncthreads(cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
+  cuda_on_host::current_block->barrier.sync(at);
+}
+
+inline void __syncwarp(unsigned mask = 0xffffffffu, cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
+  cuda_on_host::warp().exchange(cuda_on_host::lane(), mask, 0, cuda_on_host::lane(), at);
+}
+
+template <typename T>
+T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32,
+              cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
+  return cuda_on_host::shuffle(mask, v, width, at,
+                               [&](int lane) { return lane / width * width + (src_lane & (width - 1)); });
+}
+
+// A source past the caller's group of `width` lanes gives the caller's own value (CUDA's rule).
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32,
+                  cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
+  return cuda_on_host::shuffle(mask, v, width, at, [&](int lane) {
+    const int src = lane ^ lane_mask;
+    return src >= (lane / width + 1) * width || src < 0 || src > 31 ? lane : src;
+  });
+}
+
+template <typename T>
+T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32,
+                   cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
+  return cuda_on_host::shuffle(mask, v, width, at,
+                               [&](int lane) { return lane % width + int(delta) < width ? lane + int(delta) : lane; });
+}
+
+template <typename T>
+T __ldg(const T* p) {
+  return *p;
+}

@@ -1,0 +1,153 @@
+// Shared part of the kernel drivers (<op>_driver.cpp): reads a case directory written by
+// test_kernels_on_cpu.py, runs one launch through cuda_on_host.h and writes the buffers back.
+//
+// case.txt, one entry a line:
+//   kernel NAME                      which launch the driver makes
+//   grid X Y Z                       the grid of a grid-stride kernel; none: the launcher's own
+//                                    for a device large enough for one pass (kLargeDevice)
+//   block_order_seed S               run the blocks in a shuffled order (0: in order)
+//   int NAME VALUE / float NAME VALUE    scalar arguments
+//   buffer NAME DTYPE COUNT OFFSET   NAME.bin holds COUNT elements (f32, bf16, f16, i64); the
+//                                    driver places them OFFSET elements past a 16-byte boundary
+//                                    and with nothing after them, so a read past the end is an
+//                                    AddressSanitizer report; written back to NAME.out after
+// The driver prints "NAME VALUE" lines about the launch it made: the vector width and the number
+// of grid-stride passes.
+#pragma once
+
+#include "cuda_on_host.h"
+#include "cuda_utils.cuh"
+
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+
+namespace driver {
+
+// A device on which the launchers' grid_for gives every row tile a block of its own.
+inline const fused_rl_ops::DeviceSize kLargeDevice{1 << 16, 2048};
+
+struct Buffer {
+  std::string dtype;
+  size_t count = 0, elem = 0;
+  std::unique_ptr<unsigned char[]> storage;
+  unsigned char* data = nullptr;
+};
+
+inline size_t elem_size(const std::string& dtype) {
+  if (dtype == "f32") return 4;
+  if (dtype == "bf16" || dtype == "f16") return 2;
+  if (dtype == "i64") return 8;
+  cuda_on_host::fail("unknown dtype " + dtype);
+}
+
+class Case {
+ public:
+  explicit Case(std::string dir) : dir_(std::move(dir)) {
+    std::ifstream in(dir_ + "/case.txt");
+    if (!in) cuda_on_host::fail("cannot read " + dir_ + "/case.txt");
+    std::string key;
+    while (in >> key) {
+      if (key == "kernel") in >> kernel;
+      else if (key == "grid") in >> grid.x >> grid.y >> grid.z;
+      else if (key == "block_order_seed") in >> block_order_seed;
+      else if (key == "int" || key == "float") {
+        std::string name;
+        in >> name >> scalars_[name];
+      } else if (key == "buffer") {
+        std::string name, dtype;
+        size_t count, offset;
+        in >> name >> dtype >> count >> offset;
+        buffers_[name] = read_buffer(name, dtype, count, offset);
+      } else {
+        cuda_on_host::fail("case.txt: unknown entry " + key);
+      }
+    }
+    cuda_on_host::set_block_order_seed(block_order_seed);
+  }
+
+  template <typename T>
+  T* buf(const std::string& name) {
+    const auto it = buffers_.find(name);
+    if (it == buffers_.end()) cuda_on_host::fail("case has no buffer " + name);
+    if (it->second.elem != sizeof(T)) cuda_on_host::fail("buffer " + name + " is " + it->second.dtype);
+    return reinterpret_cast<T*>(it->second.data);
+  }
+  void* raw(const std::string& name) {
+    const auto it = buffers_.find(name);
+    if (it == buffers_.end()) cuda_on_host::fail("case has no buffer " + name);
+    return it->second.data;
+  }
+
+  int64_t i(const std::string& name) const { return static_cast<int64_t>(scalar(name)); }
+  float f(const std::string& name) const { return static_cast<float>(scalar(name)); }
+
+  // The grid of a launch striding over `rows` rows, block_rows per block: the case's, or the
+  // launcher's own (on kLargeDevice); prints how many passes the blocks make.
+  dim3 row_grid(int64_t rows, int64_t block_rows, dim3 launcher_grid) const {
+    const dim3 g = grid.x ? grid : launcher_grid;
+    const int64_t per_pass = block_rows * g.x;
+    std::cout << "passes " << (rows + per_pass - 1) / per_pass << "\n";
+    return g;
+  }
+
+  fused_rl_ops::DType dtype() const { return static_cast<fused_rl_ops::DType>(i("dtype")); }
+
+  void write_back(const std::string& out_dir) const {
+    for (const auto& [name, b] : buffers_) {
+      std::ofstream out(out_dir + "/" + name + ".out", std::ios::binary);
+      out.write(reinterpret_cast<const char*>(b.data), std::streamsize(b.count * b.elem));
+    }
+  }
+
+  std::string kernel;
+  dim3 grid{0, 0, 0};
+  unsigned block_order_seed = 0;
+
+ private:
+  double scalar(const std::string& name) const {
+    const auto it = scalars_.find(name);
+    if (it == scalars_.end()) cuda_on_host::fail("case has no scalar " + name);
+    return it->second;
+  }
+
+  Buffer read_buffer(const std::string& name, const std::string& dtype, size_t count, size_t offset) const {
+    Buffer b;
+    b.dtype = dtype;
+    b.count = count;
+    b.elem = elem_size(dtype);
+    const size_t pad = offset * b.elem, bytes = count * b.elem;
+    b.storage.reset(new unsigned char[pad + bytes]);  // new[] gives 16-byte alignment on x86-64
+    if (reinterpret_cast<uintptr_t>(b.storage.get()) % 16) cuda_on_host::fail("allocation not 16-byte aligned");
+    b.data = b.storage.get() + pad;
+    std::ifstream in(dir_ + "/" + name + ".bin", std::ios::binary);
+    in.read(reinterpret_cast<char*>(b.data), std::streamsize(bytes));
+    if (!in || in.gcount() != std::streamsize(bytes)) cuda_on_host::fail("short file " + name + ".bin");
+    return b;
+  }
+
+  std::string dir_;
+  std::map<std::string, double> scalars_;
+  std::map<std::string, Buffer> buffers_;
+};
+
+// Fails the run when the launch helpers returned an error (the harness records CUDA's).
+inline void check(cudaError_t err, const std::string& what) {
+  if (err != cudaSuccess) cuda_on_host::fail(what + ": launch returned error " + std::to_string(int(err)));
+}
+
+// Runs `run(case)` on the case directory argv[1], writing the buffers to the directory argv[2];
+// run returns the launch's cudaError_t.
+template <typename Run>
+int main(int argc, char** argv, const Run& run) {
+  if (argc != 3) cuda_on_host::fail("usage: driver CASE_DIR OUT_DIR");
+  Case c(argv[1]);
+  check(run(c), c.kernel);
+  check(cudaGetLastError(), c.kernel);
+  c.write_back(argv[2]);
+  return 0;
+}
+
+}  // namespace driver

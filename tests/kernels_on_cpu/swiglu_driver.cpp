@@ -1,0 +1,38 @@
+// Runs the clamped SwiGLU CUDA kernels (csrc/swiglu_kernel.cuh) on the CPU, through
+// launch_with_width and the launch shapes of swiglu_kernel.cu (the grid: the case's, or the
+// launcher's for one pass).
+#include "driver.h"
+#include "swiglu_kernel.cuh"
+
+using namespace fused_rl_ops;
+using cuda_on_host::launch;
+
+int main(int argc, char** argv) {
+  return driver::main(argc, argv, [](driver::Case& c) {
+    const int64_t rows = c.i("rows"), F = c.i("F");
+    const SwigluParams p{c.f("alpha"), c.f("limit"), c.f("offset")};
+    const bool forward = c.kernel == "forward";
+    if (!forward && c.kernel != "backward") cuda_on_host::fail("unknown kernel " + c.kernel);
+    void *x = c.raw("x"), *y = c.raw("y");  // backward: y holds dy, dx is written to x_grad
+    auto run = [&](auto interleaved_tag) {
+      constexpr bool kInter = decltype(interleaved_tag)::value;
+      const auto body = [&](auto* type_tag, auto width) {
+        using T = std::remove_pointer_t<decltype(type_tag)>;
+        constexpr int N = decltype(width)::value;
+        std::cout << "width " << N << "\n";
+        const RowLaunch cfg = row_launch(rows, F / N, kThreads, driver::kLargeDevice);
+        const dim3 grid = c.row_grid(rows, cfg.block.y, cfg.grid);
+        if (forward)
+          launch(swiglu_forward_kernel<T, N, kInter>, grid, cfg.block, 0, static_cast<const T*>(x), static_cast<T*>(y),
+                 rows, F, p);
+        else
+          launch(swiglu_backward_kernel<T, N, kInter>, grid, cfg.block, 0, static_cast<const T*>(y),
+                 static_cast<const T*>(x), static_cast<T*>(c.raw("x_grad")), rows, F, p);
+      };
+      constexpr int kBytes = kInter ? 8 : 16;
+      return forward ? launch_with_width<kBytes>(c.dtype(), F, {x, y}, body)
+                     : launch_with_width<kBytes>(c.dtype(), F, {y, x, c.raw("x_grad")}, body);
+    };
+    return c.i("interleaved") ? run(std::true_type{}) : run(std::false_type{});
+  });
+}

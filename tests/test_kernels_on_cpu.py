@@ -1,0 +1,533 @@
+"""Every CUDA kernel of the package, executed on the CPU: g++ compiles the kernel headers
+(csrc/*_kernel.cuh, the source nvcc compiles) with the host execution model
+tests/kernels_on_cpu/cuda_on_host.h (what it models and what not: its header comment). A driver per
+op (tests/kernels_on_cpu/<op>_driver.cpp) reads a case written here, makes one launch and writes
+the buffers back. Every case runs in three builds, plain, ThreadSanitizer and AddressSanitizer +
+UBSan; any sanitizer report, harness error or wrong number fails it, and the three builds must
+agree bit for bit. Results are checked against float64 references.
+
+Run alone with `python -m pytest -m kernels_on_cpu tests`. The drivers are built once per session
+into build/kernels_on_cpu/<hash of the sources>/ (reused while the sources are unchanged)."""
+import concurrent.futures
+import hashlib
+import math
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from fused_rl_ops import reference
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+HARNESS = ROOT / "tests" / "kernels_on_cpu"
+CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
+CXX = os.environ.get("CXX", "g++")
+OPS = ("logprob", "swiglu", "value_head")
+DRIVERS = (*OPS, "harness_selftest")
+BUILDS = {
+    "plain": [],
+    "tsan": ["-fsanitize=thread"],
+    "asan_ubsan": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
+}
+SANITIZER_ENV = {
+    "TSAN_OPTIONS": "halt_on_error=1:exitcode=66",
+    "ASAN_OPTIONS": "halt_on_error=1:detect_leaks=1:detect_stack_use_after_return=1",
+    "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
+}
+# Dtype of a buffer: (name in case.txt, the launcher's DType value).
+DTYPES = {torch.float32: ("f32", 0), torch.bfloat16: ("bf16", 1), torch.float16: ("f16", 2),
+          torch.int64: ("i64", None)}
+FP32_EPS = 2.0**-23
+# Relative spacing of a dtype's values (one ulp, at worst): kernels compute in fp32 and round once.
+ULP = {torch.float32: FP32_EPS, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+HALF_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+pytestmark = [
+    pytest.mark.kernels_on_cpu,
+    pytest.mark.skipif(not (CUDA_INCLUDE / "cuda_fp16.h").is_file() or shutil.which(CXX) is None,
+                       reason="needs the CUDA toolkit's headers and g++"),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and running the drivers
+
+
+def build_drivers(csrc, out_dir, drivers=DRIVERS):
+    """Compiles each driver (tests/kernels_on_cpu/NAME.cpp; <op>_driver.cpp for an op) against the
+    kernel headers in csrc, in every build variant, into out_dir/<variant>/NAME, in parallel."""
+    jobs = []
+    for variant, flags in BUILDS.items():
+        (out_dir / variant).mkdir(parents=True, exist_ok=True)
+        for name in (f"{d}_driver" if d in OPS else d for d in drivers):
+            cmd = [CXX, "-std=c++17", "-O1", "-g", "-pthread", "-Wall", "-Wno-unknown-pragmas", *flags,
+                   f"-I{CUDA_INCLUDE}", f"-I{csrc}", f"-I{HARNESS}", str(HARNESS / f"{name}.cpp"),
+                   "-o", str(out_dir / variant / name)]
+            jobs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    errors = [job.communicate()[0] for job in jobs if job.wait() != 0]
+    assert not errors, "driver build failed:\n" + "\n".join(errors)
+    return out_dir
+
+
+def sources_hash():
+    h = hashlib.sha256(" ".join([CXX, str(CUDA_INCLUDE), repr(BUILDS)]).encode())
+    h.update(subprocess.run([CXX, "--version"], capture_output=True).stdout)
+    for path in sorted([*CSRC.glob("*.h"), *CSRC.glob("*.cuh"), *HARNESS.iterdir()]):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.fixture(scope="session")
+def drivers():
+    out_dir = ROOT / "build" / "kernels_on_cpu" / sources_hash()
+    if not (out_dir / "complete").exists():
+        shutil.rmtree(out_dir.parent, ignore_errors=True)  # builds of older sources
+        build_drivers(CSRC, out_dir)
+        (out_dir / "complete").touch()
+    return out_dir
+
+
+class Buf:
+    """A buffer of a case: its tensor (initial contents) and how many elements past a 16-byte
+    boundary the driver places it (1: a pointer the vector path must refuse)."""
+
+    def __init__(self, tensor, offset=0):
+        self.tensor, self.offset = tensor.contiguous(), offset
+
+
+def write_case(case_dir, kernel, grid, buffers, scalars, block_order_seed):
+    case_dir.mkdir(parents=True)
+    lines = [f"kernel {kernel}", f"block_order_seed {block_order_seed}"]
+    if grid is not None:
+        lines.append("grid {} {} {}".format(*(list(grid) + [1, 1])[:3]))
+    for name, value in scalars.items():
+        lines.append(f"{'float' if isinstance(value, float) else 'int'} {name} {value!r}")
+    for name, b in buffers.items():
+        lines.append(f"buffer {name} {DTYPES[b.tensor.dtype][0]} {b.tensor.numel()} {b.offset}")
+        (case_dir / f"{name}.bin").write_bytes(b.tensor.view(torch.uint8).numpy().tobytes())
+    (case_dir / "case.txt").write_text("\n".join(lines) + "\n")
+
+
+def run_case(drivers, op, kernel, buffers, scalars, *, grid=None, block_order_seed=0, tmp_dir):
+    """Runs one launch in every build; returns (outputs of the plain build, notes printed by the
+    driver). Fails on any error, sanitizer report, or disagreement between the builds."""
+    case_dir = tmp_dir / "case"
+    write_case(case_dir, kernel, grid, buffers, scalars, block_order_seed)
+    env = {**os.environ, **SANITIZER_ENV}
+
+    def run(variant):
+        out_dir = tmp_dir / variant
+        out_dir.mkdir()
+        return subprocess.run([str(drivers / variant / f"{op}_driver"), str(case_dir), str(out_dir)],
+                              capture_output=True, text=True, env=env, timeout=600)
+
+    with concurrent.futures.ThreadPoolExecutor(len(BUILDS)) as pool:
+        results = dict(zip(BUILDS, pool.map(run, BUILDS)))
+    for variant, r in results.items():
+        assert r.returncode == 0 and not r.stderr, f"{op} {kernel} [{variant}] exit {r.returncode}:\n{r.stderr[:4000]}"
+    outputs = {}
+    for name, b in buffers.items():
+        raw = {v: (tmp_dir / v / f"{name}.out").read_bytes() for v in BUILDS}
+        assert len(set(raw.values())) == 1, f"{name}: the builds disagree"
+        outputs[name] = torch.frombuffer(bytearray(raw["plain"]), dtype=b.tensor.dtype).reshape(b.tensor.shape)
+    notes = dict(re.findall(r"^(\w+) (\S+)$", results["plain"].stdout, re.M))
+    return outputs, notes
+
+
+# Grid-stride passes: "several" launches one block for all the rows, "one" the launcher's own grid
+# on a device large enough for every row tile (grid_for); the driver reports the passes made.
+GRIDS = {"several": (1,), "one": None}
+
+
+def assert_passes(notes, passes):
+    assert (int(notes["passes"]) > 1) if passes == "several" else (int(notes["passes"]) == 1), notes
+
+
+def dtype_scalar(dtype):
+    return DTYPES[dtype][1]
+
+
+def assert_within(actual, expected, tol, what):
+    """|actual - expected| <= tol elementwise (tol a tensor or number), everything finite."""
+    actual, expected = actual.double(), expected.double()
+    err = (actual - expected).abs()
+    bad = ~(err <= tol)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} elements off, first at "
+                           f"{bad.nonzero()[0].tolist()}: {actual[bad][0].item()} vs {expected[bad][0].item()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# chosen_logprob: stats_rows_kernel, grad_rows_kernel, combine_kernel (logprob_kernel.cuh)
+
+def row_stats64(z):
+    """(max, sum, ent) of logits z [N, C] (already divided by the temperature), as logprob_math.h
+    keeps them, in float64; rows with no columns are (-inf, 0, 0)."""
+    if z.shape[1] == 0:
+        empty = torch.zeros(z.shape[0], dtype=torch.float64)
+        return empty - math.inf, empty, empty
+    m = z.max(1).values
+    e = (z - m[:, None]).exp()
+    return m, e.sum(1), (e * (z - m[:, None])).sum(1)
+
+
+def lse_entropy64(z):
+    """log-sum-exp and entropy of each row of z (entries may be -inf: no logit), in float64."""
+    logp = torch.log_softmax(z, 1)
+    p = logp.exp()
+    return torch.logsumexp(z, 1), -(p * torch.where(p > 0, logp, 0.0)).sum(1)
+
+
+def stats_tolerance(terms, zmax):
+    """Bound on the fp32 error of lse and entropy from the kernels' sums s and t: each of the
+    `terms` fp32 additions along a row's longest chain adds at most eps relative to the sum; each
+    exp(z - m) carries the rounding of z - m (at most 2 zmax eps) and its own (an ulp); lse adds
+    |m| eps, and entropy's t / s scales all of it by |z - m| <= 2 zmax. Then a factor 2 of slack."""
+    return 2 * (terms + 2 * zmax + 2) * (1 + 2 * zmax) * FP32_EPS
+
+
+@pytest.mark.parametrize("N,C,passes", [
+    (21, 45, "several"),  # 3 tiles of 8 rows on 1 block; C: a lane tail
+    (21, 45, "one"),      # 3 blocks, the last with 3 idle warps
+    (8, 96, "one"),       # one full block; C a multiple of the warp
+    (13, 7, "several"),   # fewer columns than lanes (a short last chunk)
+])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature):
+    col0 = 100  # the chunk holds global ids [100, 100 + C)
+    inv_temp = float(torch.tensor(1 / temperature, dtype=torch.float32))
+    logits = torch.randn(N, C) * 3
+    # Tokens at the chunk's first and last column, just outside it on both sides, an ignore_index
+    # and random ids inside.
+    tokens = torch.randint(col0, col0 + C, (N,))
+    tokens[:5] = torch.tensor([col0, col0 + C - 1, col0 - 1, col0 + C, -100])
+    # Running stats from an earlier chunk (rows 0..N/2) or none yet (the rest): the merge.
+    earlier = torch.randn(N, 30, dtype=torch.float64) * 3
+    has_earlier = torch.arange(N) < N // 2
+    m0, s0, t0 = row_stats64(earlier)
+    stats = torch.stack([m0, s0, t0, torch.full((N,), 0.5, dtype=torch.float64)], 1).float()
+    stats[~has_earlier] = torch.tensor([-math.inf, 0.0, 0.0, 0.0])
+
+    out, notes = run_case(drivers, "logprob", "stats_rows",
+                          {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats)},
+                          {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=GRIDS[passes], tmp_dir=tmp_path)
+    assert_passes(notes, passes)
+    got = out["stats"].double()
+
+    z = (logits * inv_temp).double()  # the kernel's fp32 product, exactly
+    seen = torch.where(has_earlier[:, None], torch.cat([earlier, z], 1),
+                       torch.cat([torch.full_like(earlier, -math.inf, dtype=torch.float64), z], 1))
+    lse, ent = lse_entropy64(seen)
+    got_lse = got[:, 0] + got[:, 1].log()
+    got_ent = got[:, 1].log() - got[:, 2] / got[:, 1]
+    tol = stats_tolerance(C / 32 + 5 + 4, float(seen[seen.isfinite()].abs().max()))
+    assert_within(got_lse, lse, tol, "lse")
+    assert_within(got_ent, ent, tol, "entropy")
+    # The chosen logit: the kernel's fp32 z[target] exactly where the token is in the chunk, else
+    # the earlier value untouched.
+    inside = (tokens >= col0) & (tokens < col0 + C)
+    expected_chosen = stats[:, 3].clone()
+    expected_chosen[inside] = (logits * inv_temp)[inside.nonzero()[:, 0], tokens[inside] - col0]
+    assert torch.equal(out["stats"][:, 3], expected_chosen)
+
+
+@pytest.mark.parametrize("N,C,passes", [
+    (20, 45, "several"),  # block (64, 4): 5 row tiles on one block, a column tail
+    (20, 45, "one"),
+    (9, 300, "several"),  # block (256, 1): two column passes per row
+    (33, 3, "one"),       # block (4, 64): a partial row tile
+])
+@pytest.mark.parametrize("temperature", [1.0, 1.3])
+def test_logprob_grad_rows(drivers, tmp_path, N, C, passes, temperature):
+    col0 = 64
+    inv_temp = float(torch.tensor(1 / temperature, dtype=torch.float32))
+    logits = torch.randn(N, C) * 3
+    tokens = torch.randint(col0, col0 + C, (N,))
+    tokens[:5] = torch.tensor([col0, col0 + C - 1, col0 - 1, col0 + C, -100])
+    z = (logits * inv_temp).double()
+    # lse / mean over a vocabulary larger than the chunk (other chunks and ranks).
+    lse, ent = lse_entropy64(torch.cat([z, torch.randn(N, 50, dtype=torch.float64)], 1))
+    mean = lse - ent
+    gl, ge = torch.randn(N), torch.randn(N)
+    out, notes = run_case(drivers, "logprob", "grad_rows",
+                          {"logits": Buf(logits), "tokens": Buf(tokens), "lse": Buf(lse.float()),
+                           "mean": Buf(mean.float()), "gl": Buf(gl), "ge": Buf(ge)},
+                          {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=GRIDS[passes], tmp_dir=tmp_path)
+    assert_passes(notes, passes)
+
+    l, mu = lse.float().double()[:, None], mean.float().double()[:, None]
+    g, e = gl.double()[:, None], ge.double()[:, None]
+    p = (z - l).exp()
+    d = -p * (g + e * (z - mu))
+    inside = ((tokens >= col0) & (tokens < col0 + C)).nonzero()[:, 0]
+    d[inside, tokens[inside] - col0] += g[inside, 0]
+    expected = d * inv_temp
+    # A handful of fp32 roundings per element, exp's relative error growing with |z - lse|, and
+    # the chosen column's addition of gl.
+    tol = 8 * FP32_EPS * ((1 + (z - l).abs()) * p * (g.abs() + e.abs() * ((z - mu).abs() + 1)) + g.abs()) * inv_temp
+    assert_within(out["logits"], expected, tol + 1e-30, "logit gradients")
+
+
+@pytest.mark.parametrize("ranks,N,passes", [(3, 300, "several"), (3, 300, "one"), (1, 5, "one"), (4, 17, "one")])
+def test_logprob_combine(drivers, tmp_path, ranks, N, passes):
+    # Each rank's partials from its own shard of logits; rank 1 holds only padded vocab rows (no
+    # logits: empty stats) when there are several; the chosen logit sits on one rank.
+    C = 20
+    z = torch.randn(ranks, N, C, dtype=torch.float64) * 4
+    partials = torch.zeros(ranks, N, 4, dtype=torch.float64)
+    for k in range(ranks):
+        padded = k == 1 and ranks > 1
+        partials[k, :, 0], partials[k, :, 1], partials[k, :, 2] = row_stats64(z[k, :, :0] if padded else z[k])
+    owner = torch.randint(0, ranks, (N,))
+    partials[owner, torch.arange(N), 3] = torch.randn(N, dtype=torch.float64)
+    partials = partials.float()
+    out, notes = run_case(drivers, "logprob", "combine",
+                          {"partials": Buf(partials), "out": Buf(torch.full((N, 3), math.nan))},
+                          {"N": N, "ranks": ranks}, grid=GRIDS[passes], tmp_dir=tmp_path)
+    assert_passes(notes, passes)
+
+    seen = torch.cat([z[k] for k in range(ranks) if k != 1 or ranks == 1], 1)
+    # The float32 partials carry their own rounding: recompute the reference from them.
+    m, s, t = partials[..., 0].double(), partials[..., 1].double(), partials[..., 2].double()
+    big = m.max(0).values
+    live = s > 0  # the padded rank's (-inf, 0, 0) adds nothing
+    S = torch.where(live, (m - big).exp() * s, 0.0).sum(0)
+    T = torch.where(live, (m - big).exp() * (t + s * (m - big)), 0.0).sum(0)
+    lse, ent = big + S.log(), S.log() - T / S
+    tol = stats_tolerance(ranks + 4, float(seen.abs().max()))
+    assert_within(out["out"][:, 0], lse, tol, "lse")
+    assert_within(out["out"][:, 1], ent, tol, "entropy")
+    assert torch.equal(out["out"][:, 2], partials[..., 3].sum(0))
+    # And the float64 softmax of all the logits agrees to within the partials' rounding.
+    assert_within(out["out"][:, 0], lse_entropy64(seen)[0], tol + 1e-5, "lse against the logits")
+
+
+# ---------------------------------------------------------------------------------------------
+# clamped_swiglu: swiglu_forward_kernel, swiglu_backward_kernel (swiglu_kernel.cuh)
+
+SWIGLU = dict(alpha=1.702, limit=7.0, offset=1.0)
+
+
+def swiglu_input(rows, F, dtype):
+    """x [rows, 2F] with values on and beyond +-limit among random ones (finite)."""
+    x = torch.randn(rows, 2 * F, dtype=torch.float64) * 5
+    edges = torch.tensor([7.0, -7.0, 8.5, -8.5, 0.0], dtype=torch.float64)
+    x.view(-1)[: len(edges)] = edges
+    x.view(-1)[-len(edges):] = edges
+    return x.to(dtype)
+
+
+def swiglu_reference(x, dy, interleaved):
+    x64 = x.double().requires_grad_(True)
+    y = reference.clamped_swiglu(x64, SWIGLU["limit"], alpha=SWIGLU["alpha"], linear_offset=SWIGLU["offset"],
+                                 interleaved=interleaved)
+    y.backward(dy.double())
+    return y.detach(), x64.grad
+
+
+def assert_rounded_once(actual, expected, dtype, what, fp32_error=0.0):
+    """Computed in fp32 and rounded once to dtype: within one ulp of dtype (relative spacing at
+    worst) of the float64 value, plus fp32's own error before the rounding (a few eps relative,
+    and fp32_error absolute) and fp16's subnormal spacing 2^-24."""
+    tol = (ULP[dtype] + 8 * FP32_EPS) * expected.abs() + fp32_error + (2.0**-24 if dtype == torch.float16 else 0.0)
+    assert_within(actual, expected, tol, what)
+
+
+# (rows, F, grid-stride passes, pointer offset in elements, vector or scalar path). Blocks are
+# [rows, F / N] tiles of 256 threads: with F = 64, 8 to 32 rows per tile.
+SWIGLU_CASES = [
+    (40, 64, "several", 0, "vector"),
+    (40, 64, "one", 0, "vector"),
+    (5, 37, "several", 0, "scalar"),  # an F no vector width divides: row tails
+    (5, 64, "one", 1, "scalar"),      # an aligned F but a misaligned pointer
+    (2, 2080, "several", 0, "vector"),  # more packs per row than threads: column passes too
+]
+
+
+@pytest.mark.parametrize("rows,F,passes,offset,path", SWIGLU_CASES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_swiglu_forward_and_backward(drivers, tmp_path, rows, F, passes, offset, path, interleaved, dtype):
+    x = swiglu_input(rows, F, dtype)
+    dy = torch.randn(rows, F).to(dtype)
+    y_ref, dx_ref = swiglu_reference(x, dy, interleaved)
+    scalars = dict(rows=rows, F=F, dtype=dtype_scalar(dtype), interleaved=int(interleaved), **SWIGLU)
+    expected_width = (8 if interleaved else 16) // x.element_size() if path == "vector" else 1
+
+    out, notes = run_case(drivers, "swiglu", "forward",
+                          {"x": Buf(x, offset), "y": Buf(torch.full((rows, F), math.nan).to(dtype), offset)},
+                          scalars, grid=GRIDS[passes], block_order_seed=rows, tmp_dir=tmp_path / "fwd")
+    assert int(notes["width"]) == expected_width
+    assert_passes(notes, passes)
+    # u' + offset cancels for u' near -offset: an absolute fp32 error of eps |u'| |g' s| <= 50 eps.
+    assert_rounded_once(out["y"], y_ref, dtype, "y", fp32_error=8 * FP32_EPS * 50)
+
+    out, notes = run_case(drivers, "swiglu", "backward",
+                          {"x": Buf(x, offset), "y": Buf(dy, offset),
+                           "x_grad": Buf(torch.full((rows, 2 * F), math.nan).to(dtype), offset)},
+                          scalars, grid=GRIDS[passes], tmp_dir=tmp_path / "bwd")
+    assert int(notes["width"]) == expected_width
+    assert_passes(notes, passes)
+    # d/dg = dy (u' + offset) (s + alpha g' s (1 - s)) cancels between terms of up to ~100 in size
+    # for |g|, |u| <= 7 (the clamp), |dy| <= 4: an absolute fp32 error of a few eps times 100.
+    assert_rounded_once(out["x_grad"], dx_ref, dtype, "dx", fp32_error=8 * FP32_EPS * 100)
+
+
+# ---------------------------------------------------------------------------------------------
+# value_head: value_head_forward_kernel, value_head_backward_hidden_kernel,
+# value_head_partials_kernel and sum_partials_kernel (value_head_kernel.cuh)
+
+
+def sum_tolerance(terms):
+    """Any order of summing n fp32 terms (each an fp32 product, itself within eps/2): error at most
+    (n + 1) eps/2 of the sum of |terms|. terms: [..., n] float64."""
+    return (terms.shape[-1] + 1) * FP32_EPS / 2 * terms.abs().sum(-1)
+
+
+# (rows, H, grid-stride passes, pointer offset in elements, vector path?). The forward's blocks
+# take 8 rows, backward_hidden's [rows, H / N] tiles of 256 threads up to 32.
+VALUE_HEAD_CASES = [
+    (70, 40, "several", 0, True),
+    (70, 40, "one", 0, True),
+    (13, 37, "several", 0, False),  # H no width divides: the scalar path
+    (13, 40, "one", 1, False),      # a misaligned pointer: the scalar path
+    (9, 640, "several", 0, True),   # enough packs for the 4-loads-in-flight loop and its tail
+]
+
+
+@pytest.mark.parametrize("rows,H,passes,offset,vector", VALUE_HEAD_CASES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_value_head_forward_and_backward_hidden(drivers, tmp_path, rows, H, passes, offset, vector, dtype):
+    hidden = torch.randn(rows, H).to(dtype)
+    weight = torch.randn(H)
+    bias = torch.randn(1)
+    width = 16 // hidden.element_size() if vector else 1
+    scalars = dict(rows=rows, H=H, dtype=dtype_scalar(dtype), has_bias=int(rows % 2))
+
+    out, notes = run_case(drivers, "value_head", "forward",
+                          {"hidden": Buf(hidden, offset), "weight": Buf(weight, offset), "bias": Buf(bias),
+                           "out": Buf(torch.full((rows,), math.nan))},
+                          scalars, grid=GRIDS[passes], block_order_seed=7, tmp_dir=tmp_path / "fwd")
+    assert int(notes["width"]) == width
+    assert_passes(notes, passes)
+    terms = hidden.double() * weight.double()
+    expected = terms.sum(1) + (bias.double() if rows % 2 else 0.0)
+    assert_within(out["out"], expected, sum_tolerance(terms) + FP32_EPS * expected.abs(), "forward")
+
+    grad_out = torch.randn(rows)
+    out, notes = run_case(drivers, "value_head", "backward_hidden",
+                          {"grad_out": Buf(grad_out), "weight": Buf(weight, offset),
+                           "grad_hidden": Buf(torch.full((rows, H), math.nan).to(dtype), offset)},
+                          scalars, grid=GRIDS[passes], tmp_dir=tmp_path / "bwd")
+    assert int(notes["width"]) == width
+    assert_passes(notes, passes)
+    assert_rounded_once(out["grad_hidden"], grad_out.double()[:, None] * weight.double(), dtype, "grad_hidden")
+
+
+@pytest.mark.parametrize("rows,H,offset", [
+    (63, 40, 0),     # one partial row block
+    (64, 40, 0),     # exactly one
+    (65, 37, 0),     # one and a row; the scalar path
+    (130, 300, 1),   # column tiles over blockIdx.y; a misaligned pointer
+    (1093, 8, 0),    # 18 row blocks: stage 2 sums more partial rows than its 16 slices
+])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_value_head_backward_params(drivers, tmp_path, rows, H, offset, dtype):
+    hidden = torch.randn(rows, H).to(dtype)
+    grad_out = torch.randn(rows)
+    blocks = (rows + 63) // 64
+    out, notes = run_case(drivers, "value_head", "backward_params",
+                          {"grad_out": Buf(grad_out), "hidden": Buf(hidden, offset),
+                           "weight_partials": Buf(torch.full((blocks, H), math.nan), offset),
+                           "bias_partials": Buf(torch.full((blocks,), math.nan)),
+                           "grad_weight": Buf(torch.full((H,), math.nan)),
+                           "grad_bias": Buf(torch.full((1,), math.nan))},
+                          dict(rows=rows, H=H, dtype=dtype_scalar(dtype)), block_order_seed=3, tmp_dir=tmp_path)
+    vector = H % (16 // hidden.element_size()) == 0 and offset == 0
+    assert int(notes["width"]) == (16 // hidden.element_size() if vector else 1)
+    g = grad_out.double()
+    terms = g[:, None] * hidden.double()                           # [rows, H]
+    padded = torch.cat([terms, terms.new_zeros(blocks * 64 - rows, H)]).view(blocks, 64, H).transpose(1, 2)
+    assert_within(out["weight_partials"], padded.sum(-1), sum_tolerance(padded), "stage 1 weight partials")
+    g_blocks = torch.cat([g, g.new_zeros(blocks * 64 - rows)]).view(blocks, 64)
+    assert_within(out["bias_partials"], g_blocks.sum(-1), sum_tolerance(g_blocks), "stage 1 bias partials")
+    assert_within(out["grad_weight"], terms.sum(0), sum_tolerance(terms.T), "grad_weight")
+    assert_within(out["grad_bias"], g.sum()[None], sum_tolerance(g[None]), "grad_bias")
+
+
+# ---------------------------------------------------------------------------------------------
+# The model itself: its checks of synchronisation, and the launch shapes of cuda_utils.cuh
+
+
+@pytest.mark.parametrize("scenario,error", [
+    ("good_exchanges", None),
+    ("bad_launch_configs_are_errors", None),
+    ("device_sizes", None),
+    ("bad_barrier_after_return", "threads wait at __syncthreads()"),
+    ("bad_barriers_at_two_places", "threads wait at different __syncthreads()"),
+    ("bad_shuffle_absent_lanes", "names lanes absent from this warp"),
+    ("bad_shuffle_returned_lanes", "returned while its warp waits"),
+    ("bad_deadlock", "deadlock: timed out"),
+])
+def test_harness_selftest(drivers, scenario, error):
+    env = {**os.environ, **SANITIZER_ENV, "CUDA_ON_HOST_TIMEOUT_S": "2"}
+    for variant in BUILDS:
+        r = subprocess.run([str(drivers / variant / "harness_selftest"), scenario], capture_output=True, text=True,
+                           env=env, timeout=120)
+        if error is None:
+            assert r.returncode == 0 and r.stdout == "ok\n" and not r.stderr, f"[{variant}] {r.stderr[:4000]}"
+        else:
+            assert r.returncode == 70 and error in r.stderr and "Sanitizer" not in r.stderr, \
+                f"[{variant}] {r.stderr[:4000]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Proof that the harness catches bugs: known defects planted in a copy of the kernel headers, one
+# at a time, each reported by a case above.
+
+DEFECTS = {
+    # value_head stage 1 without the barrier between writing and reading the group sums.
+    "syncthreads_deleted": (
+        "value_head_kernel.cuh", "  __syncthreads();\n  if (threadIdx.y != 0 || c >= H) return;",
+        "  if (threadIdx.y != 0 || c >= H) return;",
+        lambda d, tmp: test_value_head_backward_params(d, tmp, 130, 40, 0, torch.float32),
+        "ThreadSanitizer: data race"),
+    # The same barrier placed after threads return: reached by part of the block.
+    "barrier_after_return": (
+        "value_head_kernel.cuh", "  __syncthreads();\n  if (threadIdx.y != 0 || c >= H) return;",
+        "  if (threadIdx.y != 0 || c >= H) return;\n  __syncthreads();",
+        lambda d, tmp: test_value_head_backward_params(d, tmp, 130, 40, 0, torch.float32),
+        "cuda_on_host error"),
+    # chosen_logprob's max loop reads one column past the row.
+    "loop_bound_le": (
+        "logprob_kernel.cuh", "for (int64_t k = lane; k < C; k += kWarp) m =",
+        "for (int64_t k = lane; k <= C; k += kWarp) m =",
+        lambda d, tmp: test_logprob_stats_rows(d, tmp, 21, 45, "several", 1.0),
+        "AddressSanitizer: heap-buffer-overflow"),
+    # warp_sum's butterfly starting at offset 8: each half-warp sums only itself (a row of more
+    # than 16 packs).
+    "shuffle_offset_halved": (
+        "cuda_utils.cuh", "for (int offset = kWarp / 2; offset > 0; offset /= 2)",
+        "for (int offset = kWarp / 4; offset > 0; offset /= 2)",
+        lambda d, tmp: test_value_head_forward_and_backward_hidden(d, tmp, 9, 640, "several", 0, True, torch.float32),
+        "forward: "),
+}
+
+
+@pytest.mark.parametrize("defect", list(DEFECTS))
+def test_planted_defect_is_caught(tmp_path, defect):
+    header, good, bad, case, report = DEFECTS[defect]
+    csrc = tmp_path / "csrc"
+    shutil.copytree(CSRC, csrc)
+    text = (csrc / header).read_text()
+    assert text.count(good) == 1, f"{header} no longer holds the line this defect changes"
+    (csrc / header).write_text(text.replace(good, bad))
+    op = {"logprob_kernel.cuh": "logprob", "value_head_kernel.cuh": "value_head"}.get(header, "value_head")
+    drivers = build_drivers(csrc, tmp_path / "build", drivers=(op,))
+    (tmp_path / "run").mkdir()
+    with pytest.raises(AssertionError, match=re.escape(report)):
+        case(drivers, tmp_path / "run")
