@@ -6,6 +6,7 @@ payloads, -0.0, infinities included) compared through integer views, and every s
 the test's own reference split (Megatron's rule: chunks of N / (stride * tp), rank r takes chunks
 r, r + tp, ...), not from the code under test.
 """
+import itertools
 import os
 import pickle
 import re
@@ -512,17 +513,19 @@ def _damaged_data(rank, root, original):
     checkpoint. Every error names the entry or file; the staged path leaves the module unchanged."""
     save_sharded(Toy(logical_state(seed=3), 2, rank, step=9), f"{root}/other_save")
     items = _stored_items(f"{root}/good")
-    # one flipped byte in the middle of the largest item of each data file (tensor bytes, mostly)
-    for file in sorted({item[0] for item in items}):
+    # one flipped byte in the largest item of each data file: in its middle (tensor bytes, mostly)
+    # and in its first byte (the archive's header, which makes DCP's read fail before the hash check)
+    for file, where in itertools.product(sorted({item[0] for item in items}), ("middle", "first")):
         start, end, name = max((item[1:] for item in items if item[0] == file), key=lambda item: item[1] - item[0])
-        damaged = f"{root}/flipped_{file}"
+        damaged = f"{root}/flipped_{where}_{file}"
+        position = (start + end) // 2 if where == "middle" else start
 
-        def flip(damaged=damaged, file=file, start=start, end=end):
+        def flip(damaged=damaged, file=file, position=position):
             shutil.copytree(f"{root}/good", damaged)
             with open(f"{damaged}/{file}", "r+b") as f:
-                f.seek((start + end) // 2)
+                f.seek(position)
                 byte = f.read(1)[0]
-                f.seek((start + end) // 2)
+                f.seek(position)
                 f.write(bytes([byte ^ 0x10]))
 
         _on_rank_0(flip)
