@@ -296,7 +296,8 @@ def grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, in
     # A handful of fp32 roundings per element (z - m among them: |z - m| eps absolute), exp's
     # relative error growing with |z - m - lse|, and the chosen column's addition of gl.
     zr_f = torch.where(zr.isfinite(), zr, 0.0)
-    factor = torch.where(p == 0, 0.0, (1 + (zr_f - l).abs() + zr_f.abs()) * p * (g.abs() + e.abs() * ((zr_f - mu).abs() + 1)))
+    factor = torch.where(p == 0, 0.0,
+                         (1 + (zr_f - l).abs() + zr_f.abs()) * p * (g.abs() + e.abs() * ((zr_f - mu).abs() + 1)))
     tol = 8 * FP32_EPS * (factor + g.abs()) * inv_temp + 1e-30
     return d * inv_temp, tol
 
