@@ -210,15 +210,8 @@ def test_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature):
     # Running stats from an earlier chunk (rows 0..N/2) or none yet (the rest): the merge.
     earlier = torch.randn(N, 30, dtype=torch.float64) * 3
     has_earlier = torch.arange(N) < N // 2
-    m0, s0, t0 = row_stats64(earlier)
-    stats = torch.stack([m0, s0, t0, torch.full((N,), 0.5, dtype=torch.float64)], 1).float()
-    stats[~has_earlier] = torch.tensor([-math.inf, 0.0, 0.0, 0.0])
-
-    out, notes = run_case(drivers, "logprob", "stats_rows",
-                          {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats)},
-                          {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=GRIDS[passes], tmp_dir=tmp_path)
-    assert_passes(notes, passes)
-    got = out["stats"].double()
+    stats = running_stats(earlier, has_earlier)
+    got = run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, passes)
 
     z = (logits * inv_temp).double()  # the kernel's fp32 product, exactly
     seen = torch.where(has_earlier[:, None], torch.cat([earlier, z], 1),
@@ -234,7 +227,26 @@ def test_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature):
     inside = (tokens >= col0) & (tokens < col0 + C)
     expected_chosen = stats[:, 3].clone()
     expected_chosen[inside] = (logits * inv_temp)[inside.nonzero()[:, 0], tokens[inside] - col0]
-    assert torch.equal(out["stats"][:, 3], expected_chosen)
+    assert torch.equal(got[:, 3].float(), expected_chosen)
+
+
+def running_stats(earlier, has_earlier):
+    """[N, 4] fp32 stats of an earlier chunk's logits (float64 [N, k]) where has_earlier, empty
+    elsewhere; the chosen logit 0.5 (not in the chunk)."""
+    m0, s0, t0 = row_stats64(earlier)
+    stats = torch.stack([m0, s0, t0, torch.full_like(m0, 0.5)], 1).float()
+    stats[~has_earlier] = torch.tensor([-math.inf, 0.0, 0.0, 0.0])
+    return stats
+
+
+def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, passes):
+    """stats_rows_kernel merging logits [N, C] into stats; returns the stats it wrote, in float64."""
+    N, C = logits.shape
+    out, notes = run_case(drivers, "logprob", "stats_rows",
+                          {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats)},
+                          {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=GRIDS[passes], tmp_dir=tmp_path)
+    assert_passes(notes, passes)
+    return out["stats"].double()
 
 
 @pytest.mark.parametrize("N,C,passes", [
@@ -367,20 +379,13 @@ def test_logprob_stats_rows_nonfinite(drivers, tmp_path, C, passes):
     earlier = torch.randn(N, 30, dtype=torch.float64) * 3
     earlier[12, 5] = math.nan
     has_earlier = torch.arange(N) % 2 == 0
-    m0, s0, t0 = row_stats64(earlier)
-    stats = torch.stack([m0, s0, t0, torch.full((N,), 0.5, dtype=torch.float64)], 1).float()
-    stats[~has_earlier] = torch.tensor([-math.inf, 0.0, 0.0, 0.0])
-
-    out, notes = run_case(drivers, "logprob", "stats_rows",
-                          {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats)},
-                          {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=GRIDS[passes], tmp_dir=tmp_path)
-    assert_passes(notes, passes)
-    got = out["stats"].double()
+    stats = running_stats(earlier, has_earlier)
+    got = run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, passes)
     nan_rows = torch.zeros(N, dtype=torch.bool)
     nan_rows[:4] = nan_rows[12] = True
     assert torch.equal(got[:, :3].isnan(), nan_rows[:, None].expand(N, 3)), "NaN partials"
     # A chunk of -inf only leaves the running stats as they were (empty ones included).
-    assert torch.equal(out["stats"][8:12, :3], stats[8:12, :3])
+    assert torch.equal(got[8:12, :3].float(), stats[8:12, :3])
 
     z = (logits * inv_temp).double()
     seen = torch.cat([torch.where(has_earlier[:, None], earlier, -math.inf), z], 1)
@@ -392,7 +397,7 @@ def test_logprob_stats_rows_nonfinite(drivers, tmp_path, C, passes):
     assert_within(got[:, 0] + got[:, 1].log(), lse, tol, "lse")
     assert_within(got[:, 1].log() - got[:, 2] / got[:, 1], ent, tol, "entropy")
     assert ent[4:8].isfinite().all()
-    assert_within(out["stats"][:, 3], (logits * inv_temp)[torch.arange(N), cols], 0.0, "chosen")
+    assert_within(got[:, 3], (logits * inv_temp)[torch.arange(N), cols], 0.0, "chosen")
 
 
 @pytest.mark.parametrize("passes", ["several", "one"])
