@@ -153,10 +153,12 @@ def dtype_scalar(dtype):
 
 
 def assert_within(actual, expected, tol, what):
-    """|actual - expected| <= tol elementwise (tol a tensor or number), everything finite."""
+    """|actual - expected| <= tol elementwise (tol a tensor or number) where expected is finite;
+    elsewhere actual equals it exactly (NaN where it is NaN, the same infinity)."""
     actual, expected = actual.double(), expected.double()
     err = (actual - expected).abs()
-    bad = ~(err <= tol)
+    same = (actual == expected) | (actual.isnan() & expected.isnan())
+    bad = ~(same | (expected.isfinite() & (err <= tol)))
     assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} elements off, first at "
                            f"{bad.nonzero()[0].tolist()}: {actual[bad][0].item()} vs {expected[bad][0].item()}")
 
@@ -208,15 +210,8 @@ def test_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature):
     # Running stats from an earlier chunk (rows 0..N/2) or none yet (the rest): the merge.
     earlier = torch.randn(N, 30, dtype=torch.float64) * 3
     has_earlier = torch.arange(N) < N // 2
-    m0, s0, t0 = row_stats64(earlier)
-    stats = torch.stack([m0, s0, t0, torch.full((N,), 0.5, dtype=torch.float64)], 1).float()
-    stats[~has_earlier] = torch.tensor([-math.inf, 0.0, 0.0, 0.0])
-
-    out, notes = run_case(drivers, "logprob", "stats_rows",
-                          {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats)},
-                          {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=GRIDS[passes], tmp_dir=tmp_path)
-    assert_passes(notes, passes)
-    got = out["stats"].double()
+    stats = running_stats(earlier, has_earlier)
+    got = run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, passes)
 
     z = (logits * inv_temp).double()  # the kernel's fp32 product, exactly
     seen = torch.where(has_earlier[:, None], torch.cat([earlier, z], 1),
@@ -232,7 +227,26 @@ def test_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature):
     inside = (tokens >= col0) & (tokens < col0 + C)
     expected_chosen = stats[:, 3].clone()
     expected_chosen[inside] = (logits * inv_temp)[inside.nonzero()[:, 0], tokens[inside] - col0]
-    assert torch.equal(out["stats"][:, 3], expected_chosen)
+    assert torch.equal(got[:, 3].float(), expected_chosen)
+
+
+def running_stats(earlier, has_earlier):
+    """[N, 4] fp32 stats of an earlier chunk's logits (float64 [N, k]) where has_earlier, empty
+    elsewhere; the chosen logit 0.5 (not in the chunk)."""
+    m0, s0, t0 = row_stats64(earlier)
+    stats = torch.stack([m0, s0, t0, torch.full_like(m0, 0.5)], 1).float()
+    stats[~has_earlier] = torch.tensor([-math.inf, 0.0, 0.0, 0.0])
+    return stats
+
+
+def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, passes):
+    """stats_rows_kernel merging logits [N, C] into stats; returns the stats it wrote, in float64."""
+    N, C = logits.shape
+    out, notes = run_case(drivers, "logprob", "stats_rows",
+                          {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats)},
+                          {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=GRIDS[passes], tmp_dir=tmp_path)
+    assert_passes(notes, passes)
+    return out["stats"].double()
 
 
 @pytest.mark.parametrize("N,C,passes", [
@@ -249,27 +263,55 @@ def test_logprob_grad_rows(drivers, tmp_path, N, C, passes, temperature):
     tokens = torch.randint(col0, col0 + C, (N,))
     tokens[:5] = torch.tensor([col0, col0 + C - 1, col0 - 1, col0 + C, -100])
     z = (logits * inv_temp).double()
-    # lse / mean over a vocabulary larger than the chunk (other chunks and ranks).
-    lse, ent = lse_entropy64(torch.cat([z, torch.randn(N, 50, dtype=torch.float64)], 1))
-    mean = lse - ent
+    # The row max and log-sum (relative to it) over a vocabulary larger than the chunk (other chunks
+    # and ranks), and mean = log_sum - entropy, as chosen_logprob's backward passes them.
+    row_max, log_sum, ent = combined_stats64(torch.cat([z, torch.randn(N, 50, dtype=torch.float64)], 1))
+    mean = log_sum - ent
     gl, ge = torch.randn(N), torch.randn(N)
+    out = run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp, passes)
+    expected, tol = grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp)
+    assert_within(out, expected, tol, "logit gradients")
+
+
+def combined_stats64(z):
+    """(row max, log-sum relative to it, entropy) of each row of z, in float64, as combine_row
+    writes them."""
+    m = z.max(1).values
+    lse, ent = lse_entropy64(z)
+    return m, lse - m, ent
+
+
+def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp, passes):
+    """grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32); returns the
+    gradients it wrote in place."""
+    N, C = logits.shape
     out, notes = run_case(drivers, "logprob", "grad_rows",
-                          {"logits": Buf(logits), "tokens": Buf(tokens), "lse": Buf(lse.float()),
-                           "mean": Buf(mean.float()), "gl": Buf(gl), "ge": Buf(ge)},
+                          {"logits": Buf(logits), "tokens": Buf(tokens), "row_max": Buf(row_max.float()),
+                           "lse": Buf(log_sum.float()), "mean": Buf(mean.float()), "gl": Buf(gl), "ge": Buf(ge)},
                           {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=GRIDS[passes], tmp_dir=tmp_path)
     assert_passes(notes, passes)
+    return out["logits"]
 
-    l, mu = lse.float().double()[:, None], mean.float().double()[:, None]
+
+def grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp):
+    """float64 gradients d(gl logprob + ge entropy)/d(logits) from the fp32 per-row values the
+    kernel gets, and their tolerance. A logit of probability 0 (-inf) gets none (the limit of
+    p (z - mean) as p -> 0; float64 would say 0 * inf = NaN); NaN anywhere stays NaN."""
+    N, C = logits.shape
+    zr = (logits * inv_temp).double() - row_max.float().double()[:, None]  # z - m
+    l, mu = log_sum.float().double()[:, None], mean.float().double()[:, None]
     g, e = gl.double()[:, None], ge.double()[:, None]
-    p = (z - l).exp()
-    d = -p * (g + e * (z - mu))
+    p = (zr - l).exp()
+    d = torch.where(p == 0, 0.0, -p * (g + e * (zr - mu)))
     inside = ((tokens >= col0) & (tokens < col0 + C)).nonzero()[:, 0]
     d[inside, tokens[inside] - col0] += g[inside, 0]
-    expected = d * inv_temp
-    # A handful of fp32 roundings per element, exp's relative error growing with |z - lse|, and
-    # the chosen column's addition of gl.
-    tol = 8 * FP32_EPS * ((1 + (z - l).abs()) * p * (g.abs() + e.abs() * ((z - mu).abs() + 1)) + g.abs()) * inv_temp
-    assert_within(out["logits"], expected, tol + 1e-30, "logit gradients")
+    # A handful of fp32 roundings per element (z - m among them: |z - m| eps absolute), exp's
+    # relative error growing with |z - m - lse|, and the chosen column's addition of gl.
+    zr_f = torch.where(zr.isfinite(), zr, 0.0)
+    factor = torch.where(p == 0, 0.0,
+                         (1 + (zr_f - l).abs() + zr_f.abs()) * p * (g.abs() + e.abs() * ((zr_f - mu).abs() + 1)))
+    tol = 8 * FP32_EPS * (factor + g.abs()) * inv_temp + 1e-30
+    return d * inv_temp, tol
 
 
 @pytest.mark.parametrize("ranks,N,passes", [(3, 300, "several"), (3, 300, "one"), (1, 5, "one"), (4, 17, "one")])
@@ -286,7 +328,7 @@ def test_logprob_combine(drivers, tmp_path, ranks, N, passes):
     partials[owner, torch.arange(N), 3] = torch.randn(N, dtype=torch.float64)
     partials = partials.float()
     out, notes = run_case(drivers, "logprob", "combine",
-                          {"partials": Buf(partials), "out": Buf(torch.full((N, 3), math.nan))},
+                          {"partials": Buf(partials), "out": Buf(torch.full((N, 4), math.nan))},
                           {"N": N, "ranks": ranks}, grid=GRIDS[passes], tmp_dir=tmp_path)
     assert_passes(notes, passes)
 
@@ -299,11 +341,130 @@ def test_logprob_combine(drivers, tmp_path, ranks, N, passes):
     T = torch.where(live, (m - big).exp() * (t + s * (m - big)), 0.0).sum(0)
     lse, ent = big + S.log(), S.log() - T / S
     tol = stats_tolerance(ranks + 4, float(seen.abs().max()))
-    assert_within(out["out"][:, 0], lse, tol, "lse")
-    assert_within(out["out"][:, 1], ent, tol, "entropy")
-    assert torch.equal(out["out"][:, 2], partials[..., 3].sum(0))
+    # out: (row max, log-sum relative to it, entropy, chosen); the max is the partials' exactly.
+    got = out["out"].double()
+    assert torch.equal(out["out"][:, 0], partials[..., 0].max(0).values)
+    assert_within(got[:, 0] + got[:, 1], lse, tol, "lse")
+    assert_within(got[:, 2], ent, tol, "entropy")
+    assert torch.equal(out["out"][:, 3], partials[..., 3].sum(0))
     # And the float64 softmax of all the logits agrees to within the partials' rounding.
-    assert_within(out["out"][:, 0], lse_entropy64(seen)[0], tol + 1e-5, "lse against the logits")
+    assert_within(got[:, 0] + got[:, 1], lse_entropy64(seen)[0], tol + 1e-5, "lse against the logits")
+
+
+# Non-finite logits (logprob_math.h): a NaN makes its row's partial NaN and every result of the
+# row NaN; a -inf has probability 0 and adds nothing; a chunk of -inf only is an empty partial
+# (max -inf) that merges as nothing; a NaN partial is never dropped in a merge.
+
+
+def nonfinite_logits(N, C):
+    """logits [N, C] and the column chosen in each row: rows 0-3 hold a NaN there, rows 4-7 a
+    -inf, rows 8-11 are -inf throughout, the rest finite."""
+    logits = torch.randn(N, C) * 3
+    cols = torch.randint(0, C, (N,))
+    rows = torch.arange(N)
+    logits[rows[:4], cols[:4]] = math.nan
+    logits[rows[4:8], cols[4:8]] = -math.inf
+    logits[8:12] = -math.inf
+    return logits, cols
+
+
+@pytest.mark.parametrize("C,passes", [(45, "several"), (45, "one"), (7, "several")])
+def test_logprob_stats_rows_nonfinite(drivers, tmp_path, C, passes):
+    N, col0 = 16, 100
+    inv_temp = float(torch.tensor(1 / 0.7, dtype=torch.float32))
+    logits, cols = nonfinite_logits(N, C)
+    tokens = col0 + cols  # the chosen logit is the non-finite one
+    # Even rows merge into stats from an earlier chunk, odd rows have none; row 12's earlier
+    # partial is NaN itself.
+    earlier = torch.randn(N, 30, dtype=torch.float64) * 3
+    earlier[12, 5] = math.nan
+    has_earlier = torch.arange(N) % 2 == 0
+    stats = running_stats(earlier, has_earlier)
+    got = run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, passes)
+    nan_rows = torch.zeros(N, dtype=torch.bool)
+    nan_rows[:4] = nan_rows[12] = True
+    assert torch.equal(got[:, :3].isnan(), nan_rows[:, None].expand(N, 3)), "NaN partials"
+    # A chunk of -inf only leaves the running stats as they were (empty ones included).
+    assert torch.equal(got[8:12, :3].float(), stats[8:12, :3])
+
+    z = (logits * inv_temp).double()
+    seen = torch.cat([torch.where(has_earlier[:, None], earlier, -math.inf), z], 1)
+    lse, ent = lse_entropy64(seen)
+    finite = seen[seen.isfinite()]
+    tol = stats_tolerance(C / 32 + 5 + 4, float(finite.abs().max()))
+    # float64's answer, NaN where it is NaN: rows 8-11 without earlier stats have lse -inf and
+    # entropy NaN (no probability at all).
+    assert_within(got[:, 0] + got[:, 1].log(), lse, tol, "lse")
+    assert_within(got[:, 1].log() - got[:, 2] / got[:, 1], ent, tol, "entropy")
+    assert ent[4:8].isfinite().all()
+    assert_within(got[:, 3], (logits * inv_temp)[torch.arange(N), cols], 0.0, "chosen")
+
+
+@pytest.mark.parametrize("passes", ["several", "one"])
+def test_logprob_grad_rows_nonfinite(drivers, tmp_path, passes):
+    N, C, col0 = 16, 45, 64
+    inv_temp = float(torch.tensor(1 / 1.3, dtype=torch.float32))
+    logits, cols = nonfinite_logits(N, C)
+    # Even rows choose the non-finite column, odd rows another one.
+    tokens = col0 + torch.where(torch.arange(N) % 2 == 0, cols, (cols + 1) % C)
+    z = (logits * inv_temp).double()
+    # Per-row values over this chunk and other (finite) chunks: NaN for rows 0-3.
+    row_max, log_sum, ent = combined_stats64(torch.cat([z, torch.randn(N, 50, dtype=torch.float64)], 1))
+    mean = log_sum - ent
+    assert row_max[:4].isnan().all() and row_max[4:].isfinite().all()
+    gl, ge = torch.randn(N), torch.randn(N)
+    got = run_grad_rows(drivers, tmp_path, logits.clone(), tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp,
+                        passes)
+    expected, tol = grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp)
+    assert expected[:4].isnan().all() and expected[4:].isfinite().all()
+    assert_within(got, expected, tol, "logit gradients")
+    # -inf logits pass no gradient (but gl where chosen).
+    chosen = torch.zeros(N, C, dtype=torch.bool)
+    chosen[torch.arange(N), tokens - col0] = True
+    assert (got[4:12][~chosen[4:12] & logits[4:12].isneginf()] == 0).all()
+
+
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_logprob_combine_nonfinite(drivers, tmp_path, ranks):
+    # For each rank k and kind: a partial NaN from a NaN logit (NaN, NaN, NaN) or from a +inf
+    # logit (inf, NaN, NaN) on rank k, the other ranks finite or empty (-inf, 0, 0); then finite
+    # rows, and a NaN chosen logit on the last rank in the last row.
+    C = 20
+    kinds = [(k, bad, others) for k in range(ranks) for bad in (math.nan, math.inf) for others in ("finite", "empty")]
+    N = len(kinds) + 3
+    z = torch.randn(ranks, N, C, dtype=torch.float64) * 4
+    live = torch.ones(ranks, N, dtype=torch.bool)
+    for r, (k, bad, others) in enumerate(kinds):
+        z[k, r, 3] = bad
+        if others == "empty":
+            live[:, r] = False
+            live[k, r] = True
+    partials = torch.zeros(ranks, N, 4, dtype=torch.float64)
+    for k in range(ranks):
+        partials[k, :, 0], partials[k, :, 1], partials[k, :, 2] = row_stats64(z[k])
+    partials[~live] = torch.tensor([-math.inf, 0.0, 0.0, 0.0], dtype=torch.float64)
+    owner = torch.randint(0, ranks, (N,))
+    partials[owner, torch.arange(N), 3] = torch.randn(N, dtype=torch.float64)
+    partials[ranks - 1, N - 1, 3] = math.nan
+    partials = partials.float()
+    out, notes = run_case(drivers, "logprob", "combine",
+                          {"partials": Buf(partials), "out": Buf(torch.full((N, 4), math.nan))},
+                          {"N": N, "ranks": ranks}, grid=(1,), tmp_dir=tmp_path)
+    got = out["out"].double()
+
+    bad_rows = torch.arange(N) < len(kinds)
+    assert torch.equal((got[:, 0] + got[:, 1]).isnan(), bad_rows), "lse"
+    assert torch.equal(got[:, 2].isnan(), bad_rows), "entropy"
+    # float64 over the live ranks' logits: NaN entropy in the same rows, the same finite values.
+    seen = torch.cat([torch.where(live[k][:, None], z[k], -math.inf) for k in range(ranks)], 1)
+    lse, ent = lse_entropy64(seen)
+    tol = stats_tolerance(ranks + 4, float(seen[seen.isfinite()].abs().max())) + 1e-5
+    assert torch.equal(ent.isnan(), bad_rows)
+    assert_within(got[~bad_rows, 0] + got[~bad_rows, 1], lse[~bad_rows], tol, "lse")
+    assert_within(got[:, 2], ent, tol, "entropy")
+    # The CPU kernel (combine_row on the host) agrees, non-finite values exactly.
+    assert_within(got, torch.ops.fused_rl_ops.logprob_combine(partials).double(), tol, "against the CPU op")
+    assert got[N - 1, 3].isnan()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,7 +516,7 @@ def test_swiglu_forward_and_backward(drivers, tmp_path, rows, F, passes, offset,
     x = swiglu_input(rows, F, dtype)
     dy = torch.randn(rows, F).to(dtype)
     y_ref, dx_ref = swiglu_reference(x, dy, interleaved)
-    scalars = dict(rows=rows, F=F, dtype=dtype_scalar(dtype), interleaved=int(interleaved), **SWIGLU)
+    scalars = dict(rows=rows, F=F, dtype=dtype_scalar(dtype), interleaved=int(interleaved), has_scale=0, **SWIGLU)
     expected_width = (8 if interleaved else 16) // x.element_size() if path == "vector" else 1
 
     out, notes = run_case(drivers, "swiglu", "forward",
@@ -375,6 +536,57 @@ def test_swiglu_forward_and_backward(drivers, tmp_path, rows, F, passes, offset,
     # d/dg = dy (u' + offset) (s + alpha g' s (1 - s)) cancels between terms of up to ~100 in size
     # for |g|, |u| <= 7 (the clamp), |dy| <= 4: an absolute fp32 error of a few eps times 100.
     assert_rounded_once(out["x_grad"], dx_ref, dtype, "dx", fp32_error=8 * FP32_EPS * 100)
+
+
+@pytest.mark.parametrize("rows,F,passes,offset,path", SWIGLU_CASES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_swiglu_weighted_forward_and_backward(drivers, tmp_path, rows, F, passes, offset, path, interleaved, dtype):
+    """The weighted form y = scale * swiglu(x): swiglu_forward_kernel with a scale buffer and
+    swiglu_scaled_backward_kernel (dx and dscale). row_sum takes its shuffle-only branch where a
+    row has at most a warp of threads (F = 64 on the vector path: 8 to 32 threads a row) and its
+    shared-memory branch otherwise (64 or 256 threads a row)."""
+    x = swiglu_input(rows, F, dtype)
+    dy = torch.randn(rows, F).to(dtype)
+    scale = torch.rand(rows) * 2  # routing weights; one of them 0
+    scale[rows // 2] = 0.0
+    x64, s64 = x.double().requires_grad_(True), scale.double().requires_grad_(True)
+    y_ref = reference.clamped_swiglu(x64, SWIGLU["limit"], alpha=SWIGLU["alpha"], linear_offset=SWIGLU["offset"],
+                                     interleaved=interleaved, scale=s64)
+    y_ref.backward(dy.double())
+    y_ref = y_ref.detach()
+    scalars = dict(rows=rows, F=F, dtype=dtype_scalar(dtype), interleaved=int(interleaved), has_scale=1, **SWIGLU)
+    expected_width = (8 if interleaved else 16) // x.element_size() if path == "vector" else 1
+    row_fits_a_warp = F == 64 and path == "vector"
+
+    out, notes = run_case(drivers, "swiglu", "forward",
+                          {"x": Buf(x, offset), "scale": Buf(scale),
+                           "y": Buf(torch.full((rows, F), math.nan).to(dtype), offset)},
+                          scalars, grid=GRIDS[passes], block_order_seed=rows, tmp_dir=tmp_path / "fwd")
+    assert int(notes["width"]) == expected_width
+    assert_passes(notes, passes)
+    # As the unweighted forward (its fp32 error times the scale), plus the product's rounding
+    # (within the 8 eps relative).
+    s = scale.double()[:, None]
+    assert_rounded_once(out["y"], y_ref, dtype, "y", fp32_error=8 * FP32_EPS * 50 * s)
+
+    out, notes = run_case(drivers, "swiglu", "scaled_backward",
+                          {"x": Buf(x, offset), "y": Buf(dy, offset), "scale": Buf(scale),
+                           "x_grad": Buf(torch.full((rows, 2 * F), math.nan).to(dtype), offset),
+                           "dscale": Buf(torch.full((rows,), math.nan))},
+                          scalars, grid=GRIDS[passes], block_order_seed=rows + 1, tmp_dir=tmp_path / "bwd")
+    assert int(notes["width"]) == expected_width
+    assert (int(notes["block_x"]) <= 32) == row_fits_a_warp, notes
+    assert_passes(notes, passes)
+    # dx: the unweighted backward's bound with dy * scale (one more rounding, within the 8 eps).
+    assert_rounded_once(out["x_grad"], x64.grad, dtype, "dx", fp32_error=8 * FP32_EPS * 100 * s)
+    # dscale = sum over the row of dy * swiglu(x): each term's fp32 error (8 eps relative and the
+    # forward's 8 eps * 50 absolute, times |dy|), then the sum's, in any order.
+    swiglu64 = reference.clamped_swiglu(x.double(), SWIGLU["limit"], alpha=SWIGLU["alpha"],
+                                        linear_offset=SWIGLU["offset"], interleaved=interleaved)
+    terms = dy.double() * swiglu64
+    term_error = (8 * FP32_EPS * (terms.abs() + 50 * dy.double().abs())).sum(1)
+    assert_within(out["dscale"], s64.grad, sum_tolerance(terms) + term_error, "dscale")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,6 +727,19 @@ DEFECTS = {
         "for (int offset = kWarp / 4; offset > 0; offset /= 2)",
         lambda d, tmp: test_value_head_forward_and_backward_hidden(d, tmp, 9, 640, "several", 0, True, torch.float32),
         "forward: "),
+    # row_sum without the barrier that keeps a row's next totals from overwriting ones still read
+    # (rows of 256 threads, two rows in turn on one block).
+    "row_sum_first_barrier_deleted": (
+        "swiglu_kernel.cuh", "  __syncthreads();  // the previous call's totals are read\n", "",
+        lambda d, tmp: test_swiglu_weighted_forward_and_backward(d, tmp, 2, 2080, "several", 0, "vector", False,
+                                                                 torch.float32),
+        "ThreadSanitizer: data race"),
+    # row_sum's butterfly over the whole warp when a row has fewer threads (8 here): rows mix.
+    "row_sum_width_ignored": (
+        "swiglu_kernel.cuh", "const int width = blockDim.x < kWarp ? blockDim.x : kWarp;", "const int width = kWarp;",
+        lambda d, tmp: test_swiglu_weighted_forward_and_backward(d, tmp, 40, 64, "one", 0, "vector", False,
+                                                                 torch.bfloat16),
+        "dscale: "),
 }
 
 
@@ -526,7 +751,7 @@ def test_planted_defect_is_caught(tmp_path, defect):
     text = (csrc / header).read_text()
     assert text.count(good) == 1, f"{header} no longer holds the line this defect changes"
     (csrc / header).write_text(text.replace(good, bad))
-    op = {"logprob_kernel.cuh": "logprob", "value_head_kernel.cuh": "value_head"}.get(header, "value_head")
+    op = {"logprob_kernel.cuh": "logprob", "swiglu_kernel.cuh": "swiglu"}.get(header, "value_head")
     drivers = build_drivers(csrc, tmp_path / "build", drivers=(op,))
     (tmp_path / "run").mkdir()
     with pytest.raises(AssertionError, match=re.escape(report)):

@@ -18,8 +18,8 @@ int main(int argc, char** argv) {
     } else if (c.kernel == "grad_rows") {
       const RowLaunch cfg = row_launch(N, c.i("C"), 256, driver::kLargeDevice);
       launch(grad_rows_kernel, c.row_grid(N, cfg.block.y, cfg.grid), cfg.block, 0, c.buf<float>("logits"), N,
-             c.i("C"), c.i("col0"), c.buf<int64_t>("tokens"), c.buf<float>("lse"), c.buf<float>("mean"),
-             c.buf<float>("gl"), c.buf<float>("ge"), c.f("inv_temp"));
+             c.i("C"), c.i("col0"), c.buf<int64_t>("tokens"), c.buf<float>("row_max"), c.buf<float>("lse"),
+             c.buf<float>("mean"), c.buf<float>("gl"), c.buf<float>("ge"), c.f("inv_temp"));
     } else if (c.kernel == "combine") {
       const dim3 grid = c.row_grid(N, 256, grid_for((N + 255) / 256, 256, driver::kLargeDevice));
       launch(combine_kernel, grid, 256, 0, c.buf<float>("partials"), c.i("ranks"), N, c.buf<float>("out"));

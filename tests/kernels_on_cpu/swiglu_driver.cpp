@@ -1,6 +1,7 @@
 // Runs the clamped SwiGLU CUDA kernels (csrc/swiglu_kernel.cuh) on the CPU, through
 // launch_with_width and the launch shapes of swiglu_kernel.cu (the grid: the case's, or the
-// launcher's for one pass).
+// launcher's for one pass). Kernels: forward (with a "scale" buffer when the int has_scale is 1:
+// the weighted form), backward, and scaled_backward (dx and dscale of the weighted form).
 #include "driver.h"
 #include "swiglu_kernel.cuh"
 
@@ -11,9 +12,10 @@ int main(int argc, char** argv) {
   return driver::main(argc, argv, [](driver::Case& c) {
     const int64_t rows = c.i("rows"), F = c.i("F");
     const SwigluParams p{c.f("alpha"), c.f("limit"), c.f("offset")};
-    const bool forward = c.kernel == "forward";
-    if (!forward && c.kernel != "backward") cuda_on_host::fail("unknown kernel " + c.kernel);
+    const bool forward = c.kernel == "forward", scaled_backward = c.kernel == "scaled_backward";
+    if (!forward && !scaled_backward && c.kernel != "backward") cuda_on_host::fail("unknown kernel " + c.kernel);
     void *x = c.raw("x"), *y = c.raw("y");  // backward: y holds dy, dx is written to x_grad
+    const float* scale = (forward && c.i("has_scale")) || scaled_backward ? c.buf<float>("scale") : nullptr;
     auto run = [&](auto interleaved_tag) {
       constexpr bool kInter = decltype(interleaved_tag)::value;
       const auto body = [&](auto* type_tag, auto width) {
@@ -21,10 +23,15 @@ int main(int argc, char** argv) {
         constexpr int N = decltype(width)::value;
         std::cout << "width " << N << "\n";
         const RowLaunch cfg = row_launch(rows, F / N, kThreads, driver::kLargeDevice);
+        std::cout << "block_x " << cfg.block.x << "\n";
         const dim3 grid = c.row_grid(rows, cfg.block.y, cfg.grid);
         if (forward)
-          launch(swiglu_forward_kernel<T, N, kInter>, grid, cfg.block, 0, static_cast<const T*>(x), static_cast<T*>(y),
-                 rows, F, p);
+          launch(swiglu_forward_kernel<T, N, kInter>, grid, cfg.block, 0, static_cast<const T*>(x), scale,
+                 static_cast<T*>(y), rows, F, p);
+        else if (scaled_backward)
+          launch(swiglu_scaled_backward_kernel<T, N, kInter>, grid, cfg.block, 0, static_cast<const T*>(y),
+                 static_cast<const T*>(x), scale, static_cast<T*>(c.raw("x_grad")), c.buf<float>("dscale"), rows, F,
+                 p);
         else
           launch(swiglu_backward_kernel<T, N, kInter>, grid, cfg.block, 0, static_cast<const T*>(y),
                  static_cast<const T*>(x), static_cast<T*>(c.raw("x_grad")), rows, F, p);
