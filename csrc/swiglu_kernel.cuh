@@ -88,21 +88,31 @@ __device__ __forceinline__ void store_gate_linear(T* row, int64_t F, int64_t c, 
   }
 }
 
+// Gradients for outputs [c, c + N) of row r: grad(g, u, dy, dg, du) per element; returns sum plus
+// what grad returns, added in element order (the weighted backward's running partial of dscale).
+template <typename T, int N, bool kInterleaved, class Grad>
+__device__ __forceinline__ float backward_tile(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
+                                               int64_t r, int64_t F, int64_t c, float sum, Grad grad) {
+  float g[N], u[N], dg[N], du[N];
+  load_gate_linear<T, N, kInterleaved>(x + r * 2 * F, F, c, g, u);
+  const auto pdy = *reinterpret_cast<const Pack<T, N>*>(dy + r * F + c);
+#pragma unroll
+  for (int k = 0; k < N; ++k) sum += grad(g[k], u[k], to_float(pdy.v[k]), dg[k], du[k]);
+  store_gate_linear<T, N, kInterleaved>(dx + r * 2 * F, F, c, dg, du);
+  return sum;
+}
+
 template <typename T, int N, bool kInterleaved>
 __global__ void
     swiglu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx, int64_t rows,
                            int64_t F, SwigluParams p) {
+  const auto grad = [&](float g, float u, float d, float& dg, float& du) {
+    swiglu_backward(g, u, d, p, dg, du);
+    return 0.0f;
+  };
   for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < rows; r += int64_t(gridDim.x) * blockDim.y) {
     for (int64_t c = threadIdx.x * int64_t(N); c < F; c += int64_t(blockDim.x) * N) {
-    float g[N], u[N], dg[N], du[N];
-    load_gate_linear<T, N, kInterleaved>(x + r * 2 * F, F, c, g, u);
-    const auto pdy = *reinterpret_cast<const Pack<T, N>*>(dy + r * F + c);
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const float d = to_float(pdy.v[k]);
-      swiglu_backward(g[k], u[k], d, p, dg[k], du[k]);
-    }
-    store_gate_linear<T, N, kInterleaved>(dx + r * 2 * F, F, c, dg, du);
+      backward_tile<T, N, kInterleaved>(dy, x, dx, r, F, c, 0.0f, grad);
     }
   }
 }
@@ -143,15 +153,11 @@ __global__ void swiglu_scaled_backward_kernel(const T* __restrict__ dy, const T*
     float partial = 0.0f;
     if (r < rows) {
       const float s = scale[r];
+      const auto grad = [&](float g, float u, float d, float& dg, float& du) {
+        return swiglu_scaled_backward(g, u, d, s, p, dg, du);
+      };
       for (int64_t c = threadIdx.x * int64_t(N); c < F; c += int64_t(blockDim.x) * N) {
-        float g[N], u[N], dg[N], du[N];
-        load_gate_linear<T, N, kInterleaved>(x + r * 2 * F, F, c, g, u);
-        const auto pdy = *reinterpret_cast<const Pack<T, N>*>(dy + r * F + c);
-#pragma unroll
-        for (int k = 0; k < N; ++k) {
-          partial += swiglu_scaled_backward(g[k], u[k], to_float(pdy.v[k]), s, p, dg[k], du[k]);
-        }
-        store_gate_linear<T, N, kInterleaved>(dx + r * 2 * F, F, c, dg, du);
+        partial = backward_tile<T, N, kInterleaved>(dy, x, dx, r, F, c, partial, grad);
       }
     }
     const float total = row_sum(partial);
