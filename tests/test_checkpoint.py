@@ -828,3 +828,45 @@ def test_expert_parallel_round_trips(tmp_path):
     EP 2 -> EP 4, expert TP 2 <-> 1 at TP 2, ...); expert counts that do not fit are clear errors
     with the module untouched. One spawned run of 4 processes."""
     run_distributed(_expert_parallel_checks, 4, str(tmp_path))
+
+
+@needs_checkpointable_dcp
+@pytest.mark.parametrize("where", ["first", "header", "data_start", "middle", "data_end", "last"])
+def test_verifying_reader_catches_a_flip_anywhere_in_an_item(tmp_path, where):
+    """ChecksummedReader hashes large reads (a tensor's data) from torch.load's own buffer and the
+    other bytes from the file: a flipped byte in either part, of a tensor larger than the in-place
+    threshold, of a small tensor and of a pickled object, fails the load before the target is
+    written; the undamaged checkpoint loads bit-exact."""
+    state = {"big": random_bits((300, 400), torch.float32, 1), "small": random_bits((7,), torch.bfloat16, 2),
+             "obj": "note " * 40}
+    good = str(tmp_path / "good")
+    dcp.save(state, storage_writer=checkpoint_integrity.ChecksummedWriter(good))
+    target = {"big": torch.zeros(300, 400), "small": torch.zeros(7, dtype=torch.bfloat16), "obj": ""}
+    dcp.load(target, storage_reader=checkpoint_integrity.ChecksummedReader(good))
+    assert same_bits(target["big"], state["big"]) and same_bits(target["small"], state["small"])
+    assert target["obj"] == state["obj"]
+
+    for file, start, end, name in _stored_items(good):
+        data_bytes = state[name].numel() * state[name].element_size() if name != "obj" else 0
+        position = {"first": start, "header": start + 40, "middle": (start + end) // 2, "last": end - 1}.get(where)
+        if where in ("data_start", "data_end"):
+            if not data_bytes:
+                continue
+            raw = open(f"{good}/{file}", "rb").read()[start:end]
+            data_at = raw.find(state[name].contiguous().view(torch.uint8).numpy().tobytes())
+            assert data_at > 0
+            position = start + data_at + (0 if where == "data_start" else data_bytes - 1)
+        damaged = tmp_path / f"damaged_{name}"
+        shutil.copytree(good, damaged)
+        with open(damaged / file, "r+b") as f:
+            f.seek(position)
+            byte = f.read(1)[0]
+            f.seek(position)
+            f.write(bytes([byte ^ 0x01]))
+        fresh = {"big": torch.zeros(300, 400), "small": torch.zeros(7, dtype=torch.bfloat16), "obj": ""}
+        with pytest.raises(dcp.CheckpointException, match=rf"{name}: its bytes {start}..{end} in data file {file} "
+                                                         r".* do not match the checksum"):
+            dcp.load(fresh, storage_reader=checkpoint_integrity.ChecksummedReader(str(damaged)))
+        if name != "obj":
+            assert not fresh[name].view(torch.uint8).any(), f"{name}: damaged bytes reached the target"
+        shutil.rmtree(damaged)
