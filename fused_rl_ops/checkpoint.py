@@ -20,7 +20,7 @@ dtypes, that tensors claiming to be replicated there have the same bytes, and th
 EP group hold as many local experts. Loading first checks the checkpoint against the module (names,
 global shapes, dtypes, TP divisibility, expert counts, data files present with their exact lengths
 and checksums recorded); any such error leaves the module untouched and is raised on every rank.
-Then DCP reads straight into the module's tensors (parameters keep their storage: views into
+Then the reader reads straight into the module's tensors (parameters keep their storage: views into
 Megatron's DDP buffers stay views), verifying each stored item's hash (XXH3) as it reads it
 (fused_rl_ops.checkpoint_integrity); `staged=True` reads into temporaries first, so that a checksum
 mismatch or an I/O error mid-read also leaves the module unchanged. A save that dies part-way leaves

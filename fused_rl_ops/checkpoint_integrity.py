@@ -5,15 +5,18 @@
   while DCP writes them and kept in the checkpoint's `.metadata` beside the item's file, offset and
   length (an extra `xxh3_64` field on DCP's per-item storage info, which plain DCP readers ignore).
   DCP reads a stored item whole even when only part of it overlaps the target (a load at another
-  TP degree), so the reader verifies every item it reads. A separate pass over the file's bytes
-  would cost as much again as reading them (about 15% of a page-cache load); instead the reader
-  hashes the tensor data as torch.load reads it into memory, while it is still in the cache, and
-  reads only the item's few header bytes a second time. The check completes before DCP copies the
-  item into its target (the planner's resolve_tensor / load_bytes), and when torch.load fails on
-  damaged bytes first, the mismatch is what is reported; either way the error names the entry and
-  the data file. XXH3 rather than crc32c: on large buffers it hashed faster than the crc32c
-  package's hardware CRC on the CPUs we measured (benchmarks/bench_checkpoint.py reports the
-  hashing's share of a load).
+  TP degree), so the reader verifies every item it reads. It has a read loop of its own rather than
+  a second pass over the bytes (which cost about 15% of a page-cache load): torch.load on the meta
+  device parses an item's header and says where the tensor's bytes lie, the reader reads them in
+  pieces, hashing each while it is in cache, straight into the target when the target is the whole
+  chunk, contiguous on the CPU (else into a buffer it then copies from), and reads the few header
+  bytes a second time for the hash. That is one copy fewer than DCP's own reader (torch.load into a
+  new tensor, then a copy into the target). An item is checked before it is committed (objects
+  before they are handed on): a mismatch, also one that makes torch.load fail first, is an error
+  naming the entry and the data file. With a direct read a damaged tensor's bytes are already in
+  the target by then, as an I/O error part-way leaves earlier targets loaded; load_sharded's
+  staged=True reads into temporaries and so leaves the module unchanged. XXH3 rather than crc32c:
+  on large buffers it hashed faster than the crc32c package's hardware CRC on the CPUs we measured.
 - Completeness: DCP makes a checkpoint visible by renaming `.metadata.tmp` to `.metadata` after
   every rank has written and fsync'd its data. Overwriting a checkpoint would leave the old
   `.metadata` beside new partial data if the save died, so the writer removes the old one before
@@ -25,9 +28,13 @@
 import io
 import os
 
+import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.futures import Future
 
 try:
     import xxhash
@@ -37,6 +44,12 @@ except ImportError:  # the ops work without it; save_sharded / load_sharded call
 __all__ = ["ChecksummedReader", "ChecksummedWriter", "check_data_files", "read_metadata", "require_xxhash"]
 
 _METADATA = ".metadata"
+# Bytes hashed at a time, each piece right before it is written or right after it is read, while it
+# is in the core's cache.
+_PIECE = 1 << 19
+# A read at least this large (a tensor's data) is hashed from the buffer it filled; the bytes that
+# smaller reads (torch.load parsing the item's header) skip are read again when they are needed.
+_HASH_IN_PLACE_MIN = 1 << 16
 
 
 def require_xxhash():
@@ -53,8 +66,12 @@ class _HashingStream:
         self._hash = xxhash.xxh3_64()
 
     def write(self, data) -> int:
-        self._hash.update(data)
-        return self._raw.write(data)
+        data = memoryview(data).cast("B")
+        for start in range(0, len(data), _PIECE):  # each piece written while the hash left it in cache
+            piece = data[start:start + _PIECE]
+            self._hash.update(piece)
+            self._raw.write(piece)
+        return len(data)
 
     def writable(self) -> bool:
         return True
@@ -114,11 +131,6 @@ class ChecksummedWriter(dcp.FileSystemWriter):
         return future
 
 
-# A read at least this large is hashed from the buffer it filled (torch.load's read of a tensor's
-# data), in pieces read and hashed in turn, so that each is hashed while it is in the core's cache;
-# the bytes smaller reads skip are read again from the file when they are needed.
-_HASH_IN_PLACE_MIN = 1 << 16
-_PIECE = 1 << 19
 
 
 class _VerifyingView(io.RawIOBase):
@@ -126,9 +138,9 @@ class _VerifyingView(io.RawIOBase):
     handed to torch.load as a seekable stream, hashing in file order the bytes it hands out;
     verify() hashes what is left from the file and compares."""
 
-    def __init__(self, fd: int, sinfo, describe):
+    def __init__(self, fd: int, sinfo, where: str):
         super().__init__()
-        self._fd, self._sinfo, self._describe = fd, sinfo, describe
+        self._fd, self._sinfo, self.where = fd, sinfo, where
         self._position = 0
         self._hash = xxhash.xxh3_64()
         self._hashed = 0  # bytes [0, _hashed) of the item are in _hash
@@ -164,6 +176,12 @@ class _VerifyingView(io.RawIOBase):
             filled += n
         return filled
 
+    def read_at(self, position: int, buffer):
+        """Fills buffer with the item's bytes from position on; an item that ends first is an error."""
+        self.seek(position)
+        if self.readinto(buffer) != len(buffer):
+            raise ValueError(f"{self.where}: the item ends before its tensor's {len(buffer)} bytes")
+
     def read(self, size=-1) -> bytes:
         left = max(0, self._sinfo.length - self._position)
         data = bytearray(left if size is None or size < 0 else min(size, left))
@@ -183,7 +201,7 @@ class _VerifyingView(io.RawIOBase):
         while self._hashed < end:
             data = os.pread(self._fd, min(_PIECE, end - self._hashed), self._sinfo.offset + self._hashed)
             if not data:
-                raise ValueError(f"{self._describe()} ends early: the data file is truncated")
+                raise ValueError(f"{self.where}: the data file ends early")
             self._hash.update(data)
             self._hashed += len(data)
 
@@ -192,70 +210,78 @@ class _VerifyingView(io.RawIOBase):
             self._hash_from_file(self._sinfo.length)
             self.checked = True
             if self._hash.intdigest() != self._sinfo.xxh3_64:
-                raise ValueError(f"{self._describe()} do not match the checksum saved with them: the file is "
+                raise ValueError(f"{self.where} do not match the checksum saved with them: the file is "
                                  "damaged or from another save")
 
 
-class _VerifyFirst:
-    """The load planner, with the item being read verified before DCP hands it to the planner."""
-
-    def __init__(self, planner, reader):
-        self._planner, self._reader = planner, reader
-
-    def resolve_tensor(self, read_item):
-        self._reader.verify_current()
-        return self._planner.resolve_tensor(read_item)
-
-    def load_bytes(self, read_item, value):
-        self._reader.verify_current()
-        return self._planner.load_bytes(read_item, value)
-
-    def __getattr__(self, name):
-        return getattr(self._planner, name)
-
-
 class ChecksummedReader(dcp.FileSystemReader):
-    """DCP's FileSystemReader, verifying each stored item's hash before DCP puts it into its target
-    (module docstring)."""
+    """DCP's FileSystemReader with a read loop of its own: each stored item is hashed as it is read
+    and checked before it is committed (module docstring); a tensor chunk whose target is the
+    whole chunk, contiguous on the CPU, is read straight into the target."""
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._entry_at = {(info.relative_path, info.offset): index.fqn for index, info in metadata.storage_data.items()}
-        self._current = None
 
     def _describe(self, sinfo) -> str:
         return (f"{self._entry_at[(sinfo.relative_path, sinfo.offset)]}: its bytes {sinfo.offset}.."
                 f"{sinfo.offset + sinfo.length} in data file {sinfo.relative_path} of checkpoint {str(self.path)!r}")
 
-    def _slice_file(self, file, sinfo):
-        self.verify_current()  # every item is checked, also one no target asked for after reading it
-        # A descriptor of the reader's own: DCP's file object is closed by the time a failed read is
-        # checked.
-        fd = self._fds.get(sinfo.relative_path)
-        if fd is None:
-            fd = self._fds[sinfo.relative_path] = os.open(self.fs.concat_path(self.path, sinfo.relative_path),
-                                                          os.O_RDONLY)
-        self._current = _VerifyingView(fd, sinfo, lambda: self._describe(sinfo))
-        return self._current
-
-    def verify_current(self):
-        if self._current is not None:
-            self._current.verify()
-
     def read_data(self, plan, planner):
-        self._fds = {}
-        try:
-            future = super().read_data(plan, _VerifyFirst(planner, self))
-            self.verify_current()
-            return future
-        except Exception:
-            if self._current is not None and not self._current.checked:
-                self._current.verify()  # damaged bytes can make torch.load fail first: say so
-            raise
-        finally:
-            self._current = None
-            for fd in self._fds.values():
+        per_file = {}
+        for request in plan.items:
+            sinfo = self.storage_data[request.storage_index]
+            if sinfo.transform_descriptors:
+                raise ValueError(f"{self._describe(sinfo)} were written with transforms {sinfo.transform_descriptors}, "
+                                 "which save_sharded never uses")
+            per_file.setdefault(sinfo.relative_path, []).append((sinfo, request))
+        for relative_path, requests in per_file.items():
+            fd = os.open(self.fs.concat_path(self.path, relative_path), os.O_RDONLY)
+            try:
+                for sinfo, request in sorted(requests, key=lambda pair: pair[0].offset):
+                    item = _VerifyingView(fd, sinfo, self._describe(sinfo))
+                    try:
+                        self._read_item(item, request, planner)
+                    except Exception:
+                        if not item.checked:
+                            item.verify()  # damaged bytes can make torch.load fail first: say so
+                        raise
+            finally:
                 os.close(fd)
+        future = Future()
+        future.set_result(None)
+        return future
+
+    @staticmethod
+    def _read_item(item, request, planner):
+        if request.type == LoadItemType.BYTE_IO:
+            data = io.BytesIO(item.read())
+            item.verify()
+            planner.load_bytes(request, data)
+            return
+        # The item is a torch.save archive: torch.load on the meta device parses its header alone
+        # and says where the tensor's bytes lie in it.
+        stored = torch.load(item, map_location="meta", weights_only=True)
+        storage = stored.untyped_storage()
+        data_at = getattr(storage, "_checkpoint_offset", None)
+        if data_at is None:
+            raise RuntimeError("this torch's torch.load does not say where a tensor's bytes lie (torch >= 2.14 does)")
+        wanted = narrow_tensor_by_index(stored, request.storage_offsets, request.lengths)
+        target = planner.resolve_tensor(request).detach()
+        if target.shape != wanted.shape:
+            raise ValueError(f"{item.where}: the stored chunk has shape {tuple(wanted.shape)} where the target "
+                             f"has {tuple(target.shape)}")
+        direct = (target.device.type == "cpu" and target.dtype == stored.dtype and target.is_contiguous()
+                  and wanted.shape == stored.shape and stored.is_contiguous() and stored.storage_offset() == 0
+                  and storage.nbytes() == target.numel() * target.element_size())
+        buffer = target if direct else torch.empty(storage.nbytes(), dtype=torch.uint8)
+        item.read_at(data_at, buffer.reshape(-1).view(torch.uint8).numpy())
+        item.verify()
+        if not direct:
+            whole = torch.empty(0, dtype=stored.dtype).set_(buffer.untyped_storage(), stored.storage_offset(),
+                                                            stored.shape, stored.stride())
+            target.copy_(narrow_tensor_by_index(whole, request.storage_offsets, request.lengths))
+        planner.commit_tensor(request, target)
 
 
 def read_metadata(path: str) -> Metadata:
