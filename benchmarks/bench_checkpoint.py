@@ -15,9 +15,10 @@ save_checksum_s / load_checksum_s are the parts of the adapter's save_s / load_s
 timed around every hash call on rank 0; checksum_%_of_plain is that time against plain DCP's
 save or load.
 
-load_s is load_sharded's default path, which reads straight into the parameters as plain DCP
-does; staged_load_s is load_sharded(..., staged=True), which reads into fresh temporaries and
-copies them into the parameters (the price of surviving an I/O error mid-read unchanged). At
+load_s is load_sharded's default path, which reads each stored chunk straight into its parameter
+(plain DCP's reader loads it into a new tensor and copies that over); staged_load_s is
+load_sharded(..., staged=True), which reads into fresh temporaries and copies them into the
+parameters (the price of surviving an I/O error or a damaged item mid-read unchanged). At
 page-cache speed on the CPU, where filling fresh memory means page faults, that copy is most of
 the staged path's overhead; with parameters on a GPU the temporaries come from the caching
 allocator and copy at device speed. The plot (--json PATH -> PATH.png) draws save and load times

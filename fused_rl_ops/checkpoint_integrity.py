@@ -131,8 +131,6 @@ class ChecksummedWriter(dcp.FileSystemWriter):
         return future
 
 
-
-
 class _VerifyingView(io.RawIOBase):
     """One stored item of a data file, read with pread through the reader's own descriptor and
     handed to torch.load as a seekable stream, hashing in file order the bytes it hands out;

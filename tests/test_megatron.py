@@ -150,6 +150,26 @@ def test_processor_on_one_rank_matches_float64():
     assert_close(outputs["values"], (hidden.double() @ value_weight.double()).t().float())
 
 
+def test_processor_passes_batch_invariant():
+    """batch_invariant=True reaches chosen_logprob: the processor's logprobs and entropy are bitwise
+    those of chosen_logprob(batch_invariant=True), which differ from the default tiling's here (600
+    tokens, more than one row block; a vocabulary over one fixed chunk)."""
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(200, 3, 16, generator=g), torch.randn(2500, 16, generator=g)
+    tokens = torch.randint(0, 2500, (3, 200), generator=g)
+    output_layer = types.SimpleNamespace(weight=weight, tp_group=None, sequence_parallel=False)
+    outputs = rl_output_processor(batch_invariant=True)(hidden_states=hidden, output_layer=output_layer,
+                                                        labels=tokens)
+
+    def direct(batch_invariant):
+        return fused_rl_ops.chosen_logprob(hidden, weight, tokens.t(), return_entropy=True,
+                                           batch_invariant=batch_invariant)
+
+    (logprobs, entropy), (default_logprobs, _) = direct(True), direct(False)
+    assert not torch.equal(logprobs, default_logprobs)
+    assert torch.equal(outputs["logprobs"], logprobs.t()) and torch.equal(outputs["entropy"], entropy.t())
+
+
 def test_processor_refuses_bad_calls():
     hidden, weight = torch.randn(S, B, 16), torch.randn(32, 16)
     output_layer = types.SimpleNamespace(weight=weight, tp_group=None, sequence_parallel=False)

@@ -41,10 +41,12 @@ class RLOutputProcessor:
     _value_from_weight (fused_rl_ops.reference.megatron.NaiveRLOutputProcessor does).
 
     output_names: the keys of the returned dict, in order ("logprobs", then "entropy", "values").
+    batch_invariant: passed on to chosen_logprob (a token's outputs bitwise independent of the rest
+    of the batch); the naive reference processor ignores it.
     """
 
     def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
-                 vocab_size=None):
+                 vocab_size=None, batch_invariant=False):
         if not temperature > 0:
             raise ValueError(f"{type(self).__name__}: temperature must be > 0, got {temperature}")
         self.temperature = temperature
@@ -52,6 +54,7 @@ class RLOutputProcessor:
         self.value_head = value_head
         self.ignore_index = ignore_index
         self.vocab_size = vocab_size
+        self.batch_invariant = batch_invariant
         self.output_names = ("logprobs",)
         if return_entropy:
             self.output_names += ("entropy",)
@@ -104,6 +107,7 @@ class RLOutputProcessor:
             reduce_hidden_grad=not sequence_parallel,
             return_entropy=self.return_entropy,
             main_grad=_fused_main_grad(output_layer, weight),
+            batch_invariant=self.batch_invariant,
         )
         per_token = tuple(result) if self.return_entropy else (result,)
         if self.value_head is None:
@@ -140,7 +144,7 @@ def _fused_main_grad(output_layer, weight):
 
 
 def rl_output_processor(*, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
-                        vocab_size=None):
+                        vocab_size=None, batch_invariant=False):
     """An output processor returning fp32 [b, s] logprobs (+ entropy, values); see the module docstring."""
     return RLOutputProcessor(
         temperature=temperature,
@@ -148,6 +152,7 @@ def rl_output_processor(*, temperature=1.0, return_entropy=True, value_head=None
         value_head=value_head,
         ignore_index=ignore_index,
         vocab_size=vocab_size,
+        batch_invariant=batch_invariant,
     )
 
 
