@@ -846,6 +846,18 @@ def test_verifying_reader_catches_a_flip_anywhere_in_an_item(tmp_path, where):
     dcp.load(target, storage_reader=checkpoint_integrity.ChecksummedReader(good))
     assert same_bits(target["big"], state["big"]) and same_bits(target["small"], state["small"])
     assert target["obj"] == state["obj"]
+    # Other dtypes and shapes, read straight into contiguous targets or through a buffer into a
+    # strided one and into another dtype.
+    odd = {"empty": torch.empty(0, 5), "scalar": torch.tensor(2.5, dtype=torch.float64),
+           "mask": torch.tensor([True, False, True]), "ids": torch.arange(-3, 9),
+           "half": random_bits((5, 3), torch.float16, 3)}
+    dcp.save(odd, storage_writer=checkpoint_integrity.ChecksummedWriter(str(tmp_path / "odd")))
+    into = {"empty": torch.ones(0, 5), "scalar": torch.tensor(0.0, dtype=torch.float64),
+            "mask": torch.zeros(3, dtype=torch.bool), "ids": torch.zeros(12, dtype=torch.int32),
+            "half": torch.zeros(3, 5, dtype=torch.float16).t()}
+    dcp.load(into, storage_reader=checkpoint_integrity.ChecksummedReader(str(tmp_path / "odd")))
+    assert all(torch.equal(into[name].to(t.dtype), t) for name, t in odd.items() if name != "half")
+    assert same_bits(into["half"], odd["half"])
 
     for file, start, end, name in _stored_items(good):
         data_bytes = state[name].numel() * state[name].element_size() if name != "obj" else 0
