@@ -1,20 +1,16 @@
 """Runs a test body in several real processes on gloo (CPU), as tensor-parallel ranks."""
 import os
-import socket
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_HOST = "127.0.0.1"
 
 
 def _entry(rank, world_size, port, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    store = dist.TCPStore(_HOST, port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:
@@ -29,5 +25,8 @@ def _entry(rank, world_size, port, fn, args):
 def run_distributed(fn, world_size: int, *args):
     """Calls fn(rank, world_size, *args) in world_size processes with the default group on gloo.
 
-    fn must be a module-level function; an exception in any rank fails the caller with its traceback."""
-    mp.start_processes(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, start_method="spawn")
+    fn must be a module-level function; an exception in any rank fails the caller with its traceback.
+    The ranks meet at a store this process serves on a port the system picks as it binds (picking a
+    free port first and binding it later lets a concurrent run take it in between)."""
+    server = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
+    mp.start_processes(_entry, args=(world_size, server.port, fn, args), nprocs=world_size, start_method="spawn")
