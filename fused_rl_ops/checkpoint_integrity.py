@@ -44,8 +44,8 @@ except ImportError:  # the ops work without it; save_sharded / load_sharded call
 __all__ = ["ChecksummedReader", "ChecksummedWriter", "check_data_files", "read_metadata", "require_xxhash"]
 
 _METADATA = ".metadata"
-# Bytes hashed at a time, each piece right before it is written or right after it is read, while it
-# is in the core's cache.
+# Bytes read and hashed at a time, each piece hashed right after it is read, while it is in the
+# core's cache.
 _PIECE = 1 << 19
 # A read at least this large (a tensor's data) is hashed from the buffer it filled; the bytes that
 # smaller reads (torch.load parsing the item's header) skip are read again when they are needed.
@@ -66,12 +66,8 @@ class _HashingStream:
         self._hash = xxhash.xxh3_64()
 
     def write(self, data) -> int:
-        data = memoryview(data).cast("B")
-        for start in range(0, len(data), _PIECE):  # each piece written while the hash left it in cache
-            piece = data[start:start + _PIECE]
-            self._hash.update(piece)
-            self._raw.write(piece)
-        return len(data)
+        self._hash.update(data)
+        return self._raw.write(data)
 
     def writable(self) -> bool:
         return True
