@@ -149,9 +149,10 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidde
   const at::Tensor max_c = row_max.contiguous(), lse_c = lse.contiguous(), mean_c = mean.contiguous();
   const at::Tensor gl = grad_logprob.contiguous(), ge = grad_entropy.contiguous();
   at::Tensor grad_h_tail = tiling.tail_rows() > 0 ? at::zeros({tiling.block, H}, grad_h.options()) : at::Tensor();
-  at::Tensor grad_w_acc;  // the weight-chunk gradient summed over passes (several passes only)
-  const at::Tensor chunk_grad = main_grad ? empty_buffer({std::min(chunk_size, valid_rows), H}, weight.options())
-                                          : at::Tensor();
+  const int64_t chunk_rows = std::min(chunk_size, valid_rows);
+  // The weight-chunk gradient summed over passes (several passes only), one buffer for every chunk.
+  const at::Tensor grad_w_acc = one_pass ? at::Tensor() : empty_buffer({chunk_rows, H}, grad_h.options());
+  const at::Tensor chunk_grad = main_grad ? empty_buffer({chunk_rows, H}, weight.options()) : at::Tensor();
   for_each_logits_chunk<Backend>(h, weight.narrow(0, 0, valid_rows), chunk_size, tiling,
                                  [&](const at::Tensor& logits, int64_t rows, const at::Tensor& w_chunk, int64_t c0,
                                      int64_t r0) {
@@ -172,10 +173,11 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidde
     if (one_pass) {
       Backend::mm(grad_w_chunk, d_rows, h_rows);
     } else {
-      if (r0 == 0) grad_w_acc = at::zeros({n, H}, grad_h.options());
-      Backend::add_mm(grad_w_acc, d_rows, h_rows);
+      at::Tensor summed = grad_w_acc.narrow(0, 0, n);
+      if (r0 == 0) summed.zero_();
+      Backend::add_mm(summed, d_rows, h_rows);
       if (r0 + rows < N) return;
-      grad_w_chunk.copy_(grad_w_acc);
+      grad_w_chunk.copy_(summed);
     }
     if (main_grad) main_grad->narrow(0, c0, n).add_(grad_w_chunk);
   });
