@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from common import format_cell, print_table
+from common import BUSY_OTHER_CORES, format_cell, print_table
 
 
 def markdown_table(columns: list, rows: list) -> str:
@@ -31,13 +31,13 @@ def main():
                 "load average": "{load_before} -> {load_after}".format(**r["environment"]["load"]),
                 "busy": "BUSY" if h.get("busy") else ""} for r in results for h in r.get("headline", [])]
     columns = ["op", "headline", "value", "load average", "busy"]
-    busy = [busy_rows(r) for r in results]
-    busy_total, timed_total = sum(b for b, _ in busy), sum(t for _, t in busy)
+    busy = {r["benchmark"]: busy_rows(r) for r in results}
+    busy_total, timed_total = sum(b for b, _ in busy.values()), sum(t for _, t in busy.values())
     env = results[0]["environment"]
     machine = (f"{env.get('gpu') or env['machine']}, {env['cpus']} CPUs, torch {env['torch']}, "
                f"copy bandwidth {env['copy_GB/s']:.1f} GB/s")
-    busy_line = (f"{busy_total} of {timed_total} timed rows were measured while other processes used more than half "
-                 f"a core (marked busy; CPU ratios there can be off by 2-3x)")
+    busy_line = (f"{busy_total} of {timed_total} timed rows were measured while other processes used more than "
+                 f"{BUSY_OTHER_CORES} cores (marked busy; CPU ratios there can be off by 2-3x)")
 
     print("\n=== summary: headline figures per op (x / fused time: above 1 means fused is faster)")
     print(machine)
@@ -51,7 +51,7 @@ def main():
         lines += [f"## {result['benchmark']}", "",
                   f"Device {env['device']}; load average {env['load']['load_before']} at the start, "
                   f"{env['load']['load_after']} at the end; other processes used {env['load']['other_cores']} "
-                  f"cores on average; busy rows {busy_rows(result)[0]} of {busy_rows(result)[1]}.", ""]
+                  f"cores on average; busy rows {busy[result['benchmark']][0]} of {busy[result['benchmark']][1]}.", ""]
         if result.get("peers"):
             lines += ["Peers: " + ", ".join(f"{name} {version}" for name, version in result["peers"].items()) + ".", ""]
         if result.get("plot"):

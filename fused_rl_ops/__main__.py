@@ -2,7 +2,6 @@
 import torch
 
 from . import _build_info
-from . import _library  # noqa: F401  (registers the operators)
 
 
 def kernel_table() -> list:
