@@ -508,6 +508,15 @@ def _stored_items(path):
                   for index, info in metadata.storage_data.items())
 
 
+def _flip_bits(path, position, mask):
+    """XORs the byte at position of the file at path with mask."""
+    with open(path, "r+b") as f:
+        f.seek(position)
+        byte = f.read(1)[0]
+        f.seek(position)
+        f.write(bytes([byte ^ mask]))
+
+
 def _damaged_data(rank, root, original):
     """Checksums: a flipped byte in any data file, a data file from another save of the same model,
     a data file longer than its entries, a checkpoint without checksums, and another model's
@@ -523,11 +532,7 @@ def _damaged_data(rank, root, original):
 
         def flip(damaged=damaged, file=file, position=position):
             shutil.copytree(f"{root}/good", damaged)
-            with open(f"{damaged}/{file}", "r+b") as f:
-                f.seek(position)
-                byte = f.read(1)[0]
-                f.seek(position)
-                f.write(bytes([byte ^ 0x10]))
+            _flip_bits(f"{damaged}/{file}", position, 0x10)
 
         _on_rank_0(flip)
         expected = rf"{re.escape(name)}: its bytes {start}..{end} in data file {file} .* do not match the checksum"
@@ -831,23 +836,27 @@ def test_expert_parallel_round_trips(tmp_path):
     run_distributed(_expert_parallel_checks, 4, str(tmp_path))
 
 
+def _reader_state():
+    """A tensor over the reader's in-place hashing threshold, a small bf16 tensor and a pickled
+    object."""
+    return {"big": random_bits((300, 400), torch.float32, 1), "small": random_bits((7,), torch.bfloat16, 2),
+            "obj": "note " * 40}
+
+
+def _reader_targets():
+    return {"big": torch.zeros(300, 400), "small": torch.zeros(7, dtype=torch.bfloat16), "obj": ""}
+
+
 @needs_checkpointable_dcp
-@pytest.mark.parametrize("where", ["first", "header", "data_start", "middle", "data_end", "last"])
-def test_verifying_reader_catches_a_flip_anywhere_in_an_item(tmp_path, where):
-    """ChecksummedReader hashes a tensor's data as it reads it into the target and the other bytes of
-    the item separately: a flipped byte in either part, of a tensor larger than the in-place
-    threshold, of a small tensor and of a pickled object, fails the load naming the entry (a damaged
-    object is never handed on); the undamaged checkpoint loads bit-exact."""
-    state = {"big": random_bits((300, 400), torch.float32, 1), "small": random_bits((7,), torch.bfloat16, 2),
-             "obj": "note " * 40}
-    good = str(tmp_path / "good")
+def test_verifying_reader_loads_bit_exact(tmp_path):
+    """ChecksummedReader reads tensors straight into contiguous targets and through a buffer into
+    strided and other-dtype ones, and hands on pickled objects, all bit-exact."""
+    state, good = _reader_state(), str(tmp_path / "good")
     dcp.save(state, storage_writer=checkpoint_integrity.ChecksummedWriter(good))
-    target = {"big": torch.zeros(300, 400), "small": torch.zeros(7, dtype=torch.bfloat16), "obj": ""}
+    target = _reader_targets()
     dcp.load(target, storage_reader=checkpoint_integrity.ChecksummedReader(good))
     assert same_bits(target["big"], state["big"]) and same_bits(target["small"], state["small"])
     assert target["obj"] == state["obj"]
-    # Other dtypes and shapes, read straight into contiguous targets or through a buffer into a
-    # strided one and into another dtype.
     odd = {"empty": torch.empty(0, 5), "scalar": torch.tensor(2.5, dtype=torch.float64),
            "mask": torch.tensor([True, False, True]), "ids": torch.arange(-3, 9),
            "half": random_bits((5, 3), torch.float16, 3)}
@@ -859,6 +868,16 @@ def test_verifying_reader_catches_a_flip_anywhere_in_an_item(tmp_path, where):
     assert all(torch.equal(into[name].to(t.dtype), t) for name, t in odd.items() if name != "half")
     assert same_bits(into["half"], odd["half"])
 
+
+@needs_checkpointable_dcp
+@pytest.mark.parametrize("where", ["first", "header", "data_start", "middle", "data_end", "last"])
+def test_verifying_reader_catches_a_flip_anywhere_in_an_item(tmp_path, where):
+    """ChecksummedReader hashes a tensor's data as it reads it into the target and the other bytes of
+    the item separately: a flipped byte in either part, of a tensor larger than the in-place
+    threshold, of a small tensor and of a pickled object, fails the load naming the entry (a damaged
+    object is never handed on)."""
+    state, good = _reader_state(), str(tmp_path / "good")
+    dcp.save(state, storage_writer=checkpoint_integrity.ChecksummedWriter(good))
     for file, start, end, name in _stored_items(good):
         data_bytes = state[name].numel() * state[name].element_size() if name != "obj" else 0
         position = {"first": start, "header": start + 40, "middle": (start + end) // 2, "last": end - 1}.get(where)
@@ -871,12 +890,8 @@ def test_verifying_reader_catches_a_flip_anywhere_in_an_item(tmp_path, where):
             position = start + data_at + (0 if where == "data_start" else data_bytes - 1)
         damaged = tmp_path / f"damaged_{name}"
         shutil.copytree(good, damaged)
-        with open(damaged / file, "r+b") as f:
-            f.seek(position)
-            byte = f.read(1)[0]
-            f.seek(position)
-            f.write(bytes([byte ^ 0x01]))
-        fresh = {"big": torch.zeros(300, 400), "small": torch.zeros(7, dtype=torch.bfloat16), "obj": ""}
+        _flip_bits(damaged / file, position, 0x01)
+        fresh = _reader_targets()
         with pytest.raises(dcp.CheckpointException, match=rf"{name}: its bytes {start}..{end} in data file {file} "
                                                          r".* do not match the checksum"):
             dcp.load(fresh, storage_reader=checkpoint_integrity.ChecksummedReader(str(damaged)))
