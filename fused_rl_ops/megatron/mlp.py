@@ -149,6 +149,10 @@ def _refuse_grouped_gemm_experts(cls):
     )
 
 
+# megatron-core's expert classes and the classes with_clamped_swiglu_mlp puts in their place.
+_CLAMPED_EXPERTS = {SequentialMLP: ClampedSwiGLUSequentialMLP, TEGroupedMLP: ClampedSwiGLUTEGroupedMLP}
+
+
 def with_clamped_swiglu_mlp(spec):
     """A copy of a GPT / hybrid layer or block spec with every dense Megatron MLP a ClampedSwiGLUMLP and
     every SequentialMLP (MoE experts) a ClampedSwiGLUSequentialMLP, and every TEGroupedMLP (grouped-GEMM
@@ -163,12 +167,9 @@ def with_clamped_swiglu_mlp(spec):
             if node.func == MLP.as_mlp_submodule:
                 replaced.append(node)
                 return functools.partial(ClampedSwiGLUMLP.as_mlp_submodule, *node.args, **node.keywords)
-            if node.func is SequentialMLP:
+            if node.func in _CLAMPED_EXPERTS:
                 replaced.append(node)
-                return functools.partial(ClampedSwiGLUSequentialMLP, *node.args, **node.keywords)
-            if node.func is TEGroupedMLP:
-                replaced.append(node)
-                return functools.partial(ClampedSwiGLUTEGroupedMLP, *node.args, **node.keywords)
+                return functools.partial(_CLAMPED_EXPERTS[node.func], *node.args, **node.keywords)
             if isinstance(node.func, type) and issubclass(node.func, TEGroupedMLP):
                 _refuse_grouped_gemm_experts(node.func)
             # e.g. partial(MoELayer, submodules=MoESubmodules(experts=...)): look inside.
@@ -178,12 +179,9 @@ def with_clamped_swiglu_mlp(spec):
                 # The form TransformerLayer itself rewraps into MLP.as_mlp_submodule.
                 replaced.append(node)
                 return functools.partial(ClampedSwiGLUMLP.as_mlp_submodule, submodules=node.submodules, **node.params)
-            if node.module is SequentialMLP:
+            if node.module in _CLAMPED_EXPERTS:
                 replaced.append(node)
-                return dataclasses.replace(node, module=ClampedSwiGLUSequentialMLP)
-            if node.module is TEGroupedMLP:
-                replaced.append(node)
-                return dataclasses.replace(node, module=ClampedSwiGLUTEGroupedMLP)
+                return dataclasses.replace(node, module=_CLAMPED_EXPERTS[node.module])
             if isinstance(node.module, type) and issubclass(node.module, TEGroupedMLP):
                 _refuse_grouped_gemm_experts(node.module)
         if isinstance(node, (list, tuple)):
@@ -198,7 +196,8 @@ def with_clamped_swiglu_mlp(spec):
     swapped = swap(spec)
     if not replaced:
         raise ValueError(
-            "with_clamped_swiglu_mlp: the spec has no dense megatron MLP or SequentialMLP experts to replace"
+            "with_clamped_swiglu_mlp: the spec has no dense megatron MLP, SequentialMLP or TEGroupedMLP experts to "
+            "replace"
         )
     return swapped
 
