@@ -1,5 +1,6 @@
 """Runs a test body in several real processes on gloo (CPU), as tensor-parallel ranks."""
 import os
+import sys
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -15,11 +16,26 @@ def _entry(rank, world_size, port, fn, args):
         fn(rank, world_size, *args)
     finally:
         dist.barrier()
-        # No destroy_process_group(): after torch.distributed.checkpoint it was seen to abort the
-        # process now and then ("terminate called without an active exception", about 1 run in
-        # 20). Not reproduced since: a stress of 4-rank DCP save/load runs under heavy load on
-        # torch 2.14.1 aborted neither with nor without it (counts in the commit adding this
-        # comment), so the cause is unknown.
+    exit_rank()
+
+
+def exit_rank():
+    """Ends this rank's process now, with exit code 0, without finalizing the interpreter.
+
+    Why: a gloo worker thread drops its reference to a collective's work a moment after the work
+    completes. When that is the last reference to a tensor Python made, freeing it takes the GIL, and
+    if the rank is finalizing by then, CPython 3.12 ends the thread with pthread_exit, whose forced
+    unwind meets a noexcept destructor: std::terminate, "terminate called without an active
+    exception", SIGABRT. Seen in CI after test_chosen_logprob_tp; a core's backtrace reads
+    ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> TensorImpl::decref_pyobject -> take_gil ->
+    PyThread_exit_thread -> std::terminate. destroy_process_group() first would join gloo's threads
+    only when nothing else holds the group, and torch itself holds groups past it (the default
+    arguments of torch.distributed.nn.functional, DTensor's redistribute caches; megatron-core's
+    destroy_model_parallel leaves two group globals set). After the barrier no peer waits on this
+    rank, so leaving at once loses nothing."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args):
