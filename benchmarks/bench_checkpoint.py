@@ -7,7 +7,8 @@ saves the same local tensors wrapped as DTensors (Shard / Replicate) and loads t
 DTensors; the adapter reads the legacy attributes, checks the TP ranks agree, checksums the
 replicated tensors (save) or checks the checkpoint against the module (load), writes or reads
 stride-2 tensors as two chunks, and hashes every stored item (XXH3) as it writes it or verifies
-it before reading it. Times are medians over --reps, each save or load between barriers; the
+it before reading it; it skips the zip CRC32 that torch.save computes for plain DCP (and that
+torch.load never checks). Times are medians over --reps, each save or load between barriers; the
 files land on the disk under --dir (fsync'd by DCP's FileSystemWriter, for both)
 and are read back from the page cache.
 

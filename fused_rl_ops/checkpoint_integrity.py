@@ -17,6 +17,9 @@
   the target by then, as an I/O error part-way leaves earlier targets loaded; load_sharded's
   staged=True reads into temporaries and so leaves the module unchanged. XXH3 rather than crc32c:
   on large buffers it hashed faster than the crc32c package's hardware CRC on the CPUs we measured.
+  While it writes, the writer turns off the CRC32 torch.save computes for every zip record (which
+  torch.load never checks): one hash of the bytes instead of two, which makes a save faster than
+  plain DCP's.
 - Completeness: DCP makes a checkpoint visible by renaming `.metadata.tmp` to `.metadata` after
   every rank has written and fsync'd its data. Overwriting a checkpoint would leave the old
   `.metadata` beside new partial data if the save died, so the writer removes the old one before
@@ -121,7 +124,15 @@ class ChecksummedWriter(dcp.FileSystemWriter):
         return plan
 
     def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)  # FileSystemWriter writes before returning
+        # torch.save stores each item as a zip archive and by default computes a CRC32 of every
+        # record for it, which torch.load never checks; the item's XXH3 covers the same bytes and is
+        # checked, so the CRC32 pass (about a third of a CPU save) is skipped.
+        crc32 = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            future = super().write_data(plan, planner)  # FileSystemWriter writes before returning
+        finally:
+            torch.serialization.set_crc32_options(crc32)
         for result in future.value():
             result.storage_data.xxh3_64 = self._checksums.pop(result.index)
         return future

@@ -870,6 +870,30 @@ def test_verifying_reader_loads_bit_exact(tmp_path):
 
 
 @needs_checkpointable_dcp
+def test_writer_skips_the_zip_crc32_only_while_it_writes(tmp_path, monkeypatch):
+    """The writer turns torch.save's CRC32 off for its own writes (its XXH3 covers those bytes) and
+    gives the caller's setting back, also when writing fails."""
+    seen = []
+    real_write_data = dcp.FileSystemWriter.write_data
+
+    def recording_write_data(self, plan, planner):
+        seen.append(torch.serialization.get_crc32_options())
+        return real_write_data(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", recording_write_data)
+    dcp.save(_reader_state(), storage_writer=checkpoint_integrity.ChecksummedWriter(str(tmp_path / "ok")))
+    assert seen == [False] and torch.serialization.get_crc32_options()
+
+    def failing_write_data(self, plan, planner):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", failing_write_data)
+    with pytest.raises(dcp.api.CheckpointException) as failed:
+        dcp.save(_reader_state(), storage_writer=checkpoint_integrity.ChecksummedWriter(str(tmp_path / "fail")))
+    assert str(failed.value.failures[0][0]) == "disk full" and torch.serialization.get_crc32_options()
+
+
+@needs_checkpointable_dcp
 @pytest.mark.parametrize("where", ["first", "header", "data_start", "middle", "data_end", "last"])
 def test_verifying_reader_catches_a_flip_anywhere_in_an_item(tmp_path, where):
     """ChecksummedReader hashes a tensor's data as it reads it into the target and the other bytes of
