@@ -203,6 +203,8 @@ def test_with_clamped_swiglu_mlp_swaps_both_spec_forms_and_refuses_a_spec_withou
         assert spec.submodules.mlp.func == ClampedSwiGLUMLP.as_mlp_submodule
         assert spec.submodules.mlp.keywords["submodules"] is mlp_submodules
     assert layer.submodules.mlp.func == MLP.as_mlp_submodule  # the input is left as it was
+    again = with_clamped_swiglu_mlp(swapped)  # a converted spec is taken as it is
+    assert [spec.submodules.mlp for spec in again.layer_specs] == [spec.submodules.mlp for spec in swapped.layer_specs]
 
     no_mlp = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(mlp=IdentityOp))
     with pytest.raises(ValueError, match="no dense megatron MLP"):

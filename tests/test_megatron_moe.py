@@ -267,6 +267,7 @@ def test_with_clamped_swiglu_mlp_replaces_sequential_experts_and_dense_mlps():
     experts = swapped_moe.submodules.mlp.keywords["submodules"].experts
     assert experts.func is ClampedSwiGLUSequentialMLP
     assert experts.keywords == moe.submodules.mlp.keywords["submodules"].experts.keywords
+    assert with_clamped_swiglu_mlp(swapped_moe).submodules.mlp.keywords["submodules"].experts is experts
     # The input spec is left as it was.
     assert moe.submodules.mlp.keywords["submodules"].experts.func is SequentialMLP
 
@@ -284,6 +285,10 @@ def test_with_clamped_swiglu_mlp_swaps_grouped_experts_and_refuses_inference_one
     swapped = with_clamped_swiglu_mlp(moe_layer_with_experts(functools.partial(TEGroupedMLP, submodules=submodules)))
     experts = swapped.submodules.mlp.keywords["submodules"].experts
     assert experts.func is ClampedSwiGLUTEGroupedMLP and experts.keywords == {"submodules": submodules}
+    assert with_clamped_swiglu_mlp(swapped).submodules.mlp.keywords["submodules"].experts is experts
     inference = moe_layer_with_experts(functools.partial(InferenceGroupedMLP, submodules=submodules))
-    with pytest.raises(ClampedSwiGLUNotAppliedError, match="InferenceGroupedMLP, .*moe_grouped_gemm"):
+    with pytest.raises(ClampedSwiGLUNotAppliedError, match="InferenceGroupedMLP, whose inference kernels .*moe_grouped_gemm"):
         with_clamped_swiglu_mlp(inference)
+    unknown = moe_layer_with_experts(functools.partial(type("MyGroupedMLP", (TEGroupedMLP,), {}), submodules=submodules))
+    with pytest.raises(ClampedSwiGLUNotAppliedError, match="MyGroupedMLP, a TEGroupedMLP subclass .* does not know"):
+        with_clamped_swiglu_mlp(unknown)

@@ -143,14 +143,20 @@ class ClampedSwiGLUTEGroupedMLP(TEGroupedMLP):
 
 
 def _refuse_grouped_gemm_experts(cls):
+    if issubclass(cls, InferenceGroupedMLP):
+        why = "whose inference kernels take no activation hook"
+    else:
+        why = "a TEGroupedMLP subclass with_clamped_swiglu_mlp does not know how to replace"
     raise ClampedSwiGLUNotAppliedError(
-        f"with_clamped_swiglu_mlp: the MoE experts are {cls.__name__}, whose inference kernels take no "
-        "activation hook: use TEGroupedMLP (moe_grouped_gemm=True) or SequentialMLP experts (moe_grouped_gemm=False)"
+        f"with_clamped_swiglu_mlp: the MoE experts are {cls.__name__}, {why}: use TEGroupedMLP "
+        "(moe_grouped_gemm=True) or SequentialMLP experts (moe_grouped_gemm=False)"
     )
 
 
 # megatron-core's expert classes and the classes with_clamped_swiglu_mlp puts in their place.
 _CLAMPED_EXPERTS = {SequentialMLP: ClampedSwiGLUSequentialMLP, TEGroupedMLP: ClampedSwiGLUTEGroupedMLP}
+# What a spec holds once with_clamped_swiglu_mlp has replaced a module: taken as already replaced.
+_ALREADY_CLAMPED = (ClampedSwiGLUMLP, ClampedSwiGLUMLP.as_mlp_submodule, *_CLAMPED_EXPERTS.values())
 
 
 def with_clamped_swiglu_mlp(spec):
@@ -159,11 +165,15 @@ def with_clamped_swiglu_mlp(spec):
     experts) a ClampedSwiGLUTEGroupedMLP, which refuses, when built, configs its hook cannot serve
     (see there); InferenceGroupedMLP is refused with ClampedSwiGLUNotAppliedError. Shared experts keep
     megatron-core's MLP, and check_clamp_not_dropped runs on each when it is built: every MLP of a
-    model built from the returned spec applies its configured clamp, or the build raises."""
+    model built from the returned spec applies its configured clamp, or the build raises. A spec
+    this function already returned is returned as it is."""
     replaced = []
 
     def swap(node):
         if isinstance(node, functools.partial):
+            if node.func in _ALREADY_CLAMPED:
+                replaced.append(node)
+                return node
             if node.func == MLP.as_mlp_submodule:
                 replaced.append(node)
                 return functools.partial(ClampedSwiGLUMLP.as_mlp_submodule, *node.args, **node.keywords)
@@ -175,6 +185,9 @@ def with_clamped_swiglu_mlp(spec):
             # e.g. partial(MoELayer, submodules=MoESubmodules(experts=...)): look inside.
             return functools.partial(node.func, *swap(node.args), **{k: swap(v) for k, v in node.keywords.items()})
         if isinstance(node, ModuleSpec):
+            if node.module in _ALREADY_CLAMPED:
+                replaced.append(node)
+                return node
             if node.module is MLP:
                 # The form TransformerLayer itself rewraps into MLP.as_mlp_submodule.
                 replaced.append(node)
