@@ -227,24 +227,25 @@ def _check_layouts_agree(gathered: list):
             raise ValueError(f"expert-parallel ranks {ranks} hold different numbers of local experts: {counts}")
 
 
-def _entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None) -> dict:
-    """stored name -> _Entry once every rank has read its specs, passed
-    check(entries, layout) (which returns an error or None) and agrees with the ranks of its groups
-    (_check_layouts_agree). One collective exchanges all of it, and every rank checks every group,
-    so all raise together and none is left waiting in a later collective."""
-    entries, held, layout, error = None, None, None, None
+def _entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None) -> tuple:
+    """(stored name -> _Entry, what check returned) once every rank has read its specs, passed
+    check(entries, layout) (which raises ValueError or OSError when this rank cannot go on) and
+    agrees with the ranks of its groups (_check_layouts_agree). One collective exchanges all of it,
+    and every rank checks every group, so all raise together and none is left waiting in a later
+    collective."""
+    entries, held, layout, checked, error = None, None, None, None, None
     try:
         layout = _layout(state, *groups)
         entries = _local_entries(state, layout)
         held = _held(entries, with_checksums)
-        error = check(entries, layout) if check else None
-    except ValueError as exc:
+        checked = check(entries, layout) if check else None
+    except (ValueError, OSError) as exc:
         error = exc
     gathered = _gather_from_all_ranks((error, held, layout))
     if all(h is not None for _, h, _ in gathered):
         _check_layouts_agree(gathered)
     _raise_first_error(error, [e for e, _, _ in gathered])
-    return entries
+    return entries, checked
 
 
 def _as_checkpoint_chunks(tensor: torch.Tensor, spec: ShardSpec, tp_size: int, tp_rank: int) -> torch.Tensor:
@@ -312,8 +313,8 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
                  expert_tp_group=None) -> None:
     """Saves each entry as its logical global tensor with DCP (see the module docstring)."""
     _require_dependencies()
-    entries = _entries_agreed(_state_of(module_or_state_dict), (tp_group, ep_group, expert_tp_group),
-                              with_checksums=True)
+    entries, _ = _entries_agreed(_state_of(module_or_state_dict), (tp_group, ep_group, expert_tp_group),
+                                 with_checksums=True)
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
 
@@ -347,15 +348,12 @@ def _check_against_checkpoint(entries: dict, layout: _Layout, metadata: Metadata
             raise ValueError(f"{module_name}: the checkpoint holds {md.properties.dtype}, the module {local.dtype}")
 
 
-def _reason_not_to_load(entries: dict, layout: _Layout, path: str) -> Optional[Exception]:
-    """None when the checkpoint at path can be loaded into entries, else the error saying why not."""
-    try:
-        metadata = read_metadata(path)
-        _check_against_checkpoint(entries, layout, metadata, path)
-        check_data_files(metadata, path)
-        return None
-    except (ValueError, OSError) as exc:
-        return exc
+def _loadable_metadata(entries: dict, layout: _Layout, path: str) -> Metadata:
+    """The checkpoint's metadata, once the checkpoint at path is found loadable into entries."""
+    metadata = read_metadata(path)
+    _check_against_checkpoint(entries, layout, metadata, path)
+    check_data_files(metadata, path)
+    return metadata
 
 
 def _failures(exc: dcp.CheckpointException) -> str:
@@ -366,14 +364,14 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
                  staged: bool = False) -> None:
     """Loads a save_sharded checkpoint into module at its (TP, EP) layout, in place or staged (module docstring)."""
     _require_dependencies()
-    entries = _entries_agreed(module.state_dict(keep_vars=True), (tp_group, ep_group, expert_tp_group),
-                              with_checksums=False, check=lambda *mine: _reason_not_to_load(*mine, path))
+    entries, metadata = _entries_agreed(module.state_dict(keep_vars=True), (tp_group, ep_group, expert_tp_group),
+                                        with_checksums=False, check=lambda *mine: _loadable_metadata(*mine, path))
 
     loaded = _dcp_state(entries, torch.empty_like if staged else _alias)
     # No flattening: DCP would otherwise put loaded objects (extra state) into a copy of `loaded`.
     planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
-        dcp.load(loaded, storage_reader=ChecksummedReader(path), planner=planner)
+        dcp.load(loaded, storage_reader=ChecksummedReader(path, metadata), planner=planner)
     except dcp.CheckpointException as exc:
         if staged:
             raise RuntimeError(

@@ -30,6 +30,7 @@
 """
 import io
 import os
+from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -222,7 +223,16 @@ class _VerifyingView(io.RawIOBase):
 class ChecksummedReader(dcp.FileSystemReader):
     """DCP's FileSystemReader with a read loop of its own: each stored item is hashed as it is read
     and checked before it is committed (module docstring); a tensor chunk whose target is the
-    whole chunk, contiguous on the CPU, is read straight into the target."""
+    whole chunk, contiguous on the CPU, is read straight into the target. Given the metadata a
+    caller has already read and checked, it loads by that metadata instead of reading .metadata
+    again (which a concurrent save could have replaced in between)."""
+
+    def __init__(self, path: str, metadata: Optional[Metadata] = None):
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return super().read_metadata(*args, **kwargs) if self._metadata is None else self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)

@@ -894,6 +894,29 @@ def test_writer_skips_the_zip_crc32_only_while_it_writes(tmp_path, monkeypatch):
 
 
 @needs_checkpointable_dcp
+def test_load_reads_the_metadata_once_and_loads_by_what_it_checked(tmp_path, monkeypatch):
+    """load_sharded checks the checkpoint's .metadata against the module and hands that same metadata
+    to DCP, rather than letting DCP read the file again (a save replacing it in between would load
+    by metadata nobody checked)."""
+    original, path = logical_state(seed=1), str(tmp_path / "ckpt")
+    save_sharded(Toy(original, 1, 0, step=7), path)
+    reads = []
+    real_read_metadata = dcp.FileSystemReader.read_metadata
+
+    def counting_read_metadata(self, *args, **kwargs):
+        reads.append(self.path)
+        return real_read_metadata(self, *args, **kwargs)
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_metadata", counting_read_metadata)
+    target = Toy(logical_state(seed=2), 1, 0, step=0)
+    load_sharded(target, path)
+    assert len(reads) == 1
+    expected = Toy(original, 1, 0, step=7)
+    assert all(same_bits(t, tensors_of(expected)[name]) for name, t in tensors_of(target).items())
+    assert target.step == 7
+
+
+@needs_checkpointable_dcp
 @pytest.mark.parametrize("where", ["first", "header", "data_start", "middle", "data_end", "last"])
 def test_verifying_reader_catches_a_flip_anywhere_in_an_item(tmp_path, where):
     """ChecksummedReader hashes a tensor's data as it reads it into the target and the other bytes of
