@@ -5,7 +5,9 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-DEPS=(torch==2.14.1 "megatron-core==0.19.2" xxhash pytest hypothesis numpy matplotlib ninja setuptools wheel cut-cross-entropy liger-kernel)
+# torch pinned to the version the tests are run with; pyproject.toml asks only for >= 2.14.
+PINS=(torch==2.14.1)
+BUILD_TOOLS=(ninja setuptools wheel)
 
 find_python() {
   local candidates=("${PYTHON:-}" python3.12 python3)
@@ -42,7 +44,13 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 
-# The dependencies: installed when the stamp (hash of DEPS and the Python version) changes.
+# The dependencies: pyproject.toml's, with every extra, the pins and the build tools; installed
+# when the stamp (hash of that list and the Python version) changes.
+read -ra DEPS < <(python -c 'import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+deps = project["dependencies"] + [d for extra in project["optional-dependencies"].values() for d in extra]
+print(" ".join(dict.fromkeys(deps)))')
+DEPS+=("${PINS[@]}" "${BUILD_TOOLS[@]}")
 deps_stamp="$(printf '%s\n' "${DEPS[@]}" "$(python -VV)" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat .venv/deps.stamp 2>/dev/null)" != "$deps_stamp" ]; then
   echo "setup: installing ${DEPS[*]} into .venv"
