@@ -251,8 +251,8 @@ def chosen_logprob(
     has probability 0 and adds nothing. Padding rows never take part, whatever they hold.
 
     check_tokens validates token ids against [0, vocab_size) (a host synchronisation on CUDA;
-    False skips it: an out-of-range id then matches no row and yields -lse, never an out-of-bounds
-    read). check_group (with a tp_group of more than one rank) makes every rank raise the same
+    False skips it: an out-of-range id then matches no row, never an out-of-bounds read, and its
+    logprob and gradients are NaN). check_group (with a tp_group of more than one rank) makes every rank raise the same
     clear error when any rank's arguments are invalid, or when the ranks disagree on the tokens,
     hidden size, dtype, temperature, ignore_index, vocab_size or reduce_hidden_grad, or hold vocab
     shards that do not tile [0, total rows): one all-gather of a few integers per call and a host
@@ -298,6 +298,11 @@ def chosen_logprob(
     logprob, entropy = _ChosenLogprob.apply(hidden2d, weight, tokens1d, tokens1d == ignore_index, float(temperature),
                                             int(vocab_start), n_valid, tiling, tp_group, bool(reduce_hidden_grad),
                                             main_grad)
+    if not check_tokens:
+        # An unchecked id outside [0, vocab_size) matches no row and would get a finite -lse: NaN
+        # marks it instead (and, through the product, its gradients), with no host synchronisation.
+        out_of_range = (tokens1d != ignore_index) & ((tokens1d < 0) | (tokens1d >= vocab_size))
+        logprob = logprob * torch.where(out_of_range, float("nan"), 1.0)
     logprob, entropy = logprob.reshape(lead), entropy.reshape(lead)
     return (logprob, entropy) if return_entropy else logprob
 

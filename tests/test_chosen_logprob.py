@@ -103,6 +103,28 @@ def test_ignore_index_passes_no_logprob_gradient_but_keeps_entropy(device):
     assert h.grad.eq(0).all()
 
 
+def test_unchecked_out_of_range_ids_give_nan_not_a_wrong_number(device):
+    """check_tokens=False: ids below 0, in the padding rows or beyond every row match no row; their
+    logprob and gradients are NaN (not -lse), every other token's are the float64 reference's."""
+    hidden, weight, tokens = make_inputs(8, 8, 130, torch.float32, device, vocab_size=120)
+    bad = torch.tensor([1, 4, 6, 7], device=device)
+    tokens[bad] = torch.tensor([-1, 120, 129, 10**6], device=device)
+    grad_lp, grad_ent = torch.randn(8, device=device), torch.randn(8, device=device)
+    lp, ent, grad_h, grad_w = run_ours(hidden, weight, tokens, grad_lp, grad_ent, vocab_size=120, check_tokens=False)
+    good = torch.ones(8, dtype=torch.bool, device=device)
+    good[bad] = False
+    ref_lp, ref_ent, ref_grad_h, _ = reference_outputs_and_grads(
+        hidden, weight, torch.where(good, tokens, -100), grad_lp, grad_ent, vocab_size=120)
+    tol = TOLERANCE[torch.float32]
+    assert lp[~good].isnan().all() and grad_h[~good].isnan().all()
+    torch.testing.assert_close(lp[good].double().cpu(), ref_lp[good.cpu()], **tol)
+    torch.testing.assert_close(grad_h[good].double().cpu(), ref_grad_h[good.cpu()], **tol)
+    torch.testing.assert_close(ent.double().cpu(), ref_ent, **tol)
+    assert grad_w[:120].isnan().all() and grad_w[120:].eq(0).all()
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        fused_rl_ops.chosen_logprob(hidden, weight, tokens, vocab_size=120)
+
+
 def test_zero_tokens(device):
     hidden, weight, _ = make_inputs(1, 8, 130, torch.float32, device)
     h = hidden[:0].clone().requires_grad_(True)
