@@ -170,6 +170,35 @@ def test_processor_passes_batch_invariant():
     assert torch.equal(outputs["logprobs"], logprobs.t()) and torch.equal(outputs["entropy"], entropy.t())
 
 
+def test_processor_host_checks_off_skips_both_checks_and_marks_bad_tokens_nan(monkeypatch):
+    """host_checks=False reaches chosen_logprob as check_tokens=False and check_group=False: an
+    out-of-range label no longer raises but gets a NaN logprob, and every other output is bitwise
+    that of the checked processor with that label ignored."""
+    g = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(S, B, 16, generator=g), torch.randn(32, 16, generator=g)
+    tokens = torch.randint(0, 32, (B, S), generator=g)
+    output_layer = types.SimpleNamespace(weight=weight, tp_group=None, sequence_parallel=False)
+    tokens[1, 2] = 40
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        rl_output_processor()(hidden_states=hidden, output_layer=output_layer, labels=tokens)
+    calls = []
+    real_chosen_logprob = fused_rl_ops.chosen_logprob
+
+    def recording_chosen_logprob(*args, **kwargs):
+        calls.append((kwargs["check_tokens"], kwargs["check_group"]))
+        return real_chosen_logprob(*args, **kwargs)
+
+    monkeypatch.setattr(fused_rl_ops, "chosen_logprob", recording_chosen_logprob)
+    unchecked = rl_output_processor(host_checks=False)(hidden_states=hidden, output_layer=output_layer, labels=tokens)
+    checked = rl_output_processor()(hidden_states=hidden, output_layer=output_layer,
+                                    labels=tokens.masked_fill(tokens == 40, -100))
+    assert calls == [(False, False), (True, True)]
+    bad = tokens == 40
+    assert unchecked["logprobs"][bad].isnan().all()
+    assert torch.equal(unchecked["logprobs"][~bad], checked["logprobs"][~bad])
+    assert torch.equal(unchecked["entropy"], checked["entropy"])
+
+
 def test_processor_refuses_bad_calls():
     hidden, weight = torch.randn(S, B, 16), torch.randn(32, 16)
     output_layer = types.SimpleNamespace(weight=weight, tp_group=None, sequence_parallel=False)

@@ -43,10 +43,13 @@ class RLOutputProcessor:
     output_names: the keys of the returned dict, in order ("logprobs", then "entropy", "values").
     batch_invariant: passed on to chosen_logprob (a token's outputs bitwise independent of the rest
     of the batch); the naive reference processor ignores it.
+    host_checks: chosen_logprob's token-range and TP group checks, the processor's only host
+    synchronisations on CUDA; False skips both (for CUDA graphs): an out-of-range token then gets a
+    NaN logprob and NaN gradients, and a rank with invalid arguments raises alone.
     """
 
     def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
-                 vocab_size=None, batch_invariant=False):
+                 vocab_size=None, batch_invariant=False, host_checks=True):
         if not temperature > 0:
             raise ValueError(f"{type(self).__name__}: temperature must be > 0, got {temperature}")
         self.temperature = temperature
@@ -55,6 +58,7 @@ class RLOutputProcessor:
         self.ignore_index = ignore_index
         self.vocab_size = vocab_size
         self.batch_invariant = batch_invariant
+        self.host_checks = host_checks
         self.output_names = ("logprobs",)
         if return_entropy:
             self.output_names += ("entropy",)
@@ -108,6 +112,8 @@ class RLOutputProcessor:
             return_entropy=self.return_entropy,
             main_grad=_fused_main_grad(output_layer, weight),
             batch_invariant=self.batch_invariant,
+            check_tokens=self.host_checks,
+            check_group=self.host_checks,
         )
         per_token = tuple(result) if self.return_entropy else (result,)
         if self.value_head is None:
@@ -144,7 +150,7 @@ def _fused_main_grad(output_layer, weight):
 
 
 def rl_output_processor(*, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
-                        vocab_size=None, batch_invariant=False):
+                        vocab_size=None, batch_invariant=False, host_checks=True):
     """An output processor returning fp32 [b, s] logprobs (+ entropy, values); see the module docstring."""
     return RLOutputProcessor(
         temperature=temperature,
@@ -153,6 +159,7 @@ def rl_output_processor(*, temperature=1.0, return_entropy=True, value_head=None
         ignore_index=ignore_index,
         vocab_size=vocab_size,
         batch_invariant=batch_invariant,
+        host_checks=host_checks,
     )
 
 
