@@ -8,8 +8,10 @@ fused_rl_ops.sharding's ShardSpec), so a checkpoint saved at one tensor-parallel
 degree that divides the sharded dimension, and plain `dcp.load` of a full tensor reads the real weight.
 
 Groups: `tp_group` is the tensor-parallel group of dense tensors (None: the default group).
-Expert tensors (megatron-core SequentialMLP's `...local_experts.<i>....`) are stored under their
-global expert index `ep_rank * num_local_experts + i` (fused_rl_ops.checkpoint_experts), with
+Expert tensors (megatron-core SequentialMLP's `...local_experts.<i>....` and Transformer Engine
+GroupedLinear's `...experts.linear_fc1.weight<i>`, TEGroupedMLP's) are stored under their global
+expert index `ep_rank * num_local_experts + i` in one spelling for both layouts, so either loads into
+the other (fused_rl_ops.checkpoint_experts), with
 `ep_group` the expert-parallel group (None: no expert parallelism) and `expert_tp_group` the group
 their tensor-parallel sharding runs over (None: `tp_group`). So an MoE checkpoint saved at one (TP,
 EP) layout loads at any other whose degrees divide the sharded dims and the expert count.
@@ -111,12 +113,14 @@ def _local_entries(state: dict, layout: _Layout) -> dict:
     """stored name -> _Entry (expert tensors under their global expert index)."""
     entries = {}
     for name, value in state.items():
+        if layout.experts.skips(name, value):
+            continue
         stored = layout.experts.stored_name(name)
         tp = layout.tp if expert_prefix(name) is None else layout.expert_tp
         if not isinstance(value, torch.Tensor):
             entries[stored] = _Entry(name, value, None, tp)
             continue
-        spec = read_sharding(value, name)
+        spec = layout.experts.sharding(name, read_sharding(value, name))
         local = value
         if isinstance(value, DTensor):
             if value.device_mesh.size() != tp.size:
@@ -322,7 +326,8 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
 def _check_against_checkpoint(entries: dict, layout: _Layout, metadata: Metadata, path: str):
     stored = metadata.state_dict_metadata
     check_expert_counts(stored.keys(), layout.experts, path)
-    missing = sorted(entries.keys() - stored.keys())
+    missing = sorted(entries[n].module_name + ("" if n == entries[n].module_name else f" (stored as {n})")
+                     for n in entries.keys() - stored.keys())
     unexpected = sorted(n for n in stored.keys() - entries.keys() if layout.experts.holds(n))
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match the module: missing {missing}, unexpected {unexpected}")
