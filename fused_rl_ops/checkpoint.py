@@ -43,7 +43,7 @@ from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 # Re-exported so `import fused_rl_ops.checkpoint as ck` keeps offering the sharding names.
 from .sharding import ShardingMetadataError, ShardSpec, from_dtensor, read_sharding, to_dtensor
 from .sharding import check_stride_divides, global_shape
-from .checkpoint_experts import ExpertLayout, check_expert_counts, expert_prefix
+from .checkpoint_experts import ExpertLayout, check_expert_counts, check_grouped_glu_not_interleaved, expert_prefix
 from .checkpoint_integrity import ChecksummedReader, ChecksummedWriter, check_data_files, read_metadata, require_xxhash
 
 __all__ = [
@@ -317,6 +317,8 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
                  expert_tp_group=None) -> None:
     """Saves each entry as its logical global tensor with DCP (see the module docstring)."""
     _require_dependencies()
+    if isinstance(module_or_state_dict, torch.nn.Module):
+        check_grouped_glu_not_interleaved(module_or_state_dict)
     entries, _ = _entries_agreed(_state_of(module_or_state_dict), (tp_group, ep_group, expert_tp_group),
                                  with_checksums=True)
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -369,6 +371,7 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
                  staged: bool = False) -> None:
     """Loads a save_sharded checkpoint into module at its (TP, EP) layout, in place or staged (module docstring)."""
     _require_dependencies()
+    check_grouped_glu_not_interleaved(module)
     entries, metadata = _entries_agreed(module.state_dict(keep_vars=True), (tp_group, ep_group, expert_tp_group),
                                         with_checksums=False, check=lambda *mine: _loadable_metadata(*mine, path))
 

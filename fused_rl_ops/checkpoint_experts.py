@@ -21,7 +21,9 @@ says; with the stated stride 1 a checkpoint saved at expert TP 2 would load wron
 expert TP 1 without an error. So a grouped fc1 in a GLU (told by its shapes: fc1 has twice the rows
 fc2 has columns) is taken as stride 2 when it states 1 or 2, and any other claim (another dim, a
 replicated fc1 or fc2 weight, a sharded fc2 bias, a stride other than 1 or 2) is a
-ShardingMetadataError naming the parameter.
+ShardingMetadataError naming the parameter. With `moe_mlp_glu_interleave_size` set, a grouped fc1
+rank holds its gate and linear rows interleaved in blocks instead, which neither stride describes:
+such modules are refused (the tensors do not show it, so only when a module is given).
 
 Transformer Engine modules also have an `_extra_state` entry, its FP8 scaling state (an empty uint8
 tensor without FP8). A grouped module's holds all local experts in one: without FP8 it is left out
@@ -38,7 +40,7 @@ import torch
 
 from .sharding import ShardingMetadataError, ShardSpec
 
-__all__ = ["ExpertLayout", "check_expert_counts", "expert_prefix"]
+__all__ = ["ExpertLayout", "check_expert_counts", "check_grouped_glu_not_interleaved", "expert_prefix"]
 
 _SEQUENTIAL_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?local_experts\.)(?P<index>\d+)(?P<rest>\..+)$")
 _GROUPED_NAME = re.compile(
@@ -196,3 +198,16 @@ def check_expert_counts(stored_names, layout: ExpertLayout, path: str):
             raise ValueError(
                 f"checkpoint {path!r} holds {count} experts under {prefix}, the module {expected}{held_as} "
                 f"({layout.local_counts.get(prefix, 0)} per rank x expert-parallel degree {layout.ep_size})")
+
+
+def check_grouped_glu_not_interleaved(module):
+    """Raises for grouped experts (megatron-core TEGroupedMLP) whose GLU fc1 rows are interleaved
+    (config.moe_mlp_glu_interleave_size): the checkpoint's logical `[W ; V]` would not be their layout."""
+    for name, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        size = getattr(config, "moe_mlp_glu_interleave_size", None)
+        if size is not None and getattr(config, "gated_linear_unit", False) and hasattr(
+                getattr(sub, "linear_fc1", None), "weight0"):
+            raise ValueError(
+                f"{name or '<model>'}: grouped experts with interleaved GLU rows (moe_mlp_glu_interleave_size="
+                f"{size}) are not supported: their fc1 is not the [W ; V] the checkpoint stores")

@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import shutil
+import types
 import zlib
 
 import pytest
@@ -947,6 +948,13 @@ def _grouped_expert_checks(rank, world_size, root):
     with pytest.raises(ValueError, match=r"experts.local_experts.: holds experts in both layouts: .*local_experts.0"
                                          r".linear_fc1.weight \(SequentialMLP\) and .*linear_fc1.weight0"):
         save_sharded(both, f"{root}/both", **_moe_kwargs(ep2))
+    interleaved = MoEToy(original, ep2, 2, grouped=True)
+    submodule(interleaved, GROUPED_PREFIX).config = types.SimpleNamespace(gated_linear_unit=True,
+                                                                          moe_mlp_glu_interleave_size=4)
+    _assert_untouched_by_failing_load(interleaved, f"{root}/grouped/TP1/EP2", ep2,
+                                      r"mlp.experts: grouped experts with interleaved GLU rows .*size=4")
+    with pytest.raises(ValueError, match="mlp.experts: grouped experts with interleaved GLU rows"):
+        save_sharded(interleaved, f"{root}/interleaved", **_moe_kwargs(ep2))
     fp8 = MoEToy(original, ep2, 2, grouped=True, extra_state=torch.ones(40, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"experts.linear_fc1._extra_state: Transformer Engine FP8 state of grouped"):
         save_sharded(fp8, f"{root}/fp8", **_moe_kwargs(ep2))
