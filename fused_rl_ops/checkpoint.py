@@ -85,12 +85,14 @@ class _Group(NamedTuple):
 
 class _Entry(NamedTuple):
     """One stored entry on this rank: its name in the module, its local tensor (or object), the
-    tensor's ShardSpec (None for objects) and the TP group it is split over."""
+    tensor's ShardSpec (None for objects), the TP group it is split over, and whether it carries
+    nothing (an empty expert extra state: left out of saves, loaded only where a checkpoint has it)."""
 
     module_name: str
     local: object
     spec: Optional[ShardSpec]
     tp: _Group
+    optional: bool = False
 
 
 class _Layout(NamedTuple):
@@ -113,12 +115,11 @@ def _local_entries(state: dict, layout: _Layout) -> dict:
     """stored name -> _Entry (expert tensors under their global expert index)."""
     entries = {}
     for name, value in state.items():
-        if layout.experts.skips(name, value):
-            continue
         stored = layout.experts.stored_name(name)
         tp = layout.tp if expert_prefix(name) is None else layout.expert_tp
+        optional = layout.experts.carries_nothing(name, value)
         if not isinstance(value, torch.Tensor):
-            entries[stored] = _Entry(name, value, None, tp)
+            entries[stored] = _Entry(name, value, None, tp, optional)
             continue
         spec = layout.experts.sharding(name, read_sharding(value, name))
         local = value
@@ -131,7 +132,7 @@ def _local_entries(state: dict, layout: _Layout) -> dict:
         if local.is_meta:
             raise ValueError(f"{name}: is a meta tensor; it has no data to save or load into")
         check_stride_divides(name, local, spec)
-        entries[stored] = _Entry(name, local, spec, tp)
+        entries[stored] = _Entry(name, local, spec, tp, optional)
     return entries
 
 
@@ -321,19 +322,23 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
         check_grouped_glu_not_interleaved(module_or_state_dict)
     entries, _ = _entries_agreed(_state_of(module_or_state_dict), (tp_group, ep_group, expert_tp_group),
                                  with_checksums=True)
+    entries = {name: entry for name, entry in entries.items() if not entry.optional}
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
 
 
 def _check_against_checkpoint(entries: dict, layout: _Layout, metadata: Metadata, path: str):
+    """Raises where the checkpoint does not fit entries; removes the optional entries it lacks."""
     stored = metadata.state_dict_metadata
     check_expert_counts(stored.keys(), layout.experts, path)
+    for name in [n for n, entry in entries.items() if entry.optional and n not in stored]:
+        del entries[name]
     missing = sorted(entries[n].module_name + ("" if n == entries[n].module_name else f" (stored as {n})")
                      for n in entries.keys() - stored.keys())
     unexpected = sorted(n for n in stored.keys() - entries.keys() if layout.experts.holds(n))
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match the module: missing {missing}, unexpected {unexpected}")
-    for name, (module_name, local, spec, tp) in entries.items():
+    for name, (module_name, local, spec, tp, _) in entries.items():
         md = stored[name]
         if (spec is None) != isinstance(md, BytesStorageMetadata):
             kinds = ("an object", "a tensor") if spec is None else ("a tensor", "an object")

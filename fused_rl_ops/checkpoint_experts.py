@@ -25,13 +25,13 @@ ShardingMetadataError naming the parameter. With `moe_mlp_glu_interleave_size` s
 rank holds its gate and linear rows interleaved in blocks instead, which neither stride describes:
 such modules are refused (the tensors do not show it, so only when a module is given).
 
-Transformer Engine modules also have an `_extra_state` entry, its FP8 scaling state (an empty uint8
-tensor without FP8). A grouped module's holds all local experts in one: without FP8 it is left out
-of the checkpoint (so either layout loads into the other); with FP8 state it is refused, as is TE's
-single grouped weight (`moe_single_grouped_weight`: one `experts.linear_fc1.weight` for all local
-experts). SequentialMLP experts built from TE linears carry one `_extra_state` per expert, stored as
-expert tensors: their checkpoints load only into SequentialMLP experts with the same entries (a
-load into grouped experts names them as unexpected).
+Extra states: megatron-core's linears have an `_extra_state` entry that is None, Transformer
+Engine's hold their FP8 scaling state there (an empty uint8 tensor without FP8). Expert extra states
+that carry nothing (None, empty) are left out of a checkpoint, and a load fills them only where the
+checkpoint has them, so a checkpoint saved from either layout loads into the other. SequentialMLP
+experts' FP8 states are stored per expert; a grouped module's holds all its local experts in one
+and is refused, as is TE's single grouped weight (`moe_single_grouped_weight`: one
+`experts.linear_fc1.weight` for all local experts).
 """
 import re
 from typing import NamedTuple, Optional
@@ -46,7 +46,8 @@ _SEQUENTIAL_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?local_experts\.)(?P<index>\
 _GROUPED_NAME = re.compile(
     r"^(?P<experts>(?:.*\.)?experts\.)(?P<linear>linear_fc[12])\.(?P<kind>weight|bias)(?P<index>\d+)$")
 _SINGLE_GROUPED_NAME = re.compile(r"^(?:.*\.)?experts\.linear_fc[12]\.(?:weight|bias)$")
-_GROUPED_EXTRA_STATE = re.compile(r"^(?:.*\.)?experts\.linear_fc[12]\._extra_state$")
+_EXTRA_STATE = "_extra_state"  # torch.nn.Module's state dict key of get_extra_state()
+_GROUPED_EXTRA_STATE = re.compile(rf"^(?:.*\.)?experts\.linear_fc[12]\.{_EXTRA_STATE}$")
 
 # The tensor-parallel layout each grouped tensor must have: its partition dim, None for replicated.
 _GROUPED_DIM = {".linear_fc1.weight": 0, ".linear_fc1.bias": 0, ".linear_fc2.weight": 1, ".linear_fc2.bias": None}
@@ -148,17 +149,21 @@ class ExpertLayout(NamedTuple):
         return self.ep_rank * count <= parts.index < (self.ep_rank + 1) * count
 
     @staticmethod
-    def skips(name: str, value) -> bool:
-        """Whether name is a grouped experts module's Transformer Engine extra state that carries
-        nothing (an empty tensor: no FP8 state), which is left out of the checkpoint; FP8 state there
-        (one entry for all the rank's local experts) is refused."""
-        if not _GROUPED_EXTRA_STATE.match(name):
+    def carries_nothing(name: str, value) -> bool:
+        """Whether name is an experts module's extra state that carries nothing (None: megatron-core's
+        own linears; an empty tensor: Transformer Engine's without FP8 state), which a save leaves out
+        and a load fills only from a checkpoint that has it. A grouped module's FP8 state (one entry
+        for all the rank's local experts) is refused."""
+        grouped = _GROUPED_EXTRA_STATE.match(name)
+        if not grouped and not (name.endswith(f".{_EXTRA_STATE}") and _SEQUENTIAL_NAME.match(name)):
             return False
-        if isinstance(value, torch.Tensor) and value.numel() == 0:
+        if value is None or (isinstance(value, torch.Tensor) and value.numel() == 0):
             return True
-        raise ValueError(
-            f"{name}: Transformer Engine FP8 state of grouped experts (one entry for all local experts of the "
-            "rank) is not supported: it cannot be stored per expert")
+        if grouped:
+            raise ValueError(
+                f"{name}: Transformer Engine FP8 state of grouped experts (one entry for all local experts of the "
+                "rank) is not supported: it cannot be stored per expert")
+        return False
 
     def sharding(self, name: str, spec: ShardSpec) -> ShardSpec:
         """The tensor-parallel layout of name as stored: spec (read from its metadata), except for
