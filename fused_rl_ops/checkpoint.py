@@ -8,8 +8,10 @@ fused_rl_ops.sharding's ShardSpec), so a checkpoint saved at one tensor-parallel
 degree that divides the sharded dimension, and plain `dcp.load` of a full tensor reads the real weight.
 
 Groups: `tp_group` is the tensor-parallel group of dense tensors (None: the default group).
-Expert tensors (megatron-core SequentialMLP's `...local_experts.<i>....`) are stored under their
-global expert index `ep_rank * num_local_experts + i` (fused_rl_ops.checkpoint_experts), with
+Expert tensors (megatron-core SequentialMLP's `...local_experts.<i>....` and Transformer Engine
+GroupedLinear's `...experts.linear_fc1.weight<i>`, TEGroupedMLP's) are stored under their global
+expert index `ep_rank * num_local_experts + i` in one spelling for both layouts, so either loads into
+the other (fused_rl_ops.checkpoint_experts), with
 `ep_group` the expert-parallel group (None: no expert parallelism) and `expert_tp_group` the group
 their tensor-parallel sharding runs over (None: `tp_group`). So an MoE checkpoint saved at one (TP,
 EP) layout loads at any other whose degrees divide the sharded dims and the expert count.
@@ -41,7 +43,7 @@ from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 # Re-exported so `import fused_rl_ops.checkpoint as ck` keeps offering the sharding names.
 from .sharding import ShardingMetadataError, ShardSpec, from_dtensor, read_sharding, to_dtensor
 from .sharding import check_stride_divides, global_shape
-from .checkpoint_experts import ExpertLayout, check_expert_counts, expert_prefix
+from .checkpoint_experts import ExpertLayout, check_expert_counts, check_grouped_glu_not_interleaved, expert_prefix
 from .checkpoint_integrity import ChecksummedReader, ChecksummedWriter, check_data_files, read_metadata, require_xxhash
 
 __all__ = [
@@ -83,12 +85,14 @@ class _Group(NamedTuple):
 
 class _Entry(NamedTuple):
     """One stored entry on this rank: its name in the module, its local tensor (or object), the
-    tensor's ShardSpec (None for objects) and the TP group it is split over."""
+    tensor's ShardSpec (None for objects), the TP group it is split over, and whether it carries
+    nothing (an empty expert extra state: left out of saves, loaded only where a checkpoint has it)."""
 
     module_name: str
     local: object
     spec: Optional[ShardSpec]
     tp: _Group
+    optional: bool = False
 
 
 class _Layout(NamedTuple):
@@ -113,10 +117,11 @@ def _local_entries(state: dict, layout: _Layout) -> dict:
     for name, value in state.items():
         stored = layout.experts.stored_name(name)
         tp = layout.tp if expert_prefix(name) is None else layout.expert_tp
+        optional = layout.experts.carries_nothing(name, value)
         if not isinstance(value, torch.Tensor):
-            entries[stored] = _Entry(name, value, None, tp)
+            entries[stored] = _Entry(name, value, None, tp, optional)
             continue
-        spec = read_sharding(value, name)
+        spec = layout.experts.sharding(name, read_sharding(value, name))
         local = value
         if isinstance(value, DTensor):
             if value.device_mesh.size() != tp.size:
@@ -127,7 +132,7 @@ def _local_entries(state: dict, layout: _Layout) -> dict:
         if local.is_meta:
             raise ValueError(f"{name}: is a meta tensor; it has no data to save or load into")
         check_stride_divides(name, local, spec)
-        entries[stored] = _Entry(name, local, spec, tp)
+        entries[stored] = _Entry(name, local, spec, tp, optional)
     return entries
 
 
@@ -313,20 +318,27 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
                  expert_tp_group=None) -> None:
     """Saves each entry as its logical global tensor with DCP (see the module docstring)."""
     _require_dependencies()
+    if isinstance(module_or_state_dict, torch.nn.Module):
+        check_grouped_glu_not_interleaved(module_or_state_dict)
     entries, _ = _entries_agreed(_state_of(module_or_state_dict), (tp_group, ep_group, expert_tp_group),
                                  with_checksums=True)
+    entries = {name: entry for name, entry in entries.items() if not entry.optional}
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
 
 
 def _check_against_checkpoint(entries: dict, layout: _Layout, metadata: Metadata, path: str):
+    """Raises where the checkpoint does not fit entries; removes the optional entries it lacks."""
     stored = metadata.state_dict_metadata
     check_expert_counts(stored.keys(), layout.experts, path)
-    missing = sorted(entries.keys() - stored.keys())
+    for name in [n for n, entry in entries.items() if entry.optional and n not in stored]:
+        del entries[name]
+    missing = sorted(entries[n].module_name + ("" if n == entries[n].module_name else f" (stored as {n})")
+                     for n in entries.keys() - stored.keys())
     unexpected = sorted(n for n in stored.keys() - entries.keys() if layout.experts.holds(n))
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match the module: missing {missing}, unexpected {unexpected}")
-    for name, (module_name, local, spec, tp) in entries.items():
+    for name, (module_name, local, spec, tp, _) in entries.items():
         md = stored[name]
         if (spec is None) != isinstance(md, BytesStorageMetadata):
             kinds = ("an object", "a tensor") if spec is None else ("a tensor", "an object")
@@ -364,6 +376,7 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
                  staged: bool = False) -> None:
     """Loads a save_sharded checkpoint into module at its (TP, EP) layout, in place or staged (module docstring)."""
     _require_dependencies()
+    check_grouped_glu_not_interleaved(module)
     entries, metadata = _entries_agreed(module.state_dict(keep_vars=True), (tp_group, ep_group, expert_tp_group),
                                         with_checksums=False, check=lambda *mine: _loadable_metadata(*mine, path))
 

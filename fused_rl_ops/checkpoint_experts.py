@@ -1,28 +1,80 @@
 """Expert-parallel names for save_sharded / load_sharded: local expert indices to global ones.
 
-megatron-core's SequentialMLP holds an EP rank's experts as `...experts.local_experts.<i>.<rest>`
-with i in 0..n-1 (n experts per EP rank); its own sharded state dict puts local expert i of EP rank
-e at global index `e * n + i`. The checkpoint stores expert tensors under that global index, in the
-same spelling (`...local_experts.<e * n + i>.<rest>`), so at EP 1 stored and module names coincide
-and a checkpoint saved at one EP degree loads at any EP degree dividing the expert count.
+An EP rank holds n experts (local indices 0..n-1) of each MoE layer, in one of two layouts:
+- megatron-core's SequentialMLP: `<p>experts.local_experts.<i>.<rest>` (one MLP per expert);
+- Transformer Engine's GroupedLinear, as megatron-core's TEGroupedMLP (and ClampedSwiGLUTEGroupedMLP)
+  hold them: `<p>experts.linear_fc1.weight<i>` / `bias<i>` and the same for `linear_fc2`.
+megatron-core's own sharded state dicts put local expert i of EP rank e at global index `e * n + i`.
+The checkpoint stores every expert tensor under that global index in SequentialMLP's spelling,
+`<p>experts.local_experts.<e * n + i>.<rest>` (a grouped `linear_fc1.weight<i>` becomes
+`local_experts.<e * n + i>.linear_fc1.weight`), so a checkpoint saved at one EP degree loads at any
+EP degree dividing the expert count, and one saved from either layout loads into the other: per
+expert, the two hold the same tensors (fc1 `[2F, H]` for a GLU / `[F, H]`, its bias, fc2 `[H, F]`,
+its bias) with the same tensor-parallel layout over the expert TP group, which is what megatron-core's
+TEGroupedMLP.sharded_state_dict relies on too ("interchangeable with SequentialMLP's").
+
+Sharding metadata of grouped tensors: megatron-core 0.19.2 marks them with the legacy attributes
+(fc1 weights and biases `partition_dim=0`, fc2 weights `partition_dim=1`, fc2 biases
+`tensor_model_parallel=False`), always with `partition_stride=1`. A GLU fc1 rank nevertheless holds
+`[W_r ; V_r]` (its activation splits the rows in halves), i.e. stride 2, as SequentialMLP's fc1
+says; with the stated stride 1 a checkpoint saved at expert TP 2 would load wrong fc1 rows at
+expert TP 1 without an error. So a grouped fc1 in a GLU (told by its shapes: fc1 has twice the rows
+fc2 has columns) is taken as stride 2 when it states 1 or 2, and any other claim (another dim, a
+replicated fc1 or fc2 weight, a sharded fc2 bias, a stride other than 1 or 2) is a
+ShardingMetadataError naming the parameter. With `moe_mlp_glu_interleave_size` set, a grouped fc1
+rank holds its gate and linear rows interleaved in blocks instead, which neither stride describes:
+such modules are refused (the tensors do not show it, so only when a module is given).
+
+Extra states: megatron-core's linears have an `_extra_state` entry that is None, Transformer
+Engine's hold their FP8 scaling state there (an empty uint8 tensor without FP8). Expert extra states
+that carry nothing (None, empty) are left out of a checkpoint, and a load fills them only where the
+checkpoint has them, so a checkpoint saved from either layout loads into the other. SequentialMLP
+experts' FP8 states are stored per expert; a grouped module's holds all its local experts in one
+and is refused, as is TE's single grouped weight (`moe_single_grouped_weight`: one
+`experts.linear_fc1.weight` for all local experts).
 """
 import re
 from typing import NamedTuple, Optional
 
-__all__ = ["ExpertLayout", "check_expert_counts", "expert_prefix"]
+import torch
 
-_EXPERT_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?local_experts\.)(?P<index>\d+)(?P<rest>\..+)$")
+from .sharding import ShardingMetadataError, ShardSpec
+
+__all__ = ["ExpertLayout", "check_expert_counts", "check_grouped_glu_not_interleaved", "expert_prefix"]
+
+_SEQUENTIAL_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?local_experts\.)(?P<index>\d+)(?P<rest>\..+)$")
+_GROUPED_NAME = re.compile(
+    r"^(?P<experts>(?:.*\.)?experts\.)(?P<linear>linear_fc[12])\.(?P<kind>weight|bias)(?P<index>\d+)$")
+_SINGLE_GROUPED_NAME = re.compile(r"^(?:.*\.)?experts\.linear_fc[12]\.(?:weight|bias)$")
+_EXTRA_STATE = "_extra_state"  # torch.nn.Module's state dict key of get_extra_state()
+_GROUPED_EXTRA_STATE = re.compile(rf"^(?:.*\.)?experts\.linear_fc[12]\.{_EXTRA_STATE}$")
+
+# The tensor-parallel layout each grouped tensor must have: its partition dim, None for replicated.
+_GROUPED_DIM = {".linear_fc1.weight": 0, ".linear_fc1.bias": 0, ".linear_fc2.weight": 1, ".linear_fc2.bias": None}
 
 
-def _split(name: str):
-    match = _EXPERT_NAME.match(name)
-    return (match["prefix"], int(match["index"]), match["rest"]) if match else None
+class _ExpertName(NamedTuple):
+    prefix: str  # `<p>experts.local_experts.`, whichever the layout
+    index: int  # local index in a module's name, global in a stored one
+    rest: str  # `.linear_fc1.weight`, ...
+    grouped: bool
+
+
+def _split(name: str) -> Optional[_ExpertName]:
+    match = _SEQUENTIAL_NAME.match(name)
+    if match:
+        return _ExpertName(match["prefix"], int(match["index"]), match["rest"], False)
+    match = _GROUPED_NAME.match(name)
+    if match:
+        return _ExpertName(f"{match['experts']}local_experts.", int(match["index"]),
+                           f".{match['linear']}.{match['kind']}", True)
+    return None
 
 
 def expert_prefix(name: str) -> Optional[str]:
     """The experts module (`...local_experts.`) a tensor name belongs to, or None for a dense tensor."""
     parts = _split(name)
-    return parts[0] if parts else None
+    return parts.prefix if parts else None
 
 
 def _indices_by_prefix(names) -> dict:
@@ -30,8 +82,21 @@ def _indices_by_prefix(names) -> dict:
     for name in names:
         parts = _split(name)
         if parts:
-            indices.setdefault(parts[0], set()).add(parts[1])
+            indices.setdefault(parts.prefix, set()).add(parts.index)
     return indices
+
+
+def _grouped_glu(prefix: str, state: dict) -> bool:
+    """Whether the grouped experts under prefix are a GLU: fc1 has twice the rows fc2 has columns
+    (a plain MLP: as many)."""
+    experts = prefix[: -len("local_experts.")]
+    fc1, fc2 = state.get(f"{experts}linear_fc1.weight0"), state.get(f"{experts}linear_fc2.weight0")
+    if fc1 is None or fc2 is None or fc1.dim() != 2 or fc2.dim() != 2 or fc1.shape[0] not in (fc2.shape[1],
+                                                                                               2 * fc2.shape[1]):
+        shapes = [tuple(t.shape) if t is not None else None for t in (fc1, fc2)]
+        raise ValueError(f"{experts}linear_fc1.weight0 / linear_fc2.weight0: grouped experts need both, fc1 "
+                         f"[F or 2F, H] and fc2 [H, F]; found shapes {shapes}")
+    return fc1.shape[0] == 2 * fc2.shape[1]
 
 
 class ExpertLayout(NamedTuple):
@@ -40,34 +105,81 @@ class ExpertLayout(NamedTuple):
     ep_size: int
     ep_rank: int
     local_counts: dict  # experts prefix -> experts on this rank
+    grouped_glu: dict  # experts prefix held as TE GroupedLinear weights -> whether they are a GLU
 
     @classmethod
-    def of(cls, names, ep_size: int, ep_rank: int) -> "ExpertLayout":
-        """Reads the local expert counts from a module's tensor names; each experts module must
-        number its local experts 0..n-1."""
-        counts = {}
-        for prefix, indices in sorted(_indices_by_prefix(names).items()):
+    def of(cls, state: dict, ep_size: int, ep_rank: int) -> "ExpertLayout":
+        """Reads the local expert counts from a module's state (names, and shapes of grouped experts);
+        each experts module must number its local experts 0..n-1 in one layout."""
+        single = sorted(n for n in state if _SINGLE_GROUPED_NAME.match(n))
+        if single:
+            raise ValueError(
+                f"{single[0]}: one grouped tensor for all local experts (Transformer Engine's single grouped "
+                "weight, moe_single_grouped_weight) is not supported; keep one weight<i> per expert")
+        counts, grouped_glu, layouts = {}, {}, {}
+        for name in state:
+            parts = _split(name)
+            if parts:
+                layouts.setdefault(parts.prefix, {}).setdefault(parts.grouped, name)
+        for prefix, indices in sorted(_indices_by_prefix(state).items()):
+            if len(layouts[prefix]) > 1:
+                raise ValueError(f"{prefix}: holds experts in both layouts: {layouts[prefix][False]} (SequentialMLP) "
+                                 f"and {layouts[prefix][True]} (TE GroupedLinear)")
             if indices != set(range(len(indices))):
                 raise ValueError(f"{prefix}: local expert indices {sorted(indices)} are not 0..{len(indices) - 1}")
             counts[prefix] = len(indices)
-        return cls(ep_size, ep_rank, counts)
+            if True in layouts[prefix]:
+                grouped_glu[prefix] = _grouped_glu(prefix, state)
+        return cls(ep_size, ep_rank, counts, grouped_glu)
 
     def stored_name(self, name: str) -> str:
-        """name with its local expert index replaced by the global one (dense names unchanged)."""
+        """name with its local expert index replaced by the global one, in SequentialMLP's spelling
+        (dense names unchanged)."""
         parts = _split(name)
         if not parts:
             return name
-        prefix, index, rest = parts
-        return f"{prefix}{self.ep_rank * self.local_counts[prefix] + index}{rest}"
+        return f"{parts.prefix}{self.ep_rank * self.local_counts[parts.prefix] + parts.index}{parts.rest}"
 
     def holds(self, stored_name: str) -> bool:
         """Whether a stored name is a dense tensor or one of this rank's experts."""
         parts = _split(stored_name)
         if not parts:
             return True
-        prefix, index, _ = parts
-        count = self.local_counts.get(prefix, 0)
-        return self.ep_rank * count <= index < (self.ep_rank + 1) * count
+        count = self.local_counts.get(parts.prefix, 0)
+        return self.ep_rank * count <= parts.index < (self.ep_rank + 1) * count
+
+    @staticmethod
+    def carries_nothing(name: str, value) -> bool:
+        """Whether name is an experts module's extra state that carries nothing (None: megatron-core's
+        own linears; an empty tensor: Transformer Engine's without FP8 state), which a save leaves out
+        and a load fills only from a checkpoint that has it. A grouped module's FP8 state (one entry
+        for all the rank's local experts) is refused."""
+        grouped = _GROUPED_EXTRA_STATE.match(name)
+        if not grouped and not (name.endswith(f".{_EXTRA_STATE}") and _SEQUENTIAL_NAME.match(name)):
+            return False
+        if value is None or (isinstance(value, torch.Tensor) and value.numel() == 0):
+            return True
+        if grouped:
+            raise ValueError(
+                f"{name}: Transformer Engine FP8 state of grouped experts (one entry for all local experts of the "
+                "rank) is not supported: it cannot be stored per expert")
+        return False
+
+    def sharding(self, name: str, spec: ShardSpec) -> ShardSpec:
+        """The tensor-parallel layout of name as stored: spec (read from its metadata), except for
+        grouped experts, checked against the layout their place in the MLP gives (module docstring)."""
+        parts = _split(name)
+        if not parts or not parts.grouped:
+            return spec
+        dim = _GROUPED_DIM[parts.rest]
+        glu_fc1 = self.grouped_glu[parts.prefix] and parts.rest.startswith(".linear_fc1.")
+        strides = (1, 2) if glu_fc1 else (1,)
+        if spec.dim != dim or (spec.sharded and spec.stride not in strides):
+            wanted = "replicated" if dim is None else f"sharded on dim {dim} with stride {' or '.join(map(str, strides))}"
+            raise ShardingMetadataError(
+                f"{name}: a grouped expert's {parts.rest[1:]} must be {wanted} over the expert tensor-parallel group, "
+                f"its metadata says {spec}")
+        return ShardSpec(dim, 2, spec.dialects) if glu_fc1 else spec
 
 
 def check_expert_counts(stored_names, layout: ExpertLayout, path: str):
@@ -87,6 +199,20 @@ def check_expert_counts(stored_names, layout: ExpertLayout, path: str):
                 f"checkpoint {path!r}: its {count} experts under {prefix} cannot be split over expert-parallel "
                 f"degree {layout.ep_size}")
         if count != expected:
+            held_as = " (as TE grouped weight<i>)" if prefix in layout.grouped_glu else ""
             raise ValueError(
-                f"checkpoint {path!r} holds {count} experts under {prefix}, the module {expected} "
+                f"checkpoint {path!r} holds {count} experts under {prefix}, the module {expected}{held_as} "
                 f"({layout.local_counts.get(prefix, 0)} per rank x expert-parallel degree {layout.ep_size})")
+
+
+def check_grouped_glu_not_interleaved(module):
+    """Raises for grouped experts (megatron-core TEGroupedMLP) whose GLU fc1 rows are interleaved
+    (config.moe_mlp_glu_interleave_size): the checkpoint's logical `[W ; V]` would not be their layout."""
+    for name, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        size = getattr(config, "moe_mlp_glu_interleave_size", None)
+        if size is not None and getattr(config, "gated_linear_unit", False) and hasattr(
+                getattr(sub, "linear_fc1", None), "weight0"):
+            raise ValueError(
+                f"{name or '<model>'}: grouped experts with interleaved GLU rows (moe_mlp_glu_interleave_size="
+                f"{size}) are not supported: their fc1 is not the [W ; V] the checkpoint stores")

@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import shutil
+import types
 import zlib
 
 import pytest
@@ -72,13 +73,19 @@ def legacy(dim, stride=1):
     return {"tensor_model_parallel": True, "partition_dim": dim, "partition_stride": stride}
 
 
-def add_parameter(module, name, tensor, attributes):
-    """Registers tensor as parameter name ("a.b.weight") of module, creating the submodules on the way."""
-    *path, leaf = name.split(".")
-    for part in path:
+def submodule(module, path):
+    """module's submodule at path ("a.b"), created (as plain Modules) where missing."""
+    for part in path.split("."):
         if not hasattr(module, part):
             module.add_module(part, torch.nn.Module())
         module = getattr(module, part)
+    return module
+
+
+def add_parameter(module, name, tensor, attributes):
+    """Registers tensor as parameter name ("a.b.weight") of module, creating the submodules on the way."""
+    path, _, leaf = name.rpartition(".")
+    module = submodule(module, path) if path else module
     param = torch.nn.Parameter(tensor, requires_grad=False)
     for key, value in attributes.items():
         setattr(param, key, value)
@@ -130,7 +137,8 @@ class Toy(torch.nn.Module):
 
 
 def tensors_of(module):
-    return {k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+    """module's tensors, without extra states (GroupedLinearStandIn's is a tensor)."""
+    return {k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
 
 
 def assert_all_differ(module, expected):
@@ -712,6 +720,7 @@ EXPERT_PREFIX = "decoder.layers.1.mlp.experts.local_experts"
 # "local_experts.<i>.", logical shape of one expert, dtype, sharding attributes, (dim, stride).
 EXPERT_LAYOUT = [
     ("linear_fc1.weight", (16, 6), torch.bfloat16, legacy(0, 2), (0, 2)),  # GLU [W ; V]
+    ("linear_fc1.bias", (16,), torch.bfloat16, legacy(0, 2), (0, 2)),
     ("linear_fc2.weight", (6, 8), torch.float32, legacy(1), (1, 1)),
     ("linear_fc2.bias", (6,), torch.float32, {}, None),  # replicated over expert TP
 ]
@@ -735,25 +744,71 @@ def _shard(full, split, size, rank):
     return reference_shard(full, *split, size, rank) if split else full
 
 
-class MoEToy(torch.nn.Module):
-    """One rank of a model with a dense MLP and a SequentialMLP-shaped MoE layer: dense shards over
-    the TP group, experts ep_rank * n .. + n - 1 of the logical state as local experts 0..n-1,
-    sharded over the expert TP group; `allreduce` set on expert parameters as megatron-core sets
-    it (False when they use the expert process groups: EP > 1 or expert TP != TP)."""
+GROUPED_PREFIX = "decoder.layers.1.mlp.experts"
+# Transformer Engine's GroupedLinear holds local expert i as `weight<i>` / `bias<i>`; megatron-core
+# 0.19.2's TEGroupedMLP (_set_expert_parameter_attributes) marks them with stride 1 whatever the
+# layout: fc1 (column) weights and biases on dim 0, fc2 (row) weights on dim 1, fc2 biases
+# replicated. A GLU fc1 still holds [W_r ; V_r] per rank, as SequentialMLP's experts do.
+GROUPED_ATTRIBUTES = {
+    "linear_fc1.weight": legacy(0),
+    "linear_fc1.bias": legacy(0),
+    "linear_fc2.weight": legacy(1),
+    "linear_fc2.bias": {"tensor_model_parallel": False, "sequence_parallel": False},
+}
 
-    def __init__(self, logical, layout, num_local):
+
+class GroupedLinearStandIn(torch.nn.Module):
+    """Transformer Engine's GroupedLinear as a state dict sees it (TE is not installed here): the
+    weight<i> / bias<i> parameters MoEToy adds, and an extra state (its FP8 scaling state: an empty
+    uint8 tensor without FP8)."""
+
+    def __init__(self, extra_state):
+        super().__init__()
+        self.extra_state = extra_state
+
+    def get_extra_state(self):
+        return self.extra_state
+
+    def set_extra_state(self, state):
+        self.extra_state = state
+
+
+def grouped_name(name, i):
+    """linear_fc1.weight, local expert i -> TE GroupedLinear's name for it under the experts module."""
+    linear, kind = name.split(".")
+    return f"{GROUPED_PREFIX}.{linear}.{kind}{i}"
+
+
+class MoEToy(torch.nn.Module):
+    """One rank of a model with a dense MLP and an MoE layer: dense shards over the TP group, experts
+    ep_rank * n .. + n - 1 of the logical state as local experts 0..n-1, sharded over the expert TP
+    group, held as megatron-core's SequentialMLP holds them or, with grouped=True, as TEGroupedMLP's
+    Transformer Engine GroupedLinear modules do (names and sharding attributes as GROUPED_ATTRIBUTES
+    says, or as `attributes` overrides per name); `allreduce` set on expert parameters as megatron-core
+    sets it (False when they use the expert process groups: EP > 1 or expert TP != TP)."""
+
+    def __init__(self, logical, layout, num_local, grouped=False, attributes=None, extra_state=None):
         super().__init__()
         tp_group, ep_group, expert_tp_group = layout
         tp, ep = _size_and_rank(tp_group), _size_and_rank(ep_group)
         etp = tp if expert_tp_group is None else _size_and_rank(expert_tp_group)  # expert TP defaults to TP
-        for name, _, _, attributes, split in DENSE_LAYOUT:
-            add_parameter(self, name, _shard(logical[name], split, *tp).clone(), attributes)
+        for name, _, _, attrs, split in DENSE_LAYOUT:
+            add_parameter(self, name, _shard(logical[name], split, *tp).clone(), attrs)
         uses_expert_groups = ep[0] > 1 or etp[0] != tp[0]
+        if grouped:
+            for linear in ("linear_fc1", "linear_fc2"):
+                submodule(self, GROUPED_PREFIX).add_module(linear, GroupedLinearStandIn(
+                    torch.empty(0, dtype=torch.uint8) if extra_state is None else extra_state))
         for i in range(num_local):
-            for name, _, _, attributes, split in EXPERT_LAYOUT:
+            for name, _, _, attrs, split in EXPERT_LAYOUT:
                 full = logical[f"{EXPERT_PREFIX}.{ep[1] * num_local + i}.{name}"]
-                add_parameter(self, f"{EXPERT_PREFIX}.{i}.{name}", _shard(full, split, *etp).clone(),
-                              {**attributes, "allreduce": not uses_expert_groups})
+                if grouped:
+                    module_name, attrs = grouped_name(name, i), GROUPED_ATTRIBUTES[name]
+                else:
+                    module_name = f"{EXPERT_PREFIX}.{i}.{name}"
+                attrs = {**attrs, **(attributes or {}).get(name, {})}
+                add_parameter(self, module_name, _shard(full, split, *etp).clone(),
+                              {**attrs, "allreduce": not uses_expert_groups})
 
 
 def _size_and_rank(group):
@@ -768,6 +823,7 @@ def _moe_layouts():
         group = dist.new_group(ranks)
         strided = group if dist.get_rank() in ranks else strided
     return {
+        "TP1/EP1": (singles, None, None),
         "TP2/EP1": (pairs, None, None),  # expert TP = TP 2; data-parallel replicas {0, 2}, {1, 3}
         "TP1/EP2": (singles, pairs, None),
         "TP1/EP4": (singles, everyone, None),
@@ -834,6 +890,87 @@ def test_expert_parallel_round_trips(tmp_path):
     EP 2 -> EP 4, expert TP 2 <-> 1 at TP 2, ...); expert counts that do not fit are clear errors
     with the module untouched. One spawned run of 4 processes."""
     run_distributed(_expert_parallel_checks, 4, str(tmp_path))
+
+
+def _grouped_expert_checks(rank, world_size, root):
+    layouts = _moe_layouts()
+    original = moe_logical_state(4, seed=1)
+
+    def toy(logical, name, grouped):
+        layout = layouts[name]
+        return MoEToy(logical, layout, 4 // _size_and_rank(layout[1])[0], grouped=grouped)
+
+    def load_and_compare(save, load, grouped, staged):
+        target, expected = toy(moe_logical_state(4, seed=2), load, grouped), toy(original, load, grouped)
+        assert_all_differ(target, expected)
+        load_sharded(target, f"{root}/{save}", staged=staged, **_moe_kwargs(layouts[load]))
+        assert_all_same(target, expected)
+
+    for save in ("TP1/EP2", "TP2/EP2", "TP2/EP2/ETP1"):
+        save_sharded(toy(original, save, grouped=True), f"{root}/grouped/{save}", **_moe_kwargs(layouts[save]))
+    save_sharded(toy(original, "TP2/EP2", grouped=False), f"{root}/sequential", **_moe_kwargs(layouts["TP2/EP2"]))
+    # Grouped experts saved at EP 2 load at EP 1 and EP 2, across expert TP 1 <-> 2 ...
+    for i, (save, load) in enumerate([("TP1/EP2", "TP1/EP1"), ("TP1/EP2", "TP1/EP2"), ("TP2/EP2", "TP2/EP1"),
+                                      ("TP2/EP2/ETP1", "TP2/EP2"), ("TP2/EP2", "TP1/EP4")]):
+        load_and_compare(f"grouped/{save}", load, grouped=True, staged=bool(i % 2))
+    # ... and into SequentialMLP experts, and back.
+    load_and_compare("grouped/TP2/EP2", "TP1/EP2", grouped=False, staged=False)
+    load_and_compare("sequential", "TP2/EP2/ETP1", grouped=True, staged=True)
+    # Plain DCP reads each expert's logical tensors under its global index.
+    full = {f"{EXPERT_PREFIX}.{e}.{name}": torch.empty(shape, dtype=dtype)
+            for e in range(4) for name, shape, dtype, _, _ in EXPERT_LAYOUT}
+    dcp.load(full, checkpoint_id=f"{root}/grouped/TP2/EP2")
+    assert all(same_bits(t, original[name]) for name, t in full.items())
+
+    # Expert counts that do not fit, and sharding metadata that contradicts a grouped tensor's place
+    # in the MLP, are refused before anything is read, naming the experts or the parameter.
+    ep2 = layouts["TP1/EP2"]
+    _assert_untouched_by_failing_load(MoEToy(original, ep2, 1, grouped=True), f"{root}/grouped/TP1/EP2", ep2,
+                                      r"holds 4 experts under .*experts.local_experts., the module 2 \(as TE grouped "
+                                      r"weight<i>\) \(1 per rank x expert-parallel degree 2\)")
+    for name, attributes, said in [
+            ("linear_fc2.weight", legacy(0), "sharded on dim 0"),  # TE's own marking without megatron-core's
+            ("linear_fc2.bias", legacy(0), "sharded on dim 0"),
+            ("linear_fc1.weight", {"tensor_model_parallel": False, "partition_dim": -1}, "replicated"),
+            ("linear_fc1.bias", legacy(0, 4), "stride 4")]:
+        wrong = MoEToy(original, ep2, 2, grouped=True, attributes={name: attributes})
+        match = rf"{re.escape(grouped_name(name, 0))}: a grouped expert's {name} must be .*, its metadata says .*{said}"
+        _assert_untouched_by_failing_load(wrong, f"{root}/grouped/TP1/EP2", ep2, match)
+        with pytest.raises(ShardingMetadataError, match=match):
+            save_sharded(wrong, f"{root}/wrong", **_moe_kwargs(ep2))
+    holed = MoEToy(moe_logical_state(6, seed=3), ep2, 3, grouped=True)
+    for linear in ("linear_fc1", "linear_fc2"):
+        del holed.get_submodule(f"{GROUPED_PREFIX}.{linear}").weight1, holed.get_submodule(f"{GROUPED_PREFIX}.{linear}").bias1
+    with pytest.raises(ValueError, match=r"experts.local_experts.: local expert indices \[0, 2\] are not 0..1"):
+        save_sharded(holed, f"{root}/holed", **_moe_kwargs(ep2))
+    both = MoEToy(original, ep2, 2, grouped=True)
+    add_parameter(both, f"{EXPERT_PREFIX}.0.linear_fc1.weight", torch.zeros(16, 6), {})
+    with pytest.raises(ValueError, match=r"experts.local_experts.: holds experts in both layouts: .*local_experts.0"
+                                         r".linear_fc1.weight \(SequentialMLP\) and .*linear_fc1.weight0"):
+        save_sharded(both, f"{root}/both", **_moe_kwargs(ep2))
+    interleaved = MoEToy(original, ep2, 2, grouped=True)
+    submodule(interleaved, GROUPED_PREFIX).config = types.SimpleNamespace(gated_linear_unit=True,
+                                                                          moe_mlp_glu_interleave_size=4)
+    _assert_untouched_by_failing_load(interleaved, f"{root}/grouped/TP1/EP2", ep2,
+                                      r"mlp.experts: grouped experts with interleaved GLU rows .*size=4")
+    with pytest.raises(ValueError, match="mlp.experts: grouped experts with interleaved GLU rows"):
+        save_sharded(interleaved, f"{root}/interleaved", **_moe_kwargs(ep2))
+    fp8 = MoEToy(original, ep2, 2, grouped=True, extra_state=torch.ones(40, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"experts.linear_fc1._extra_state: Transformer Engine FP8 state of grouped"):
+        save_sharded(fp8, f"{root}/fp8", **_moe_kwargs(ep2))
+    single = {f"{GROUPED_PREFIX}.linear_fc1.weight": torch.zeros(2, 16, 6)}  # TE's moe_single_grouped_weight
+    with pytest.raises(ValueError, match=r"experts.linear_fc1.weight: one grouped tensor for all local experts"):
+        save_sharded(single, f"{root}/single", **_moe_kwargs(ep2))
+
+
+@needs_checkpointable_dcp
+def test_grouped_gemm_experts_reshard_and_interchange_with_sequential(tmp_path):
+    """Experts held as Transformer Engine GroupedLinear modules hold them (TEGroupedMLP:
+    `experts.linear_fc1.weight<i>`, megatron-core's stride-1 sharding attributes) saved at EP 2 load
+    bit for bit at EP 1 and EP 2 and other expert TP degrees, and into SequentialMLP experts and back;
+    expert counts that do not fit and sharding metadata that contradicts the layout are clear errors
+    with the module untouched. One spawned run of 4 processes."""
+    run_distributed(_grouped_expert_checks, 4, str(tmp_path))
 
 
 def _reader_state():

@@ -177,13 +177,14 @@ def local_hybrid_stack_spec():
 
 
 def tiny_model(kind="gpt", config=None, *, seed=0, vocab_size=256, tied_embeddings=False,
-               clamped_swiglu_mlp=False, seq_length=16):
+               clamped_swiglu_mlp=False, seq_length=16, edit_spec=None):
     """A GPTModel ("gpt") or a HybridModel ("hybrid": attention and MLP layers alternating) from
     Megatron's local (non-TE) modules with learned absolute positions, for this pipeline stage, at
     config's (default tiny_config()) TP degree and sequence-parallel setting. A GPT config with
     num_moe_experts gets megatron-core's local block spec (MoE layers as config.moe_layer_freq
     says, SequentialMLP experts).
     clamped_swiglu_mlp: its MLPs are fused_rl_ops.megatron.ClampedSwiGLUMLP.
+    edit_spec: a function of the spec giving the spec to build instead (after clamped_swiglu_mlp).
     Megatron builds every weight as a full master tensor from the CPU RNG and keeps this rank's
     shard, so a given seed means the same logical weights at every degree."""
     from megatron.core import parallel_state
@@ -202,6 +203,8 @@ def tiny_model(kind="gpt", config=None, *, seed=0, vocab_size=256, tied_embeddin
         spec = get_gpt_layer_local_spec()
     if clamped_swiglu_mlp:
         spec = with_clamped_swiglu_mlp(spec)
+    if edit_spec:
+        spec = edit_spec(spec)
     common = dict(
         config=config,
         vocab_size=vocab_size,
