@@ -345,6 +345,10 @@ def _check_against_checkpoint(entries: dict, layout: _Layout, metadata: Metadata
             raise ValueError(f"{module_name}: the module holds {kinds[0]}, the checkpoint {kinds[1]} (as {name})")
         if spec is None:
             continue
+        if md.properties.dtype != local.dtype:
+            raise ValueError(f"{module_name}: the checkpoint holds {md.properties.dtype}, the module {local.dtype}")
+        if _is_extra_state(module_name):
+            continue  # a serialised state (Transformer Engine's): its length is the checkpoint's
         saved_shape = tuple(md.size)
         if spec.sharded and len(saved_shape) == local.dim() and saved_shape[spec.dim] % (spec.stride * tp.size):
             raise ValueError(
@@ -356,8 +360,12 @@ def _check_against_checkpoint(entries: dict, layout: _Layout, metadata: Metadata
             raise ValueError(
                 f"{module_name}: the checkpoint holds global shape {saved_shape} (as {name}), the module expects "
                 f"{expected} (local {tuple(local.shape)} at tensor-parallel degree {tp.size})")
-        if md.properties.dtype != local.dtype:
-            raise ValueError(f"{module_name}: the checkpoint holds {md.properties.dtype}, the module {local.dtype}")
+
+
+def _is_extra_state(module_name: str) -> bool:
+    """Whether a state dict entry is a module's get_extra_state(): an object, or a tensor made anew
+    by each call (Transformer Engine serialises its FP8 state into a uint8 tensor)."""
+    return module_name.endswith(_EXTRA_STATE_KEY_SUFFIX)
 
 
 def _loadable_metadata(entries: dict, layout: _Layout, path: str) -> Metadata:
@@ -381,6 +389,11 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
                                         with_checksums=False, check=lambda *mine: _loadable_metadata(*mine, path))
 
     loaded = _dcp_state(entries, torch.empty_like if staged else _alias)
+    for name, entry in entries.items():
+        if entry.spec is not None and _is_extra_state(entry.module_name):
+            # get_extra_state() made a new tensor: read into one of the stored size, then hand it over.
+            stored = metadata.state_dict_metadata[name]
+            loaded[name] = entry.local.new_empty(stored.size)
     # No flattening: DCP would otherwise put loaded objects (extra state) into a copy of `loaded`.
     planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
@@ -395,7 +408,7 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
 
     with torch.no_grad():
         for name, entry in entries.items():
-            if entry.spec is None:
+            if _is_extra_state(entry.module_name):
                 owner = entry.module_name[: -len(_EXTRA_STATE_KEY_SUFFIX)].rstrip(".")
                 module.get_submodule(owner).set_extra_state(loaded[name])
             elif staged:

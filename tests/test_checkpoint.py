@@ -1030,6 +1030,35 @@ def test_writer_skips_the_zip_crc32_only_while_it_writes(tmp_path, monkeypatch):
     assert str(failed.value.failures[0][0]) == "disk full" and torch.serialization.get_crc32_options()
 
 
+class SerialisedState(torch.nn.Module):
+    """A module whose extra state is a uint8 tensor made anew by each get_extra_state() call, of a
+    length that follows the state (as Transformer Engine serialises its FP8 state)."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(3))
+        self.state = state
+
+    def get_extra_state(self):
+        return torch.frombuffer(bytearray(pickle.dumps(self.state)), dtype=torch.uint8)
+
+    def set_extra_state(self, tensor):
+        self.state = pickle.loads(tensor.numpy().tobytes())
+
+
+@needs_checkpointable_dcp
+@pytest.mark.parametrize("staged", [False, True])
+def test_tensor_extra_state_reaches_the_module(tmp_path, staged):
+    """A tensor extra state is handed to set_extra_state, whatever its length in the module before
+    (the load used to read it into the temporary get_extra_state() made, or refuse another length)."""
+    saved = SerialisedState({"amax": [1.5, -2.0], "step": 7})
+    save_sharded(saved, str(tmp_path / "ckpt"))
+    for before in ({"amax": [0.0, 0.0], "step": 1}, {}, {"amax": list(range(50))}):
+        target = SerialisedState(before)
+        load_sharded(target, str(tmp_path / "ckpt"), staged=staged)
+        assert target.state == saved.state
+
+
 @needs_checkpointable_dcp
 def test_load_reads_the_metadata_once_and_loads_by_what_it_checked(tmp_path, monkeypatch):
     """load_sharded checks the checkpoint's .metadata against the module and hands that same metadata
