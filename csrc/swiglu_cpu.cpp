@@ -194,35 +194,40 @@ void swiglu_backward_cpu(const scalar_t* dy, const scalar_t* x, const acc_t<scal
                          acc_t<scalar_t>* dscale, int64_t rows, int64_t F, bool interleaved, const SwigluParams& p) {
   using acc = acc_t<scalar_t>;
   const RowLayout layout{F, interleaved};
-  // The n outputs at c of row r; a row's last partial tile goes through zero-padded gate, linear and
-  // dy buffers (the padding adds 0 to dscale_lanes).
-  const auto tile = [&](int64_t r, int64_t c, int64_t n, Vectorized<acc>& dscale_lanes) {
+  // Outputs [begin, end) of row r (begin a multiple of kTile), tile by tile: one tile for the
+  // unweighted form, the whole row for the weighted one. A row's last partial tile goes through
+  // zero-padded gate, linear and dy buffers (the padding adds 0 to dscale_lanes).
+  const auto row_part = [&](int64_t r, int64_t begin, int64_t end, Vectorized<acc>& dscale_lanes) {
     const scalar_t* xr = x + r * 2 * F;
-    const scalar_t* dyr = dy + r * F + c;
+    const scalar_t* dyr = dy + r * F;
     scalar_t* dxr = dx + r * 2 * F;
     const acc s = kScaled ? scale[r] : 1;
-    if (n == kTile) {
-      backward_tile<scalar_t, kScaled>(layout.tile(xr, c), dyr, layout.tile(dxr, c), interleaved, p, s, dscale_lanes);
-      return;
+    for (int64_t c = begin; c < end; c += kTile) {
+      const int64_t n = std::min(kTile, end - c);
+      if (n == kTile) {
+        backward_tile<scalar_t, kScaled>(layout.tile(xr, c), dyr + c, layout.tile(dxr, c), interleaved, p, s,
+                                         dscale_lanes);
+        continue;
+      }
+      alignas(64) scalar_t in[2 * kTile] = {}, d[kTile] = {}, out[2 * kTile];
+      layout.copy(layout.tile(xr, c), layout.buffer(in), n);
+      std::memcpy(d, dyr + c, n * sizeof(scalar_t));
+      backward_tile<scalar_t, kScaled>(layout.buffer<const scalar_t>(in), d, layout.buffer(out), interleaved, p, s,
+                                       dscale_lanes);
+      layout.copy(layout.buffer<const scalar_t>(out), layout.tile(dxr, c), n);
     }
-    alignas(64) scalar_t in[2 * kTile] = {}, d[kTile] = {}, out[2 * kTile];
-    layout.copy(layout.tile(xr, c), layout.buffer(in), n);
-    std::memcpy(d, dyr, n * sizeof(scalar_t));
-    backward_tile<scalar_t, kScaled>(layout.buffer<const scalar_t>(in), d, layout.buffer(out), interleaved, p, s,
-                                     dscale_lanes);
-    layout.copy(layout.buffer<const scalar_t>(out), layout.tile(dxr, c), n);
   };
   if constexpr (!kScaled) {
     for_each_tile(rows, F, [&](int64_t r, int64_t c, int64_t n) {
       Vectorized<acc> unused;
-      tile(r, c, n, unused);
+      row_part(r, c, c + n, unused);
     });
   } else {
     const int64_t tiles_per_row = (F + kTile - 1) / kTile;
     at::parallel_for(0, rows, (16 + tiles_per_row - 1) / tiles_per_row, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         Vectorized<acc> sum(0);
-        for (int64_t c = 0; c < F; c += kTile) tile(r, c, std::min(kTile, F - c), sum);
+        row_part(r, 0, F, sum);
         alignas(64) acc lanes[Vectorized<acc>::size()];
         sum.store(lanes);
         acc total = 0;
