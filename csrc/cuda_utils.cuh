@@ -30,11 +30,15 @@ __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v
 
 constexpr int kWarp = 32;
 
-// Sum over a full warp, in the same butterfly order on every call (deterministic); every lane
-// gets the total.
-__device__ __forceinline__ float warp_sum(float v) {
+// Sum over a warp, in the same butterfly order on every call (deterministic); every lane gets the
+// total. kGroups: over each group of `width` consecutive lanes instead (width a power of two, at
+// most kWarp), every lane getting its group's total; without it the width test is compiled out.
+template <bool kGroups = false>
+__device__ __forceinline__ float warp_sum(float v, int width = kWarp) {
 #pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    if (!kGroups || offset < width) v += __shfl_xor_sync(0xffffffffu, v, offset);  // stays within a group
+  }
   return v;
 }
 

@@ -107,33 +107,22 @@ void forward_tile(const Halves<const scalar_t>& in, scalar_t* y, bool interleave
   }
 }
 
-template <typename scalar_t>
+// kScaled: the weighted form, dy times the row's scale; also adds each output's d/dscale term into
+// the lanes of `dscale` (the row's running sum, in a fixed order). Unweighted, `dscale` is unused.
+template <typename scalar_t, bool kScaled>
 void backward_tile(const Halves<const scalar_t>& in, const scalar_t* dy, const Halves<scalar_t>& dx, bool interleaved,
-                   const SwigluParams& p) {
-  using L = Lanes<scalar_t>;
-  for (int64_t k = 0; k < kTile; k += L::kWidth) {
-    typename L::Parts g, u, d = L::load(dy + k), dg, du;
-    load_gu(in, k, interleaved, g, u);
-    for (int i = 0; i < L::kParts; ++i) {
-      swiglu_backward<typename L::Acc, typename L::M>(g[i], u[i], d[i], p, dg[i], du[i]);
-    }
-    store_gu(dg, du, k, interleaved, dx);
-  }
-}
-
-// The weighted backward of one tile: also adds each output's d/dscale term into the lanes of `dscale`
-// (the row's running sum, in a fixed order).
-template <typename scalar_t>
-void scaled_backward_tile(const Halves<const scalar_t>& in, const scalar_t* dy, const Halves<scalar_t>& dx,
-                          bool interleaved, const SwigluParams& p, acc_t<scalar_t> scale,
-                          Vectorized<acc_t<scalar_t>>& dscale) {
+                   const SwigluParams& p, acc_t<scalar_t> scale, Vectorized<acc_t<scalar_t>>& dscale) {
   using L = Lanes<scalar_t>;
   const typename L::Acc s(scale);
   for (int64_t k = 0; k < kTile; k += L::kWidth) {
     typename L::Parts g, u, d = L::load(dy + k), dg, du;
     load_gu(in, k, interleaved, g, u);
     for (int i = 0; i < L::kParts; ++i) {
-      dscale = dscale + swiglu_scaled_backward<typename L::Acc, typename L::M>(g[i], u[i], d[i], s, p, dg[i], du[i]);
+      if constexpr (kScaled) {
+        dscale = dscale + swiglu_scaled_backward<typename L::Acc, typename L::M>(g[i], u[i], d[i], s, p, dg[i], du[i]);
+      } else {
+        swiglu_backward<typename L::Acc, typename L::M>(g[i], u[i], d[i], p, dg[i], du[i]);
+      }
     }
     store_gu(dg, du, k, interleaved, dx);
   }
@@ -196,63 +185,57 @@ void swiglu_forward_cpu(const scalar_t* x, scalar_t* y, const acc_t<scalar_t>* s
   });
 }
 
-template <typename scalar_t>
-void swiglu_backward_cpu(const scalar_t* dy, const scalar_t* x, scalar_t* dx, int64_t rows, int64_t F,
-                         bool interleaved, const SwigluParams& p) {
-  const RowLayout layout{F, interleaved};
-  for_each_tile(rows, F, [&](int64_t r, int64_t c, int64_t n) {
-    const scalar_t* xr = x + r * 2 * F;
-    const scalar_t* dyr = dy + r * F + c;
-    scalar_t* dxr = dx + r * 2 * F;
-    if (n == kTile) {
-      backward_tile<scalar_t>(layout.tile(xr, c), dyr, layout.tile(dxr, c), interleaved, p);
-      return;
-    }
-    alignas(64) scalar_t in[2 * kTile] = {}, d[kTile] = {}, out[2 * kTile];
-    layout.copy(layout.tile(xr, c), layout.buffer(in), n);
-    std::memcpy(d, dyr, n * sizeof(scalar_t));
-    backward_tile<scalar_t>(layout.buffer<const scalar_t>(in), d, layout.buffer(out), interleaved, p);
-    layout.copy(layout.buffer<const scalar_t>(out), layout.tile(dxr, c), n);
-  });
-}
-
-// The weighted backward: one row per task, its tiles in order, so that the scale's gradient (the
-// lanes' running sums, then the lanes in order) is summed in a fixed order at any thread count.
-template <typename scalar_t>
-void swiglu_scaled_backward_cpu(const scalar_t* dy, const scalar_t* x, const acc_t<scalar_t>* scale, scalar_t* dx,
-                                acc_t<scalar_t>* dscale, int64_t rows, int64_t F, bool interleaved,
-                                const SwigluParams& p) {
+// kScaled: the weighted form, with [rows] scales and their gradient dscale. The unweighted backward
+// splits the work by tiles; the weighted one by rows, a row's tiles in order in one task, so that the
+// scale's gradient (the lanes' running sums, then the lanes in order) is summed in a fixed order at
+// any thread count.
+template <typename scalar_t, bool kScaled>
+void swiglu_backward_cpu(const scalar_t* dy, const scalar_t* x, const acc_t<scalar_t>* scale, scalar_t* dx,
+                         acc_t<scalar_t>* dscale, int64_t rows, int64_t F, bool interleaved, const SwigluParams& p) {
   using acc = acc_t<scalar_t>;
   const RowLayout layout{F, interleaved};
-  const int64_t tiles_per_row = (F + kTile - 1) / kTile;
-  at::parallel_for(0, rows, (16 + tiles_per_row - 1) / tiles_per_row, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = x + r * 2 * F;
-      const scalar_t* dyr = dy + r * F;
-      scalar_t* dxr = dx + r * 2 * F;
-      Vectorized<acc> sum(0);
-      for (int64_t c = 0; c < F; c += kTile) {
-        const int64_t n = std::min(kTile, F - c);
-        if (n == kTile) {
-          scaled_backward_tile<scalar_t>(layout.tile(xr, c), dyr + c, layout.tile(dxr, c), interleaved, p, scale[r],
-                                         sum);
-          continue;
-        }
-        // Zero-padded gate, linear and dy: the padding adds 0 to the sum.
-        alignas(64) scalar_t in[2 * kTile] = {}, d[kTile] = {}, out[2 * kTile];
-        layout.copy(layout.tile(xr, c), layout.buffer(in), n);
-        std::memcpy(d, dyr + c, n * sizeof(scalar_t));
-        scaled_backward_tile<scalar_t>(layout.buffer<const scalar_t>(in), d, layout.buffer(out), interleaved, p,
-                                       scale[r], sum);
-        layout.copy(layout.buffer<const scalar_t>(out), layout.tile(dxr, c), n);
+  // Outputs [begin, end) of row r (begin a multiple of kTile), tile by tile: one tile for the
+  // unweighted form, the whole row for the weighted one. A row's last partial tile goes through
+  // zero-padded gate, linear and dy buffers (the padding adds 0 to dscale_lanes).
+  const auto row_part = [&](int64_t r, int64_t begin, int64_t end, Vectorized<acc>& dscale_lanes) {
+    const scalar_t* xr = x + r * 2 * F;
+    const scalar_t* dyr = dy + r * F;
+    scalar_t* dxr = dx + r * 2 * F;
+    const acc s = kScaled ? scale[r] : 1;
+    for (int64_t c = begin; c < end; c += kTile) {
+      const int64_t n = std::min(kTile, end - c);
+      if (n == kTile) {
+        backward_tile<scalar_t, kScaled>(layout.tile(xr, c), dyr + c, layout.tile(dxr, c), interleaved, p, s,
+                                         dscale_lanes);
+        continue;
       }
-      alignas(64) acc lanes[Vectorized<acc>::size()];
-      sum.store(lanes);
-      acc total = 0;
-      for (acc v : lanes) total += v;
-      dscale[r] = total;
+      alignas(64) scalar_t in[2 * kTile] = {}, d[kTile] = {}, out[2 * kTile];
+      layout.copy(layout.tile(xr, c), layout.buffer(in), n);
+      std::memcpy(d, dyr + c, n * sizeof(scalar_t));
+      backward_tile<scalar_t, kScaled>(layout.buffer<const scalar_t>(in), d, layout.buffer(out), interleaved, p, s,
+                                       dscale_lanes);
+      layout.copy(layout.buffer<const scalar_t>(out), layout.tile(dxr, c), n);
     }
-  });
+  };
+  if constexpr (!kScaled) {
+    for_each_tile(rows, F, [&](int64_t r, int64_t c, int64_t n) {
+      Vectorized<acc> unused;
+      row_part(r, c, c + n, unused);
+    });
+  } else {
+    const int64_t tiles_per_row = (F + kTile - 1) / kTile;
+    at::parallel_for(0, rows, (16 + tiles_per_row - 1) / tiles_per_row, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        Vectorized<acc> sum(0);
+        row_part(r, 0, F, sum);
+        alignas(64) acc lanes[Vectorized<acc>::size()];
+        sum.store(lanes);
+        acc total = 0;
+        for (acc v : lanes) total += v;
+        dscale[r] = total;
+      }
+    });
+  }
 }
 
 at::Tensor clamped_swiglu_cpu(const at::Tensor& x, std::optional<double> limit, double alpha, double linear_offset,
@@ -275,8 +258,8 @@ at::Tensor clamped_swiglu_backward_cpu(const at::Tensor& grad_out, const at::Ten
                                        double alpha, double linear_offset, bool interleaved) {
   const SwigluCall c = swiglu_backward_call(grad_out, x, limit, alpha, linear_offset);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_backward_cpu", [&] {
-    swiglu_backward_cpu(c.half.const_data_ptr<scalar_t>(), c.x.const_data_ptr<scalar_t>(),
-                        c.full.mutable_data_ptr<scalar_t>(), c.rows, c.F, interleaved, c.p);
+    swiglu_backward_cpu<scalar_t, false>(c.half.const_data_ptr<scalar_t>(), c.x.const_data_ptr<scalar_t>(), nullptr,
+                                         c.full.mutable_data_ptr<scalar_t>(), nullptr, c.rows, c.F, interleaved, c.p);
   });
   return c.full;
 }
@@ -289,9 +272,9 @@ std::tuple<at::Tensor, at::Tensor> clamped_swiglu_scaled_backward_cpu(const at::
   at::Tensor grad_scale = swiglu_scale_grad_buffer(c);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_scaled_backward_cpu", [&] {
     using acc = acc_t<scalar_t>;
-    swiglu_scaled_backward_cpu(c.half.const_data_ptr<scalar_t>(), c.x.const_data_ptr<scalar_t>(),
-                               c.scale.const_data_ptr<acc>(), c.full.mutable_data_ptr<scalar_t>(),
-                               grad_scale.mutable_data_ptr<acc>(), c.rows, c.F, interleaved, c.p);
+    swiglu_backward_cpu<scalar_t, true>(c.half.const_data_ptr<scalar_t>(), c.x.const_data_ptr<scalar_t>(),
+                                        c.scale.const_data_ptr<acc>(), c.full.mutable_data_ptr<scalar_t>(),
+                                        grad_scale.mutable_data_ptr<acc>(), c.rows, c.F, interleaved, c.p);
   });
   return {c.full, swiglu_scale_grad(grad_scale, scale)};
 }

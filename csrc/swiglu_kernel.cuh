@@ -123,10 +123,7 @@ __global__ void
 __device__ __forceinline__ float row_sum(float v) {
   __shared__ float warp_totals[kThreads / kWarp];
   const int width = blockDim.x < kWarp ? blockDim.x : kWarp;
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    if (offset < width) v += __shfl_xor_sync(0xffffffffu, v, offset);  // stays within the row's lanes
-  }
+  v = warp_sum<true>(v, width);  // within the row: rows of fewer than kWarp threads share a warp
   if (blockDim.x <= kWarp) return v;
   const int thread = threadIdx.y * blockDim.x + threadIdx.x;
   __syncthreads();  // the previous call's totals are read

@@ -739,7 +739,7 @@ DEFECTS = {
         lambda d, tmp: test_swiglu_weighted_forward_and_backward(d, tmp, 2, 2080, "several", 0, "vector", False,
                                                                  torch.float32),
         "ThreadSanitizer: data race", "tsan"),
-    # row_sum's butterfly over the whole warp when a row has fewer threads (8 here): rows mix.
+    # row_sum's warp_sum over the whole warp when a row has fewer threads (8 here): rows mix.
     "row_sum_width_ignored": (
         "swiglu_kernel.cuh", "const int width = blockDim.x < kWarp ? blockDim.x : kWarp;", "const int width = kWarp;",
         lambda d, tmp: test_swiglu_weighted_forward_and_backward(d, tmp, 40, 64, "one", 0, "vector", False,
