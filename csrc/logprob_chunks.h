@@ -71,7 +71,7 @@ void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_
     h_tail = at::zeros({tiling.block, h.size(1)}, h.options());
     h_tail.narrow(0, 0, tiling.tail_rows()).copy_(h.narrow(0, tiling.last_full_row(), tiling.tail_rows()));
   }
-  at::Tensor workspace = empty_buffer({tiling.pass * chunk}, h.options().dtype(acc));
+  at::Tensor workspace = at::empty({tiling.pass * chunk}, h.options().dtype(acc));
   for (int64_t c0 = 0; c0 < V; c0 += chunk) {
     const int64_t n = std::min(chunk, V - c0);
     const at::Tensor w_chunk = Backend::gemm_operand(w.narrow(0, c0, n), acc);
@@ -137,8 +137,8 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidde
     TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == acc && t->device() == hidden.device(),
                 "chosen_logprob backward: per-token tensors must be [N] in the accumulation dtype");
   }
-  at::Tensor grad_h = empty_buffer({N, H}, hidden.options().dtype(acc)).zero_();
-  at::Tensor grad_w = main_grad ? at::empty({0, H}, weight.options()) : empty_buffer(weight.sizes(), weight.options());
+  at::Tensor grad_h = at::zeros({N, H}, hidden.options().dtype(acc));
+  at::Tensor grad_w = main_grad ? at::empty({0, H}, weight.options()) : at::empty(weight.sizes(), weight.options());
   const bool any_chunk = N > 0 && valid_rows > 0;
   if (!main_grad) grad_w.narrow(0, any_chunk ? valid_rows : 0, any_chunk ? V - valid_rows : V).zero_();
   if (!any_chunk) return {grad_h, grad_w};
@@ -151,8 +151,8 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidde
   at::Tensor grad_h_tail = tiling.tail_rows() > 0 ? at::zeros({tiling.block, H}, grad_h.options()) : at::Tensor();
   const int64_t chunk_rows = std::min(chunk_size, valid_rows);
   // The weight-chunk gradient summed over passes (several passes only), one buffer for every chunk.
-  const at::Tensor grad_w_acc = one_pass ? at::Tensor() : empty_buffer({chunk_rows, H}, grad_h.options());
-  const at::Tensor chunk_grad = main_grad ? empty_buffer({chunk_rows, H}, weight.options()) : at::Tensor();
+  const at::Tensor grad_w_acc = one_pass ? at::Tensor() : at::empty({chunk_rows, H}, grad_h.options());
+  const at::Tensor chunk_grad = main_grad ? at::empty({chunk_rows, H}, weight.options()) : at::Tensor();
   for_each_logits_chunk<Backend>(h, weight.narrow(0, 0, valid_rows), chunk_size, tiling,
                                  [&](const at::Tensor& logits, int64_t rows, const at::Tensor& w_chunk, int64_t c0,
                                      int64_t r0) {

@@ -59,7 +59,7 @@ inline SwigluCall swiglu_forward_call(const at::Tensor& x, std::optional<double>
                                       double linear_offset, const std::optional<at::Tensor>& scale) {
   SwigluCall call = swiglu_call(x, limit, alpha, linear_offset);
   if (scale.has_value()) call.scale = swiglu_scale_rows(*scale, x);
-  call.half = empty_buffer(swiglu_out_shape(x), x.options());
+  call.half = at::empty(swiglu_out_shape(x), x.options());
   return call;
 }
 
@@ -71,7 +71,7 @@ inline SwigluCall swiglu_backward_call(const at::Tensor& grad_out, const at::Ten
                   grad_out.device() == x.device(),
               "clamped_swiglu_backward: grad_out must match the output's shape, dtype and device");
   call.half = grad_out.contiguous();
-  call.full = empty_buffer(call.x.sizes(), call.x.options());
+  call.full = at::empty(call.x.sizes(), call.x.options());
   return call;
 }
 

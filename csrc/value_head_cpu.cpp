@@ -150,7 +150,7 @@ at::Tensor value_head_backward_hidden_cpu(const at::Tensor& grad_out_in, const a
   check_value_head_grad(grad_out_in, hidden_shape, dtype, weight_in);
   const at::ScalarType acc_type = acc_dtype(dtype);
   const at::Tensor grad_out = grad_out_in.contiguous(), weight = value_head_weight(weight_in, acc_type);
-  at::Tensor grad_hidden = empty_buffer(hidden_shape, grad_out.options().dtype(dtype));
+  at::Tensor grad_hidden = at::empty(hidden_shape, grad_out.options().dtype(dtype));
   const int64_t rows = grad_out.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "value_head_backward_hidden_cpu", [&] {
     using acc = acc_t<scalar_t>;
