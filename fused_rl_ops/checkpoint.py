@@ -31,6 +31,7 @@ no `.metadata`, so nothing loads from it (an older checkpoint it was overwriting
 Both functions are collective over the default group (DCP coordinates over it). They need DCP's
 CheckpointableTensor (torch >= 2.14) and the xxhash package.
 """
+import pickle
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -158,7 +159,7 @@ class _Held(NamedTuple):
     layout: object  # "object", "replicated" or (dim, stride)
     shape: Optional[tuple] = None
     dtype: Optional[str] = None
-    checksum: Optional[tuple] = None  # of replicated tensors, when saving
+    checksum: Optional[tuple] = None  # of replicated tensors and of objects (pickled), when saving
 
 
 def _held(entries: dict, with_checksums: bool) -> dict:
@@ -166,7 +167,8 @@ def _held(entries: dict, with_checksums: bool) -> dict:
     for name, entry in entries.items():
         local, spec = entry.local, entry.spec
         if spec is None:
-            held[name] = _Held("object")
+            pickled = torch.frombuffer(bytearray(pickle.dumps(local)), dtype=torch.uint8)
+            held[name] = _Held("object", checksum=_replica_checksum(pickled) if with_checksums else None)
         elif spec.sharded:
             held[name] = _Held((spec.dim, spec.stride), tuple(local.shape), str(local.dtype))
         else:
@@ -205,6 +207,11 @@ def _check_ranks_agree(held_by_rank: list, ranks: tuple, kind: str):
                 f"{sorted(reference.keys() - other.keys())}, only on {rank}: {sorted(other.keys() - reference.keys())}")
         for name, mine in reference.items():
             theirs = other[name]
+            if mine != theirs and _is_extra_state(name):
+                raise ValueError(
+                    f"{name}: {kind} ranks {first} and {rank} hold different extra states (as Transformer Engine's "
+                    "per-rank FP8 scaling state can be); a checkpoint holds one extra state per tensor-parallel "
+                    "group, so saving would keep one rank's for all")
             if mine._replace(checksum=None) != theirs._replace(checksum=None):
                 raise ShardingMetadataError(
                     f"{name}: {kind} ranks disagree on (layout, local shape, dtype): "

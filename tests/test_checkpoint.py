@@ -395,6 +395,12 @@ def _dtensor_and_save_checks(rank, world_size, root):
             save_sharded(module, f"{root}/mislabelled{i}")
         assert not os.path.exists(f"{root}/mislabelled{i}/.metadata")
 
+    # Extra states, objects or tensors, that differ between the ranks are refused, not saved from one.
+    for module in (Toy(original, world_size, rank, step=rank), SerialisedState({"amax": list(range(rank + 1))})):
+        with pytest.raises(ValueError, match="_extra_state: tensor-parallel ranks 0 and 1 hold different extra states"):
+            save_sharded(module, f"{root}/extra_state")
+        assert not os.path.exists(f"{root}/extra_state/.metadata")
+
     # Bitwise: 0.0 on one rank and -0.0 on the other compare equal but are not the same bytes.
     signed_zero = torch.zeros(4) if rank == 0 else -torch.zeros(4)
     with pytest.raises(ShardingMetadataError, match="bias: claims to be replicated"):
