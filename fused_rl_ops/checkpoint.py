@@ -44,7 +44,8 @@ from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 # Re-exported so `import fused_rl_ops.checkpoint as ck` keeps offering the sharding names.
 from .sharding import ShardingMetadataError, ShardSpec, from_dtensor, read_sharding, to_dtensor
 from .sharding import check_stride_divides, global_shape
-from .checkpoint_experts import ExpertLayout, check_expert_counts, check_grouped_glu_not_interleaved, expert_prefix
+from .checkpoint_experts import (ExpertLayout, check_expert_counts, check_grouped_glu_not_interleaved, expert_prefix,
+                                 is_extra_state)
 from .checkpoint_integrity import ChecksummedReader, ChecksummedWriter, check_data_files, read_metadata, require_xxhash
 
 __all__ = [
@@ -167,8 +168,10 @@ def _held(entries: dict, with_checksums: bool) -> dict:
     for name, entry in entries.items():
         local, spec = entry.local, entry.spec
         if spec is None:
-            pickled = torch.frombuffer(bytearray(pickle.dumps(local)), dtype=torch.uint8)
-            held[name] = _Held("object", checksum=_replica_checksum(pickled) if with_checksums else None)
+            checksum = None
+            if with_checksums:
+                checksum = _replica_checksum(torch.frombuffer(bytearray(pickle.dumps(local)), dtype=torch.uint8))
+            held[name] = _Held("object", checksum=checksum)
         elif spec.sharded:
             held[name] = _Held((spec.dim, spec.stride), tuple(local.shape), str(local.dtype))
         else:
@@ -207,7 +210,7 @@ def _check_ranks_agree(held_by_rank: list, ranks: tuple, kind: str):
                 f"{sorted(reference.keys() - other.keys())}, only on {rank}: {sorted(other.keys() - reference.keys())}")
         for name, mine in reference.items():
             theirs = other[name]
-            if mine != theirs and _is_extra_state(name):
+            if mine != theirs and is_extra_state(name):
                 raise ValueError(
                     f"{name}: {kind} ranks {first} and {rank} hold different extra states (as Transformer Engine's "
                     "per-rank FP8 scaling state can be); a checkpoint holds one extra state per tensor-parallel "
@@ -354,7 +357,7 @@ def _check_against_checkpoint(entries: dict, layout: _Layout, metadata: Metadata
             continue
         if md.properties.dtype != local.dtype:
             raise ValueError(f"{module_name}: the checkpoint holds {md.properties.dtype}, the module {local.dtype}")
-        if _is_extra_state(module_name):
+        if is_extra_state(module_name):
             continue  # a serialised state (Transformer Engine's): its length is the checkpoint's
         saved_shape = tuple(md.size)
         if spec.sharded and len(saved_shape) == local.dim() and saved_shape[spec.dim] % (spec.stride * tp.size):
@@ -367,12 +370,6 @@ def _check_against_checkpoint(entries: dict, layout: _Layout, metadata: Metadata
             raise ValueError(
                 f"{module_name}: the checkpoint holds global shape {saved_shape} (as {name}), the module expects "
                 f"{expected} (local {tuple(local.shape)} at tensor-parallel degree {tp.size})")
-
-
-def _is_extra_state(module_name: str) -> bool:
-    """Whether a state dict entry is a module's get_extra_state(): an object, or a tensor made anew
-    by each call (Transformer Engine serialises its FP8 state into a uint8 tensor)."""
-    return module_name.endswith(_EXTRA_STATE_KEY_SUFFIX)
 
 
 def _loadable_metadata(entries: dict, layout: _Layout, path: str) -> Metadata:
@@ -397,7 +394,7 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
 
     loaded = _dcp_state(entries, torch.empty_like if staged else _alias)
     for name, entry in entries.items():
-        if entry.spec is not None and _is_extra_state(entry.module_name):
+        if entry.spec is not None and is_extra_state(entry.module_name):
             # get_extra_state() made a new tensor: read into one of the stored size, then hand it over.
             stored = metadata.state_dict_metadata[name]
             loaded[name] = entry.local.new_empty(stored.size)
@@ -415,7 +412,7 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
 
     with torch.no_grad():
         for name, entry in entries.items():
-            if _is_extra_state(entry.module_name):
+            if is_extra_state(entry.module_name):
                 owner = entry.module_name[: -len(_EXTRA_STATE_KEY_SUFFIX)].rstrip(".")
                 module.get_submodule(owner).set_extra_state(loaded[name])
             elif staged:

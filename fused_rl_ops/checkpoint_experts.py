@@ -37,17 +37,18 @@ import re
 from typing import NamedTuple, Optional
 
 import torch
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
 from .sharding import ShardingMetadataError, ShardSpec
 
-__all__ = ["ExpertLayout", "check_expert_counts", "check_grouped_glu_not_interleaved", "expert_prefix"]
+__all__ = ["ExpertLayout", "check_expert_counts", "check_grouped_glu_not_interleaved", "expert_prefix",
+           "is_extra_state"]
 
 _SEQUENTIAL_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?local_experts\.)(?P<index>\d+)(?P<rest>\..+)$")
 _GROUPED_NAME = re.compile(
     r"^(?P<experts>(?:.*\.)?experts\.)(?P<linear>linear_fc[12])\.(?P<kind>weight|bias)(?P<index>\d+)$")
 _SINGLE_GROUPED_NAME = re.compile(r"^(?:.*\.)?experts\.linear_fc[12]\.(?:weight|bias)$")
-_EXTRA_STATE = "_extra_state"  # torch.nn.Module's state dict key of get_extra_state()
-_GROUPED_EXTRA_STATE = re.compile(rf"^(?:.*\.)?experts\.linear_fc[12]\.{_EXTRA_STATE}$")
+_GROUPED_EXTRA_STATE = re.compile(rf"^(?:.*\.)?experts\.linear_fc[12]\.{_EXTRA_STATE_KEY_SUFFIX}$")
 
 # The tensor-parallel layout each grouped tensor must have: its partition dim, None for replicated.
 _GROUPED_DIM = {".linear_fc1.weight": 0, ".linear_fc1.bias": 0, ".linear_fc2.weight": 1, ".linear_fc2.bias": None}
@@ -69,6 +70,12 @@ def _split(name: str) -> Optional[_ExpertName]:
         return _ExpertName(f"{match['experts']}local_experts.", int(match["index"]),
                            f".{match['linear']}.{match['kind']}", True)
     return None
+
+
+def is_extra_state(name: str) -> bool:
+    """Whether a state dict entry is a module's get_extra_state(): an object, or a tensor made anew
+    by each call (Transformer Engine serialises its FP8 state into a uint8 tensor)."""
+    return name.endswith(_EXTRA_STATE_KEY_SUFFIX)
 
 
 def expert_prefix(name: str) -> Optional[str]:
@@ -155,7 +162,7 @@ class ExpertLayout(NamedTuple):
         and a load fills only from a checkpoint that has it. A grouped module's FP8 state (one entry
         for all the rank's local experts) is refused."""
         grouped = _GROUPED_EXTRA_STATE.match(name)
-        if not grouped and not (name.endswith(f".{_EXTRA_STATE}") and _SEQUENTIAL_NAME.match(name)):
+        if not grouped and not (is_extra_state(name) and _SEQUENTIAL_NAME.match(name)):
             return False
         if value is None or (isinstance(value, torch.Tensor) and value.numel() == 0):
             return True

@@ -252,11 +252,11 @@ def chosen_logprob(
 
     check_tokens validates token ids against [0, vocab_size) (a host synchronisation on CUDA;
     False skips it: an out-of-range id then matches no row, never an out-of-bounds read, and its
-    logprob and gradients are NaN). check_group (with a tp_group of more than one rank) makes every rank raise the same
-    clear error when any rank's arguments are invalid, or when the ranks disagree on the tokens,
-    hidden size, dtype, temperature, ignore_index, vocab_size or reduce_hidden_grad, or hold vocab
-    shards that do not tile [0, total rows): one all-gather of a few integers per call and a host
-    synchronisation; False skips it (a rank with invalid arguments then raises alone while the others
+    logprob and gradients are NaN). check_group (with a tp_group of more than one rank) makes every
+    rank raise the same clear error when any rank's arguments are invalid, or when the ranks
+    disagree on the tokens, hidden size, dtype, temperature, ignore_index, vocab_size or
+    reduce_hidden_grad, or hold vocab shards that do not tile [0, total rows): one all-gather of a
+    few integers per call and a host synchronisation; False skips it (a rank with invalid arguments then raises alone while the others
     wait in the collective). main_grad ([V_local, H], float32 or weight's dtype: Megatron's
     gradient-accumulation buffer) makes the backward add the weight gradient into it, chunk by
     chunk, instead of returning one (see _main_grad_placeholder for what the weight receives).
@@ -295,13 +295,14 @@ def chosen_logprob(
     tokens1d = tokens.reshape(-1).to(torch.int64)
     tiling = tiling_for(hidden2d.shape[0], hidden_size, hidden.element_size(), workspace_bytes, hidden.device,
                         batch_invariant)
-    logprob, entropy = _ChosenLogprob.apply(hidden2d, weight, tokens1d, tokens1d == ignore_index, float(temperature),
+    ignored = tokens1d == ignore_index
+    logprob, entropy = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, float(temperature),
                                             int(vocab_start), n_valid, tiling, tp_group, bool(reduce_hidden_grad),
                                             main_grad)
     if not check_tokens:
         # An unchecked id outside [0, vocab_size) matches no row and would get a finite -lse: NaN
         # marks it instead (and, through the product, its gradients), with no host synchronisation.
-        out_of_range = (tokens1d != ignore_index) & ((tokens1d < 0) | (tokens1d >= vocab_size))
+        out_of_range = ~ignored & ((tokens1d < 0) | (tokens1d >= vocab_size))
         logprob = logprob * torch.where(out_of_range, float("nan"), 1.0)
     logprob, entropy = logprob.reshape(lead), entropy.reshape(lead)
     return (logprob, entropy) if return_entropy else logprob
