@@ -133,7 +133,7 @@ def _worker(rank, world_size, hidden, reps, root, results_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import init_device_mesh
 
-    from fused_rl_ops import checkpoint_integrity
+    from fused_rl_ops.checkpoint import integrity as checkpoint_integrity
     from fused_rl_ops.checkpoint import load_sharded, save_sharded
 
     timed_hashing = checkpoint_integrity.xxhash = _TimedHashing(checkpoint_integrity.xxhash)

@@ -34,3 +34,15 @@ else:
     settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True,
                               suppress_health_check=[HealthCheck.too_slow])
     settings.load_profile("ci")
+
+
+@pytest.fixture
+def checkpoint_dependencies():
+    """Skips a test of save_sharded / load_sharded where they cannot run: a DCP without
+    CheckpointableTensor (torch < 2.14) or no xxhash package."""
+    import torch.distributed.checkpoint as dcp
+
+    from fused_rl_ops.checkpoint import integrity
+
+    if not hasattr(dcp, "CheckpointableTensor") or integrity.xxhash is None:
+        pytest.skip("this torch's DCP has no CheckpointableTensor, or the xxhash package is missing")

@@ -1,44 +1,26 @@
-"""Expert-parallel names for save_sharded / load_sharded: local expert indices to global ones.
+"""Expert tensors under their global expert index, for save_sharded / load_sharded.
 
-An EP rank holds n experts (local indices 0..n-1) of each MoE layer, in one of two layouts:
-- megatron-core's SequentialMLP: `<p>experts.local_experts.<i>.<rest>` (one MLP per expert);
-- Transformer Engine's GroupedLinear, as megatron-core's TEGroupedMLP (and ClampedSwiGLUTEGroupedMLP)
-  hold them: `<p>experts.linear_fc1.weight<i>` / `bias<i>` and the same for `linear_fc2`.
-megatron-core's own sharded state dicts put local expert i of EP rank e at global index `e * n + i`.
-The checkpoint stores every expert tensor under that global index in SequentialMLP's spelling,
-`<p>experts.local_experts.<e * n + i>.<rest>` (a grouped `linear_fc1.weight<i>` becomes
-`local_experts.<e * n + i>.linear_fc1.weight`), so a checkpoint saved at one EP degree loads at any
-EP degree dividing the expert count, and one saved from either layout loads into the other: per
-expert, the two hold the same tensors (fc1 `[2F, H]` for a GLU / `[F, H]`, its bias, fc2 `[H, F]`,
-its bias) with the same tensor-parallel layout over the expert TP group, which is what megatron-core's
-TEGroupedMLP.sharded_state_dict relies on too ("interchangeable with SequentialMLP's").
+An EP rank holds n local experts (0..n-1) of each MoE layer, as megatron-core's SequentialMLP
+(`<p>experts.local_experts.<i>.<rest>`) or as Transformer Engine GroupedLinear modules
+(TEGroupedMLP: `<p>experts.linear_fc1.weight<i>` / `bias<i>`, the same for `linear_fc2`). The
+checkpoint stores local expert i of EP rank e as `<p>experts.local_experts.<e * n + i>.<rest>`
+(megatron-core's global numbering, SequentialMLP's spelling), so it loads at any EP degree dividing
+the expert count and into either layout: per expert both hold the same tensors with the same
+tensor-parallel layout.
 
-Sharding metadata of grouped tensors: megatron-core 0.19.2 marks them with the legacy attributes
-(fc1 weights and biases `partition_dim=0`, fc2 weights `partition_dim=1`, fc2 biases
-`tensor_model_parallel=False`), always with `partition_stride=1`. A GLU fc1 rank nevertheless holds
-`[W_r ; V_r]` (its activation splits the rows in halves), i.e. stride 2, as SequentialMLP's fc1
-says; with the stated stride 1 a checkpoint saved at expert TP 2 would load wrong fc1 rows at
-expert TP 1 without an error. So a grouped fc1 in a GLU (told by its shapes: fc1 has twice the rows
-fc2 has columns) is taken as stride 2 when it states 1 or 2, and any other claim (another dim, a
-replicated fc1 or fc2 weight, a sharded fc2 bias, a stride other than 1 or 2) is a
-ShardingMetadataError naming the parameter. With `moe_mlp_glu_interleave_size` set, a grouped fc1
-rank holds its gate and linear rows interleaved in blocks instead, which neither stride describes:
-such modules are refused (the tensors do not show it, so only when a module is given).
-
-Extra states: megatron-core's linears have an `_extra_state` entry that is None, Transformer
-Engine's hold their FP8 scaling state there (an empty uint8 tensor without FP8). Expert extra states
-that carry nothing (None, empty) are left out of a checkpoint, and a load fills them only where the
-checkpoint has them, so a checkpoint saved from either layout loads into the other. SequentialMLP
-experts' FP8 states are stored per expert; a grouped module's holds all its local experts in one
-and is refused, as is TE's single grouped weight (`moe_single_grouped_weight`: one
-`experts.linear_fc1.weight` for all local experts).
+megatron-core 0.19.2 marks grouped tensors with stride 1, yet a GLU fc1 rank holds `[W_r ; V_r]`
+(stride 2): a grouped GLU fc1 (fc1 has twice the rows fc2 has columns) is taken as stride 2, and
+any other claim than its place in the MLP gives is a ShardingMetadataError. Interleaved GLU rows
+(`moe_mlp_glu_interleave_size`), TE's single grouped weight and FP8 state of grouped experts are
+refused. Expert extra states that carry nothing (None, an empty tensor) are left out of a save and
+filled only where a checkpoint has them, so either layout loads the other's checkpoint.
 """
 import re
 from typing import NamedTuple, Optional
 
 import torch
-from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
+from ._torch_private import EXTRA_STATE_KEY_SUFFIX
 from .sharding import ShardingMetadataError, ShardSpec
 
 __all__ = ["ExpertLayout", "check_expert_counts", "check_grouped_glu_not_interleaved", "expert_prefix",
@@ -48,7 +30,7 @@ _SEQUENTIAL_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?local_experts\.)(?P<index>\
 _GROUPED_NAME = re.compile(
     r"^(?P<experts>(?:.*\.)?experts\.)(?P<linear>linear_fc[12])\.(?P<kind>weight|bias)(?P<index>\d+)$")
 _SINGLE_GROUPED_NAME = re.compile(r"^(?:.*\.)?experts\.linear_fc[12]\.(?:weight|bias)$")
-_GROUPED_EXTRA_STATE = re.compile(rf"^(?:.*\.)?experts\.linear_fc[12]\.{_EXTRA_STATE_KEY_SUFFIX}$")
+_GROUPED_EXTRA_STATE = re.compile(rf"^(?:.*\.)?experts\.linear_fc[12]\.{EXTRA_STATE_KEY_SUFFIX}$")
 
 # The tensor-parallel layout each grouped tensor must have: its partition dim, None for replicated.
 _GROUPED_DIM = {".linear_fc1.weight": 0, ".linear_fc1.bias": 0, ".linear_fc2.weight": 1, ".linear_fc2.bias": None}
@@ -75,7 +57,7 @@ def _split(name: str) -> Optional[_ExpertName]:
 def is_extra_state(name: str) -> bool:
     """Whether a state dict entry is a module's get_extra_state(): an object, or a tensor made anew
     by each call (Transformer Engine serialises its FP8 state into a uint8 tensor)."""
-    return name.endswith(_EXTRA_STATE_KEY_SUFFIX)
+    return name.endswith(EXTRA_STATE_KEY_SUFFIX)
 
 
 def expert_prefix(name: str) -> Optional[str]:

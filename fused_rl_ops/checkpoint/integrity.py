@@ -1,32 +1,11 @@
 """What makes a save_sharded checkpoint trustworthy on disk: checksums, completeness, file checks.
 
-- Checksums: every item DCP stores (a tensor chunk or a pickled object) gets the 64-bit XXH3 hash
-  of its bytes as they lie in the data file (the torch.save archive, headers included), computed
-  while DCP writes them and kept in the checkpoint's `.metadata` beside the item's file, offset and
-  length (an extra `xxh3_64` field on DCP's per-item storage info, which plain DCP readers ignore).
-  DCP reads a stored item whole even when only part of it overlaps the target (a load at another
-  TP degree), so the reader verifies every item it reads. It has a read loop of its own rather than
-  a second pass over the bytes (which cost about 15% of a page-cache load): torch.load on the meta
-  device parses an item's header and says where the tensor's bytes lie, the reader reads them in
-  pieces, hashing each while it is in cache, straight into the target when the target is the whole
-  chunk, contiguous on the CPU (else into a buffer it then copies from), and reads the few header
-  bytes a second time for the hash. That is one copy fewer than DCP's own reader (torch.load into a
-  new tensor, then a copy into the target). An item is checked before it is committed (objects
-  before they are handed on): a mismatch, also one that makes torch.load fail first, is an error
-  naming the entry and the data file. With a direct read a damaged tensor's bytes are already in
-  the target by then, as an I/O error part-way leaves earlier targets loaded; load_sharded's
-  staged=True reads into temporaries and so leaves the module unchanged. XXH3 rather than crc32c:
-  on large buffers it hashed faster than the crc32c package's hardware CRC on the CPUs we measured.
-  While it writes, the writer turns off the CRC32 torch.save computes for every zip record (which
-  torch.load never checks): one hash of the bytes instead of two, which makes a save faster than
-  plain DCP's.
-- Completeness: DCP makes a checkpoint visible by renaming `.metadata.tmp` to `.metadata` after
-  every rank has written and fsync'd its data. Overwriting a checkpoint would leave the old
-  `.metadata` beside new partial data if the save died, so the writer removes the old one before
-  any rank writes: a save that does not finish leaves no `.metadata`, which the loader refuses.
-- File checks before anything is read: every data file the metadata points into exists and has
-  exactly the length its items add up to (DCP writes a data file as its items back to back), and
-  every item carries a checksum.
+- Every item DCP stores (a tensor chunk or a pickled object) gets the XXH3-64 hash of its bytes in
+  the data file, kept in `.metadata` as an extra `xxh3_64` field of DCP's per-item storage info
+  (plain DCP readers ignore it). The reader verifies every item it reads before committing it.
+- An overwriting save removes the old `.metadata` before any rank writes; DCP writes the new one
+  last, so a save that does not finish leaves nothing that loads.
+- Before anything is read, every data file must exist with exactly the length its items add up to.
 """
 import io
 import os
@@ -34,11 +13,11 @@ from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
+
+from ._torch_private import StorageWriterTransforms, narrow_tensor_by_index, stored_data_offset
 
 try:
     import xxhash
@@ -87,7 +66,7 @@ class _HashingStream:
         self._raw.close()
 
 
-class _HashingTransforms(_StorageWriterTransforms):
+class _HashingTransforms(StorageWriterTransforms):
     """DCP's per-item stream hook (no transform extensions), hashing what passes through."""
 
     def __init__(self, checksums: dict):
@@ -101,7 +80,8 @@ class _HashingTransforms(_StorageWriterTransforms):
 
 class ChecksummedWriter(dcp.FileSystemWriter):
     """DCP's FileSystemWriter, adding each item's hash to its storage info and removing an older
-    checkpoint's .metadata before any data is written (module docstring)."""
+    checkpoint's .metadata before any data is written (module docstring). XXH3 rather than crc32c:
+    on large buffers it hashes faster than the crc32c package's hardware CRC."""
 
     def __init__(self, path: str):
         super().__init__(path, overwrite=True)
@@ -221,11 +201,18 @@ class _VerifyingView(io.RawIOBase):
 
 
 class ChecksummedReader(dcp.FileSystemReader):
-    """DCP's FileSystemReader with a read loop of its own: each stored item is hashed as it is read
-    and checked before it is committed (module docstring); a tensor chunk whose target is the
-    whole chunk, contiguous on the CPU, is read straight into the target. Given the metadata a
-    caller has already read and checked, it loads by that metadata instead of reading .metadata
-    again (which a concurrent save could have replaced in between)."""
+    """DCP's FileSystemReader with a read loop of its own, hashing each item as it reads it rather
+    than in a second pass over the bytes. torch.load on the meta device parses an item's header and
+    says where its tensor's bytes lie; those are read in pieces, each hashed while in cache,
+    straight into the target when the target is the whole chunk, contiguous on the CPU (one copy
+    fewer than DCP's reader), else into a buffer copied from. DCP reads a stored item whole even
+    when only part of it is wanted (a load at another TP degree), so every item read is verified,
+    before it is committed (objects before they are handed on); a mismatch, also one that makes
+    torch.load fail first, names the entry and the data file. A direct read has put a damaged
+    tensor's bytes into its target by then: load_sharded(staged=True) reads into temporaries.
+
+    Given the metadata a caller has already read and checked, it loads by that metadata instead of
+    reading .metadata again (which a concurrent save could have replaced in between)."""
 
     def __init__(self, path: str, metadata: Optional[Metadata] = None):
         super().__init__(path)
@@ -278,7 +265,7 @@ class ChecksummedReader(dcp.FileSystemReader):
         # and says where the tensor's bytes lie in it.
         stored = torch.load(item, map_location="meta", weights_only=True)
         storage = stored.untyped_storage()
-        data_at = getattr(storage, "_checkpoint_offset", None)
+        data_at = stored_data_offset(storage)
         if data_at is None:
             raise RuntimeError("this torch's torch.load does not say where a tensor's bytes lie (torch >= 2.14 does)")
         wanted = narrow_tensor_by_index(stored, request.storage_offsets, request.lengths)

@@ -1,0 +1,195 @@
+"""save_sharded / load_sharded: checkpoints that reshard bit for bit, through torch.distributed.checkpoint.
+
+Every entry is stored as its logical global tensor (a stride-2 GLU fc1 as `[W ; V]`, from its
+ShardSpec), expert tensors under their global expert index (experts.py), so a checkpoint loads at
+any (TP, EP, expert TP) layout whose degrees divide the sharded dims and the expert count, and plain
+`dcp.load` of a full tensor reads the real weight. Groups: `tp_group` for dense tensors (None: the
+default group), `ep_group` (None: no expert parallelism), `expert_tp_group` (None: `tp_group`).
+
+Both check first, in one collective (ranks.py); a load checks the checkpoint against the module
+(names, global shapes, dtypes, divisibility, expert counts, data files), so such errors leave the
+module untouched on every rank. Loading then reads straight into the module's tensors (parameters
+keep their storage: views into Megatron's DDP buffers stay views), verifying each item's checksum
+(integrity.py); `staged=True` reads into temporaries first, so that a checksum mismatch or an I/O
+error mid-read also leaves the module unchanged. Both are collective over the default group and
+need DCP's CheckpointableTensor (torch >= 2.14) and the xxhash package.
+"""
+from typing import Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+from ._torch_private import EXTRA_STATE_KEY_SUFFIX
+from .experts import check_expert_counts, check_grouped_glu_not_interleaved, is_extra_state
+from .integrity import ChecksummedReader, ChecksummedWriter, check_data_files, read_metadata, require_xxhash
+from .ranks import Layout, entries_agreed
+from .sharding import ShardSpec, global_shape
+
+__all__ = ["load_sharded", "save_sharded"]
+
+
+def _require_dependencies():
+    """An older DCP, without CheckpointableTensor, would take each rank's shard for the whole
+    tensor and keep one rank's: the silent failure this module exists to prevent."""
+    if not hasattr(dcp, "CheckpointableTensor"):
+        raise RuntimeError(
+            "save_sharded/load_sharded need torch.distributed.checkpoint.CheckpointableTensor "
+            f"(torch 2.14 has it); this is torch {torch.__version__}")
+    require_xxhash()
+
+
+def _as_checkpoint_chunks(tensor: torch.Tensor, spec: ShardSpec, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """Marks tensor (this rank's shard) with where its stride blocks sit in the logical global
+    tensor (DCP's CheckpointableTensor fields), so DCP stores and reads the global layout."""
+    dim, stride = spec.dim, spec.stride
+    block = tensor.shape[dim] // stride
+    shape = global_shape(tensor.shape, spec, tp_size)
+    global_block = shape[dim] // stride
+
+    def along_dim(value, base):
+        coords = list(base)
+        coords[dim] = value
+        return tuple(coords)
+
+    zeros = (0,) * tensor.dim()
+    tensor.global_shape = shape
+    tensor.global_offsets = tuple(along_dim(b * global_block + tp_rank * block, zeros) for b in range(stride))
+    tensor.local_offsets = tuple(along_dim(b * block, zeros) for b in range(stride))
+    tensor.local_sizes = tuple(along_dim(block, tensor.shape) for _ in range(stride))
+    return tensor
+
+
+def _alias(local: torch.Tensor) -> torch.Tensor:
+    """local's storage under a new tensor object, so the chunk fields DCP reads stay off the
+    parameter, and the parameter keeps its storage (Megatron's DDP holds it as a view of a buffer)."""
+    return local.detach()
+
+
+def _dcp_state(entries: dict, make_buffer) -> dict:
+    """The state dict handed to DCP: make_buffer(local) for each tensor (marked with its chunks if
+    sharded), other objects as they are."""
+    state = {}
+    for name, entry in entries.items():
+        if entry.spec is None:
+            state[name] = entry.local
+        elif entry.spec.sharded:
+            state[name] = _as_checkpoint_chunks(make_buffer(entry.local), entry.spec, entry.tp.size, entry.tp.rank)
+        else:
+            state[name] = make_buffer(entry.local)
+    return state
+
+
+def _state_of(module_or_state_dict) -> dict:
+    if isinstance(module_or_state_dict, torch.nn.Module):
+        return module_or_state_dict.state_dict(keep_vars=True)  # keep_vars: Parameters keep their attributes
+    return dict(module_or_state_dict)
+
+
+class _SavePlanner(dcp.DefaultSavePlanner):
+    """DCP clones every tensor whose storage is larger than the tensor (else torch.save would write
+    the whole storage), which would copy each stride block of a stride > 1 shard. A contiguous
+    block is handed over instead as a tensor over exactly its bytes: an alias, not a copy."""
+
+    def resolve_data(self, write_item):
+        data = super().resolve_data(write_item)
+        if isinstance(data, torch.Tensor) and data.is_contiguous() and data.untyped_storage().nbytes() != data.nbytes:
+            start = data.storage_offset() * data.element_size()
+            own_bytes = data.untyped_storage()[start:start + data.nbytes]
+            data = torch.empty(0, dtype=data.dtype, device=data.device).set_(own_bytes, 0, data.shape)
+        return data
+
+
+def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, *, tp_group=None, ep_group=None,
+                 expert_tp_group=None) -> None:
+    """Saves each entry as its logical global tensor with DCP (see the module docstring)."""
+    _require_dependencies()
+    if isinstance(module_or_state_dict, torch.nn.Module):
+        check_grouped_glu_not_interleaved(module_or_state_dict)
+    entries, _ = entries_agreed(_state_of(module_or_state_dict), (tp_group, ep_group, expert_tp_group),
+                                 with_checksums=True)
+    entries = {name: entry for name, entry in entries.items() if not entry.optional}
+    planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
+
+
+def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata, path: str):
+    """Raises where the checkpoint does not fit entries; removes the optional entries it lacks."""
+    stored = metadata.state_dict_metadata
+    check_expert_counts(stored.keys(), layout.experts, path)
+    for name in [n for n, entry in entries.items() if entry.optional and n not in stored]:
+        del entries[name]
+    missing = sorted(entries[n].module_name + ("" if n == entries[n].module_name else f" (stored as {n})")
+                     for n in entries.keys() - stored.keys())
+    unexpected = sorted(n for n in stored.keys() - entries.keys() if layout.experts.holds(n))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path!r} does not match the module: missing {missing}, unexpected {unexpected}")
+    for name, (module_name, local, spec, tp, _) in entries.items():
+        md = stored[name]
+        if (spec is None) != isinstance(md, BytesStorageMetadata):
+            kinds = ("an object", "a tensor") if spec is None else ("a tensor", "an object")
+            raise ValueError(f"{module_name}: the module holds {kinds[0]}, the checkpoint {kinds[1]} (as {name})")
+        if spec is None:
+            continue
+        if md.properties.dtype != local.dtype:
+            raise ValueError(f"{module_name}: the checkpoint holds {md.properties.dtype}, the module {local.dtype}")
+        if is_extra_state(module_name):
+            continue  # a serialised state (Transformer Engine's): its length is the checkpoint's
+        saved_shape = tuple(md.size)
+        if spec.sharded and len(saved_shape) == local.dim() and saved_shape[spec.dim] % (spec.stride * tp.size):
+            raise ValueError(
+                f"{module_name}: cannot be split across tensor-parallel degree {tp.size}: dim {spec.dim} has "
+                f"{saved_shape[spec.dim]} entries in the checkpoint, not a multiple of {tp.size} ranks x "
+                f"stride {spec.stride}")
+        expected = global_shape(local.shape, spec, tp.size)
+        if saved_shape != expected:
+            raise ValueError(
+                f"{module_name}: the checkpoint holds global shape {saved_shape} (as {name}), the module expects "
+                f"{expected} (local {tuple(local.shape)} at tensor-parallel degree {tp.size})")
+
+
+def _loadable_metadata(entries: dict, layout: Layout, path: str) -> Metadata:
+    """The checkpoint's metadata, once the checkpoint at path is found loadable into entries."""
+    metadata = read_metadata(path)
+    _check_against_checkpoint(entries, layout, metadata, path)
+    check_data_files(metadata, path)
+    return metadata
+
+
+def _failures(exc: dcp.CheckpointException) -> str:
+    return "; ".join(f"rank {rank}: {error!r}" for rank, (error, _) in sorted(exc.failures.items()))
+
+
+def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
+                 staged: bool = False) -> None:
+    """Loads a save_sharded checkpoint into module at its (TP, EP) layout, in place or staged (module docstring)."""
+    _require_dependencies()
+    check_grouped_glu_not_interleaved(module)
+    entries, metadata = entries_agreed(module.state_dict(keep_vars=True), (tp_group, ep_group, expert_tp_group),
+                                        with_checksums=False, check=lambda *mine: _loadable_metadata(*mine, path))
+
+    loaded = _dcp_state(entries, torch.empty_like if staged else _alias)
+    for name, entry in entries.items():
+        if entry.spec is not None and is_extra_state(entry.module_name):
+            # get_extra_state() made a new tensor: read into one of the stored size, then hand it over.
+            stored = metadata.state_dict_metadata[name]
+            loaded[name] = entry.local.new_empty(stored.size)
+    # No flattening: DCP would otherwise put loaded objects (extra state) into a copy of `loaded`.
+    planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    try:
+        dcp.load(loaded, storage_reader=ChecksummedReader(path, metadata), planner=planner)
+    except dcp.CheckpointException as exc:
+        if staged:
+            raise RuntimeError(
+                f"reading checkpoint {path!r} failed; the module was left unchanged: {_failures(exc)}") from exc
+        raise RuntimeError(
+            f"reading checkpoint {path!r} failed part-way; the module may be partially loaded (pass staged=True "
+            f"to read into temporaries first and leave it unchanged on such a failure): {_failures(exc)}") from exc
+
+    with torch.no_grad():
+        for name, entry in entries.items():
+            if is_extra_state(entry.module_name):
+                owner = entry.module_name[: -len(EXTRA_STATE_KEY_SUFFIX)].rstrip(".")
+                module.get_submodule(owner).set_extra_state(loaded[name])
+            elif staged:
+                entry.local.copy_(loaded[name])

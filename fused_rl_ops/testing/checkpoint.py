@@ -1,0 +1,178 @@
+"""Reference splits, bit-exact comparisons and toy modules for the checkpoint tests.
+
+Shards come from the tests' own reference split (Megatron's rule: chunks of N / (stride * tp), rank
+r takes chunks r, r + tp, ...), not from the code under test; data is random bit patterns (NaN
+payloads, -0.0 and infinities included) compared through integer views.
+"""
+import pickle
+
+import torch
+import torch.distributed as dist
+
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def random_bits(shape, dtype, seed):
+    """A tensor of dtype whose bytes are random: every bit pattern, NaN payloads and -0.0 included."""
+    generator = torch.Generator().manual_seed(seed)
+    words = torch.randint(-2**15, 2**15, (*shape, dtype.itemsize // 2), dtype=torch.int16, generator=generator)
+    return words.view(dtype).reshape(shape)
+
+
+def bits(t):
+    return t.detach().contiguous().view(_INT_OF_SIZE[t.element_size()])
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def reference_shard(full, dim, stride, tp, rank):
+    pieces = torch.split(full, full.shape[dim] // (stride * tp), dim)
+    return torch.cat(pieces[rank::tp], dim)
+
+
+def reference_unshard(shards, dim, stride):
+    """The logical tensor from all ranks' shards: block b of every rank, in rank order, for each b."""
+    blocks = [s.chunk(stride, dim) for s in shards]
+    return torch.cat([blocks[r][b] for b in range(stride) for r in range(len(shards))], dim)
+
+
+def legacy(dim, stride=1):
+    return {"tensor_model_parallel": True, "partition_dim": dim, "partition_stride": stride}
+
+
+def submodule(module, path):
+    """module's submodule at path ("a.b"), created (as plain Modules) where missing."""
+    for part in path.split("."):
+        if not hasattr(module, part):
+            module.add_module(part, torch.nn.Module())
+        module = getattr(module, part)
+    return module
+
+
+def add_parameter(module, name, tensor, attributes):
+    """Registers tensor as parameter name ("a.b.weight") of module, creating the submodules on the way."""
+    path, _, leaf = name.rpartition(".")
+    module = submodule(module, path) if path else module
+    param = torch.nn.Parameter(tensor, requires_grad=False)
+    for key, value in attributes.items():
+        setattr(param, key, value)
+    module.register_parameter(leaf, param)
+
+
+# --- a toy module covering every kind of tensor ---------------------------------------------------
+
+# name, logical shape, dtype, sharding attributes, (dim, stride) for the reference split or None
+LAYOUT = [
+    ("column.weight", (16, 6), torch.float32, legacy(0), (0, 1)),
+    ("column.bias", (16,), torch.float32, legacy(0), (0, 1)),
+    ("fc1.weight", (32, 6), torch.bfloat16, legacy(0, 2), (0, 2)),  # GLU [W ; V]
+    ("fc1.bias", (32,), torch.bfloat16, legacy(0, 2), (0, 2)),
+    ("row.weight", (6, 16), torch.float32, {"_tensor_parallel_mode": "row"}, (1, 1)),
+    ("row.bias", (6,), torch.float32, {"_tensor_parallel_mode": "replicated"}, None),
+    ("strided_row.weight", (6, 16), torch.float16, legacy(1, 2), (1, 2)),
+    ("norm.weight", (6,), torch.float32, {}, None),
+    # vocab 13 padded to 16 rows; the padded rows hold data too (megatron-core 0.16 dialect)
+    ("embedding.weight", (16, 6), torch.bfloat16, {"_mcore_tp": True, "_tp_partition_dim": 0}, (0, 1)),
+    # gated-delta-net style: only tensor_model_parallel and partition_dim
+    ("gdn.conv.weight", (8, 1, 4), torch.float32, {"tensor_model_parallel": True, "partition_dim": 0}, (0, 1)),
+]
+
+
+def logical_state(seed):
+    state = {name: random_bits(shape, dtype, seed * 1000 + i) for i, (name, shape, dtype, _, _) in enumerate(LAYOUT)}
+    state["norm.running"] = random_bits((6,), torch.float64, seed * 1000 + 999)
+    return state
+
+
+class Toy(torch.nn.Module):
+    """Parameters are this TP rank's shards of the logical tensors, annotated as in LAYOUT; a
+    replicated buffer and an extra state ride along."""
+
+    def __init__(self, logical, tp, tp_rank, step):
+        super().__init__()
+        for name, _, _, attributes, split in LAYOUT:
+            local = reference_shard(logical[name], *split, tp, tp_rank) if split else logical[name]
+            add_parameter(self, name, local.clone(), attributes)
+        self.norm.register_buffer("running", logical["norm.running"].clone())
+        self.step = step
+
+    def get_extra_state(self):
+        return {"step": self.step}
+
+    def set_extra_state(self, state):
+        self.step = state["step"]
+
+
+def tensors_of(module):
+    """module's tensors, without extra states (GroupedLinearStandIn's is a tensor)."""
+    return {k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+
+
+def assert_all_differ(module, expected):
+    wanted = tensors_of(expected)
+    for name, t in tensors_of(module).items():
+        assert not same_bits(t, wanted[name]), f"{name} already equals the expected value"
+
+
+def assert_all_same(module, expected):
+    wanted = tensors_of(expected)
+    for name, t in tensors_of(module).items():
+        assert same_bits(t, wanted[name]), f"{name} differs"
+
+
+def storage_of(module):
+    """Where each tensor's data lives: loading must write into it, not swap it."""
+    return {name: (t.untyped_storage().data_ptr(), t.storage_offset()) for name, t in tensors_of(module).items()}
+
+
+def tp_group_of_size(tp):
+    """This rank's group among consecutive groups of tp ranks (every rank creates every group)."""
+    mine = None
+    for start in range(0, dist.get_world_size(), tp):
+        group = dist.new_group(list(range(start, start + tp)))
+        if start <= dist.get_rank() < start + tp:
+            mine = group
+    return mine
+
+
+def annotated(shape, attributes, device="meta"):
+    t = torch.empty(shape, device=device)
+    for key, value in attributes.items():
+        setattr(t, key, value)
+    return t
+
+
+def stored_items(path):
+    """(data file, first byte, end, entry name) of every item in a checkpoint, read from DCP's own
+    .metadata (DCP's per-item storage info)."""
+    with open(f"{path}/.metadata", "rb") as f:
+        metadata = pickle.load(f)
+    return sorted((info.relative_path, info.offset, info.offset + info.length, index.fqn)
+                  for index, info in metadata.storage_data.items())
+
+
+def flip_bits(path, position, mask):
+    """XORs the byte at position of the file at path with mask."""
+    with open(path, "r+b") as f:
+        f.seek(position)
+        byte = f.read(1)[0]
+        f.seek(position)
+        f.write(bytes([byte ^ mask]))
+
+
+class SerialisedState(torch.nn.Module):
+    """A module whose extra state is a uint8 tensor made anew by each get_extra_state() call, of a
+    length that follows the state (as Transformer Engine serialises its FP8 state)."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(3))
+        self.state = state
+
+    def get_extra_state(self):
+        return torch.frombuffer(bytearray(pickle.dumps(self.state)), dtype=torch.uint8)
+
+    def set_extra_state(self, tensor):
+        self.state = pickle.loads(tensor.numpy().tobytes())

@@ -1,0 +1,190 @@
+"""save_sharded / load_sharded round trips across tensor-parallel degrees, into toy modules and a tiny GPTModel.
+
+Multi-process checks run in real processes on gloo (fused_rl_ops.testing.distributed); each spawned
+run groups several checks because starting processes dominates the time.
+"""
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from fused_rl_ops.checkpoint import ShardingMetadataError, load_sharded, save_sharded
+from fused_rl_ops.testing.checkpoint import (LAYOUT, SerialisedState, Toy, annotated, assert_all_differ,
+                                             assert_all_same, legacy, logical_state, random_bits, reference_shard,
+                                             reference_unshard, same_bits, storage_of, tp_group_of_size)
+from fused_rl_ops.testing.distributed import run_distributed
+
+pytestmark = pytest.mark.usefixtures("checkpoint_dependencies")
+
+
+def views_into_one_buffer(module):
+    """Makes every parameter a view into one flat byte buffer (Megatron DDP style; attributes stay on
+    the Parameter objects), followed by random padding. Returns the buffer and the padding."""
+    params = list(module.parameters())
+    sizes = [p.numel() * p.element_size() for p in params]
+    padding = random_bits((64,), torch.int16, seed=3).view(torch.uint8)
+    flat = torch.empty(sum(sizes) + padding.numel(), dtype=torch.uint8)
+    offset = 0
+    for param, size in zip(params, sizes):
+        view = flat[offset:offset + size].view(param.dtype).view(param.shape)
+        view.copy_(param.data)
+        param.data = view
+        offset += size
+    flat[offset:].copy_(padding)
+    return flat, padding
+
+
+# --- round trips across TP degrees (4 processes, with the GPTModel check) ------------------------
+
+def _round_trips(rank, world_size, root):
+    groups = {tp: tp_group_of_size(tp) for tp in (1, 2, 4)}
+    original = logical_state(seed=1)
+    for tp, group in groups.items():
+        save_sharded(Toy(original, tp, dist.get_rank(group), step=7), f"{root}/tp{tp}", tp_group=group)
+
+    for save_tp in groups:
+        for load_tp, group in groups.items():
+            if load_tp == save_tp:
+                continue
+            for staged in (False, True):
+                target = Toy(logical_state(seed=2), load_tp, dist.get_rank(group), step=0)
+                expected = Toy(original, load_tp, dist.get_rank(group), step=7)
+                storage = storage_of(target)
+                assert_all_differ(target, expected)
+                load_sharded(target, f"{root}/tp{save_tp}", tp_group=group, staged=staged)
+                assert_all_same(target, expected)
+                assert storage_of(target) == storage, (save_tp, load_tp, staged)
+                assert target.step == 7, (save_tp, load_tp, staged)
+
+    # Parameters as views into one flat buffer, as Megatron's DDP keeps them: the default load
+    # writes through the views (stride-2 blocks included) and leaves the rest of the buffer alone.
+    group = groups[2]
+    target = Toy(logical_state(seed=2), 2, dist.get_rank(group), step=0)
+    flat, padding = views_into_one_buffer(target)
+    load_sharded(target, f"{root}/tp4", tp_group=group)
+    expected = Toy(original, 2, dist.get_rank(group), step=7)
+    assert_all_same(target, expected)
+    assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in target.parameters())
+    assert torch.equal(flat[-padding.numel():], padding)
+
+    # A disagreement inside one TP group (ranks 2 and 3) is raised on the other group's ranks too,
+    # instead of leaving them waiting in DCP for ranks that never come.
+    square = annotated((4, 4), legacy(1 if dist.get_rank() == 3 else 0), device="cpu")
+    with pytest.raises(ShardingMetadataError, match=r"w: tensor-parallel ranks disagree .* rank 2 has .* rank 3 has"):
+        save_sharded({"w": square}, f"{root}/one_group_disagrees", tp_group=groups[2])
+
+    # The checkpoint holds logical tensors: plain DCP reads [W ; V], not the rank shards in a row.
+    for tp in groups:
+        full = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype, _, _ in LAYOUT}
+        dcp.load(full, checkpoint_id=f"{root}/tp{tp}")
+        for name, t in full.items():
+            assert same_bits(t, original[name]), (tp, name)
+
+
+# --- a real tiny megatron-core GPTModel (4 processes, spawned with the round trips) --------------
+
+def _partition(param):
+    """(dim, stride) from Megatron's own legacy attributes, or None when replicated."""
+    if getattr(param, "tensor_model_parallel", False):
+        return param.partition_dim, getattr(param, "partition_stride", 1)
+    return None
+
+
+def _perturb(model, tp_rank, seed):
+    """Random values everywhere (Megatron initialises norms and biases to constants): the same on
+    every TP rank for replicated tensors, rank-dependent for shards."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            rank_part = tp_rank if _partition(param) else 0
+            generator = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1000 * seed + rank_part)
+            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+
+
+def _gathered_logical(model, group):
+    """The logical tensors of a TP-sharded model, assembled by the test's reference rule."""
+    logical = {}
+    for name, param in model.named_parameters():
+        split = _partition(param)
+        if split is None:
+            logical[name] = param.detach().clone()
+            continue
+        shards = [torch.empty_like(param) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, param.detach().contiguous(), group=group)
+        logical[name] = reference_unshard(shards, *split)
+    return logical
+
+
+def _tiny_gpt(rank, world_size, root):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+    from fused_rl_ops.testing.megatron_cpu import build_tiny_gpt, full_vocab_logits, set_parallel_degrees
+
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    set_parallel_degrees(2)
+    original = build_tiny_gpt(seed=1)
+    _perturb(original, ps.get_tensor_model_parallel_rank(), seed=1)
+    with torch.no_grad():
+        logits_tp2 = full_vocab_logits(original, tokens)
+    save_sharded(original, root, tp_group=ps.get_tensor_model_parallel_group())
+    logical = _gathered_logical(original, ps.get_tensor_model_parallel_group())
+
+    set_parallel_degrees(1)
+    reference = build_tiny_gpt(seed=2)  # the original weights at TP=1, copied in directly
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            param.copy_(logical[name])
+        logits_reference = full_vocab_logits(reference, tokens)
+    loaded = build_tiny_gpt(seed=2)
+    _perturb(loaded, 0, seed=2)
+    assert all(not same_bits(p, logical[n]) for n, p in loaded.named_parameters())
+    load_sharded(loaded, root, tp_group=ps.get_tensor_model_parallel_group())
+    assert all(same_bits(p, logical[n]) for n, p in loaded.named_parameters())
+    with torch.no_grad():
+        logits_tp1 = full_vocab_logits(loaded, tokens)
+    assert same_bits(logits_tp1, logits_reference)
+    torch.testing.assert_close(logits_tp1, logits_tp2, rtol=1e-5, atol=1e-5)
+
+    set_parallel_degrees(4)
+    loaded = build_tiny_gpt(seed=2)
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    _perturb(loaded, tp_rank, seed=2)
+    expected = {n: reference_shard(logical[n], *_partition(p), 4, tp_rank) if _partition(p) else logical[n]
+                for n, p in loaded.named_parameters()}
+    assert all(not same_bits(p, expected[n]) for n, p in loaded.named_parameters())
+    load_sharded(loaded, root, tp_group=ps.get_tensor_model_parallel_group())
+    assert all(same_bits(p, expected[n]) for n, p in loaded.named_parameters())
+    with torch.no_grad():
+        logits_tp4 = full_vocab_logits(loaded, tokens)
+    torch.testing.assert_close(logits_tp4, logits_reference, rtol=1e-5, atol=1e-5)
+
+
+def _four_rank_checks(rank, world_size, root):
+    _round_trips(rank, world_size, f"{root}/toy")
+    _tiny_gpt(rank, world_size, f"{root}/gpt")
+
+
+def test_round_trips_across_tp_degrees_and_tiny_gpt(tmp_path):
+    """Toy modules saved at TP 1, 2 and 4 load bit for bit at the other degrees; a tiny GPTModel
+    saved at TP=2 loads at TP=1 (logits to the bit) and TP=4 (parameters to the bit, logits within
+    fp32 reduction-order tolerance). One spawned run: starting processes is most of the time."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    run_distributed(_four_rank_checks, 4, str(tmp_path))
+
+
+# --- extra states -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_tensor_extra_state_reaches_the_module(tmp_path, staged):
+    """A tensor extra state is handed to set_extra_state, whatever its length in the module before
+    (the load used to read it into the temporary get_extra_state() made, or refuse another length)."""
+    saved = SerialisedState({"amax": [1.5, -2.0], "step": 7})
+    save_sharded(saved, str(tmp_path / "ckpt"))
+    for before in ({"amax": [0.0, 0.0], "step": 1}, {}, {"amax": list(range(50))}):
+        target = SerialisedState(before)
+        load_sharded(target, str(tmp_path / "ckpt"), staged=staged)
+        assert target.state == saved.state
