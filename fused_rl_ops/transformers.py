@@ -14,19 +14,21 @@ from .chosen_logprob import chosen_logprob
 
 IGNORE_INDEX = -100
 
-# Model types whose CausalLM forward (transformers 5.23) computes
+# The CausalLM classes whose forward (transformers 5.23) computes
 # logits = lm_head(base_model(...).last_hidden_state) and then at most the step named here:
 #   None: nothing; "softcap": cap * tanh(z / cap), cap = config.final_logit_softcapping (None: no cap);
 #   "logit_scale": z * model.logit_scale (Cohere); "logits_scaling": z / config.logits_scaling (Granite).
-# tests/test_transformers.py checks every entry against the model's own logits. Other model types
-# are refused: their forward may change the logits in ways this function would not reproduce.
+# tests/test_transformers.py checks every entry against the model's own logits. Any other forward
+# (another class, a subclass overriding it, remote code) is refused: it may change the logits in
+# ways this function would not reproduce.
 LOGITS_AFTER_HEAD = {
-    "llama": None, "mistral": None, "mixtral": None, "ministral": None, "qwen2": None, "qwen2_moe": None,
-    "qwen3": None, "qwen3_moe": None, "phi3": None, "olmo2": None, "olmo3": None, "smollm3": None,
-    "glm4": None, "starcoder2": None, "deepseek_v3": None, "gemma": None,
-    "gemma2": "softcap", "gemma3_text": "softcap",
-    "cohere": "logit_scale", "cohere2": "logit_scale",
-    "granite": "logits_scaling", "granitemoe": "logits_scaling",
+    "LlamaForCausalLM": None, "MistralForCausalLM": None, "MixtralForCausalLM": None, "MinistralForCausalLM": None,
+    "Qwen2ForCausalLM": None, "Qwen2MoeForCausalLM": None, "Qwen3ForCausalLM": None, "Qwen3MoeForCausalLM": None,
+    "Phi3ForCausalLM": None, "Olmo2ForCausalLM": None, "Olmo3ForCausalLM": None, "SmolLM3ForCausalLM": None,
+    "Glm4ForCausalLM": None, "Starcoder2ForCausalLM": None, "DeepseekV3ForCausalLM": None, "GemmaForCausalLM": None,
+    "Gemma2ForCausalLM": "softcap", "Gemma3ForCausalLM": "softcap",
+    "CohereForCausalLM": "logit_scale", "Cohere2ForCausalLM": "logit_scale",
+    "GraniteForCausalLM": "logits_scaling", "GraniteMoeForCausalLM": "logits_scaling",
 }
 
 
@@ -37,16 +39,13 @@ def _positive_finite(value) -> bool:
 def _check_model(model):
     """The model's decoder (its base model) and LM head, or a clear error for a model whose logits
     this function cannot reproduce."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    forward_module = getattr(type(model).forward, "__module__", "")
-    if model_type not in LOGITS_AFTER_HEAD or not forward_module.startswith("transformers.models."):
-        raise ValueError(f"causal_lm_logprobs: model must be a transformers CausalLM of a verified type "
-                         f"({', '.join(sorted(LOGITS_AFTER_HEAD))}) with transformers' own forward; got "
-                         f"{type(model).__name__} (model_type {model_type!r}, forward from {forward_module!r})")
-    decoder, head = model.base_model, model.get_output_embeddings()
-    if decoder is model or head is None:
-        raise ValueError(f"causal_lm_logprobs: {type(model).__name__} has no separate base model and LM head")
+    forward = type(model).forward
+    verified_class = forward.__qualname__.partition(".")[0]
+    if verified_class not in LOGITS_AFTER_HEAD or not forward.__module__.startswith("transformers.models."):
+        raise ValueError(f"causal_lm_logprobs: model must be a transformers CausalLM with the forward of a verified "
+                         f"class ({', '.join(sorted(LOGITS_AFTER_HEAD))}); got {type(model).__name__}, whose forward "
+                         f"is {forward.__module__}.{forward.__qualname__}")
+    config, decoder, head = model.config, model.base_model, model.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head.bias is not None:
         raise ValueError(f"causal_lm_logprobs: the LM head must be a plain torch.nn.Linear without bias, got "
                          f"{type(head).__name__}{' with a bias' if getattr(head, 'bias', None) is not None else ''}")
@@ -56,13 +55,12 @@ def _check_model(model):
     if head.weight.shape[0] != config.vocab_size:
         raise ValueError(f"causal_lm_logprobs: the LM head has {head.weight.shape[0]} rows but config.vocab_size "
                          f"is {config.vocab_size}")
-    return decoder, head
+    return decoder, head, LOGITS_AFTER_HEAD[verified_class]
 
 
-def _logit_transform(model) -> tuple[float, Optional[float]]:
-    """(scale, softcap): the model's logits are cap(scale * h @ w.T), cap(z) = softcap * tanh(z / softcap)
-    (no cap when softcap is None)."""
-    step = LOGITS_AFTER_HEAD[model.config.model_type]
+def _logit_transform(model, step) -> tuple[float, Optional[float]]:
+    """(scale, softcap) for the model's step after the head (a LOGITS_AFTER_HEAD value): its logits
+    are cap(scale * h @ w.T), cap(z) = softcap * tanh(z / softcap) (no cap when softcap is None)."""
     if step is None:
         return 1.0, None
     name, value = {"softcap": ("config.final_logit_softcapping", getattr(model.config, "final_logit_softcapping", None)),
@@ -85,7 +83,7 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
                        **forward_kwargs):
     """log softmax(logits[:, t] / temperature)[labels[:, t + 1]] for t < seq - 1, without the logits.
 
-    model is a transformers CausalLM of a type in LOGITS_AFTER_HEAD. Runs its base model (the
+    model is a transformers CausalLM of a class in LOGITS_AFTER_HEAD. Runs its base model (the
     decoder, final norm included) on input_ids [batch, seq] with attention_mask and
     forward_kwargs (use_cache defaults to False), then fused_rl_ops.chosen_logprob on the last hidden
     states and the LM head's weight (tied to the embedding or not), with the model's own step after
@@ -98,7 +96,7 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
     the logits depend on. A MoE model's router auxiliary loss, part of its CausalLM loss, is not
     included.
     """
-    decoder, head = _check_model(model)
+    decoder, head, step = _check_model(model)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"causal_lm_logprobs: input_ids must be a [batch, seq] tensor with seq >= 2, got {got}")
@@ -109,7 +107,7 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
                          f"(unshifted), got {got}")
     if not _positive_finite(temperature):
         raise ValueError(f"causal_lm_logprobs: temperature must be a positive finite number, got {temperature!r}")
-    scale, softcap = _logit_transform(model)
+    scale, softcap = _logit_transform(model, step)
     capped = {} if softcap is None else {"softcap": softcap}
 
     forward_kwargs.setdefault("use_cache", False)

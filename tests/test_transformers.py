@@ -7,10 +7,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 pytest.importorskip("transformers", reason="transformers is not installed (the GPU machine has none)")
-from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM,  # noqa: E402
-                          LlamaConfig, LlamaForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+import transformers  # noqa: E402
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig,  # noqa: E402
+                          LlamaForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 import fused_rl_ops.transformers as fused_hf  # noqa: E402
+from fused_rl_ops.testing.distributed import run_distributed  # noqa: E402
 from fused_rl_ops.transformers import LOGITS_AFTER_HEAD, causal_lm_logprobs  # noqa: E402
 
 VOCAB = 97
@@ -18,24 +20,28 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atten
             head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MOE = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
            shared_expert_intermediate_size=16)
-# What a model type's config needs beyond TINY to be tiny, or to make its step after the head
-# change the logits (Cohere's default logit_scale 0.0625 already does).
+# What a class's config needs beyond TINY to be tiny, or to make its step after the head change
+# the logits (Cohere's default logit_scale 0.0625 already does).
 EXTRA = {
-    "mixtral": MOE, "qwen2_moe": MOE, "qwen3_moe": MOE,
-    "granite": dict(logits_scaling=4.0), "granitemoe": dict(MOE, logits_scaling=4.0),
-    "deepseek_v3": dict(num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
-                        num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-                        qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "MixtralForCausalLM": MOE, "Qwen2MoeForCausalLM": MOE, "Qwen3MoeForCausalLM": MOE,
+    "GraniteForCausalLM": dict(logits_scaling=4.0), "GraniteMoeForCausalLM": dict(MOE, logits_scaling=4.0),
+    "DeepseekV3ForCausalLM": dict(num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4,
+                                  n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16,
+                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
+                                  n_group=1, topk_group=1),
     # Softcapped logits have their own test (test_gemma2_softcap).
-    "gemma2": dict(final_logit_softcapping=None), "gemma3_text": dict(final_logit_softcapping=None),
+    "Gemma2ForCausalLM": dict(final_logit_softcapping=None), "Gemma3ForCausalLM": dict(final_logit_softcapping=None),
 }
 TIGHT = dict(atol=1e-10, rtol=1e-10)  # float64 model, fused path against the model's own logits
 
 
-def tiny_model(model_type, dtype=torch.float64, **overrides):
-    config = AutoConfig.for_model(model_type, **{**TINY, **EXTRA.get(model_type, {}), **overrides})
+def tiny_model(class_name, dtype=torch.float64, **overrides):
+    config_class = getattr(transformers, class_name).config_class
+    config = config_class(**{**TINY, **EXTRA.get(class_name, {}), **overrides})
     # "eager" experts: the grouped-GEMM path has no float64.
-    return AutoModelForCausalLM.from_config(config, experts_implementation="eager").to(dtype).eval()
+    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager").to(dtype).eval()
+    assert type(model).__name__ == class_name
+    return model
 
 
 def rl_batch(batch=3, seq=9, left_padding=True):
@@ -99,11 +105,11 @@ def check_against_model(model, temperature=0.7, tolerance=TIGHT, reference_model
     return got
 
 
-@pytest.mark.parametrize("model_type", sorted(LOGITS_AFTER_HEAD))
-def test_every_verified_model_type_matches_its_logits(model_type):
-    model = tiny_model(model_type)
+@pytest.mark.parametrize("class_name", sorted(LOGITS_AFTER_HEAD))
+def test_every_verified_class_matches_its_logits(class_name):
+    model = tiny_model(class_name)
     # Gemma 2's eager attention (its only one) makes a left-padded row NaN in float64 (not in float32).
-    logprob, entropy, grads = check_against_model(model, left_padding=model_type != "gemma2")
+    logprob, entropy, grads = check_against_model(model, left_padding=class_name != "Gemma2ForCausalLM")
     assert torch.isfinite(logprob).all() and torch.isfinite(entropy).all()
     # The decoder's parameters and the head all receive gradients from the logprobs.
     assert grads[next(n for n, _ in model.named_parameters() if "layers.0." in n)] is not None
@@ -142,7 +148,7 @@ def test_softcap_refused_while_chosen_logprob_lacks_it(monkeypatch):
                                        vocab_size=None, return_entropy=False):
         raise AssertionError("must not be called")
     monkeypatch.setattr(fused_hf, "chosen_logprob", chosen_logprob_without_softcap)
-    model = tiny_model("gemma2", final_logit_softcapping=30.0)
+    model = tiny_model("Gemma2ForCausalLM", final_logit_softcapping=30.0)
     with pytest.raises(NotImplementedError, match=r"caps its logits \(config.final_logit_softcapping = 30.0\)"):
         causal_lm_logprobs(model, rl_batch()[0])
     # Without a cap it runs through (the stand-in is called).
@@ -154,7 +160,7 @@ def test_softcap_refused_while_chosen_logprob_lacks_it(monkeypatch):
 def test_defaults_and_no_grad():
     """labels default to input_ids, temperature to 1, one tensor unless return_entropy; under
     torch.no_grad the values are the same and carry no graph."""
-    model = tiny_model("llama")
+    model = tiny_model("LlamaForCausalLM")
     input_ids = rl_batch()[0]
     expected = reference(model, input_ids, input_ids, 1.0)[0]
     logprob = causal_lm_logprobs(model, input_ids)
@@ -179,9 +185,9 @@ class OpOutputShapes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_lm_head_never_runs_and_no_vocab_sized_tensor(model_type):
-    model = tiny_model(model_type, tie_word_embeddings=model_type == "qwen2")
+@pytest.mark.parametrize("class_name, tied", [("LlamaForCausalLM", False), ("Qwen2ForCausalLM", True)])
+def test_lm_head_never_runs_and_no_vocab_sized_tensor(class_name, tied):
+    model = tiny_model(class_name, tie_word_embeddings=tied)
     calls = []
     model.lm_head.register_forward_pre_hook(lambda module, args: calls.append("pre"))
     model.lm_head.register_forward_hook(lambda module, args, out: calls.append("forward"))
@@ -218,7 +224,7 @@ def test_grpo_training_steps_match_the_model_logits_path():
     models = {}
     for path in ("fused", "logits"):
         torch.manual_seed(1)
-        model = tiny_model("qwen2", tie_word_embeddings=True)
+        model = tiny_model("Qwen2ForCausalLM", tie_word_embeddings=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         with torch.no_grad():
             old_logprob = causal_lm_logprobs(model, input_ids, attention_mask=attention_mask, labels=labels)
@@ -233,7 +239,7 @@ def test_grpo_training_steps_match_the_model_logits_path():
             optimizer.step()
         models[path] = model
     fused, logits = models["fused"].state_dict(), models["logits"].state_dict()
-    start = tiny_model("qwen2", tie_word_embeddings=True).state_dict()
+    start = tiny_model("Qwen2ForCausalLM", tie_word_embeddings=True).state_dict()
     for name, value in logits.items():
         assert_close(fused[name], value, atol=1e-9, rtol=1e-9, msg=lambda m: f"{name}: {m}")
     assert any(not torch.equal(value, start[name]) for name, value in logits.items())
@@ -247,7 +253,7 @@ class LlamaWithOwnForward(LlamaForCausalLM):
 
 
 def llama_with_biased_head():
-    model = tiny_model("llama")
+    model = tiny_model("LlamaForCausalLM")
     model.lm_head = torch.nn.Linear(TINY["hidden_size"], VOCAB, bias=True, dtype=torch.float64)
     return model
 
@@ -258,20 +264,21 @@ class ScaledLinear(torch.nn.Linear):
 
 
 def llama_with_head(head_type=torch.nn.Linear, rows=VOCAB):
-    model = tiny_model("llama")
+    model = tiny_model("LlamaForCausalLM")
     model.lm_head = head_type(TINY["hidden_size"], rows, bias=False, dtype=torch.float64)
     return model
 
 
 @pytest.mark.parametrize("build, match", [
-    (lambda: PhiForCausalLM(PhiConfig(**TINY)), r"verified type .*got PhiForCausalLM \(model_type 'phi'"),
-    (lambda: LlamaWithOwnForward(LlamaConfig(**TINY)), r"LlamaWithOwnForward \(model_type 'llama', forward from '(tests\.)?test_transformers'\)"),
-    (lambda: tiny_model("llama").model, r"LlamaModel has no separate base model and LM head"),
+    (lambda: PhiForCausalLM(PhiConfig(**TINY)),
+     r"verified class .*got PhiForCausalLM, whose forward is transformers.models.phi.modeling_phi.PhiForCausalLM"),
+    (lambda: LlamaWithOwnForward(LlamaConfig(**TINY)), r"forward is (tests\.)?test_transformers.LlamaWithOwnForward"),
+    (lambda: tiny_model("LlamaForCausalLM").model, r"got LlamaModel, whose forward is .*LlamaModel.forward"),
     (llama_with_biased_head, r"LM head must be a plain torch.nn.Linear without bias, got Linear with a bias"),
     (lambda: llama_with_head(ScaledLinear), r"LM head must be a plain torch.nn.Linear without bias, got ScaledLinear"),
     (lambda: llama_with_head(rows=VOCAB + 3), r"LM head has 100 rows but config.vocab_size is 97"),
-    (lambda: tiny_model("cohere", logit_scale=-0.5), r"model.logit_scale must be a positive finite number, got -0.5"),
-    (lambda: tiny_model("granite", logits_scaling=0.0), r"config.logits_scaling must be a positive finite"),
+    (lambda: tiny_model("CohereForCausalLM", logit_scale=-0.5), r"model.logit_scale must be a positive finite number, got -0.5"),
+    (lambda: tiny_model("GraniteForCausalLM", logits_scaling=0.0), r"config.logits_scaling must be a positive finite"),
 ], ids=["unverified_type", "own_forward", "base_model", "head_bias", "head_subclass", "head_rows", "logit_scale",
         "logits_scaling"])
 def test_refuses_models_whose_logits_it_cannot_reproduce(build, match):
@@ -292,9 +299,25 @@ def test_refuses_models_whose_logits_it_cannot_reproduce(build, match):
     (dict(labels=torch.full((3, 9), VOCAB)), r"token ids must lie in \[0, 97\)"),
 ])
 def test_refuses_bad_arguments(kwargs, match):
-    model = tiny_model("llama")
+    model = tiny_model("LlamaForCausalLM")
     kwargs = dict(kwargs)
     input_ids = kwargs.pop("input_ids", rl_batch()[0])
     with pytest.raises(ValueError, match=match):
         causal_lm_logprobs(model, input_ids, **kwargs)
 
+
+
+def fsdp2_refusal_checks(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY))
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    with pytest.raises(ValueError, match=r"LM head's weight is a DTensor \(sharded by FSDP2"):
+        causal_lm_logprobs(model, rl_batch()[0])
+
+
+def test_refuses_an_fsdp2_sharded_head():
+    """Under FSDP2 the head's weight stays sharded outside the model's own forward: a clear error."""
+    run_distributed(fsdp2_refusal_checks, 2)
