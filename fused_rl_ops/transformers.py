@@ -30,6 +30,9 @@ LOGITS_AFTER_HEAD = {
     "CohereForCausalLM": "logit_scale", "Cohere2ForCausalLM": "logit_scale",
     "GraniteForCausalLM": "logits_scaling", "GraniteMoeForCausalLM": "logits_scaling",
 }
+# Where each step reads its constant: the forward's own expression (config.x or model.x).
+_STEP_CONSTANT = {"softcap": ("config", "final_logit_softcapping"), "logit_scale": ("model", "logit_scale"),
+                  "logits_scaling": ("config", "logits_scaling")}
 
 
 def _positive_finite(value) -> bool:
@@ -63,9 +66,8 @@ def _logit_transform(model, step) -> tuple[float, Optional[float]]:
     are cap(scale * h @ w.T), cap(z) = softcap * tanh(z / softcap) (no cap when softcap is None)."""
     if step is None:
         return 1.0, None
-    name, value = {"softcap": ("config.final_logit_softcapping", getattr(model.config, "final_logit_softcapping", None)),
-                   "logit_scale": ("model.logit_scale", getattr(model, "logit_scale", None)),
-                   "logits_scaling": ("config.logits_scaling", getattr(model.config, "logits_scaling", None))}[step]
+    owner, attribute = _STEP_CONSTANT[step]
+    name, value = f"{owner}.{attribute}", getattr(model.config if owner == "config" else model, attribute, None)
     if step == "softcap" and value is None:
         return 1.0, None
     if not _positive_finite(value):
