@@ -130,6 +130,37 @@ def test_float32_model_against_float64_logits(build):
     assert logprob.dtype == torch.float32 and entropy.dtype == torch.float32
 
 
+def test_bfloat16_model_at_least_as_close_as_its_own_logits():
+    """A bfloat16 model: float32 logprobs and entropy, against the float64 model no further off than
+    the bfloat16 model's own logits are (both share the bfloat16 decoder's rounding)."""
+    exact = tiny_model("LlamaForCausalLM")
+    model = tiny_model("LlamaForCausalLM", dtype=torch.bfloat16)
+    model.load_state_dict(exact.state_dict())
+    input_ids, attention_mask, _, labels = rl_batch()
+    expected = reference(exact, input_ids, labels, 0.8, attention_mask=attention_mask)
+    own = reference(model, input_ids, labels, 0.8, attention_mask=attention_mask)
+    got = causal_lm_logprobs(model, input_ids, attention_mask=attention_mask, labels=labels, temperature=0.8,
+                             return_entropy=True)
+    for fused, from_logits, exact_value in zip(got, own, expected):
+        assert fused.dtype == torch.float32
+        assert (fused.double() - exact_value).abs().max() <= (from_logits - exact_value).abs().max()
+
+
+@pytest.mark.parametrize("poisoned", ["model.embed_tokens.weight", "lm_head.weight"])
+def test_nan_weights_give_what_the_model_logits_give(poisoned):
+    """A NaN in an embedding row (one sequence's tokens after it) or in one head row (every token)
+    gives NaN exactly where the model's own logits do; -100 positions stay 0 as there."""
+    model = tiny_model("LlamaForCausalLM")
+    input_ids, attention_mask, _, labels = rl_batch()
+    with torch.no_grad():
+        model.get_parameter(poisoned)[int(input_ids[0, 4])] = float("nan")
+        expected = reference(model, input_ids, labels, 1.0, attention_mask=attention_mask)
+        got = causal_lm_logprobs(model, input_ids, attention_mask=attention_mask, labels=labels, return_entropy=True)
+    assert expected[0].isnan().any() and not expected[0].isnan().all()
+    for fused, from_logits in zip(got, expected):
+        assert_close(fused, from_logits, **TIGHT, equal_nan=True)
+
+
 @pytest.mark.xfail(strict=True, raises=NotImplementedError, reason="needs chosen_logprob softcap")
 def test_gemma2_softcap():
     config = Gemma2Config(final_logit_softcapping=30.0, tie_word_embeddings=False, **TINY)
