@@ -1,0 +1,121 @@
+"""Per-token logprobs of a Hugging Face causal LM without its [batch, seq, vocab] logits.
+
+Needs the optional extra: pip install "fused_rl_ops[transformers]".
+"""
+import inspect
+import math
+from numbers import Real
+from typing import Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .chosen_logprob import chosen_logprob
+
+IGNORE_INDEX = -100
+
+# The CausalLM classes whose forward (transformers 5.23) computes
+# logits = lm_head(base_model(...).last_hidden_state) and then at most the step named here:
+#   None: nothing; "softcap": cap * tanh(z / cap), cap = config.final_logit_softcapping (None: no cap);
+#   "logit_scale": z * model.logit_scale (Cohere); "logits_scaling": z / config.logits_scaling (Granite).
+# tests/test_transformers.py checks every entry against the model's own logits. Any other forward
+# (another class, a subclass overriding it, remote code) is refused: it may change the logits in
+# ways this function would not reproduce.
+LOGITS_AFTER_HEAD = {
+    "LlamaForCausalLM": None, "MistralForCausalLM": None, "MixtralForCausalLM": None, "MinistralForCausalLM": None,
+    "Qwen2ForCausalLM": None, "Qwen2MoeForCausalLM": None, "Qwen3ForCausalLM": None, "Qwen3MoeForCausalLM": None,
+    "Phi3ForCausalLM": None, "Olmo2ForCausalLM": None, "Olmo3ForCausalLM": None, "SmolLM3ForCausalLM": None,
+    "Glm4ForCausalLM": None, "Starcoder2ForCausalLM": None, "DeepseekV3ForCausalLM": None, "GemmaForCausalLM": None,
+    "Gemma2ForCausalLM": "softcap", "Gemma3ForCausalLM": "softcap",
+    "CohereForCausalLM": "logit_scale", "Cohere2ForCausalLM": "logit_scale",
+    "GraniteForCausalLM": "logits_scaling", "GraniteMoeForCausalLM": "logits_scaling",
+}
+# Where each step reads its constant: the forward's own expression (config.x or model.x).
+_STEP_CONSTANT = {"softcap": ("config", "final_logit_softcapping"), "logit_scale": ("model", "logit_scale"),
+                  "logits_scaling": ("config", "logits_scaling")}
+
+
+def _positive_finite(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+def _check_model(model):
+    """The model's decoder (its base model) and LM head, or a clear error for a model whose logits
+    this function cannot reproduce."""
+    forward = type(model).forward
+    verified_class = forward.__qualname__.partition(".")[0]
+    if verified_class not in LOGITS_AFTER_HEAD or not forward.__module__.startswith("transformers.models."):
+        raise ValueError(f"causal_lm_logprobs: model must be a transformers CausalLM with the forward of a verified "
+                         f"class ({', '.join(sorted(LOGITS_AFTER_HEAD))}); got {type(model).__name__}, whose forward "
+                         f"is {forward.__module__}.{forward.__qualname__}")
+    config, decoder, head = model.config, model.base_model, model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        raise ValueError(f"causal_lm_logprobs: the LM head must be a plain torch.nn.Linear without bias, got "
+                         f"{type(head).__name__}{' with a bias' if getattr(head, 'bias', None) is not None else ''}")
+    if isinstance(head.weight, DTensor):
+        raise ValueError("causal_lm_logprobs: the LM head's weight is a DTensor (sharded by FSDP2 or tensor "
+                         "parallelism); causal_lm_logprobs needs the whole [vocab, hidden] weight on each rank")
+    if head.weight.shape[0] != config.vocab_size:
+        raise ValueError(f"causal_lm_logprobs: the LM head has {head.weight.shape[0]} rows but config.vocab_size "
+                         f"is {config.vocab_size}")
+    return decoder, head, LOGITS_AFTER_HEAD[verified_class]
+
+
+def _logit_transform(model, step) -> tuple[float, Optional[float]]:
+    """(scale, softcap) for the model's step after the head (a LOGITS_AFTER_HEAD value): its logits
+    are cap(scale * h @ w.T), cap(z) = softcap * tanh(z / softcap) (no cap when softcap is None)."""
+    if step is None:
+        return 1.0, None
+    owner, attribute = _STEP_CONSTANT[step]
+    name, value = f"{owner}.{attribute}", getattr(model.config if owner == "config" else model, attribute, None)
+    if step == "softcap" and value is None:
+        return 1.0, None
+    if not _positive_finite(value):
+        raise ValueError(f"causal_lm_logprobs: {name} must be a positive finite number, got {value!r}")
+    if step == "softcap":
+        if "softcap" not in inspect.signature(chosen_logprob).parameters:
+            raise NotImplementedError(f"causal_lm_logprobs: {type(model).__name__} caps its logits "
+                                      f"({name} = {value}) and this build's chosen_logprob has no softcap")
+        return 1.0, float(value)
+    return (float(value) if step == "logit_scale" else 1.0 / float(value)), None
+
+
+def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,
+                       labels: Optional[torch.Tensor] = None, temperature: float = 1.0, return_entropy: bool = False,
+                       **forward_kwargs):
+    """log softmax(logits[:, t] / temperature)[labels[:, t + 1]] for t < seq - 1, without the logits.
+
+    model is a transformers CausalLM of a class in LOGITS_AFTER_HEAD. Runs its base model (the
+    decoder, final norm included) on input_ids [batch, seq] with attention_mask and
+    forward_kwargs (use_cache defaults to False), then fused_rl_ops.chosen_logprob on the last hidden
+    states and the LM head's weight (tied to the embedding or not), with the model's own step after
+    the head (softcap, logit scale); the LM head module never runs and no [batch, seq, vocab] tensor
+    exists, forward or backward. labels (default input_ids) are unshifted, as a CausalLM takes them:
+    position t scores labels[:, t + 1]; label -100 gives logprob 0 and no gradient (pass -100 at
+    padding). Returns logprob [batch, seq - 1] in float32 (float64 for a float64 model), or
+    (logprob, entropy) with return_entropy=True; the entropy of the tempered next-token
+    distribution is given at every position, -100 ones included. Differentiable in every parameter
+    the logits depend on. A MoE model's router auxiliary loss, part of its CausalLM loss, is not
+    included.
+    """
+    decoder, head, step = _check_model(model)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"causal_lm_logprobs: input_ids must be a [batch, seq] tensor with seq >= 2, got {got}")
+    labels = input_ids if labels is None else labels
+    if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+        got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"causal_lm_logprobs: labels must have input_ids' shape {tuple(input_ids.shape)} "
+                         f"(unshifted), got {got}")
+    if not _positive_finite(temperature):
+        raise ValueError(f"causal_lm_logprobs: temperature must be a positive finite number, got {temperature!r}")
+    scale, softcap = _logit_transform(model, step)
+    capped = {} if softcap is None else {"softcap": softcap}
+
+    forward_kwargs.setdefault("use_cache", False)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs).last_hidden_state
+    weight = head.weight
+    # As nn.Linear would need: the hidden states in the head's dtype.
+    return chosen_logprob(hidden[:, :-1].to(weight.dtype), weight, labels[:, 1:], temperature=temperature / scale,
+                          ignore_index=IGNORE_INDEX, vocab_size=model.config.vocab_size,
+                          return_entropy=return_entropy, **capped)
