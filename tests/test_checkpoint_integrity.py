@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from fused_rl_ops.checkpoint import integrity, load_sharded, save_sharded
+from fused_rl_ops.checkpoint import integrity, load_sharded, save_load, save_sharded
 from fused_rl_ops.testing.checkpoint import (Toy, add_parameter, annotated, assert_all_same, flip_bits, legacy,
                                              logical_state, random_bits, same_bits, stored_items, tensors_of,
                                              tp_group_of_size)
@@ -263,22 +263,27 @@ def test_writer_skips_the_zip_crc32_only_while_it_writes(tmp_path, monkeypatch):
 
 
 def test_load_reads_the_metadata_once_and_loads_by_what_it_checked(tmp_path, monkeypatch):
-    """load_sharded checks the checkpoint's .metadata against the module and hands that same metadata
-    to DCP, rather than letting DCP read the file again (a save replacing it in between would load
-    by metadata nobody checked)."""
+    """load_sharded reads and checks the checkpoint's .metadata once and hands that same metadata to
+    DCP, rather than letting DCP read the file again (a save replacing it in between would load by
+    metadata nobody checked)."""
     original, path = logical_state(seed=1), str(tmp_path / "ckpt")
     save_sharded(Toy(original, 1, 0, step=7), path)
     reads = []
-    real_read_metadata = dcp.FileSystemReader.read_metadata
+    real_read_metadata, real_dcp_read_metadata = save_load.read_metadata, dcp.FileSystemReader.read_metadata
 
-    def counting_read_metadata(self, *args, **kwargs):
-        reads.append(self.path)
-        return real_read_metadata(self, *args, **kwargs)
+    def checking_read_metadata(path):
+        reads.append("checked")
+        return real_read_metadata(path)
 
-    monkeypatch.setattr(dcp.FileSystemReader, "read_metadata", counting_read_metadata)
+    def dcp_read_metadata(self, *args, **kwargs):
+        reads.append("dcp")
+        return real_dcp_read_metadata(self, *args, **kwargs)
+
+    monkeypatch.setattr(save_load, "read_metadata", checking_read_metadata)
+    monkeypatch.setattr(dcp.FileSystemReader, "read_metadata", dcp_read_metadata)
     target = Toy(logical_state(seed=2), 1, 0, step=0)
     load_sharded(target, path)
-    assert len(reads) == 1
+    assert reads == ["checked"]
     expected = Toy(original, 1, 0, step=7)
     assert all(same_bits(t, tensors_of(expected)[name]) for name, t in tensors_of(target).items())
     assert target.step == 7

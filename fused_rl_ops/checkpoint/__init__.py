@@ -3,7 +3,8 @@
 - save_load: save_sharded / load_sharded through torch.distributed.checkpoint
 - sharding: read_sharding, ShardSpec and DTensor conversion of Megatron's sharding dialects
 - experts: expert tensors under their global expert index
-- integrity: checksums of every stored item, complete saves, data file checks
+- integrity: checksums of every stored item and of .metadata, complete saves
+- metadata: .metadata read only once its checksum and structure are found intact
 - ranks: the collective check that the ranks agree before a save or load
 """
 from .save_load import load_sharded, save_sharded

@@ -5,7 +5,7 @@
   (plain DCP readers ignore it). The reader verifies every item it reads before committing it.
 - An overwriting save removes the old `.metadata` before any rank writes; DCP writes the new one
   last, so a save that does not finish leaves nothing that loads.
-- Before anything is read, every data file must exist with exactly the length its items add up to.
+- `.metadata` ends in a seal: the XXH3-64 hash of the pickle before it (metadata.py checks it).
 """
 import io
 import os
@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
@@ -24,9 +25,14 @@ try:
 except ImportError:  # the ops work without it; save_sharded / load_sharded call require_xxhash()
     xxhash = None
 
-__all__ = ["ChecksummedReader", "ChecksummedWriter", "check_data_files", "read_metadata", "require_xxhash"]
+__all__ = ["METADATA", "SEAL_LENGTH", "SEAL_PREFIX", "ChecksummedReader", "ChecksummedWriter", "require_xxhash",
+           "seal_of"]
 
-_METADATA = ".metadata"
+METADATA = ".metadata"
+# `.metadata` is DCP's pickle followed by this prefix and the pickle's XXH3-64 in 16 hex digits.
+# pickle.load stops at the pickle's end, so plain DCP readers read such a file as before.
+SEAL_PREFIX = b"fused_rl_ops xxh3_64 "
+SEAL_LENGTH = len(SEAL_PREFIX) + 16
 # Bytes read and hashed at a time, each piece hashed right after it is read, while it is in the
 # core's cache.
 _PIECE = 1 << 19
@@ -38,6 +44,24 @@ _HASH_IN_PLACE_MIN = 1 << 16
 def require_xxhash():
     if xxhash is None:
         raise RuntimeError("save_sharded/load_sharded need the xxhash package (pip install xxhash)")
+
+
+def seal_of(pickled: bytes) -> bytes:
+    """The seal that follows the pickled metadata in `.metadata`."""
+    return SEAL_PREFIX + f"{xxhash.xxh3_64_intdigest(pickled):016x}".encode()
+
+
+class _SealingFileSystem(FileSystem):
+    """DCP's local file system, sealing `.metadata.tmp` (appending seal_of its bytes, then fsync)
+    when DCP renames it to `.metadata`, so the file is never visible without its seal."""
+
+    def rename(self, path, new_path):
+        if os.path.basename(new_path) == METADATA:
+            with open(path, "r+b") as file:
+                file.write(seal_of(file.read()))  # the read leaves the position at the end
+                file.flush()
+                os.fsync(file.fileno())
+        super().rename(path, new_path)
 
 
 class _HashingStream:
@@ -79,12 +103,13 @@ class _HashingTransforms(StorageWriterTransforms):
 
 
 class ChecksummedWriter(dcp.FileSystemWriter):
-    """DCP's FileSystemWriter, adding each item's hash to its storage info and removing an older
-    checkpoint's .metadata before any data is written (module docstring). XXH3 rather than crc32c:
+    """DCP's FileSystemWriter, adding each item's hash to its storage info, sealing `.metadata` and
+    removing an older checkpoint's .metadata before any data is written (module docstring). XXH3 rather than crc32c:
     on large buffers it hashes faster than the crc32c package's hardware CRC."""
 
     def __init__(self, path: str):
         super().__init__(path, overwrite=True)
+        self.fs = _SealingFileSystem()
         self._checksums = {}
         self.transforms = _HashingTransforms(self._checksums)
         self._is_coordinator = False
@@ -99,7 +124,7 @@ class ChecksummedWriter(dcp.FileSystemWriter):
         plan = super().prepare_local_plan(plan)
         if self._is_coordinator:
             try:
-                os.remove(os.path.join(self.path, _METADATA))
+                os.remove(os.path.join(self.path, METADATA))
             except FileNotFoundError:
                 pass
         return plan
@@ -284,35 +309,3 @@ class ChecksummedReader(dcp.FileSystemReader):
                                                             stored.shape, stored.stride())
             target.copy_(narrow_tensor_by_index(whole, request.storage_offsets, request.lengths))
         planner.commit_tensor(request, target)
-
-
-def read_metadata(path: str) -> Metadata:
-    if not os.path.isfile(os.path.join(path, _METADATA)):
-        raise FileNotFoundError(
-            f"no complete checkpoint at {path!r}: its .metadata file does not exist (a save that did not finish "
-            "leaves none)")
-    try:
-        return dcp.FileSystemReader(path).read_metadata()
-    except Exception as exc:  # unpickling a damaged file can raise almost anything
-        raise ValueError(f"checkpoint {path!r}: .metadata is unreadable (truncated?): {exc!r}") from exc
-
-
-def check_data_files(metadata: Metadata, path: str):
-    """Every data file the checkpoint's items point into exists with exactly the items' length, and
-    every item has a checksum."""
-    lengths = {}
-    for index, info in metadata.storage_data.items():
-        if getattr(info, "xxh3_64", None) is None:
-            raise ValueError(
-                f"checkpoint {path!r} has no checksum for {index.fqn}: it was not written by save_sharded")
-        lengths[info.relative_path] = lengths.get(info.relative_path, 0) + info.length
-    for file, length in sorted(lengths.items()):
-        full = os.path.join(path, file)
-        if not os.path.isfile(full):
-            raise FileNotFoundError(f"checkpoint {path!r} is incomplete: data file {file} does not exist")
-        size = os.path.getsize(full)
-        if size != length:
-            state = "truncated" if size < length else "inconsistent"
-            raise ValueError(
-                f"checkpoint {path!r} is {state}: data file {file} has {size} bytes, its entries in .metadata "
-                f"add up to {length}")

@@ -6,13 +6,14 @@ any (TP, EP, expert TP) layout whose degrees divide the sharded dims and the exp
 `dcp.load` of a full tensor reads the real weight. Groups: `tp_group` for dense tensors (None: the
 default group), `ep_group` (None: no expert parallelism), `expert_tp_group` (None: `tp_group`).
 
-Both check first, in one collective (ranks.py); a load checks the checkpoint against the module
-(names, global shapes, dtypes, divisibility, expert counts, data files), so such errors leave the
-module untouched on every rank. Loading then reads straight into the module's tensors (parameters
-keep their storage: views into Megatron's DDP buffers stay views), verifying each item's checksum
-(integrity.py); `staged=True` reads into temporaries first, so that a checksum mismatch or an I/O
-error mid-read also leaves the module unchanged. Both are collective over the default group and
-need DCP's CheckpointableTensor (torch >= 2.14) and the xxhash package.
+Both check first, in one collective (ranks.py); a load checks the checkpoint's metadata (its
+checksum and structure, metadata.py) and the checkpoint against the module (names, global shapes,
+dtypes, divisibility, expert counts, data files), so such errors leave the module untouched on every
+rank. Loading then reads straight into the module's tensors (parameters keep their storage: views
+into Megatron's DDP buffers stay views), verifying each item's checksum (integrity.py);
+`staged=True` reads into temporaries first, so that a checksum mismatch or an I/O error mid-read
+also leaves the module unchanged. Both are collective over the default group and need DCP's
+CheckpointableTensor (torch >= 2.14) and the xxhash package.
 """
 from typing import Union
 
@@ -22,7 +23,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ._torch_private import EXTRA_STATE_KEY_SUFFIX
 from .experts import check_expert_counts, check_grouped_glu_not_interleaved, is_extra_state
-from .integrity import ChecksummedReader, ChecksummedWriter, check_data_files, read_metadata, require_xxhash
+from .integrity import ChecksummedReader, ChecksummedWriter, require_xxhash
+from .metadata import check_data_files, read_metadata
 from .ranks import Layout, entries_agreed
 from .sharding import ShardSpec, global_shape
 
