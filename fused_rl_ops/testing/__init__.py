@@ -3,6 +3,7 @@
 - distributed.run_distributed: run a function in several gloo (CPU) processes as ranks.
 - megatron_cpu: shims that let megatron-core 0.19.2 run on the CPU, and tiny models to test with.
   They patch megatron-core process-wide, so only tests and examples import them.
+- checkpoint: reference splits, bit-exact comparisons and toy modules for the checkpoint tests.
 - ppo: the pieces of a tiny PPO step (rollout, loss, forward-backward) the example runs and the
   tests check.
 """
