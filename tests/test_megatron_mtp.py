@@ -26,14 +26,11 @@ from fused_rl_ops.megatron import attach, detach, rl_output_processor  # noqa: E
 from fused_rl_ops.megatron.mtp import FusedMTPLoss  # noqa: E402
 from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
 from fused_rl_ops.testing.ppo import model_inputs  # noqa: E402
+from test_megatron import assert_close_by_name, same_on_all_ranks, take_grads  # noqa: E402
 
 B, S = 2, 8
 VOCAB = 256
 MEGATRON_PROCESS_MTP_LOSS = multi_token_prediction.process_mtp_loss
-
-
-def same_on_all_ranks(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def mtp_model(depths, *, tied=False, seed=0, **settings):
@@ -60,19 +57,6 @@ def logged_metrics():
     metrics = {key: tracker[key].clone() for key in ("loss_values", "correct_values", "total_values")}
     tracker.clear()
     return metrics
-
-
-def take_grads(model):
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    return grads
-
-
-def assert_close_by_name(actual, expected):
-    assert actual.keys() == expected.keys() and expected
-    for name, tensor in expected.items():
-        assert_close(actual[name], tensor, rtol=1e-4, atol=1e-5 * tensor.abs().max().item() + 1e-9,
-                     msg=lambda message: f"{name}: {message}")
 
 
 def gather_vocab(local):

@@ -58,6 +58,9 @@ class FusedMTPLoss:
     def __call__(self, *, hidden_states, labels, loss_mask, output_layer, output_weight, runtime_gather_output,
                  is_training, compute_language_model_loss, config, cp_group=None, tp_group=None,
                  packed_seq_params=None, scale_logits_fn=None, input_ids=None):
+        """process_mtp_loss's keywords and result: the main hidden states, carrying the MTP losses.
+        runtime_gather_output, compute_language_model_loss, tp_group and scale_logits_fn go unused:
+        the loss is taken over the output layer's vocab shards in its TP group; MuP is refused."""
         if config.use_mup and config.mup_output_mult != 1.0:
             raise ValueError("FusedMTPLoss: MuP output scaling (config.mup_output_mult) is not supported")
         depths = config.mtp_num_layers
