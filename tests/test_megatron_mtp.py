@@ -195,7 +195,8 @@ def _check_schedule_plan_post_process_node():
 
 
 def _check_refuses_a_loss_it_cannot_replace():
-    """A model whose compute_language_model_loss is not Megatron's cross entropy is refused, and left as it was."""
+    """A model whose compute_language_model_loss is not Megatron's cross entropy is refused, and left
+    as it was; so is a HybridModel with MTP configured (no output_processor hook in 0.19.2)."""
     model = mtp_model(1)
     model.__class__ = type("SmoothedLossGPT", (type(model),), {
         "compute_language_model_loss": lambda self, labels, logits: 0.9 * super(type(self), self)
@@ -205,6 +206,8 @@ def _check_refuses_a_loss_it_cannot_replace():
     assert gpt_model.process_mtp_loss is MEGATRON_PROCESS_MTP_LOSS
     with pytest.raises(RuntimeError, match="no output processor is attached"):
         detach(model)
+    with pytest.raises(ValueError, match="multi-token prediction calls the output layer"):
+        attach(tiny_model("hybrid", tiny_config(mtp_num_layers=1)), rl_output_processor())
 
 
 def _models_against_megatron(rank, world_size):
