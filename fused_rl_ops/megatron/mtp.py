@@ -7,14 +7,17 @@ the output layer ([s, b, V/tp] logits), Megatron's cross entropy against the lab
 (`MTPLossAutoScaler`), logging the loss and argmax acceptance (`MTPLossLoggingHelper`).
 
 `route_mtp_loss(model, processor)` sends that call, for this model only (looked up by its output
-layer), to a `FusedMTPLoss`: the same steps, with the cross entropy taken as -chosen_logprob on the
-same weight (detached under `mtp_detach_heads`), Megatron's own `roll_tensor` (context parallel,
-packed sequences), scaling and `MTPLossAutoScaler`. Every path that reaches `_postprocess` (forward,
-schedule plan, pipeline last stage) takes it. Differences from Megatron, all at positions Megatron
-weights by loss_mask: a position with loss_mask 0 or label ignore_index adds exactly 0 (Megatron adds
-loss_mask * its cross entropy, NaN if that is not finite); a label is accepted when its logit equals
-the row's maximum, so every label tied for the maximum counts (Megatron's argmax counts only the
-lowest tied id). Like Megatron's, the loss covers every row of the output weight, padding included.
+layer; while any model is routed the module's global is a dispatcher that gives every other model
+megatron-core's own function; the last undo puts that function back), to a `FusedMTPLoss`: the same
+steps, with the cross entropy taken as -chosen_logprob on the same weight (detached under
+`mtp_detach_heads`), Megatron's own `roll_tensor` (context parallel, packed sequences), scaling and
+`MTPLossAutoScaler`. Every path that reaches `_postprocess` (forward, schedule plan, pipeline last
+stage) takes it. Differences from Megatron, all at positions Megatron weights by loss_mask: a
+position with loss_mask 0 or label ignore_index adds exactly 0 (Megatron adds loss_mask times its
+cross entropy: NaN where that is not finite, the whole log-sum-exp for an ignore_index label); a
+label is accepted when its logit equals the row's maximum, so every label tied for the maximum
+counts (Megatron's argmax counts only the lowest tied id). Like Megatron's, the loss covers every
+row of the output weight, padding included.
 """
 import functools
 import sys
