@@ -187,16 +187,19 @@ class _ChosenLogprob(torch.autograd.Function):
         # lse = row_max + log_sum, kept apart: z - row_max is exact near the top of the row.
         row_max, log_sum, entropy, chosen = ops.logprob_combine(partials).unbind(1)
         logprob = torch.where(ignore, 0.0, (chosen - row_max) - log_sum)
+        # Both come from the same fp32 logit buffer, so a chosen maximum compares equal exactly.
+        is_max = (chosen == row_max) & ~ignore
+        ctx.mark_non_differentiable(is_max)
         ctx.save_for_backward(hidden, weight, tokens, ignore, row_max, log_sum, entropy)
         ctx.args = (temperature, vocab_start, n_valid, tiling, tp_group, reduce_hidden_grad)
         # main_grad is the backward's output buffer, not an input of its math: kept on ctx, not saved
         # (autograd's version check would trip on its in-place updates). The placeholder needs the
         # parameter object itself (its attributes), as Megatron's layers do.
         ctx.main_grad, ctx.weight_param = main_grad, (weight if main_grad is not None else None)
-        return logprob, entropy
+        return logprob, entropy, is_max
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy):
+    def backward(ctx, grad_logprob, grad_entropy, grad_is_max):
         hidden, weight, tokens, ignore, row_max, log_sum, entropy = ctx.saved_tensors
         temperature, vocab_start, n_valid, tiling, tp_group, reduce_hidden_grad = ctx.args
         grad_logprob = torch.zeros_like(entropy) if grad_logprob is None else torch.where(ignore, 0.0, grad_logprob)
@@ -229,6 +232,7 @@ def chosen_logprob(
     main_grad: Optional[torch.Tensor] = None,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     batch_invariant: bool = False,
+    return_is_max: bool = False,
 ):
     """log softmax(hidden @ weight.T / temperature)[tokens] over the (vocab-parallel) vocabulary.
 
@@ -237,9 +241,12 @@ def chosen_logprob(
     share a dtype: float32, bfloat16 or float16 (float64 on CPU). tokens [...] (int64 or int32)
     are global ids. Logits are accumulated in fp32.
 
-    Returns fp32 logprob [...] (float64 for float64 inputs), or (logprob, entropy) with
-    return_entropy=True. vocab_size is the real vocabulary size: rows with global id >= vocab_size
-    are padding and take no part in the softmax or entropy (default: every row of every rank).
+    Returns fp32 logprob [...] (float64 for float64 inputs), or a tuple: logprob, then entropy with
+    return_entropy=True, then is_max with return_is_max=True (bool [...]: the token's logit equals
+    its row's maximum over the valid rows, i.e. a greedy pick; every token tied for the maximum is
+    True; ignored positions, out-of-range ids and rows with a NaN logit are False). vocab_size is
+    the real vocabulary size: rows with global id >= vocab_size are padding and take no part in the
+    softmax or entropy (default: every row of every rank).
     Positions whose token is ignore_index get logprob 0 and pass no logprob gradient; their entropy
     is still computed. Differentiable in hidden and weight for any upstream gradients. With
     tp_group the hidden gradient is summed over the group, unless reduce_hidden_grad=False (for a
@@ -296,16 +303,18 @@ def chosen_logprob(
     tiling = tiling_for(hidden2d.shape[0], hidden_size, hidden.element_size(), workspace_bytes, hidden.device,
                         batch_invariant)
     ignored = tokens1d == ignore_index
-    logprob, entropy = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, float(temperature),
-                                            int(vocab_start), n_valid, tiling, tp_group, bool(reduce_hidden_grad),
-                                            main_grad)
+    logprob, entropy, is_max = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, float(temperature),
+                                                    int(vocab_start), n_valid, tiling, tp_group,
+                                                    bool(reduce_hidden_grad), main_grad)
     if not check_tokens:
         # An unchecked id outside [0, vocab_size) matches no row and would get a finite -lse: NaN
         # marks it instead (and, through the product, its gradients), with no host synchronisation.
         out_of_range = ~ignored & ((tokens1d < 0) | (tokens1d >= vocab_size))
         logprob = logprob * torch.where(out_of_range, float("nan"), 1.0)
-    logprob, entropy = logprob.reshape(lead), entropy.reshape(lead)
-    return (logprob, entropy) if return_entropy else logprob
+        is_max = is_max & ~out_of_range
+    outputs = [logprob] + [entropy] * return_entropy + [is_max] * return_is_max
+    outputs = tuple(t.reshape(lead) for t in outputs)
+    return outputs if len(outputs) > 1 else outputs[0]
 
 
 @torch.library.register_fake("fused_rl_ops::logprob_stats")

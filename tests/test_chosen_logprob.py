@@ -125,6 +125,40 @@ def test_unchecked_out_of_range_ids_give_nan_not_a_wrong_number(device):
         fused_rl_ops.chosen_logprob(hidden, weight, tokens, vocab_size=120)
 
 
+@pytest.mark.parametrize("temperature,batch_invariant", [(1.0, False), (0.7, True)])
+def test_is_max_marks_every_token_tied_for_the_row_maximum(device, temperature, batch_invariant):
+    """return_is_max against float64: True exactly where the token's logit equals its row's maximum
+    over the valid rows, whichever of several tied tokens it is; False for ignored positions, NaN
+    rows and unchecked out-of-range ids. Integer inputs make every logit, so every tie, exact; the
+    padding rows would hold each row's maximum if they took part; several 128-row chunks."""
+    g = torch.Generator().manual_seed(5)
+    N, H, V, valid = 40, 6, 300, 260
+    hidden = torch.randint(-2, 3, (N, H), generator=g).double()
+    weight = torch.randint(-2, 3, (V, H), generator=g).double()
+    weight[valid:] = 3.0 * hidden.abs().max()
+    logits = hidden @ weight[:valid].t()
+    row_max = logits.max(-1, keepdim=True).values
+    tied = logits == row_max
+    assert (tied.sum(-1) > 1).sum() > N // 4  # many rows with a tie for the maximum
+    last_tied = valid - 1 - tied.flip(-1).int().argmax(-1)  # the highest id among the tied
+    tokens = torch.where(torch.arange(N) % 2 == 0, last_tied, torch.randint(0, valid, (N,), generator=g))
+    tokens[3], tokens[9] = -100, V + 5  # ignored, out of range
+    hidden[13, 2] = float("nan")
+    expected = tied.gather(-1, tokens.clamp(0, valid - 1)[:, None]).squeeze(-1)
+    expected[[3, 9, 13]] = False
+    assert expected.sum() > N // 2
+    logprob, is_max = fused_rl_ops.chosen_logprob(
+        hidden.float().to(device), weight.float().to(device), tokens.to(device), temperature=temperature,
+        vocab_size=valid, check_tokens=False, return_is_max=True, batch_invariant=batch_invariant,
+        workspace_bytes=SMALLEST_WORKSPACE)
+    assert is_max.dtype == torch.bool and torch.equal(is_max.cpu(), expected)
+    assert logprob[13].isnan() and logprob[9].isnan()
+    only_entropy = fused_rl_ops.chosen_logprob(hidden.float().to(device), weight.float().to(device),
+                                               tokens.clamp(0, valid - 1).to(device), return_entropy=True,
+                                               return_is_max=True, vocab_size=valid)
+    assert len(only_entropy) == 3 and only_entropy[2].dtype == torch.bool
+
+
 def test_zero_tokens(device):
     hidden, weight, _ = make_inputs(1, 8, 130, torch.float32, device)
     h = hidden[:0].clone().requires_grad_(True)

@@ -8,6 +8,7 @@ whose configured SwiGLU clamp some module would ignore (mlp.check_clamp_not_drop
   processor. On the schedule-plan path megatron-core 0.19.2 forces two differences: its nodes carry
   only tensors, so the plan returns the tuple of the dict's values (in `output_names` order); and a
   dense last layer skips `decoder.final_layernorm`, so it is applied here before the processor.
+  With MTP layers their heads' losses go through chosen_logprob too (mtp.route_mtp_loss).
 - Models without the hook (HybridModel in 0.19.2): during each forward the output layer module is
   swapped for a stand-in that runs the processor, and the model returns the processor's dict. The
   tokens come through `output_processor_context={"tokens": ...}`; `labels` is refused (the model
@@ -22,6 +23,7 @@ import torch
 from megatron.core.utils import unwrap_model
 
 from .mlp import check_clamp_not_dropped
+from .mtp import route_mtp_loss
 
 __all__ = ["attach", "detach"]
 
@@ -35,7 +37,7 @@ def attach(model, processor):
         raise RuntimeError("attach: this model already has an output processor attached; detach it first")
     check_clamp_not_dropped(language_model)
     if "output_processor" in inspect.signature(language_model.forward).parameters:
-        undo = _attach_through_native_hook(language_model, processor)
+        undo = route_mtp_loss(language_model, processor) + _attach_through_native_hook(language_model, processor)
     else:
         undo = _attach_by_substituting_output_layer(language_model, processor)
     setattr(language_model, _ATTACHMENT, undo)

@@ -182,14 +182,18 @@ def tiny_model(kind="gpt", config=None, *, seed=0, vocab_size=256, tied_embeddin
     Megatron's local (non-TE) modules with learned absolute positions, for this pipeline stage, at
     config's (default tiny_config()) TP degree and sequence-parallel setting. A GPT config with
     num_moe_experts gets megatron-core's local block spec (MoE layers as config.moe_layer_freq
-    says, SequentialMLP experts).
+    says, SequentialMLP experts); one with mtp_num_layers gets its local MTP block spec.
     clamped_swiglu_mlp: its MLPs are fused_rl_ops.megatron.ClampedSwiGLUMLP.
     edit_spec: a function of the spec giving the spec to build instead (after clamped_swiglu_mlp).
     Megatron builds every weight as a full master tensor from the CPU RNG and keeps this rank's
     shard, so a given seed means the same logical weights at every degree."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from fused_rl_ops.megatron import with_clamped_swiglu_mlp
@@ -216,7 +220,8 @@ def tiny_model(kind="gpt", config=None, *, seed=0, vocab_size=256, tied_embeddin
     )
     torch.manual_seed(seed)
     if kind == "gpt":
-        return GPTModel(transformer_layer_spec=spec, **common)
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if config.mtp_num_layers else None
+        return GPTModel(transformer_layer_spec=spec, mtp_block_spec=mtp_spec, **common)
     if kind == "hybrid":
         return HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern="*-" * (config.num_layers // 2), **common)
     raise ValueError(f"tiny_model: kind is 'gpt' or 'hybrid', got {kind!r}")
