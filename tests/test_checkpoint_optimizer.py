@@ -228,3 +228,191 @@ def _experts_ep2_to_ep1(rank, world_size, root):
 
 def test_expert_optimizer_state_reshards_from_ep2_to_ep1_grouped(tmp_path):
     run_distributed(_experts_ep2_to_ep1, 4, str(tmp_path))
+
+
+# --- resume at the same layout, and refusals that involve both ranks (2 processes, TP 2) --------
+
+def sgd(module, lr=0.05):
+    return torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=0.01)
+
+
+def assert_same_training_state(module, optimizer, expected_module, expected_optimizer):
+    expected = dict(expected_module.named_parameters())
+    for name, param in module.named_parameters():
+        assert same_bits(param, expected[name]), name
+        held, wanted = optimizer.state[param], expected_optimizer.state[expected[name]]
+        assert held.keys() == wanted.keys() and all(same_bits(held[k], wanted[k]) for k in wanted), name
+    assert optimizer.state_dict()["param_groups"] == expected_optimizer.state_dict()["param_groups"]
+
+
+def _resume_and_refusals(rank, world_size, root):
+    group = dist.group.WORLD
+    for make in (adam, sgd):
+        straight = toy(LAYOUT, 2, rank, seed=1)
+        straight_optimizer = make(straight)
+        train(straight, straight_optimizer, LAYOUT, 2, rank, steps=5)
+
+        first = toy(LAYOUT, 2, rank, seed=1)
+        first_optimizer = make(first)
+        train(first, first_optimizer, LAYOUT, 2, rank, steps=2)
+        save_sharded(first, f"{root}/{make.__name__}", tp_group=group, optimizer=first_optimizer)
+        resumed = toy(LAYOUT, 2, rank, seed=9)
+        resumed_optimizer = make(resumed, lr=0.5)
+        load_sharded(resumed, f"{root}/{make.__name__}", tp_group=group, optimizer=resumed_optimizer)
+        train(resumed, resumed_optimizer, LAYOUT, 2, rank, steps=3, first_step=2)
+        assert_same_training_state(resumed, resumed_optimizer, straight, straight_optimizer)
+
+    # A scalar shared by the TP ranks must agree: one rank's step differs, every rank refuses.
+    step = first_optimizer.state[first.column.weight]["momentum_buffer"]  # sgd keeps no step: add one
+    first_optimizer.state[first.column.weight]["step"] = torch.tensor(float(3 + rank))
+    with pytest.raises(ShardingMetadataError, match=r"column\.weight/optimizer/state/step: claims to be replicated"):
+        save_sharded(first, f"{root}/disagree", tp_group=group, optimizer=first_optimizer)
+    del first_optimizer.state[first.column.weight]["step"]
+    assert step is first_optimizer.state[first.column.weight]["momentum_buffer"]
+
+    # Rank 1's optimizer holds a tensor that is not in the module: both ranks raise, and neither
+    # the module nor the optimizer changes on either.
+    target = toy(LAYOUT, 2, rank, seed=5)
+    optimizer = adam(target)
+    train(target, optimizer, LAYOUT, 2, rank, steps=1)
+    if rank == 1:
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    before = snapshot(target, optimizer)
+    with pytest.raises(ValueError, match=r"optimizer holds parameters that are not in the module.*shape \(3,\)"):
+        load_sharded(target, f"{root}/adam", tp_group=group, optimizer=optimizer)
+    assert_unchanged(target, optimizer, before)
+
+
+def test_training_resumes_bit_for_bit_and_ranks_refuse_together(tmp_path):
+    run_distributed(_resume_and_refusals, 2, str(tmp_path))
+
+
+# --- a tiny megatron-core GPTModel at TP 2 with Adam (2 processes) -------------------------------
+
+def _gpt_resume(rank, world_size, root):
+    from megatron.core import parallel_state
+
+    from fused_rl_ops.megatron import attach, rl_output_processor
+    from fused_rl_ops.testing.megatron_cpu import build_tiny_gpt, set_parallel_degrees
+    from fused_rl_ops.testing.ppo import model_inputs
+
+    set_parallel_degrees(tp=2)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+
+    def build(seed):
+        model = build_tiny_gpt(seed)
+        attach(model, rl_output_processor())
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    def train_gpt(model, optimizer, first_step, steps):
+        for step in range(first_step, first_step + steps):
+            tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(step))
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            outputs = model(inputs, *model_inputs(inputs), labels=labels)
+            optimizer.zero_grad()
+            (-outputs["logprobs"].mean() - 0.01 * outputs["entropy"].mean()).backward()
+            optimizer.step()
+
+    straight, straight_optimizer = build(seed=1)
+    train_gpt(straight, straight_optimizer, 0, 4)
+    first, first_optimizer = build(seed=1)
+    train_gpt(first, first_optimizer, 0, 2)
+    save_sharded(first, root, tp_group=tp_group, optimizer=first_optimizer)
+    resumed, resumed_optimizer = build(seed=2)
+    load_sharded(resumed, root, tp_group=tp_group, optimizer=resumed_optimizer)
+    train_gpt(resumed, resumed_optimizer, 2, 2)
+    assert_same_training_state(resumed, resumed_optimizer, straight, straight_optimizer)
+    assert not same_bits(straight.output_layer.weight, first.output_layer.weight)  # training moved it
+
+
+def test_gpt_model_resumes_bit_for_bit_at_tp2(tmp_path):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    run_distributed(_gpt_resume, 2, str(tmp_path))
+
+
+# --- refusals in one process ---------------------------------------------------------------------
+
+def trained_toy(make=adam, seed=1):
+    module = toy(LAYOUT, 1, 0, seed)
+    optimizer = make(module)
+    train(module, optimizer, LAYOUT, 1, 0, steps=2)
+    return module, optimizer
+
+
+def test_megatron_optimizers_are_refused_by_class():
+    optimizer_module = pytest.importorskip("megatron.core.optimizer", reason="megatron-core is not installed")
+    module, _ = trained_toy()
+    for cls in (optimizer_module.DistributedOptimizer, optimizer_module.ChainedOptimizer,
+                optimizer_module.Float16OptimizerWithFloat16Params):
+        wrapper = object.__new__(cls)  # the class is all the check reads
+        with pytest.raises(TypeError, match=rf"optimizer: {cls.__name__} is one of Megatron's optimizers.*"
+                                            "dist_checkpointing.*torch.optim optimizer over model.parameters"):
+            save_sharded(module, "/nonexistent", optimizer=wrapper)
+        with pytest.raises(TypeError, match=rf"optimizer: {cls.__name__} is one of Megatron's"):
+            load_sharded(module, "/nonexistent", optimizer=wrapper)
+    with pytest.raises(TypeError, match="optimizer: expected a torch.optim.Optimizer, got dict"):
+        save_sharded(module, "/nonexistent", optimizer={})
+    # The check needs no megatron import: the checkpoint package does not load it.
+    code = "import sys, fused_rl_ops.checkpoint; assert not [m for m in sys.modules if m.startswith('megatron')]"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_state_that_cannot_be_placed_is_refused(tmp_path):
+    module, optimizer = trained_toy()
+    stranger = torch.nn.Parameter(torch.zeros(2, 2))
+    optimizer.add_param_group({"params": [stranger]})
+    with pytest.raises(ValueError, match=r"not in the module.*param_groups\[2\]: Parameter of shape \(2, 2\)"):
+        save_sharded(module, str(tmp_path / "a"), optimizer=optimizer)
+    optimizer.param_groups.pop()
+
+    optimizer.state[module.row.weight]["low_rank"] = torch.zeros(6, 2)
+    with pytest.raises(ValueError, match=r"row\.weight \(optimizer state 'low_rank'\): has shape \(6, 2\); only "
+                                         r"state tensors of the parameter's shape \(6, 16\)"):
+        save_sharded(module, str(tmp_path / "b"), optimizer=optimizer)
+    optimizer.state[module.row.weight]["low_rank"] = [1.0]
+    with pytest.raises(ValueError, match=r"'low_rank'\): is a list; expected a tensor or a number"):
+        save_sharded(module, str(tmp_path / "b"), optimizer=optimizer)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_loads_that_do_not_fit_leave_module_and_optimizer_unchanged(tmp_path):
+    module, optimizer = trained_toy()
+    save_sharded(module, str(tmp_path / "adam"), optimizer=optimizer)
+    save_sharded(module, str(tmp_path / "module_only"))
+    sgd_module, sgd_optimizer = trained_toy(sgd)
+    save_sharded(sgd_module, str(tmp_path / "sgd"), optimizer=sgd_optimizer)
+
+    target, target_optimizer = trained_toy(seed=2)
+    before = snapshot(target, target_optimizer)
+    single_group = torch.optim.AdamW(target.parameters())
+    fewer = torch.optim.AdamW([target.row.weight])
+    cases = [
+        (target_optimizer, "module_only", ValueError, r"holds no optimizer state for \[.*'column\.weight'.*saved "
+                                                      r"without optimizer=\?"),
+        (target_optimizer, "sgd", ValueError, r"holds the state of torch\.optim\.sgd\.SGD, the optimizer is "
+                                              r"torch\.optim\.adamw\.AdamW"),
+        (single_group, "adam", ValueError, r"param_groups\[0\] holds column\.weight and column\.bias, whose "
+                                           r"hyperparameters in checkpoint .* differ"),
+        (fewer, "adam", ValueError, r"holds optimizer state for \['column\.bias', .*which the optimizer does not"),
+    ]
+    for staged in (False, True):
+        for load_optimizer, name, error, message in cases:
+            with pytest.raises(error, match=message):
+                load_sharded(target, str(tmp_path / name), optimizer=load_optimizer, staged=staged)
+            assert_unchanged(target, target_optimizer, before)
+
+    # Damage: one flipped bit in a stored exp_avg fails the staged load with nothing changed; in a
+    # param group (read and checked before anything is written) also the direct one.
+    items = {name: (file, start, end) for file, start, end, name in stored_items(tmp_path / "adam")}
+    file, start, end = items["fc1.weight/optimizer/state/exp_avg"]
+    flip_bits(tmp_path / "adam" / file, end - 3, 0x10)
+    with pytest.raises(RuntimeError, match=r"left unchanged.*fc1\.weight/optimizer/state/exp_avg: its bytes .* do "
+                                           "not match the checksum"):
+        load_sharded(target, str(tmp_path / "adam"), optimizer=target_optimizer, staged=True)
+    assert_unchanged(target, target_optimizer, before)
+    flip_bits(tmp_path / "adam" / file, end - 3, 0x10)
+    file, start, end = items["norm.weight/optimizer/param_group"]
+    flip_bits(tmp_path / "adam" / file, (start + end) // 2, 0x01)
+    with pytest.raises(ValueError, match=r"norm\.weight/optimizer/param_group: its bytes .* do not match"):
+        load_sharded(target, str(tmp_path / "adam"), optimizer=target_optimizer)
+    assert_unchanged(target, target_optimizer, before)
