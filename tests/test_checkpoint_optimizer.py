@@ -416,3 +416,16 @@ def test_loads_that_do_not_fit_leave_module_and_optimizer_unchanged(tmp_path):
     with pytest.raises(ValueError, match=r"norm\.weight/optimizer/param_group: its bytes .* do not match"):
         load_sharded(target, str(tmp_path / "adam"), optimizer=target_optimizer)
     assert_unchanged(target, target_optimizer, before)
+
+
+def test_number_state_is_kept_and_handed_to_the_optimizer(tmp_path):
+    """A step kept as a Python number (as older torch.optim did) is stored as an object and handed to
+    load_state_dict, which turns it into Adam's step tensor of the same value."""
+    module, optimizer = trained_toy()
+    for state in optimizer.state.values():
+        state["step"] = float(state["step"]) + 0.5
+    save_sharded(module, str(tmp_path), optimizer=optimizer)
+    target = toy(LAYOUT, 1, 0, seed=2)
+    fresh = adam(target)
+    load_sharded(target, str(tmp_path), optimizer=fresh)
+    assert [float(fresh.state[p]["step"]) for p in target.parameters()] == [2.5] * len(LAYOUT)

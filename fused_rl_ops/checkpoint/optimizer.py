@@ -55,8 +55,8 @@ def check_optimizer_type(optimizer):
     megatron = [c.__name__ for c in type(optimizer).__mro__ if c.__module__.startswith("megatron.core.optimizer")]
     if "MegatronOptimizer" in megatron:
         raise TypeError(
-            f"optimizer: {type(optimizer).__name__} is one of Megatron's optimizers (megatron.core.optimizer."
-            f"{megatron[-1]}): its state belongs to fp32 main copies of the parameters (with DistributedOptimizer, "
+            f"optimizer: {type(optimizer).__name__} is one of Megatron's optimizers ({_class_name(optimizer)}, a "
+            "MegatronOptimizer): its state belongs to fp32 main copies of the parameters (with DistributedOptimizer, "
             "sharded over the data-parallel ranks in flat buffers), not to the module's parameters, so it cannot be "
             "stored by parameter name. Save it with megatron.core.dist_checkpointing (its sharded_state_dict), or "
             "train with a torch.optim optimizer over model.parameters() (use_distributed_optimizer=False; "
