@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fused_rl_ops.checkpoint import ShardingMetadataError, load_sharded, save_sharded
-from fused_rl_ops.testing.checkpoint import (LAYOUT, add_parameter, bits, flip_bits, legacy, reference_shard,
+from fused_rl_ops.testing.checkpoint import (LAYOUT, add_parameter, flip_bits, legacy, reference_shard,
                                              reference_unshard, same_bits, stored_items, tp_group_of_size)
 from fused_rl_ops.testing.distributed import run_distributed
 
