@@ -263,12 +263,12 @@ def _resume_and_refusals(rank, world_size, root):
         assert_same_training_state(resumed, resumed_optimizer, straight, straight_optimizer)
 
     # A scalar shared by the TP ranks must agree: one rank's step differs, every rank refuses.
-    step = first_optimizer.state[first.column.weight]["momentum_buffer"]  # sgd keeps no step: add one
+    momentum = first_optimizer.state[first.column.weight]["momentum_buffer"]  # SGD keeps no step: add one
     first_optimizer.state[first.column.weight]["step"] = torch.tensor(float(3 + rank))
     with pytest.raises(ShardingMetadataError, match=r"column\.weight/optimizer/state/step: claims to be replicated"):
         save_sharded(first, f"{root}/disagree", tp_group=group, optimizer=first_optimizer)
     del first_optimizer.state[first.column.weight]["step"]
-    assert step is first_optimizer.state[first.column.weight]["momentum_buffer"]
+    assert momentum is first_optimizer.state[first.column.weight]["momentum_buffer"]
 
     # Rank 1's optimizer holds a tensor that is not in the module: both ranks raise, and neither
     # the module nor the optimizer changes on either.
