@@ -189,8 +189,9 @@ def _check_layouts_agree(gathered: list):
             raise ValueError(f"expert-parallel ranks {ranks} hold different numbers of local experts: {counts}")
 
 
-def entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None) -> tuple:
-    """(stored name -> Entry, what check returned) once every rank has read its specs, passed
+def entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None, extend=None) -> tuple:
+    """(stored name -> Entry, what check returned) once every rank has read its specs, added the
+    entries extend(entries) returns (an optimizer's state, stored with its parameters'), passed
     check(entries, layout) (which raises ValueError or OSError when this rank cannot go on) and
     agrees with the ranks of its groups (_check_layouts_agree). One collective exchanges all of it,
     and every rank checks every group, so all raise together and none is left waiting in a later
@@ -199,6 +200,8 @@ def entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None)
     try:
         layout = _layout(state, *groups)
         entries = _local_entries(state, layout)
+        if extend:
+            entries.update(extend(entries))
         held = _held(entries, with_checksums)
         checked = check(entries, layout) if check else None
     except (ValueError, OSError) as exc:

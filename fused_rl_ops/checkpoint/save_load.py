@@ -5,6 +5,8 @@ ShardSpec), expert tensors under their global expert index (experts.py), so a ch
 any (TP, EP, expert TP) layout whose degrees divide the sharded dims and the expert count, and plain
 `dcp.load` of a full tensor reads the real weight. Groups: `tp_group` for dense tensors (None: the
 default group), `ep_group` (None: no expert parallelism), `expert_tp_group` (None: `tp_group`).
+`optimizer=` (a torch.optim optimizer over the module's parameters) saves and loads its state with
+the module, each state tensor stored and resharded as its parameter (optimizer.py).
 
 Both check first, in one collective (ranks.py); a load checks the checkpoint's metadata (its
 checksum and structure, metadata.py) and the checkpoint against the module (names, global shapes,
@@ -25,6 +27,7 @@ from ._torch_private import EXTRA_STATE_KEY_SUFFIX
 from .experts import check_expert_counts, check_grouped_glu_not_interleaved, is_extra_state
 from .integrity import ChecksummedReader, ChecksummedWriter, require_xxhash
 from .metadata import check_data_files, read_metadata
+from .optimizer import OptimizerRestore, check_optimizer_type, entries_to_save, is_optimizer_item
 from .ranks import Layout, entries_agreed
 from .sharding import ShardSpec, global_shape
 
@@ -103,13 +106,16 @@ class _SavePlanner(dcp.DefaultSavePlanner):
 
 
 def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, *, tp_group=None, ep_group=None,
-                 expert_tp_group=None) -> None:
-    """Saves each entry as its logical global tensor with DCP (see the module docstring)."""
+                 expert_tp_group=None, optimizer=None) -> None:
+    """Saves each entry as its logical global tensor with DCP, and optimizer's state with them (see
+    the module docstring). A state dict must be state_dict(keep_vars=True) to go with an optimizer."""
     _require_dependencies()
+    check_optimizer_type(optimizer)
     if isinstance(module_or_state_dict, torch.nn.Module):
         check_grouped_glu_not_interleaved(module_or_state_dict)
-    entries, _ = entries_agreed(_state_of(module_or_state_dict), (tp_group, ep_group, expert_tp_group),
-                                 with_checksums=True)
+    state = _state_of(module_or_state_dict)
+    extend = None if optimizer is None else (lambda entries: entries_to_save(optimizer, state, entries))
+    entries, _ = entries_agreed(state, (tp_group, ep_group, expert_tp_group), with_checksums=True, extend=extend)
     entries = {name: entry for name, entry in entries.items() if not entry.optional}
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
@@ -123,7 +129,9 @@ def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata,
         del entries[name]
     missing = sorted(entries[n].module_name + ("" if n == entries[n].module_name else f" (stored as {n})")
                      for n in entries.keys() - stored.keys())
-    unexpected = sorted(n for n in stored.keys() - entries.keys() if layout.experts.holds(n))
+    # Optimizer items are checked by OptimizerRestore, and ignored by a load without optimizer=.
+    unexpected = sorted(n for n in stored.keys() - entries.keys()
+                        if layout.experts.holds(n) and not is_optimizer_item(n))
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match the module: missing {missing}, unexpected {unexpected}")
     for name, (module_name, local, spec, tp, _) in entries.items():
@@ -150,11 +158,16 @@ def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata,
                 f"{expected} (local {tuple(local.shape)} at tensor-parallel degree {tp.size})")
 
 
-def _loadable_metadata(entries: dict, layout: Layout, path: str) -> Metadata:
-    """The checkpoint's metadata, once the checkpoint at path is found loadable into entries."""
+def _loadable_metadata(entries: dict, layout: Layout, path: str, optimizer_restore=None) -> Metadata:
+    """The checkpoint's metadata, once the checkpoint at path is found loadable into entries (with the
+    optimizer's tensors added to them and its objects read, where there is an optimizer)."""
     metadata = read_metadata(path)
+    if optimizer_restore is not None:
+        entries.update(optimizer_restore.entries(entries, layout, metadata))
     _check_against_checkpoint(entries, layout, metadata, path)
     check_data_files(metadata, path)
+    if optimizer_restore is not None:
+        optimizer_restore.read_objects(metadata)
     return metadata
 
 
@@ -163,12 +176,16 @@ def _failures(exc: dcp.CheckpointException) -> str:
 
 
 def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
-                 staged: bool = False) -> None:
-    """Loads a save_sharded checkpoint into module at its (TP, EP) layout, in place or staged (module docstring)."""
+                 staged: bool = False, optimizer=None) -> None:
+    """Loads a save_sharded checkpoint into module at its (TP, EP) layout, in place or staged, and
+    into optimizer its state and hyperparameters (module docstring)."""
     _require_dependencies()
+    check_optimizer_type(optimizer)
     check_grouped_glu_not_interleaved(module)
-    entries, metadata = entries_agreed(module.state_dict(keep_vars=True), (tp_group, ep_group, expert_tp_group),
-                                        with_checksums=False, check=lambda *mine: _loadable_metadata(*mine, path))
+    state = module.state_dict(keep_vars=True)
+    restore = None if optimizer is None else OptimizerRestore(optimizer, state, path)
+    entries, metadata = entries_agreed(state, (tp_group, ep_group, expert_tp_group), with_checksums=False,
+                                        check=lambda *mine: _loadable_metadata(*mine, path, restore))
 
     loaded = _dcp_state(entries, torch.empty_like if staged else _alias)
     for name, entry in entries.items():
@@ -195,3 +212,5 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
                 module.get_submodule(owner).set_extra_state(loaded[name])
             elif staged:
                 entry.local.copy_(loaded[name])
+    if restore is not None:
+        restore.install(entries)
