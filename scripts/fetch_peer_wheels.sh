@@ -3,7 +3,7 @@
 # (Apple's Cut Cross-Entropy, Liger-Kernel) for Python 3.12 into wheelhouse/ (git-ignored), which
 # scripts/gpu_check.sh installs from on a GPU machine that reaches no registry. Send wheelhouse/
 # along with the checkout. Transformer Engine is no pure-Python wheel: it is benchmarked only where
-# the GPU machine already has it.
+# the GPU machine has it installed already.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PEER_WHEELS=(cut-cross-entropy liger-kernel)

@@ -24,8 +24,8 @@ def _seed():
 
 # Property tests (hypothesis) are reproducible in CI: derandomized (examples derived from the test
 # itself), no example database, no per-example deadline (the first call of an op builds its
-# thread pools). Each test sets its own small max_examples. The GPU machine has no hypothesis
-# (and no registry to install it from): there only the property tests are skipped.
+# thread pools). Each test sets its own small max_examples. Where hypothesis is not installed
+# (a GPU machine without a package registry, say), only the property tests are skipped.
 try:
     from hypothesis import HealthCheck, settings
 except ImportError:

@@ -18,7 +18,7 @@ from torch.testing import assert_close
 
 from fused_rl_ops.testing.distributed import run_distributed
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (the GPU machine has none)")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 from megatron.core.fusions.fused_bias_geglu import quick_gelu  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402

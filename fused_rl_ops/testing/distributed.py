@@ -26,7 +26,7 @@ def exit_rank():
     completes. When that is the last reference to a tensor Python made, freeing it takes the GIL, and
     if the rank is finalizing by then, CPython 3.12 ends the thread with pthread_exit, whose forced
     unwind meets a noexcept destructor: std::terminate, "terminate called without an active
-    exception", SIGABRT. Seen in CI after test_chosen_logprob_tp; a core's backtrace reads
+    exception", SIGABRT (it hit test_chosen_logprob_tp's ranks now and then); a core's backtrace reads
     ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> TensorImpl::decref_pyobject -> take_gil ->
     PyThread_exit_thread -> std::terminate. destroy_process_group() first would join gloo's threads
     only when nothing else holds the group, and torch itself holds groups past it (the default
