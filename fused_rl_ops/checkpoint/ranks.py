@@ -1,11 +1,18 @@
-"""What each rank holds under each stored name, and the one collective that checks the ranks agree.
+"""What each rank holds under each stored name, and the collectives that check the ranks agree.
+
+Groups left None come from megatron-core's parallel_state when a program initialised it; without it
+a world of more than one rank needs tp_group (the whole world taken as one TP group would store
+data-parallel replicas as shards of a tensor twice the size).
 
 Before a save, the ranks of each TP group must hold the same dense entries (those of each expert TP
 group the same expert entries) with the same specs, shapes and dtypes, tensors said to be replicated
-must have the same bytes there, and the ranks of each EP group must hold as many local experts. A
-load runs its own check of the checkpoint inside the same collective, so every rank raises together.
+must have the same bytes there, the ranks of each EP group must hold as many local experts, and
+ranks that store the same piece of an entry (data-parallel replicas; pipeline stages holding one
+name) must hold the same bytes: the checkpoint keeps one copy. A load then checks the checkpoint
+against every rank's entries, so every rank raises together.
 """
 import pickle
+import sys
 from typing import NamedTuple, Optional
 
 import torch
@@ -14,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from .experts import ExpertLayout, expert_prefix, is_extra_state
 from .sharding import ShardingMetadataError, ShardSpec, check_stride_divides, read_sharding
+from .stages import StageLayout
 
 __all__ = ["Entry", "Group", "Layout", "entries_agreed"]
 
@@ -49,28 +57,65 @@ class Layout(NamedTuple):
     expert_tp: Group  # expert tensors
     ep: Group
     experts: ExpertLayout
+    stage: StageLayout = StageLayout(1, None)
 
 
-def _layout(state: dict, tp_group, ep_group, expert_tp_group) -> Layout:
+def _initialised_parallel_state():
+    """megatron-core's parallel_state if a program imported and initialised it, else None (never
+    imported here: the package works without megatron-core)."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state
+
+
+def _default_groups(state: dict, tp_group, ep_group, expert_tp_group, pp_group) -> tuple:
+    """The groups given, those left None taken from megatron-core's parallel state (module docstring)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tp_group, ep_group, expert_tp_group, pp_group
+    parallel_state = _initialised_parallel_state()
+    if parallel_state is not None:
+        given = (tp_group, ep_group, expert_tp_group, pp_group)
+        defaults = (parallel_state.get_tensor_model_parallel_group, parallel_state.get_expert_model_parallel_group,
+                    parallel_state.get_expert_tensor_parallel_group, parallel_state.get_pipeline_model_parallel_group)
+        return tuple(default() if group is None else group for group, default in zip(given, defaults))
+    if tp_group is None:
+        experts = any(expert_prefix(name) is not None for name in state)
+        raise ValueError(
+            f"no tp_group given in a world of {dist.get_world_size()} ranks, and megatron-core's parallel_state "
+            "is not initialised to supply one: pass tp_group (the ranks that each hold one tensor-parallel shard; "
+            "a group of this rank alone when the ranks are data-parallel replicas), pp_group at pipeline "
+            "parallelism" + (", and ep_group / expert_tp_group for the experts" if experts else ""))
+    return tp_group, ep_group, expert_tp_group, pp_group
+
+
+def _layout(state: dict, tp_group, ep_group, expert_tp_group, pp_group=None, layer_numbers=None) -> Layout:
+    """layer_numbers: the module's numbered layers (stages.layer_numbers), None for a plain state dict."""
+    tp_group, ep_group, expert_tp_group, pp_group = _default_groups(state, tp_group, ep_group, expert_tp_group,
+                                                                    pp_group)
     tp = Group.of(dist.group.WORLD if tp_group is None else tp_group)
     expert_tp = tp if expert_tp_group is None else Group.of(expert_tp_group)
-    # Without expert parallelism every rank holds every expert: an EP group of its own.
+    # Without expert (pipeline) parallelism every rank holds every expert (layer): a group of its own.
     own_rank = dist.get_rank() if dist.is_initialized() else 0
     ep = Group(1, 0, (own_rank,)) if ep_group is None else Group.of(ep_group)
-    return Layout(tp, expert_tp, ep, ExpertLayout.of(state, ep.size, ep.rank))
+    pp_size = 1 if pp_group is None else Group.of(pp_group).size
+    stage = StageLayout(pp_size, layer_numbers)
+    in_global_layers = {stage.stored_name(name): value for name, value in state.items()}
+    return Layout(tp, expert_tp, ep, ExpertLayout.of(in_global_layers, ep.size, ep.rank), stage)
 
 
 def _local_entries(state: dict, layout: Layout) -> dict:
-    """stored name -> Entry (expert tensors under their global expert index)."""
+    """stored name -> Entry (layers under their global number, expert tensors under their global expert index)."""
     entries = {}
     for name, value in state.items():
-        stored = layout.experts.stored_name(name)
+        in_global_layer = layout.stage.stored_name(name)
+        stored = layout.experts.stored_name(in_global_layer)
         tp = layout.tp if expert_prefix(name) is None else layout.expert_tp
         optional = layout.experts.carries_nothing(name, value)
         if not isinstance(value, torch.Tensor):
             entries[stored] = Entry(name, value, None, tp, optional)
             continue
-        spec = layout.experts.sharding(name, read_sharding(value, name))
+        spec = layout.experts.sharding(in_global_layer, read_sharding(value, name))
         local = value
         if isinstance(value, DTensor):
             if value.device_mesh.size() != tp.size:
@@ -107,7 +152,7 @@ class _Held(NamedTuple):
     layout: object  # "object", "replicated" or (dim, stride)
     shape: Optional[tuple] = None
     dtype: Optional[str] = None
-    checksum: Optional[tuple] = None  # of replicated tensors and of objects (pickled), when saving
+    checksum: Optional[tuple] = None  # of tensors and of objects (pickled), when saving
 
 
 def _held(entries: dict, with_checksums: bool) -> dict:
@@ -119,11 +164,10 @@ def _held(entries: dict, with_checksums: bool) -> dict:
             if with_checksums:
                 checksum = _replica_checksum(torch.frombuffer(bytearray(pickle.dumps(local)), dtype=torch.uint8))
             held[name] = _Held("object", checksum=checksum)
-        elif spec.sharded:
-            held[name] = _Held((spec.dim, spec.stride), tuple(local.shape), str(local.dtype))
         else:
             checksum = _replica_checksum(local) if with_checksums else None
-            held[name] = _Held("replicated", tuple(local.shape), str(local.dtype), checksum)
+            layout = (spec.dim, spec.stride) if spec.sharded else "replicated"
+            held[name] = _Held(layout, tuple(local.shape), str(local.dtype), checksum)
     return held
 
 
@@ -166,16 +210,34 @@ def _check_ranks_agree(held_by_rank: list, ranks: tuple, kind: str):
                 raise ShardingMetadataError(
                     f"{name}: {kind} ranks disagree on (layout, local shape, dtype): "
                     f"rank {first} has {mine[:3]}, rank {rank} has {theirs[:3]}")
-            if mine.checksum != theirs.checksum:
+            if not isinstance(mine.layout, tuple) and mine.checksum != theirs.checksum:  # a shard's differ
                 raise ShardingMetadataError(
                     f"{name}: claims to be replicated but its bytes differ between {kind} ranks {first} "
                     f"and {rank}; a sharded tensor labelled replicated would be saved from one rank only")
 
 
+def _check_replicas_agree(gathered: list):
+    """Ranks that store the same piece of an entry (the same TP rank's shard, or all of a replicated
+    tensor or object) hold the same layout, shape, dtype and (when saving) bytes."""
+    first_holder = {}
+    for rank, (_, held, layout) in enumerate(gathered):
+        for name, mine in held.items():
+            tp = layout.tp if expert_prefix(name) is None else layout.expert_tp
+            piece = (name, tp.rank) if isinstance(mine.layout, tuple) else (name, None)
+            other, theirs = first_holder.setdefault(piece, (rank, mine))
+            if theirs != mine:
+                held_piece = "it" if piece[1] is None else f"its tensor-parallel shard {tp.rank}"
+                differ = "bytes" if theirs._replace(checksum=None) == mine._replace(checksum=None) else (
+                    f"(layout, local shape, dtype): {theirs[:3]} and {mine[:3]}")
+                raise ValueError(
+                    f"{name}: ranks {other} and {rank} both hold {held_piece} (as data-parallel replicas, or "
+                    f"pipeline stages holding one name) but with different {differ}; a checkpoint keeps one copy")
+
+
 def _check_layouts_agree(gathered: list):
     """Dense entries agree within each TP group, expert entries within each expert TP group (ranks
-    of one TP group at different EP ranks hold different experts), and the ranks of each EP group
-    hold as many experts in each experts module."""
+    of one TP group at different EP ranks hold different experts), the ranks of each EP group
+    hold as many experts in each experts module, and replicas agree (_check_replicas_agree)."""
     held = [h for _, h, _ in gathered]
     dense = [{n: v for n, v in h.items() if expert_prefix(n) is None} for h in held]
     expert = [{n: v for n, v in h.items() if expert_prefix(n) is not None} for h in held]
@@ -187,24 +249,33 @@ def _check_layouts_agree(gathered: list):
         counts = [gathered[r][2].experts.local_counts for r in ranks]
         if any(c != counts[0] for c in counts):
             raise ValueError(f"expert-parallel ranks {ranks} hold different numbers of local experts: {counts}")
+    _check_replicas_agree(gathered)
 
 
-def entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None) -> tuple:
-    """(stored name -> Entry, what check returned) once every rank has read its specs, passed
-    check(entries, layout) (which raises ValueError or OSError when this rank cannot go on) and
-    agrees with the ranks of its groups (_check_layouts_agree). One collective exchanges all of it,
-    and every rank checks every group, so all raise together and none is left waiting in a later
-    collective."""
-    entries, held, layout, checked, error = None, None, None, None, None
+def entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None, layer_numbers=None) -> tuple:
+    """(stored name -> Entry, what check returned) once every rank has read its specs and agrees
+    with the ranks of its groups (_check_layouts_agree), and then passed check(entries, layout,
+    held_anywhere) (the stored names some rank holds; check raises ValueError or OSError when this
+    rank cannot go on). groups: (tp, ep, expert_tp[, pp]); layer_numbers: stages.layer_numbers of
+    the module. Each step's errors are exchanged in one collective and every rank checks every
+    group, so all raise together and none is left waiting in a later collective."""
+    entries, held, layout, error = None, None, None, None
     try:
-        layout = _layout(state, *groups)
+        layout = _layout(state, *groups, layer_numbers=layer_numbers)
         entries = _local_entries(state, layout)
         held = _held(entries, with_checksums)
-        checked = check(entries, layout) if check else None
     except (ValueError, OSError) as exc:
         error = exc
     gathered = _gather_from_all_ranks((error, held, layout))
     if all(h is not None for _, h, _ in gathered):
         _check_layouts_agree(gathered)
     _raise_first_error(error, [e for e, _, _ in gathered])
+    if check is None:
+        return entries, None
+    checked, error = None, None
+    try:
+        checked = check(entries, layout, set().union(*(h.keys() for _, h, _ in gathered)))
+    except (ValueError, OSError) as exc:
+        error = exc
+    _raise_first_error(error, _gather_from_all_ranks(error))
     return entries, checked

@@ -3,8 +3,12 @@
 Every entry is stored as its logical global tensor (a stride-2 GLU fc1 as `[W ; V]`, from its
 ShardSpec), expert tensors under their global expert index (experts.py), so a checkpoint loads at
 any (TP, EP, expert TP) layout whose degrees divide the sharded dims and the expert count, and plain
-`dcp.load` of a full tensor reads the real weight. Groups: `tp_group` for dense tensors (None: the
-default group), `ep_group` (None: no expert parallelism), `expert_tp_group` (None: `tp_group`).
+`dcp.load` of a full tensor reads the real weight. A module's layers are stored under their global
+number (stages.py), so it also loads at any pipeline degree. Groups: `tp_group` for dense tensors,
+`ep_group`, `expert_tp_group` for experts, `pp_group` (the pipeline stages); those left None come
+from megatron-core's parallel_state when it is initialised, else: the world for tp_group where it is
+one rank (more ranks need a tp_group), no expert or pipeline parallelism, `expert_tp_group` =
+`tp_group`. Data-parallel replicas must hold the same bytes (checked) and are stored once.
 
 Both check first, in one collective (ranks.py); a load checks the checkpoint against the module
 (names, global shapes, dtypes, divisibility, expert counts, data files), so such errors leave the
@@ -25,6 +29,7 @@ from .experts import check_expert_counts, check_grouped_glu_not_interleaved, is_
 from .integrity import ChecksummedReader, ChecksummedWriter, check_data_files, read_metadata, require_xxhash
 from .ranks import Layout, entries_agreed
 from .sharding import ShardSpec, global_shape
+from .stages import layer_numbers
 
 __all__ = ["load_sharded", "save_sharded"]
 
@@ -80,10 +85,12 @@ def _dcp_state(entries: dict, make_buffer) -> dict:
     return state
 
 
-def _state_of(module_or_state_dict) -> dict:
+def _state_of(module_or_state_dict) -> tuple:
+    """(the state dict, the module's numbered layers or None for a plain state dict)."""
     if isinstance(module_or_state_dict, torch.nn.Module):
-        return module_or_state_dict.state_dict(keep_vars=True)  # keep_vars: Parameters keep their attributes
-    return dict(module_or_state_dict)
+        # keep_vars: Parameters keep their attributes
+        return module_or_state_dict.state_dict(keep_vars=True), layer_numbers(module_or_state_dict)
+    return dict(module_or_state_dict), None
 
 
 class _SavePlanner(dcp.DefaultSavePlanner):
@@ -101,27 +108,30 @@ class _SavePlanner(dcp.DefaultSavePlanner):
 
 
 def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, *, tp_group=None, ep_group=None,
-                 expert_tp_group=None) -> None:
-    """Saves each entry as its logical global tensor with DCP (see the module docstring)."""
+                 expert_tp_group=None, pp_group=None) -> None:
+    """Saves each entry as its logical global tensor with DCP (see the module docstring). A plain
+    state dict at pipeline degree > 1 is refused: its layer names do not say which layers they are."""
     _require_dependencies()
     if isinstance(module_or_state_dict, torch.nn.Module):
         check_grouped_glu_not_interleaved(module_or_state_dict)
-    entries, _ = entries_agreed(_state_of(module_or_state_dict), (tp_group, ep_group, expert_tp_group),
-                                 with_checksums=True)
+    state, layers = _state_of(module_or_state_dict)
+    entries, _ = entries_agreed(state, (tp_group, ep_group, expert_tp_group, pp_group), with_checksums=True,
+                                layer_numbers=layers)
     entries = {name: entry for name, entry in entries.items() if not entry.optional}
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
 
 
-def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata, path: str):
-    """Raises where the checkpoint does not fit entries; removes the optional entries it lacks."""
+def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata, path: str, held_anywhere: set):
+    """Raises where the checkpoint does not fit entries (held_anywhere: what all ranks hold); removes
+    the optional entries it lacks."""
     stored = metadata.state_dict_metadata
-    check_expert_counts(stored.keys(), layout.experts, path)
+    check_expert_counts([n for n in stored.keys() if layout.stage.holds(n)], layout.experts, path)
     for name in [n for n, entry in entries.items() if entry.optional and n not in stored]:
         del entries[name]
     missing = sorted(entries[n].module_name + ("" if n == entries[n].module_name else f" (stored as {n})")
                      for n in entries.keys() - stored.keys())
-    unexpected = sorted(n for n in stored.keys() - entries.keys() if layout.experts.holds(n))
+    unexpected = sorted(stored.keys() - held_anywhere)
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match the module: missing {missing}, unexpected {unexpected}")
     for name, (module_name, local, spec, tp, _) in entries.items():
@@ -148,10 +158,10 @@ def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata,
                 f"{expected} (local {tuple(local.shape)} at tensor-parallel degree {tp.size})")
 
 
-def _loadable_metadata(entries: dict, layout: Layout, path: str) -> Metadata:
+def _loadable_metadata(entries: dict, layout: Layout, held_anywhere: set, path: str) -> Metadata:
     """The checkpoint's metadata, once the checkpoint at path is found loadable into entries."""
     metadata = read_metadata(path)
-    _check_against_checkpoint(entries, layout, metadata, path)
+    _check_against_checkpoint(entries, layout, metadata, path, held_anywhere)
     check_data_files(metadata, path)
     return metadata
 
@@ -161,12 +171,14 @@ def _failures(exc: dcp.CheckpointException) -> str:
 
 
 def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
-                 staged: bool = False) -> None:
-    """Loads a save_sharded checkpoint into module at its (TP, EP) layout, in place or staged (module docstring)."""
+                 pp_group=None, staged: bool = False) -> None:
+    """Loads a save_sharded checkpoint into module at its (TP, EP, PP) layout, in place or staged (module
+    docstring); every data-parallel replica reads its own copy."""
     _require_dependencies()
     check_grouped_glu_not_interleaved(module)
-    entries, metadata = entries_agreed(module.state_dict(keep_vars=True), (tp_group, ep_group, expert_tp_group),
-                                        with_checksums=False, check=lambda *mine: _loadable_metadata(*mine, path))
+    state, layers = _state_of(module)
+    entries, metadata = entries_agreed(state, (tp_group, ep_group, expert_tp_group, pp_group), with_checksums=False,
+                                        check=lambda *mine: _loadable_metadata(*mine, path), layer_numbers=layers)
 
     loaded = _dcp_state(entries, torch.empty_like if staged else _alias)
     for name, entry in entries.items():
