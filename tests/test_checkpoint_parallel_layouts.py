@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from fused_rl_ops.checkpoint import load_sharded, save_sharded
-from fused_rl_ops.testing.checkpoint import (LAYOUT, Toy, add_parameter, assert_all_differ, assert_all_same, gathered_logical,
-                                             global_layer_name, logical_state, partition_of, perturb, reference_shard,
-                                             same_bits, stored_items, tp_group_of_size)
+from fused_rl_ops.testing.checkpoint import (LAYOUT, Toy, add_parameter, assert_all_differ, assert_all_same,
+                                             global_layer_name, logical_state, partition_of, perturb, random_bits,
+                                             reference_shard, reference_unshard, same_bits, stored_items,
+                                             tp_group_of_size)
 from fused_rl_ops.testing.distributed import run_distributed
 
 pytestmark = pytest.mark.usefixtures("checkpoint_dependencies")
@@ -81,15 +82,66 @@ def _replicas(rank, world_size, root):
             save_sharded(differing, f"{root}/differing", tp_group=singles)
         assert not os.path.exists(f"{root}/differing/.metadata")
 
+    _stages_with_experts(rank, root, singles)
+
+
+# --- numbered layers with experts across 2 pipeline stages, without megatron-core ------------------
+
+def _layer_values(layer, seed):
+    """A layer's tensors by its global index: a norm and two experts' weights."""
+    names = ["norm.weight"] + [f"mlp.experts.local_experts.{e}.linear_fc1.weight" for e in range(2)]
+    return {name: random_bits((4, 3), torch.float32, seed * 100 + layer * 10 + i) for i, name in enumerate(names)}
+
+
+class _Stack(torch.nn.Module):
+    """decoder.layers: the given consecutive global layers, each marked with megatron-core's 1-based, global
+    layer_number; an embedding on the stage holding layer 0."""
+
+    def __init__(self, layers, seed):
+        super().__init__()
+        self.first_layer = layers[0]
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList()
+        for layer in layers:
+            module = torch.nn.Module()
+            module.layer_number = layer + 1
+            for name, value in _layer_values(layer, seed).items():
+                add_parameter(module, name, value, {})
+            self.decoder.layers.append(module)
+        if 0 in layers:
+            add_parameter(self, "embedding.weight", random_bits((5, 3), torch.float32, seed), {})
+
+    def by_global_name(self):
+        """The test's own numbering: the stage's layers are consecutive from its first."""
+        return {global_layer_name(name, self.first_layer): t for name, t in self.state_dict().items()}
+
+
+def _assert_stack_loads(target, expected, path, **groups):
+    wanted = expected.by_global_name()
+    assert all(not same_bits(t, wanted[name]) for name, t in target.by_global_name().items())
+    load_sharded(target, path, **groups)
+    assert all(same_bits(t, wanted[name]) for name, t in target.by_global_name().items())
+
+
+def _stages_with_experts(rank, root, singles):
+    """Stage r holds global layer r (its experts as local_experts.0, .1 of decoder.layers.0)."""
+    stages = dict(tp_group=singles, pp_group=dist.group.WORLD)
+    save_sharded(_Stack([rank], seed=1), f"{root}/stack_pp2", **stages)
+    _assert_stack_loads(_Stack([0, 1], seed=2), _Stack([0, 1], seed=1), f"{root}/stack_pp2", tp_group=singles)
+    save_sharded(_Stack([0, 1], seed=3), f"{root}/stack_pp1", tp_group=singles)
+    _assert_stack_loads(_Stack([rank], seed=2), _Stack([rank], seed=3), f"{root}/stack_pp1", **stages)
+
 
 def test_data_parallel_replicas_are_stored_once_and_load_at_world_one(tmp_path):
     """TP 1 x DP 2: the stored tensors have the model's shapes, each piece is stored once, and the
     checkpoint loads bit for bit in this process (world 1). No group given in a multi-rank world
-    without parallel_state, and replicas that differ, are refused."""
+    without parallel_state, and replicas that differ, are refused. Numbered layers with experts saved
+    from 2 pipeline stages load at PP 1 (here and at DP 2), and back at PP 2."""
     run_distributed(_replicas, 2, str(tmp_path))
     original = logical_state(seed=1)
     _load_and_compare(Toy(logical_state(seed=2), 1, 0, step=0), Toy(original, 1, 0, step=7),
                       str(tmp_path / "replicas"))
+    _assert_stack_loads(_Stack([0, 1], seed=2), _Stack([0, 1], seed=1), str(tmp_path / "stack_pp2"))
 
 
 # --- TP 2 x DP 2 on 4 ranks, loaded at TP 1 and TP 4 (with the GPTModel check) ---------------------
@@ -113,9 +165,10 @@ def _tp2_dp2(rank, root):
 NUM_LAYERS = 4
 
 
-def _stage_model(tp, pp, seed):
+def _stage_model(tp, pp, seed, tied=False):
     """The GPTModel stage of this rank at (tp, pp) (the rest data-parallel), its values perturbed by
-    global name and TP rank; (model, its first global layer), the offset by the test's own rule."""
+    global name and TP rank; (model, its first global layer), the offset by the test's own rule.
+    tied: tied embeddings, the last stage's copy made equal to the first's as megatron-core does it."""
     from megatron.core import parallel_state as ps
     from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config, tiny_model
     import torch.nn.functional as F
@@ -123,9 +176,14 @@ def _stage_model(tp, pp, seed):
     set_parallel_degrees(tp=tp, pp=pp)
     config = tiny_config(num_layers=NUM_LAYERS, pipeline_dtype=torch.float32, gated_linear_unit=True,
                          activation_func=F.silu, add_bias_linear=True)
-    model = tiny_model("gpt", config, seed=seed)
+    model = tiny_model("gpt", config, seed=seed, tied_embeddings=tied)
     offset = ps.get_pipeline_model_parallel_rank() * NUM_LAYERS // pp
     perturb(model, ps.get_tensor_model_parallel_rank(), seed, layer_offset=offset)
+    if tied and pp > 1 and ps.is_rank_in_embedding_group():
+        weight = model.shared_embedding_or_output_weight().data
+        if not ps.is_pipeline_first_stage():
+            weight.zero_()
+        dist.all_reduce(weight, group=ps.get_embedding_group())
     return model, offset
 
 
@@ -152,7 +210,6 @@ def _expected_shards(model, offset, shards, partitions, saved_tp):
     """What each of the model's parameters must hold after a load from the pipeline that held
     shards at TP degree saved_tp: the logical tensor (test's reference unshard) split at this TP rank."""
     from megatron.core import parallel_state as ps
-    from fused_rl_ops.testing.checkpoint import reference_unshard
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     expected = {}
@@ -210,13 +267,41 @@ def _pipeline(rank, root):
     assert not os.path.exists(f"{root}/state_dict/.metadata") and not os.path.exists(f"{root}/unnumbered/.metadata")
 
 
+def _tied_pipeline(rank, root):
+    """Tied embeddings at PP 2: the last stage's copy of the word embeddings is stored once, under the
+    embedding's name (checked equal to the first stage's), so the checkpoint loads at PP 1 and back."""
+    from megatron.core import parallel_state as ps
+
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # megatron-core moves the tied copy to CUDA to sync it
+    stage, offset = _stage_model(tp=1, pp=2, seed=4, tied=True)
+    shards, partitions = _every_stage(stage, offset)
+    save_sharded(stage, f"{root}/tied_pp2")
+    assert {n for n in _stored_shapes(f"{root}/tied_pp2") if "_extra_state" not in n} == set(partitions) - {
+        "output_layer.weight"}
+    whole, _ = _stage_model(tp=1, pp=1, seed=5, tied=True)
+    _assert_loads(whole, _expected_shards(whole, 0, shards, partitions, saved_tp=1), f"{root}/tied_pp2")
+    save_sharded(whole, f"{root}/tied_pp1")
+    back, back_offset = _stage_model(tp=1, pp=2, seed=6, tied=True)
+    _assert_loads(back, _expected_shards(back, back_offset, shards, partitions, saved_tp=1), f"{root}/tied_pp1")
+
+    # A last stage whose copy drifted from the first stage's is refused, not stored from one of them.
+    if ps.is_pipeline_last_stage():
+        with torch.no_grad():
+            back.output_layer.weight.view(torch.int32)[0] ^= 1
+    drifted = r"embedding.word_embeddings.weight: ranks \d and \d both hold .* different bytes"
+    with pytest.raises(ValueError, match=drifted):
+        save_sharded(back, f"{root}/drifted")
+
+
 def _four_ranks(rank, world_size, root):
     _tp2_dp2(rank, f"{root}/toy")
     _pipeline(rank, f"{root}/gpt")
+    _tied_pipeline(rank, f"{root}/gpt")
 
 
 def test_tp_dp_and_pipeline_layouts_on_four_ranks(tmp_path):
     """TP 2 x DP 2 loaded at TP 1, TP 4 and TP 2; a 4-layer GPTModel saved at TP 2 x PP 2 (groups
     from megatron-core's parallel_state), loaded at PP 1 (TP 2 x DP 2) with every layer at its global
-    place, saved there and loaded back at PP 2 (TP 1 x DP 2 and TP 2). One spawned run."""
+    place, saved there and loaded back at PP 2 (TP 1 x DP 2 and TP 2); the same with tied embeddings
+    at TP 1. One spawned run."""
     run_distributed(_four_ranks, 4, str(tmp_path))

@@ -57,7 +57,7 @@ class Layout(NamedTuple):
     expert_tp: Group  # expert tensors
     ep: Group
     experts: ExpertLayout
-    stage: StageLayout = StageLayout(1, None)
+    stage: StageLayout = StageLayout(1)
 
 
 def _initialised_parallel_state():
@@ -89,8 +89,8 @@ def _default_groups(state: dict, tp_group, ep_group, expert_tp_group, pp_group) 
     return tp_group, ep_group, expert_tp_group, pp_group
 
 
-def _layout(state: dict, tp_group, ep_group, expert_tp_group, pp_group=None, layer_numbers=None) -> Layout:
-    """layer_numbers: the module's numbered layers (stages.layer_numbers), None for a plain state dict."""
+def _layout(state: dict, tp_group, ep_group, expert_tp_group, pp_group=None, module=None) -> Layout:
+    """module: the module whose state this is (None: a plain state dict)."""
     tp_group, ep_group, expert_tp_group, pp_group = _default_groups(state, tp_group, ep_group, expert_tp_group,
                                                                     pp_group)
     tp = Group.of(dist.group.WORLD if tp_group is None else tp_group)
@@ -99,7 +99,7 @@ def _layout(state: dict, tp_group, ep_group, expert_tp_group, pp_group=None, lay
     own_rank = dist.get_rank() if dist.is_initialized() else 0
     ep = Group(1, 0, (own_rank,)) if ep_group is None else Group.of(ep_group)
     pp_size = 1 if pp_group is None else Group.of(pp_group).size
-    stage = StageLayout(pp_size, layer_numbers)
+    stage = StageLayout.of(module, pp_size)
     in_global_layers = {stage.stored_name(name): value for name, value in state.items()}
     return Layout(tp, expert_tp, ep, ExpertLayout.of(in_global_layers, ep.size, ep.rank), stage)
 
@@ -252,16 +252,17 @@ def _check_layouts_agree(gathered: list):
     _check_replicas_agree(gathered)
 
 
-def entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None, layer_numbers=None) -> tuple:
+def entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None, module=None) -> tuple:
     """(stored name -> Entry, what check returned) once every rank has read its specs and agrees
     with the ranks of its groups (_check_layouts_agree), and then passed check(entries, layout,
     held_anywhere) (the stored names some rank holds; check raises ValueError or OSError when this
-    rank cannot go on). groups: (tp, ep, expert_tp[, pp]); layer_numbers: stages.layer_numbers of
-    the module. Each step's errors are exchanged in one collective and every rank checks every
-    group, so all raise together and none is left waiting in a later collective."""
+    rank cannot go on). groups: (tp, ep, expert_tp[, pp]); module: the module whose state this is
+    (its layers' global numbers come from it), None for a plain state dict. Each step's errors are
+    exchanged in one collective and every rank checks every group, so all raise together and none is
+    left waiting in a later collective."""
     entries, held, layout, error = None, None, None, None
     try:
-        layout = _layout(state, *groups, layer_numbers=layer_numbers)
+        layout = _layout(state, *groups, module=module)
         entries = _local_entries(state, layout)
         held = _held(entries, with_checksums)
     except (ValueError, OSError) as exc:

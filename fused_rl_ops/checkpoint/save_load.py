@@ -29,7 +29,6 @@ from .experts import check_expert_counts, check_grouped_glu_not_interleaved, is_
 from .integrity import ChecksummedReader, ChecksummedWriter, check_data_files, read_metadata, require_xxhash
 from .ranks import Layout, entries_agreed
 from .sharding import ShardSpec, global_shape
-from .stages import layer_numbers
 
 __all__ = ["load_sharded", "save_sharded"]
 
@@ -85,12 +84,10 @@ def _dcp_state(entries: dict, make_buffer) -> dict:
     return state
 
 
-def _state_of(module_or_state_dict) -> tuple:
-    """(the state dict, the module's numbered layers or None for a plain state dict)."""
+def _state_of(module_or_state_dict) -> dict:
     if isinstance(module_or_state_dict, torch.nn.Module):
-        # keep_vars: Parameters keep their attributes
-        return module_or_state_dict.state_dict(keep_vars=True), layer_numbers(module_or_state_dict)
-    return dict(module_or_state_dict), None
+        return module_or_state_dict.state_dict(keep_vars=True)  # keep_vars: Parameters keep their attributes
+    return dict(module_or_state_dict)
 
 
 class _SavePlanner(dcp.DefaultSavePlanner):
@@ -114,9 +111,9 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
     _require_dependencies()
     if isinstance(module_or_state_dict, torch.nn.Module):
         check_grouped_glu_not_interleaved(module_or_state_dict)
-    state, layers = _state_of(module_or_state_dict)
-    entries, _ = entries_agreed(state, (tp_group, ep_group, expert_tp_group, pp_group), with_checksums=True,
-                                layer_numbers=layers)
+    module = module_or_state_dict if isinstance(module_or_state_dict, torch.nn.Module) else None
+    entries, _ = entries_agreed(_state_of(module_or_state_dict), (tp_group, ep_group, expert_tp_group, pp_group),
+                                with_checksums=True, module=module)
     entries = {name: entry for name, entry in entries.items() if not entry.optional}
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
@@ -176,9 +173,9 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
     docstring); every data-parallel replica reads its own copy."""
     _require_dependencies()
     check_grouped_glu_not_interleaved(module)
-    state, layers = _state_of(module)
-    entries, metadata = entries_agreed(state, (tp_group, ep_group, expert_tp_group, pp_group), with_checksums=False,
-                                        check=lambda *mine: _loadable_metadata(*mine, path), layer_numbers=layers)
+    entries, metadata = entries_agreed(module.state_dict(keep_vars=True), (tp_group, ep_group, expert_tp_group,
+                                        pp_group), with_checksums=False,
+                                        check=lambda *mine: _loadable_metadata(*mine, path), module=module)
 
     loaded = _dcp_state(entries, torch.empty_like if staged else _alias)
     for name, entry in entries.items():

@@ -5,23 +5,25 @@ stage of a 4-layer, 2-stage megatron-core model). Each element of a numbered lay
 (`<p>layers.<i>`) that carries megatron-core's `layer_number` (1-based, global: TransformerLayer,
 HybridStack's layers, MTP layers) is stored as `<p>layers.<layer_number - 1>`, so a checkpoint
 loads at any pipeline degree. Modules outside the layer lists (embedding on the first stage,
-output layer and final norm on the last) keep their names. At pipeline degree > 1 a layer without
-`layer_number`, or a plain state dict (whose names say nothing of the stage), cannot be placed and
-is refused.
+output layer and final norm on the last) keep their names. With tied embeddings a last stage
+without the embedding holds its own copy of the word embeddings as `output_layer.weight` (megatron-
+core keeps the copies equal); it is stored once, under the embedding's name. At pipeline degree > 1
+a layer without `layer_number`, or a plain state dict (whose names say nothing of the stage), cannot
+be placed and is refused.
 """
 import re
 from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["StageLayout", "layer_numbers"]
+__all__ = ["StageLayout"]
 
 # The outermost numbered layer a name lies in: `decoder.layers.3.mlp.experts.local_experts.1.x` is in
 # `decoder.layers.3` (the lazy prefix stops at the first `layers.<i>.`).
 _LAYER_NAME = re.compile(r"^(?P<layers>(?:.*?\.)?layers)\.(?P<index>\d+)(?P<rest>\..+)$")
 
 
-def layer_numbers(module: torch.nn.Module) -> dict:
+def _layer_numbers(module: torch.nn.Module) -> dict:
     """`<p>layers.<i>` -> global layer index, for each numbered layer of module with an int
     layer_number; raises where two layers of one list claim the same global number."""
     numbers = {}
@@ -38,16 +40,40 @@ def layer_numbers(module: torch.nn.Module) -> dict:
     return numbers
 
 
+def _tied_output_weights(module: torch.nn.Module) -> dict:
+    """{a last stage's output weight: the word embeddings it is a copy of}, for each megatron-core
+    LanguageModule with tied embeddings whose stage does not hold the embedding."""
+    tied = {}
+    for name, sub in module.named_modules():
+        output_weight = getattr(getattr(sub, "output_layer", None), "weight", None)
+        if (getattr(sub, "share_embeddings_and_output_weights", False) and getattr(sub, "post_process", False)
+                and not hasattr(sub, "embedding") and isinstance(output_weight, torch.nn.Parameter)):
+            prefix = f"{name}." if name else ""
+            tied[f"{prefix}output_layer.weight"] = f"{prefix}embedding.word_embeddings.weight"
+    return tied
+
+
 class StageLayout(NamedTuple):
-    """This rank's pipeline stage: the degree, and the global index of each of its numbered layers
-    (None for a plain state dict)."""
+    """This rank's pipeline stage: the degree, the global index of each of its numbered layers
+    (None for a plain state dict) and its tied output weights."""
 
     pp_size: int
-    layers: Optional[dict]
+    layers: Optional[dict] = None
+    tied: dict = {}
+
+    @classmethod
+    def of(cls, module: Optional[torch.nn.Module], pp_size: int) -> "StageLayout":
+        """The stage of module (None: a plain state dict) at pipeline degree pp_size."""
+        if module is None:
+            return cls(pp_size)
+        return cls(pp_size, _layer_numbers(module), _tied_output_weights(module))
 
     def stored_name(self, name: str) -> str:
-        """name with its layer's local index replaced by the global one; raises where it lies in a
-        numbered layer whose global number is unknown at pipeline degree > 1."""
+        """name with its layer's local index replaced by the global one (a tied output weight: the
+        embedding's name); raises where it lies in a numbered layer whose global number is unknown at
+        pipeline degree > 1."""
+        if name in self.tied:
+            return self.tied[name]
         match = _LAYER_NAME.match(name)
         if not match:
             return name
