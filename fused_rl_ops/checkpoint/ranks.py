@@ -8,8 +8,9 @@ Before a save, the ranks of each TP group must hold the same dense entries (thos
 group the same expert entries) with the same specs, shapes and dtypes, tensors said to be replicated
 must have the same bytes there, the ranks of each EP group must hold as many local experts, and
 ranks that store the same piece of an entry (data-parallel replicas; pipeline stages holding one
-name) must hold the same bytes: the checkpoint keeps one copy. A load then checks the checkpoint
-against every rank's entries, so every rank raises together.
+name) must hold the same bytes: the checkpoint keeps one copy (a second collective exchanges the
+checksums of such shards). A load then checks the checkpoint against every rank's entries, so every
+rank raises together.
 """
 import pickle
 import sys
@@ -152,7 +153,8 @@ class _Held(NamedTuple):
     layout: object  # "object", "replicated" or (dim, stride)
     shape: Optional[tuple] = None
     dtype: Optional[str] = None
-    checksum: Optional[tuple] = None  # of tensors and of objects (pickled), when saving
+    checksum: Optional[tuple] = None  # of replicated tensors and objects (pickled) when saving; of shards
+    # only where another rank holds the same one (_with_shard_checksums)
 
 
 def _held(entries: dict, with_checksums: bool) -> dict:
@@ -164,10 +166,11 @@ def _held(entries: dict, with_checksums: bool) -> dict:
             if with_checksums:
                 checksum = _replica_checksum(torch.frombuffer(bytearray(pickle.dumps(local)), dtype=torch.uint8))
             held[name] = _Held("object", checksum=checksum)
+        elif spec.sharded:
+            held[name] = _Held((spec.dim, spec.stride), tuple(local.shape), str(local.dtype))
         else:
             checksum = _replica_checksum(local) if with_checksums else None
-            layout = (spec.dim, spec.stride) if spec.sharded else "replicated"
-            held[name] = _Held(layout, tuple(local.shape), str(local.dtype), checksum)
+            held[name] = _Held("replicated", tuple(local.shape), str(local.dtype), checksum)
     return held
 
 
@@ -210,28 +213,52 @@ def _check_ranks_agree(held_by_rank: list, ranks: tuple, kind: str):
                 raise ShardingMetadataError(
                     f"{name}: {kind} ranks disagree on (layout, local shape, dtype): "
                     f"rank {first} has {mine[:3]}, rank {rank} has {theirs[:3]}")
-            if not isinstance(mine.layout, tuple) and mine.checksum != theirs.checksum:  # a shard's differ
+            if mine.checksum != theirs.checksum:
                 raise ShardingMetadataError(
                     f"{name}: claims to be replicated but its bytes differ between {kind} ranks {first} "
                     f"and {rank}; a sharded tensor labelled replicated would be saved from one rank only")
 
 
-def _check_replicas_agree(gathered: list):
-    """Ranks that store the same piece of an entry (the same TP rank's shard, or all of a replicated
-    tensor or object) hold the same layout, shape, dtype and (when saving) bytes."""
-    first_holder = {}
+def _holders(gathered: list) -> dict:
+    """(stored name, TP rank of a shard or None for a whole tensor or object) -> the ranks holding
+    that piece, in rank order."""
+    holders = {}
     for rank, (_, held, layout) in enumerate(gathered):
         for name, mine in held.items():
             tp = layout.tp if expert_prefix(name) is None else layout.expert_tp
-            piece = (name, tp.rank) if isinstance(mine.layout, tuple) else (name, None)
-            other, theirs = first_holder.setdefault(piece, (rank, mine))
-            if theirs != mine:
-                held_piece = "it" if piece[1] is None else f"its tensor-parallel shard {tp.rank}"
-                differ = "bytes" if theirs._replace(checksum=None) == mine._replace(checksum=None) else (
-                    f"(layout, local shape, dtype): {theirs[:3]} and {mine[:3]}")
+            holders.setdefault((name, tp.rank if isinstance(mine.layout, tuple) else None), []).append(rank)
+    return holders
+
+
+def _check_replicas_agree(gathered: list):
+    """Ranks that hold the same piece of an entry hold the same layout, shape, dtype and (where
+    computed) bytes."""
+    for (name, tp_rank), ranks in _holders(gathered).items():
+        first = gathered[ranks[0]][1][name]
+        for rank in ranks[1:]:
+            mine = gathered[rank][1][name]
+            if mine != first:
+                piece = "it" if tp_rank is None else f"its tensor-parallel shard {tp_rank}"
+                differ = "bytes" if first._replace(checksum=None) == mine._replace(checksum=None) else (
+                    f"(layout, local shape, dtype): {first[:3]} and {mine[:3]}")
                 raise ValueError(
-                    f"{name}: ranks {other} and {rank} both hold {held_piece} (as data-parallel replicas, or "
+                    f"{name}: ranks {ranks[0]} and {rank} both hold {piece} (as data-parallel replicas, or "
                     f"pipeline stages holding one name) but with different {differ}; a checkpoint keeps one copy")
+
+
+def _with_shard_checksums(gathered: list, entries: dict) -> list:
+    """gathered with the checksums of the shards that more than one rank holds (data-parallel
+    replicas), exchanged in a second collective where there are any: computing a checksum costs
+    several times writing the tensor, so shards that one rank holds alone get none."""
+    shared = {(name, tp_rank): ranks for (name, tp_rank), ranks in _holders(gathered).items()
+              if tp_rank is not None and len(ranks) > 1}
+    if not shared:
+        return gathered
+    own_rank = dist.get_rank()
+    mine = {name: _replica_checksum(entries[name].local) for (name, _), ranks in shared.items() if own_rank in ranks}
+    checksums = _gather_from_all_ranks(mine)
+    return [(error, {name: h._replace(checksum=checksums[rank].get(name, h.checksum)) for name, h in held.items()},
+             layout) for rank, (error, held, layout) in enumerate(gathered)]
 
 
 def _check_layouts_agree(gathered: list):
@@ -271,6 +298,8 @@ def entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None,
     if all(h is not None for _, h, _ in gathered):
         _check_layouts_agree(gathered)
     _raise_first_error(error, [e for e, _, _ in gathered])
+    if with_checksums:
+        _check_replicas_agree(_with_shard_checksums(gathered, entries))
     if check is None:
         return entries, None
     checked, error = None, None

@@ -21,6 +21,7 @@ __all__ = ["StageLayout"]
 # The outermost numbered layer a name lies in: `decoder.layers.3.mlp.experts.local_experts.1.x` is in
 # `decoder.layers.3` (the lazy prefix stops at the first `layers.<i>.`).
 _LAYER_NAME = re.compile(r"^(?P<layers>(?:.*?\.)?layers)\.(?P<index>\d+)(?P<rest>\..+)$")
+_LAYER_MODULE = re.compile(r"^(?:.*\.)?layers\.\d+$")
 
 
 def _layer_numbers(module: torch.nn.Module) -> dict:
@@ -28,9 +29,8 @@ def _layer_numbers(module: torch.nn.Module) -> dict:
     layer_number; raises where two layers of one list claim the same global number."""
     numbers = {}
     for name, sub in module.named_modules():
-        match = _LAYER_NAME.match(name + ".x")
         number = getattr(sub, "layer_number", None)
-        if match and match["rest"] == ".x" and isinstance(number, int):
+        if _LAYER_MODULE.match(name) and isinstance(number, int):
             numbers[name] = number - 1
     by_list = {}
     for name, index in sorted(numbers.items()):
@@ -55,10 +55,11 @@ def _tied_output_weights(module: torch.nn.Module) -> dict:
 
 class StageLayout(NamedTuple):
     """This rank's pipeline stage: the degree, the global index of each of its numbered layers
-    (None for a plain state dict) and its tied output weights."""
+    (None for a plain state dict), their stored names and its tied output weights."""
 
     pp_size: int
-    layers: Optional[dict] = None
+    layers: Optional[dict] = None  # `<p>layers.<local>` -> global index
+    stored_layers: frozenset = frozenset()  # `<p>layers.<global>` of each
     tied: dict = {}
 
     @classmethod
@@ -66,7 +67,9 @@ class StageLayout(NamedTuple):
         """The stage of module (None: a plain state dict) at pipeline degree pp_size."""
         if module is None:
             return cls(pp_size)
-        return cls(pp_size, _layer_numbers(module), _tied_output_weights(module))
+        layers = _layer_numbers(module)
+        stored = frozenset(f"{layer.rpartition('.')[0]}.{index}" for layer, index in layers.items())
+        return cls(pp_size, layers, stored, _tied_output_weights(module))
 
     def stored_name(self, name: str) -> str:
         """name with its layer's local index replaced by the global one (a tied output weight: the
@@ -95,7 +98,4 @@ class StageLayout(NamedTuple):
         """Whether a stored name is this stage's: outside the numbered layers, or in one of its layers
         (at pipeline degree 1 every name is)."""
         match = _LAYER_NAME.match(stored_name)
-        if not match or self.pp_size == 1:
-            return True
-        own = {(layer.rpartition(".")[0], index) for layer, index in (self.layers or {}).items()}
-        return (match["layers"], int(match["index"])) in own
+        return not match or self.pp_size == 1 or f"{match['layers']}.{int(match['index'])}" in self.stored_layers
