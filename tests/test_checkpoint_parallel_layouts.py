@@ -94,8 +94,8 @@ def _layer_values(layer, seed):
 
 
 class _Stack(torch.nn.Module):
-    """decoder.layers: the given consecutive global layers, each marked with megatron-core's 1-based, global
-    layer_number; an embedding on the stage holding layer 0."""
+    """decoder.layers: the given consecutive global layers, each marked with megatron-core's 1-based,
+    global layer_number; an embedding on the stage holding layer 0."""
 
     def __init__(self, layers, seed):
         super().__init__()
@@ -118,6 +118,7 @@ class _Stack(torch.nn.Module):
 
 def _assert_stack_loads(target, expected, path, **groups):
     wanted = expected.by_global_name()
+    assert target.by_global_name().keys() == wanted.keys()
     assert all(not same_bits(t, wanted[name]) for name, t in target.by_global_name().items())
     load_sharded(target, path, **groups)
     assert all(same_bits(t, wanted[name]) for name, t in target.by_global_name().items())
