@@ -263,8 +263,8 @@ def _with_shard_checksums(gathered: list, entries: dict) -> list:
 
 def _check_layouts_agree(gathered: list):
     """Dense entries agree within each TP group, expert entries within each expert TP group (ranks
-    of one TP group at different EP ranks hold different experts), the ranks of each EP group
-    hold as many experts in each experts module, and replicas agree (_check_replicas_agree)."""
+    of one TP group at different EP ranks hold different experts), and the ranks of each EP group
+    hold as many experts in each experts module."""
     held = [h for _, h, _ in gathered]
     dense = [{n: v for n, v in h.items() if expert_prefix(n) is None} for h in held]
     expert = [{n: v for n, v in h.items() if expert_prefix(n) is not None} for h in held]
@@ -276,12 +276,12 @@ def _check_layouts_agree(gathered: list):
         counts = [gathered[r][2].experts.local_counts for r in ranks]
         if any(c != counts[0] for c in counts):
             raise ValueError(f"expert-parallel ranks {ranks} hold different numbers of local experts: {counts}")
-    _check_replicas_agree(gathered)
 
 
 def entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None, module=None) -> tuple:
     """(stored name -> Entry, what check returned) once every rank has read its specs and agrees
-    with the ranks of its groups (_check_layouts_agree), and then passed check(entries, layout,
+    with the ranks of its groups (_check_layouts_agree) and with those holding the same pieces
+    (_check_replicas_agree; when saving, their bytes too), and then passed check(entries, layout,
     held_anywhere) (the stored names some rank holds; check raises ValueError or OSError when this
     rank cannot go on). groups: (tp, ep, expert_tp[, pp]); module: the module whose state this is
     (its layers' global numbers come from it), None for a plain state dict. Each step's errors are
@@ -298,8 +298,7 @@ def entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None,
     if all(h is not None for _, h, _ in gathered):
         _check_layouts_agree(gathered)
     _raise_first_error(error, [e for e, _, _ in gathered])
-    if with_checksums:
-        _check_replicas_agree(_with_shard_checksums(gathered, entries))
+    _check_replicas_agree(_with_shard_checksums(gathered, entries) if with_checksums else gathered)
     if check is None:
         return entries, None
     checked, error = None, None

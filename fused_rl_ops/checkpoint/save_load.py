@@ -10,7 +10,7 @@ from megatron-core's parallel_state when it is initialised, else: the world for 
 one rank (more ranks need a tp_group), no expert or pipeline parallelism, `expert_tp_group` =
 `tp_group`. Data-parallel replicas must hold the same bytes (checked) and are stored once.
 
-Both check first, in one collective (ranks.py); a load checks the checkpoint against the module
+Both check first, collectively (ranks.py); a load checks the checkpoint against the module
 (names, global shapes, dtypes, divisibility, expert counts, data files), so such errors leave the
 module untouched on every rank. Loading then reads straight into the module's tensors (parameters
 keep their storage: views into Megatron's DDP buffers stay views), verifying each item's checksum
@@ -109,9 +109,9 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
     """Saves each entry as its logical global tensor with DCP (see the module docstring). A plain
     state dict at pipeline degree > 1 is refused: its layer names do not say which layers they are."""
     _require_dependencies()
-    if isinstance(module_or_state_dict, torch.nn.Module):
-        check_grouped_glu_not_interleaved(module_or_state_dict)
     module = module_or_state_dict if isinstance(module_or_state_dict, torch.nn.Module) else None
+    if module is not None:
+        check_grouped_glu_not_interleaved(module)
     entries, _ = entries_agreed(_state_of(module_or_state_dict), (tp_group, ep_group, expert_tp_group, pp_group),
                                 with_checksums=True, module=module)
     entries = {name: entry for name, entry in entries.items() if not entry.optional}
