@@ -144,10 +144,10 @@ def _worker(rank, world_size, hidden, reps, root, results_path):
     operations = {
         ("plain", "save"): lambda path: dcp.save(plain_state,
                                                  storage_writer=dcp.FileSystemWriter(path, overwrite=True)),
-        ("adapter", "save"): lambda path: save_sharded(model, path),
+        ("adapter", "save"): lambda path: save_sharded(model, path, tp_group=dist.group.WORLD),
         ("plain", "load"): lambda path: dcp.load(plain_state, checkpoint_id=path),
-        ("adapter", "load"): lambda path: load_sharded(model, path),
-        ("adapter", "staged_load"): lambda path: load_sharded(model, path, staged=True),
+        ("adapter", "load"): lambda path: load_sharded(model, path, tp_group=dist.group.WORLD),
+        ("adapter", "staged_load"): lambda path: load_sharded(model, path, tp_group=dist.group.WORLD, staged=True),
     }
     times = {key: [] for key in operations}
     checksum_times = {key: [] for key in operations}

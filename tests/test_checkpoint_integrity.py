@@ -33,7 +33,7 @@ def _assert_load_fails_untouched(path, exception, match, target=None, paths=(Fal
     tensors, step = _snapshot(target)
     for staged in paths:
         with pytest.raises(exception, match=match):
-            load_sharded(target, path, staged=staged)
+            load_sharded(target, path, tp_group=dist.group.WORLD, staged=staged)
         assert all(same_bits(t, tensors[name]) for name, t in tensors_of(target).items()), staged
         assert target.step == step
 
@@ -53,7 +53,7 @@ def _truncate_to_half(path):
 def _load_failures(rank, world_size, root):
     original = logical_state(seed=1)
     for name in ("good", "truncated", "no_data", "bad_metadata"):
-        save_sharded(Toy(original, 2, rank, step=7), f"{root}/{name}")
+        save_sharded(Toy(original, 2, rank, step=7), f"{root}/{name}", tp_group=dist.group.WORLD)
 
     _assert_load_fails_untouched(f"{root}/absent", FileNotFoundError, "no complete checkpoint at")
     _on_rank_0(lambda: _truncate_to_half(f"{root}/truncated/__1_0.distcp"))
@@ -87,7 +87,7 @@ def _load_failures(rank, world_size, root):
     add_parameter(two_ranks, "fc1.weight", torch.zeros(4, 4), legacy(0, 2))
     for staged in (False, True):
         with pytest.raises(ValueError, match="fc1.weight: cannot be split across tensor-parallel degree 2: dim 0 has 6"):
-            load_sharded(two_ranks, f"{root}/six_rows", staged=staged)
+            load_sharded(two_ranks, f"{root}/six_rows", tp_group=dist.group.WORLD, staged=staged)
         assert torch.equal(two_ranks.fc1.weight, torch.zeros(4, 4))
 
     # A read failing inside DCP on one rank, after its data arrived. Staged, nothing reaches any
@@ -104,7 +104,7 @@ def _load_failures(rank, world_size, root):
     _assert_load_fails_untouched(f"{root}/good", RuntimeError, "left unchanged", paths=(True,))
     target = Toy(logical_state(seed=2), 2, rank, step=0)
     with pytest.raises(RuntimeError, match="may be partially loaded.*staged=True"):
-        load_sharded(target, f"{root}/good")
+        load_sharded(target, f"{root}/good", tp_group=dist.group.WORLD)
     reader.read_data = real_read
     expected = Toy(original, 2, rank, step=7)
     assert_all_same(target, expected)
@@ -112,7 +112,7 @@ def _load_failures(rank, world_size, root):
 
     # The same checkpoint still loads.
     target = Toy(logical_state(seed=2), 2, rank, step=0)
-    load_sharded(target, f"{root}/good")
+    load_sharded(target, f"{root}/good", tp_group=dist.group.WORLD)
     assert_all_same(target, Toy(original, 2, rank, step=7))
 
     _damaged_data(rank, root, original)
@@ -122,7 +122,7 @@ def _damaged_data(rank, root, original):
     """Checksums: a flipped byte in any data file, a data file from another save of the same model,
     a data file longer than its entries, a checkpoint without checksums, and another model's
     checkpoint. Every error names the entry or file; the staged path leaves the module unchanged."""
-    save_sharded(Toy(logical_state(seed=3), 2, rank, step=9), f"{root}/other_save")
+    save_sharded(Toy(logical_state(seed=3), 2, rank, step=9), f"{root}/other_save", tp_group=dist.group.WORLD)
     items = stored_items(f"{root}/good")
     # one flipped byte in the largest item of each data file: in its middle (tensor bytes, mostly)
     # and in its first byte (the archive's header, which makes DCP's read fail before the hash check)
@@ -139,7 +139,7 @@ def _damaged_data(rank, root, original):
         expected = rf"{re.escape(name)}: its bytes {start}..{end} in data file {file} .* do not match the checksum"
         _assert_load_fails_untouched(damaged, RuntimeError, f"left unchanged.*{expected}", paths=(True,))
         with pytest.raises(RuntimeError, match=f"may be partially loaded.*{expected}"):
-            load_sharded(Toy(logical_state(seed=2), 2, rank, step=0), damaged)
+            load_sharded(Toy(logical_state(seed=2), 2, rank, step=0), damaged, tp_group=dist.group.WORLD)
 
     # The data of another save beside this save's .metadata: same sizes, other bytes.
     def mix():
@@ -164,7 +164,7 @@ def _damaged_data(rank, root, original):
     another_model = torch.nn.Linear(6, 6)
     weight = another_model.weight.detach().clone()
     with pytest.raises(ValueError, match=r"does not match the module: missing \['bias', 'weight'\], unexpected \[.*"):
-        load_sharded(another_model, f"{root}/good")
+        load_sharded(another_model, f"{root}/good", tp_group=dist.group.WORLD)
     assert same_bits(another_model.weight, weight)
 
 
@@ -178,7 +178,7 @@ def test_failed_loads_leave_the_module_unchanged(tmp_path):
 # --- a save that dies part-way (2 processes, one of them killed) ---------------------------------
 
 def _dies_while_writing(rank, world_size, root):
-    save_sharded(Toy(logical_state(seed=1), 2, rank, step=7), root)  # a complete checkpoint
+    save_sharded(Toy(logical_state(seed=1), 2, rank, step=7), root, tp_group=dist.group.WORLD)  # a complete checkpoint
     dist.barrier()
     if rank == 1:  # overwriting it, rank 1 dies once its first item is in its data file
         def close_then_die(self):
@@ -187,7 +187,7 @@ def _dies_while_writing(rank, world_size, root):
 
         real_close = integrity._HashingStream.close
         integrity._HashingStream.close = close_then_die
-    save_sharded(Toy(logical_state(seed=3), 2, rank, step=9), root)
+    save_sharded(Toy(logical_state(seed=3), 2, rank, step=9), root, tp_group=dist.group.WORLD)
 
 
 def test_a_save_killed_part_way_leaves_nothing_loadable(tmp_path):

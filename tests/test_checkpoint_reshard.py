@@ -3,8 +3,6 @@
 Multi-process checks run in real processes on gloo (fused_rl_ops.testing.distributed); each spawned
 run groups several checks because starting processes dominates the time.
 """
-import zlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,8 +10,9 @@ import torch.distributed.checkpoint as dcp
 
 from fused_rl_ops.checkpoint import ShardingMetadataError, load_sharded, save_sharded
 from fused_rl_ops.testing.checkpoint import (LAYOUT, SerialisedState, Toy, annotated, assert_all_differ,
-                                             assert_all_same, legacy, logical_state, random_bits, reference_shard,
-                                             reference_unshard, same_bits, storage_of, tp_group_of_size)
+                                             assert_all_same, gathered_logical, legacy, logical_state, partition_of,
+                                             perturb, random_bits, reference_shard, same_bits, storage_of,
+                                             tp_group_of_size)
 from fused_rl_ops.testing.distributed import run_distributed
 
 pytestmark = pytest.mark.usefixtures("checkpoint_dependencies")
@@ -85,37 +84,6 @@ def _round_trips(rank, world_size, root):
 
 # --- a real tiny megatron-core GPTModel (4 processes, spawned with the round trips) --------------
 
-def _partition(param):
-    """(dim, stride) from Megatron's own legacy attributes, or None when replicated."""
-    if getattr(param, "tensor_model_parallel", False):
-        return param.partition_dim, getattr(param, "partition_stride", 1)
-    return None
-
-
-def _perturb(model, tp_rank, seed):
-    """Random values everywhere (Megatron initialises norms and biases to constants): the same on
-    every TP rank for replicated tensors, rank-dependent for shards."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            rank_part = tp_rank if _partition(param) else 0
-            generator = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1000 * seed + rank_part)
-            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
-
-
-def _gathered_logical(model, group):
-    """The logical tensors of a TP-sharded model, assembled by the test's reference rule."""
-    logical = {}
-    for name, param in model.named_parameters():
-        split = _partition(param)
-        if split is None:
-            logical[name] = param.detach().clone()
-            continue
-        shards = [torch.empty_like(param) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(shards, param.detach().contiguous(), group=group)
-        logical[name] = reference_unshard(shards, *split)
-    return logical
-
-
 def _tiny_gpt(rank, world_size, root):
     import warnings
 
@@ -127,11 +95,11 @@ def _tiny_gpt(rank, world_size, root):
 
     set_parallel_degrees(2)
     original = build_tiny_gpt(seed=1)
-    _perturb(original, ps.get_tensor_model_parallel_rank(), seed=1)
+    perturb(original, ps.get_tensor_model_parallel_rank(), seed=1)
     with torch.no_grad():
         logits_tp2 = full_vocab_logits(original, tokens)
     save_sharded(original, root, tp_group=ps.get_tensor_model_parallel_group())
-    logical = _gathered_logical(original, ps.get_tensor_model_parallel_group())
+    logical = gathered_logical(original, ps.get_tensor_model_parallel_group())
 
     set_parallel_degrees(1)
     reference = build_tiny_gpt(seed=2)  # the original weights at TP=1, copied in directly
@@ -140,7 +108,7 @@ def _tiny_gpt(rank, world_size, root):
             param.copy_(logical[name])
         logits_reference = full_vocab_logits(reference, tokens)
     loaded = build_tiny_gpt(seed=2)
-    _perturb(loaded, 0, seed=2)
+    perturb(loaded, 0, seed=2)
     assert all(not same_bits(p, logical[n]) for n, p in loaded.named_parameters())
     load_sharded(loaded, root, tp_group=ps.get_tensor_model_parallel_group())
     assert all(same_bits(p, logical[n]) for n, p in loaded.named_parameters())
@@ -152,8 +120,8 @@ def _tiny_gpt(rank, world_size, root):
     set_parallel_degrees(4)
     loaded = build_tiny_gpt(seed=2)
     tp_rank = ps.get_tensor_model_parallel_rank()
-    _perturb(loaded, tp_rank, seed=2)
-    expected = {n: reference_shard(logical[n], *_partition(p), 4, tp_rank) if _partition(p) else logical[n]
+    perturb(loaded, tp_rank, seed=2)
+    expected = {n: reference_shard(logical[n], *partition_of(p), 4, tp_rank) if partition_of(p) else logical[n]
                 for n, p in loaded.named_parameters()}
     assert all(not same_bits(p, expected[n]) for n, p in loaded.named_parameters())
     load_sharded(loaded, root, tp_group=ps.get_tensor_model_parallel_group())

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from fused_rl_ops.checkpoint import (
@@ -156,7 +157,7 @@ def _dtensor_and_save_checks(rank, world_size, root):
         dtensors[name] = dtensor
 
     # A writer speaking only DTensor saves the same logical tensors.
-    save_sharded(dtensors, f"{root}/dtensors")
+    save_sharded(dtensors, f"{root}/dtensors", tp_group=dist.group.WORLD)
     full = {name: torch.empty_like(original[name]) for name in dtensors}
     dcp.load(full, checkpoint_id=f"{root}/dtensors")
     assert all(same_bits(full[name], original[name]) for name in dtensors)
@@ -174,30 +175,30 @@ def _dtensor_and_save_checks(rank, world_size, root):
         add_parameter(module, "norm.weight", params["norm.weight"].clone(), {})
         add_parameter(module, "proj.weight", random_bits((4, 4), torch.float32, seed=rank), label)  # rank-dependent
         with pytest.raises(ShardingMetadataError, match="proj.weight: claims to be replicated"):
-            save_sharded(module, f"{root}/mislabelled{i}")
+            save_sharded(module, f"{root}/mislabelled{i}", tp_group=dist.group.WORLD)
         assert not os.path.exists(f"{root}/mislabelled{i}/.metadata")
 
     # Extra states, objects or tensors, that differ between the ranks are refused, not saved from one.
     for module in (Toy(original, world_size, rank, step=rank), SerialisedState({"amax": list(range(rank + 1))})):
         with pytest.raises(ValueError, match="_extra_state: tensor-parallel ranks 0 and 1 hold different extra states"):
-            save_sharded(module, f"{root}/extra_state")
+            save_sharded(module, f"{root}/extra_state", tp_group=dist.group.WORLD)
         assert not os.path.exists(f"{root}/extra_state/.metadata")
 
     # Bitwise: 0.0 on one rank and -0.0 on the other compare equal but are not the same bytes.
     signed_zero = torch.zeros(4) if rank == 0 else -torch.zeros(4)
     with pytest.raises(ShardingMetadataError, match="bias: claims to be replicated"):
-        save_sharded({"bias": signed_zero}, f"{root}/signed_zero")
+        save_sharded({"bias": signed_zero}, f"{root}/signed_zero", tp_group=dist.group.WORLD)
 
     # Ranks disagreeing on a tensor's layout are caught too.
     square = annotated((4, 4), legacy(rank), device="cpu")
     with pytest.raises(ShardingMetadataError, match="w: tensor-parallel ranks disagree"):
-        save_sharded({"w": square}, f"{root}/disagree")
+        save_sharded({"w": square}, f"{root}/disagree", tp_group=dist.group.WORLD)
 
     # An error on one rank only reaches every rank (no rank is left waiting in a collective).
     mode = "row" if rank == 1 else "column"
     conflicted = annotated((4, 4), {**legacy(0), "_tensor_parallel_mode": mode}, device="cpu")
     with pytest.raises(ShardingMetadataError, match="rank 1 failed" if rank == 0 else "dialects disagree"):
-        save_sharded({"w": conflicted}, f"{root}/one_rank")
+        save_sharded({"w": conflicted}, f"{root}/one_rank", tp_group=dist.group.WORLD)
 
 
 def test_dtensor_conversion_and_save_checks(tmp_path, checkpoint_dependencies):

@@ -1,10 +1,12 @@
-"""Checkpoints that reshard bit for bit across tensor- and expert-parallel layouts.
+"""Checkpoints that reshard bit for bit across tensor-, expert- and pipeline-parallel layouts.
 
 - save_load: save_sharded / load_sharded through torch.distributed.checkpoint
 - sharding: read_sharding, ShardSpec and DTensor conversion of Megatron's sharding dialects
 - experts: expert tensors under their global expert index
+- stages: layers under their global layer number across pipeline stages
 - integrity: checksums of every stored item and of .metadata, complete saves
 - metadata: .metadata read only once its checksum and structure are found intact
+- optimizer: a torch.optim optimizer's state, stored and resharded with its parameters
 - ranks: the collective check that the ranks agree before a save or load
 """
 from .save_load import load_sharded, save_sharded

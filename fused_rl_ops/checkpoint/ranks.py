@@ -1,11 +1,19 @@
-"""What each rank holds under each stored name, and the one collective that checks the ranks agree.
+"""What each rank holds under each stored name, and the collectives that check the ranks agree.
+
+Groups left None come from megatron-core's parallel_state when a program initialised it; without it
+a world of more than one rank needs tp_group (the whole world taken as one TP group would store
+data-parallel replicas as shards of a tensor twice the size).
 
 Before a save, the ranks of each TP group must hold the same dense entries (those of each expert TP
 group the same expert entries) with the same specs, shapes and dtypes, tensors said to be replicated
-must have the same bytes there, and the ranks of each EP group must hold as many local experts. A
-load runs its own check of the checkpoint inside the same collective, so every rank raises together.
+must have the same bytes there, the ranks of each EP group must hold as many local experts, and
+ranks that store the same piece of an entry (data-parallel replicas; pipeline stages holding one
+name) must hold the same bytes: the checkpoint keeps one copy (a second collective exchanges the
+checksums of such shards). A load then checks the checkpoint against every rank's entries, so every
+rank raises together.
 """
 import pickle
+import sys
 from typing import NamedTuple, Optional
 
 import torch
@@ -14,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from .experts import ExpertLayout, expert_prefix, is_extra_state
 from .sharding import ShardingMetadataError, ShardSpec, check_stride_divides, read_sharding
+from .stages import StageLayout
 
 __all__ = ["Entry", "Group", "Layout", "entries_agreed"]
 
@@ -49,28 +58,65 @@ class Layout(NamedTuple):
     expert_tp: Group  # expert tensors
     ep: Group
     experts: ExpertLayout
+    stage: StageLayout = StageLayout(1)
 
 
-def _layout(state: dict, tp_group, ep_group, expert_tp_group) -> Layout:
+def _initialised_parallel_state():
+    """megatron-core's parallel_state if a program imported and initialised it, else None (never
+    imported here: the package works without megatron-core)."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state
+
+
+def _default_groups(state: dict, tp_group, ep_group, expert_tp_group, pp_group) -> tuple:
+    """The groups given, those left None taken from megatron-core's parallel state (module docstring)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tp_group, ep_group, expert_tp_group, pp_group
+    parallel_state = _initialised_parallel_state()
+    if parallel_state is not None:
+        given = (tp_group, ep_group, expert_tp_group, pp_group)
+        defaults = (parallel_state.get_tensor_model_parallel_group, parallel_state.get_expert_model_parallel_group,
+                    parallel_state.get_expert_tensor_parallel_group, parallel_state.get_pipeline_model_parallel_group)
+        return tuple(default() if group is None else group for group, default in zip(given, defaults))
+    if tp_group is None:
+        experts = any(expert_prefix(name) is not None for name in state)
+        raise ValueError(
+            f"no tp_group given in a world of {dist.get_world_size()} ranks, and megatron-core's parallel_state "
+            "is not initialised to supply one: pass tp_group (the ranks that each hold one tensor-parallel shard; "
+            "a group of this rank alone when the ranks are data-parallel replicas), pp_group at pipeline "
+            "parallelism" + (", and ep_group / expert_tp_group for the experts" if experts else ""))
+    return tp_group, ep_group, expert_tp_group, pp_group
+
+
+def _layout(state: dict, tp_group, ep_group, expert_tp_group, pp_group=None, module=None) -> Layout:
+    """module: the module whose state this is (None: a plain state dict)."""
+    tp_group, ep_group, expert_tp_group, pp_group = _default_groups(state, tp_group, ep_group, expert_tp_group,
+                                                                    pp_group)
     tp = Group.of(dist.group.WORLD if tp_group is None else tp_group)
     expert_tp = tp if expert_tp_group is None else Group.of(expert_tp_group)
-    # Without expert parallelism every rank holds every expert: an EP group of its own.
+    # Without expert (pipeline) parallelism every rank holds every expert (layer): a group of its own.
     own_rank = dist.get_rank() if dist.is_initialized() else 0
     ep = Group(1, 0, (own_rank,)) if ep_group is None else Group.of(ep_group)
-    return Layout(tp, expert_tp, ep, ExpertLayout.of(state, ep.size, ep.rank))
+    pp_size = 1 if pp_group is None else Group.of(pp_group).size
+    stage = StageLayout.of(module, pp_size)
+    in_global_layers = {stage.stored_name(name): value for name, value in state.items()}
+    return Layout(tp, expert_tp, ep, ExpertLayout.of(in_global_layers, ep.size, ep.rank), stage)
 
 
 def _local_entries(state: dict, layout: Layout) -> dict:
-    """stored name -> Entry (expert tensors under their global expert index)."""
+    """stored name -> Entry (layers under their global number, expert tensors under their global expert index)."""
     entries = {}
     for name, value in state.items():
-        stored = layout.experts.stored_name(name)
+        in_global_layer = layout.stage.stored_name(name)
+        stored = layout.experts.stored_name(in_global_layer)
         tp = layout.tp if expert_prefix(name) is None else layout.expert_tp
         optional = layout.experts.carries_nothing(name, value)
         if not isinstance(value, torch.Tensor):
             entries[stored] = Entry(name, value, None, tp, optional)
             continue
-        spec = layout.experts.sharding(name, read_sharding(value, name))
+        spec = layout.experts.sharding(in_global_layer, read_sharding(value, name))
         local = value
         if isinstance(value, DTensor):
             if value.device_mesh.size() != tp.size:
@@ -107,7 +153,8 @@ class _Held(NamedTuple):
     layout: object  # "object", "replicated" or (dim, stride)
     shape: Optional[tuple] = None
     dtype: Optional[str] = None
-    checksum: Optional[tuple] = None  # of replicated tensors and of objects (pickled), when saving
+    checksum: Optional[tuple] = None  # of replicated tensors and objects (pickled) when saving; of shards
+    # only where another rank holds the same one (_with_shard_checksums)
 
 
 def _held(entries: dict, with_checksums: bool) -> dict:
@@ -172,6 +219,48 @@ def _check_ranks_agree(held_by_rank: list, ranks: tuple, kind: str):
                     f"and {rank}; a sharded tensor labelled replicated would be saved from one rank only")
 
 
+def _holders(gathered: list) -> dict:
+    """(stored name, TP rank of a shard or None for a whole tensor or object) -> the ranks holding
+    that piece, in rank order."""
+    holders = {}
+    for rank, (_, held, layout) in enumerate(gathered):
+        for name, mine in held.items():
+            tp = layout.tp if expert_prefix(name) is None else layout.expert_tp
+            holders.setdefault((name, tp.rank if isinstance(mine.layout, tuple) else None), []).append(rank)
+    return holders
+
+
+def _check_replicas_agree(gathered: list):
+    """Ranks that hold the same piece of an entry hold the same layout, shape, dtype and (where
+    computed) bytes."""
+    for (name, tp_rank), ranks in _holders(gathered).items():
+        first = gathered[ranks[0]][1][name]
+        for rank in ranks[1:]:
+            mine = gathered[rank][1][name]
+            if mine != first:
+                piece = "it" if tp_rank is None else f"its tensor-parallel shard {tp_rank}"
+                differ = "bytes" if first._replace(checksum=None) == mine._replace(checksum=None) else (
+                    f"(layout, local shape, dtype): {first[:3]} and {mine[:3]}")
+                raise ValueError(
+                    f"{name}: ranks {ranks[0]} and {rank} both hold {piece} (as data-parallel replicas, or "
+                    f"pipeline stages holding one name) but with different {differ}; a checkpoint keeps one copy")
+
+
+def _with_shard_checksums(gathered: list, entries: dict) -> list:
+    """gathered with the checksums of the shards that more than one rank holds (data-parallel
+    replicas), exchanged in a second collective where there are any: computing a checksum costs
+    several times writing the tensor, so shards that one rank holds alone get none."""
+    shared = {(name, tp_rank): ranks for (name, tp_rank), ranks in _holders(gathered).items()
+              if tp_rank is not None and len(ranks) > 1}
+    if not shared:
+        return gathered
+    own_rank = dist.get_rank()
+    mine = {name: _replica_checksum(entries[name].local) for (name, _), ranks in shared.items() if own_rank in ranks}
+    checksums = _gather_from_all_ranks(mine)
+    return [(error, {name: h._replace(checksum=checksums[rank].get(name, h.checksum)) for name, h in held.items()},
+             layout) for rank, (error, held, layout) in enumerate(gathered)]
+
+
 def _check_layouts_agree(gathered: list):
     """Dense entries agree within each TP group, expert entries within each expert TP group (ranks
     of one TP group at different EP ranks hold different experts), and the ranks of each EP group
@@ -189,25 +278,36 @@ def _check_layouts_agree(gathered: list):
             raise ValueError(f"expert-parallel ranks {ranks} hold different numbers of local experts: {counts}")
 
 
-def entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None, extend=None) -> tuple:
+def entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None, extend=None, module=None) -> tuple:
     """(stored name -> Entry, what check returned) once every rank has read its specs, added the
-    entries extend(entries) returns (an optimizer's state, stored with its parameters'), passed
-    check(entries, layout) (which raises ValueError or OSError when this rank cannot go on) and
-    agrees with the ranks of its groups (_check_layouts_agree). One collective exchanges all of it,
-    and every rank checks every group, so all raise together and none is left waiting in a later
-    collective."""
-    entries, held, layout, checked, error = None, None, None, None, None
+    entries extend(entries) returns (an optimizer's state, stored with its parameters'), and agrees
+    with the ranks of its groups (_check_layouts_agree) and with those holding the same pieces
+    (_check_replicas_agree; when saving, their bytes too), and then passed check(entries, layout,
+    held_anywhere) (the stored names some rank holds; check raises ValueError or OSError when this
+    rank cannot go on). groups: (tp, ep, expert_tp[, pp]); module: the module whose state this is
+    (its layers' global numbers come from it), None for a plain state dict. Each step's errors are
+    exchanged in one collective and every rank checks every group, so all raise together and none is
+    left waiting in a later collective."""
+    entries, held, layout, error = None, None, None, None
     try:
-        layout = _layout(state, *groups)
+        layout = _layout(state, *groups, module=module)
         entries = _local_entries(state, layout)
         if extend:
             entries.update(extend(entries))
         held = _held(entries, with_checksums)
-        checked = check(entries, layout) if check else None
     except (ValueError, OSError) as exc:
         error = exc
     gathered = _gather_from_all_ranks((error, held, layout))
     if all(h is not None for _, h, _ in gathered):
         _check_layouts_agree(gathered)
     _raise_first_error(error, [e for e, _, _ in gathered])
+    _check_replicas_agree(_with_shard_checksums(gathered, entries) if with_checksums else gathered)
+    if check is None:
+        return entries, None
+    checked, error = None, None
+    try:
+        checked = check(entries, layout, set().union(*(h.keys() for _, h, _ in gathered)))
+    except (ValueError, OSError) as exc:
+        error = exc
+    _raise_first_error(error, _gather_from_all_ranks(error))
     return entries, checked

@@ -3,19 +3,23 @@
 Every entry is stored as its logical global tensor (a stride-2 GLU fc1 as `[W ; V]`, from its
 ShardSpec), expert tensors under their global expert index (experts.py), so a checkpoint loads at
 any (TP, EP, expert TP) layout whose degrees divide the sharded dims and the expert count, and plain
-`dcp.load` of a full tensor reads the real weight. Groups: `tp_group` for dense tensors (None: the
-default group), `ep_group` (None: no expert parallelism), `expert_tp_group` (None: `tp_group`).
+`dcp.load` of a full tensor reads the real weight. A module's layers are stored under their global
+number (stages.py), so it also loads at any pipeline degree. Groups: `tp_group` for dense tensors,
+`ep_group`, `expert_tp_group` for experts, `pp_group` (the pipeline stages); those left None come
+from megatron-core's parallel_state when it is initialised, else: the world for tp_group where it is
+one rank (more ranks need a tp_group), no expert or pipeline parallelism, `expert_tp_group` =
+`tp_group`. Data-parallel replicas must hold the same bytes (checked) and are stored once.
 `optimizer=` (a torch.optim optimizer over the module's parameters) saves and loads its state with
 the module, each state tensor stored and resharded as its parameter (optimizer.py).
 
-Both check first, in one collective (ranks.py); a load checks the checkpoint's metadata (its
-checksum and structure, metadata.py) and the checkpoint against the module (names, global shapes,
-dtypes, divisibility, expert counts, data files), so such errors leave the module untouched on every
-rank. Loading then reads straight into the module's tensors (parameters keep their storage: views
-into Megatron's DDP buffers stay views), verifying each item's checksum (integrity.py);
-`staged=True` reads into temporaries first, so that a checksum mismatch or an I/O error mid-read
-also leaves the module unchanged. Both are collective over the default group and need DCP's
-CheckpointableTensor (torch >= 2.14) and the xxhash package.
+Both check first, collectively (ranks.py); a load checks the checkpoint's metadata (its checksum and
+structure, metadata.py) and the checkpoint against the module (names, global shapes, dtypes,
+divisibility, expert counts, data files), so such errors leave the module untouched on every rank.
+Loading then reads straight into the module's tensors (parameters keep their storage: views into
+Megatron's DDP buffers stay views), verifying each item's checksum (integrity.py); `staged=True`
+reads into temporaries first, so that a checksum mismatch or an I/O error mid-read also leaves the
+module unchanged. Both are collective over the default group and need DCP's CheckpointableTensor
+(torch >= 2.14) and the xxhash package.
 """
 from typing import Union
 
@@ -106,32 +110,35 @@ class _SavePlanner(dcp.DefaultSavePlanner):
 
 
 def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, *, tp_group=None, ep_group=None,
-                 expert_tp_group=None, optimizer=None) -> None:
+                 expert_tp_group=None, pp_group=None, optimizer=None) -> None:
     """Saves each entry as its logical global tensor with DCP, and optimizer's state with them (see
-    the module docstring). A state dict must be state_dict(keep_vars=True) to go with an optimizer."""
+    the module docstring). A state dict must be state_dict(keep_vars=True) to go with an optimizer; a
+    plain state dict at pipeline degree > 1 is refused: its layer names do not say which layers they are."""
     _require_dependencies()
     check_optimizer_type(optimizer)
-    if isinstance(module_or_state_dict, torch.nn.Module):
-        check_grouped_glu_not_interleaved(module_or_state_dict)
+    module = module_or_state_dict if isinstance(module_or_state_dict, torch.nn.Module) else None
+    if module is not None:
+        check_grouped_glu_not_interleaved(module)
     state = _state_of(module_or_state_dict)
     extend = None if optimizer is None else (lambda entries: entries_to_save(optimizer, state, entries))
-    entries, _ = entries_agreed(state, (tp_group, ep_group, expert_tp_group), with_checksums=True, extend=extend)
+    entries, _ = entries_agreed(state, (tp_group, ep_group, expert_tp_group, pp_group), with_checksums=True,
+                                extend=extend, module=module)
     entries = {name: entry for name, entry in entries.items() if not entry.optional}
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
 
 
-def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata, path: str):
-    """Raises where the checkpoint does not fit entries; removes the optional entries it lacks."""
+def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata, path: str, held_anywhere: set):
+    """Raises where the checkpoint does not fit entries (held_anywhere: what all ranks hold); removes
+    the optional entries it lacks."""
     stored = metadata.state_dict_metadata
-    check_expert_counts(stored.keys(), layout.experts, path)
+    check_expert_counts([n for n in stored.keys() if layout.stage.holds(n)], layout.experts, path)
     for name in [n for n, entry in entries.items() if entry.optional and n not in stored]:
         del entries[name]
     missing = sorted(entries[n].module_name + ("" if n == entries[n].module_name else f" (stored as {n})")
                      for n in entries.keys() - stored.keys())
     # Optimizer items are checked by OptimizerRestore, and ignored by a load without optimizer=.
-    unexpected = sorted(n for n in stored.keys() - entries.keys()
-                        if layout.experts.holds(n) and not is_optimizer_item(n))
+    unexpected = sorted(n for n in stored.keys() - held_anywhere if not is_optimizer_item(n))
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match the module: missing {missing}, unexpected {unexpected}")
     for name, (module_name, local, spec, tp, _) in entries.items():
@@ -158,13 +165,14 @@ def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata,
                 f"{expected} (local {tuple(local.shape)} at tensor-parallel degree {tp.size})")
 
 
-def _loadable_metadata(entries: dict, layout: Layout, path: str, optimizer_restore=None) -> Metadata:
+def _loadable_metadata(entries: dict, layout: Layout, held_anywhere: set, path: str,
+                       optimizer_restore=None) -> Metadata:
     """The checkpoint's metadata, once the checkpoint at path is found loadable into entries (with the
     optimizer's tensors added to them and its objects read, where there is an optimizer)."""
     metadata = read_metadata(path)
     if optimizer_restore is not None:
         entries.update(optimizer_restore.entries(entries, layout, metadata))
-    _check_against_checkpoint(entries, layout, metadata, path)
+    _check_against_checkpoint(entries, layout, metadata, path, held_anywhere)
     check_data_files(metadata, path)
     if optimizer_restore is not None:
         optimizer_restore.read_objects(metadata)
@@ -176,16 +184,17 @@ def _failures(exc: dcp.CheckpointException) -> str:
 
 
 def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
-                 staged: bool = False, optimizer=None) -> None:
-    """Loads a save_sharded checkpoint into module at its (TP, EP) layout, in place or staged, and
-    into optimizer its state and hyperparameters (module docstring)."""
+                 pp_group=None, staged: bool = False, optimizer=None) -> None:
+    """Loads a save_sharded checkpoint into module at its (TP, EP, PP) layout, in place or staged, and
+    into optimizer its state and hyperparameters (module docstring); every data-parallel replica reads
+    its own copy."""
     _require_dependencies()
     check_optimizer_type(optimizer)
     check_grouped_glu_not_interleaved(module)
     state = module.state_dict(keep_vars=True)
     restore = None if optimizer is None else OptimizerRestore(optimizer, state, path)
-    entries, metadata = entries_agreed(state, (tp_group, ep_group, expert_tp_group), with_checksums=False,
-                                        check=lambda *mine: _loadable_metadata(*mine, path, restore))
+    entries, metadata = entries_agreed(state, (tp_group, ep_group, expert_tp_group, pp_group), with_checksums=False,
+                                        check=lambda *mine: _loadable_metadata(*mine, path, restore), module=module)
 
     loaded = _dcp_state(entries, torch.empty_like if staged else _alias)
     for name, entry in entries.items():

@@ -5,6 +5,8 @@ r takes chunks r, r + tp, ...), not from the code under test; data is random bit
 payloads, -0.0 and infinities included) compared through integer views.
 """
 import pickle
+import re
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,44 @@ def reference_unshard(shards, dim, stride):
     """The logical tensor from all ranks' shards: block b of every rank, in rank order, for each b."""
     blocks = [s.chunk(stride, dim) for s in shards]
     return torch.cat([blocks[r][b] for b in range(stride) for r in range(len(shards))], dim)
+
+
+def partition_of(param):
+    """(dim, stride) from Megatron's own legacy attributes, or None when replicated."""
+    if getattr(param, "tensor_model_parallel", False):
+        return param.partition_dim, getattr(param, "partition_stride", 1)
+    return None
+
+
+def global_layer_name(name, layer_offset):
+    """name with its decoder layer index moved by layer_offset (the stage's first global layer)."""
+    return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + layer_offset}.", name)
+
+
+def perturb(model, tp_rank, seed, layer_offset=0):
+    """Random values everywhere (Megatron initialises norms and biases to constants): the same on
+    every TP rank for replicated tensors, rank-dependent for shards, and each decoder layer's own
+    values by its global index (layer_offset: the pipeline stage's first layer)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            rank_part = tp_rank if partition_of(param) else 0
+            name_seed = zlib.crc32(global_layer_name(name, layer_offset).encode())
+            generator = torch.Generator().manual_seed(name_seed + 1000 * seed + rank_part)
+            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+
+
+def gathered_logical(model, group):
+    """The logical tensors of a TP-sharded model, assembled by the test's reference rule."""
+    logical = {}
+    for name, param in model.named_parameters():
+        split = partition_of(param)
+        if split is None:
+            logical[name] = param.detach().clone()
+            continue
+        shards = [torch.empty_like(param) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, param.detach().contiguous(), group=group)
+        logical[name] = reference_unshard(shards, *split)
+    return logical
 
 
 def legacy(dim, stride=1):
