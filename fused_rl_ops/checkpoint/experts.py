@@ -129,6 +129,14 @@ class ExpertLayout(NamedTuple):
             return name
         return f"{parts.prefix}{self.ep_rank * self.local_counts[parts.prefix] + parts.index}{parts.rest}"
 
+    def holds(self, stored_name: str) -> bool:
+        """Whether a stored name is a dense tensor or one of this rank's experts."""
+        parts = _split(stored_name)
+        if not parts:
+            return True
+        count = self.local_counts.get(parts.prefix, 0)
+        return self.ep_rank * count <= parts.index < (self.ep_rank + 1) * count
+
     @staticmethod
     def carries_nothing(name: str, value) -> bool:
         """Whether name is an experts module's extra state that carries nothing (None: megatron-core's

@@ -146,8 +146,9 @@ class OptimizerRestore:
         if missing:
             raise ValueError(f"checkpoint {self._path!r} holds no optimizer state for {missing} (saved without "
                              "optimizer=?)")
-        foreign = sorted({n.split(_MARK)[0] for n in stored if is_optimizer_item(n) and layout.experts.holds(n)}
-                         - names)
+        mine = {n.split(_MARK)[0] for n in stored
+                if is_optimizer_item(n) and layout.experts.holds(n) and layout.stage.holds(n)}
+        foreign = sorted(mine - names)
         if foreign:
             raise ValueError(f"checkpoint {self._path!r} holds optimizer state for {foreign}, which the optimizer "
                              "does not hold")
