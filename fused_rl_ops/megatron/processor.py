@@ -37,12 +37,11 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class RLOutputProcessor:
-    """What `rl_output_processor` returns (module docstring). Subclasses override _per_token and
-    _value_from_weight (fused_rl_ops.reference.megatron.NaiveRLOutputProcessor does).
+    """What `rl_output_processor` returns (module docstring).
 
     output_names: the keys of the returned dict, in order ("logprobs", then "entropy", "values").
     batch_invariant: passed on to chosen_logprob (a token's outputs bitwise independent of the rest
-    of the batch); the naive reference processor ignores it.
+    of the batch); the naive reference processor has no such option.
     host_checks: chosen_logprob's token-range and TP group checks, the processor's only host
     synchronisations on CUDA; False skips both (for CUDA graphs): an out-of-range token then gets a
     NaN logprob and NaN gradients, and a rank with invalid arguments raises alone.
