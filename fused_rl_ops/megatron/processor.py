@@ -9,10 +9,12 @@ Tokens come from `labels` or `context["tokens"]` (exactly one). Positions with l
 ignore_index get logprob 0 and no gradient; entropy is computed everywhere. The weight is the local
 vocab shard (tied embedding or output_layer.weight) over the output layer's TP group. With sequence
 parallel the hidden states are gathered with Megatron's gather, whose backward reduce-scatters, so
-chosen_logprob leaves its hidden gradient unreduced (summed exactly once). MuP output scaling is
-refused. Under Megatron's DDP with gradient_accumulation_fusion the output weight's gradient is
-added into its `main_grad` chunk by chunk, as Megatron's own output layer does, instead of being
-returned as a [V_local, H] tensor.
+chosen_logprob leaves its hidden gradient unreduced (summed exactly once). The value head sees the
+gathered states: its values, and its parameters' gradients, are complete and equal on every TP rank
+(fused_rl_ops.megatron.attach makes it the model's submodule). MuP output scaling is refused. Under
+Megatron's DDP with gradient_accumulation_fusion the output weight's gradient is added into its
+`main_grad` chunk by chunk, as Megatron's own output layer does, instead of being returned as a
+[V_local, H] tensor.
 """
 import torch
 
