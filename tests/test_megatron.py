@@ -209,7 +209,7 @@ def test_processor_refuses_bad_calls():
         processor(hidden_states=hidden, output_layer=output_layer)
     with pytest.raises(ValueError, match="got both"):
         processor(hidden_states=hidden, output_layer=output_layer, labels=tokens, context={"tokens": tokens})
-    with pytest.raises(ValueError, match="do not match"):
+    with pytest.raises(ValueError, match=r"labels must be \[b, s\] = \[2, 8\]"):
         processor(hidden_states=hidden, output_layer=output_layer, labels=tokens.t().contiguous())
     mup = types.SimpleNamespace(use_mup=True, mup_output_mult=0.5)
     with pytest.raises(ValueError, match="MuP"):

@@ -1,12 +1,15 @@
-"""The value head a trainer attaches, on megatron-core 0.19.2 (CPU / gloo with the test-only shims).
+"""The value head a trainer attaches, and the processor's argument checks, on megatron-core 0.19.2
+(CPU / gloo with the test-only shims).
 
 `attach(model, rl_output_processor(value_head=ValueHead(H)))` makes the head the model's submodule:
 a tiny GPTModel at TP 2 x DP 2 (with and without sequence parallel) inside Megatron's DDP, an Adam
 optimizer over `model.parameters()` only and a PPO loss train it for a few steps. Each step its
 values and gradient are equal on the TP ranks, every gradient equals (to fp32 rounding) the naive
 reference's at the same weights (materialised logits, value head and data-parallel reduction done
-by hand, no attach) and the replicas stay identical. Then the head is saved and loaded with the model (at TP 2 and at TP 1) and detach removes it."""
+by hand, no attach), the replicas stay identical, and at the last step the temperature changes.
+Then the head is saved and loaded with the model (at TP 2 and at TP 1) and detach removes it."""
 import math
+import types
 
 import pytest
 import torch
@@ -28,7 +31,7 @@ from fused_rl_ops.testing.ppo import ddp_train_step, forward_backward, make_roll
 
 B, S = 2, 8  # b != s, so a [b, s] / [s, b] mix-up cannot pass
 VOCAB, REAL_VOCAB = 256, 200  # the model's padded vocabulary, the tokenizer's
-TEMPERATURE, STEPS = 0.9, 3
+TEMPERATURES = (0.9, 0.9, 0.6)  # per step: the last step changes the processor's temperature
 
 
 def value_head_like(seed, hidden_size=32):
@@ -37,6 +40,54 @@ def value_head_like(seed, hidden_size=32):
         for param in head.parameters():
             param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)))
     return head
+
+
+# --------------------------------------------------------------------------------- in-process checks
+
+
+def one_rank_call(**overrides):
+    """A processor call's keywords without a TP group: hidden [S, B, 16], a 32-row weight."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(S, B, 16, generator=g), torch.randn(32, 16, generator=g)
+    output_layer = types.SimpleNamespace(weight=weight, tp_group=None, sequence_parallel=False)
+    call = dict(hidden_states=hidden, output_layer=output_layer, labels=torch.randint(0, 32, (B, S), generator=g))
+    return {**call, **overrides}
+
+
+def test_shape_mistakes_name_the_argument_and_the_expected_shape():
+    processor = rl_output_processor()
+    tokens = one_rank_call()["labels"]
+    expected = r"must be \[b, s\] = \[2, 8\] for hidden states \[8, 2, 16\].*got "
+    for keywords, name, got in (
+        (dict(loss_mask=torch.ones(S, B)), "loss_mask", r"\[8, 2\]"),  # [s, b]: a broadcasting error before
+        (dict(loss_mask=torch.ones(B * S)), "loss_mask", r"\[16\]"),
+        (dict(labels=tokens.t().contiguous()), "labels", r"\[8, 2\]"),
+        (dict(labels=tokens[:, :-1]), "labels", r"\[2, 7\]"),
+        (dict(labels=None, context={"tokens": tokens[None]}), r"output_processor_context\['tokens'\]", r"\[1, 2, 8\]"),
+    ):
+        with pytest.raises(ValueError, match=f"{name} {expected}{got}"):
+            processor(**one_rank_call(**keywords))
+    with pytest.raises(TypeError, match=r"loss_mask must be a \[b, s\] tensor, got list"):
+        processor(**one_rank_call(loss_mask=[[1.0] * S] * B))
+
+
+def test_temperature_is_checked_when_given_and_when_changed():
+    for bad in (None, 0, -1.0, math.inf, math.nan, True, "0.7"):
+        with pytest.raises(ValueError, match=f"temperature must be a positive finite number, got {bad!r}"):
+            rl_output_processor(temperature=bad)
+    processor = rl_output_processor(temperature=0.9)
+    with pytest.raises(ValueError, match="got None"):
+        processor.temperature = None
+    assert processor.temperature == 0.9  # a refused value leaves the old one
+    processor.temperature = 0.5
+    call = one_rank_call()
+    outputs = processor(**call)
+    # float64 at the new temperature
+    logits = call["hidden_states"].double() @ call["output_layer"].weight.double().t() / 0.5
+    log_probs = torch.log_softmax(logits, dim=-1)
+    chosen = log_probs.gather(-1, call["labels"].t().unsqueeze(-1)).squeeze(-1).t()
+    assert_close(outputs["logprobs"], chosen.float())
+    assert_close(outputs["entropy"], -(log_probs.exp() * log_probs).sum(-1).t().float())
 
 
 # ------------------------------------------------------- TP 2 x DP 2: training, checkpoint, detach
@@ -81,7 +132,7 @@ def _check_training(sequence_parallel):
     model = tiny_model("gpt", config, vocab_size=VOCAB, seed=1)
     names_before = [name for name, _ in model.named_parameters()]
     head = value_head_like(seed=2)
-    processor = rl_output_processor(value_head=head, vocab_size=REAL_VOCAB, temperature=TEMPERATURE)
+    processor = rl_output_processor(value_head=head, vocab_size=REAL_VOCAB, temperature=TEMPERATURES[0])
     attach(model, processor)
     assert model.value_head is head
     assert [name for name, _ in model.named_parameters()] == names_before + ["value_head.weight", "value_head.bias"]
@@ -93,12 +144,13 @@ def _check_training(sequence_parallel):
     naive, naive_head = tiny_model("gpt", config, vocab_size=VOCAB), value_head_like(seed=3)
     tp_group, dp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
     initial_head = {name: p.detach().clone() for name, p in head.named_parameters()}
-    for step in range(STEPS):
+    for step, temperature in enumerate(TEMPERATURES):
         # The data differs between the replicas (as data parallelism has it), not between TP ranks.
         seed = 100 * step + parallel_state.get_data_parallel_rank()
         tokens = torch.randint(0, REAL_VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
         rollout = make_rollout(tokens, torch.full((B, S), -math.log(REAL_VOCAB)), seed=seed)
-        naive_outputs, expected_grads = reference_grads(naive, naive_head, model, rollout, TEMPERATURE)
+        naive_outputs, expected_grads = reference_grads(naive, naive_head, model, rollout, temperature)
+        processor.temperature = temperature
         outputs, _ = ddp_train_step(ddp_model, optimizer, rollout)
 
         for name in outputs:
