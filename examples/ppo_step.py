@@ -7,10 +7,11 @@ and the shims in fused_rl_ops/testing/megatron_cpu.py do that (on GPUs you would
 
 Both policies have the same weights. The fused one uses ClampedSwiGLUMLP and rl_output_processor
 (chosen-token logprobs, entropy and values straight from the hidden states); the naive one uses
-Megatron's unfused MLP and materialises the logits (NaiveRLOutputProcessor). Each runs a clipped
-PPO loss with an entropy bonus and a value loss, backward and an Adam step. Rank 0 prints the
-logprob / entropy / value statistics of both and the peak memory of the tensors each step
-allocated (torch's MemTracker). The rollout, loss and forward-backward are in
+Megatron's unfused MLP and materialises the logits (NaiveRLOutputProcessor). attach makes each
+value head part of its model, so each Adam optimizer is built from model.parameters() alone. Each
+runs a clipped PPO loss with an entropy bonus and a value loss, backward and an Adam step. Rank 0
+prints the logprob / entropy / value statistics of both and the peak memory of the tensors each
+step allocated (torch's MemTracker). The rollout, loss and forward-backward are in
 fused_rl_ops/testing/ppo.py; tests/test_megatron.py runs them and checks fused against naive
 (outputs, every gradient, the updated parameters) to fp32 tolerance.
 """
@@ -72,9 +73,11 @@ def _main(rank, world_size, vocab_size, seq_length):
     value_head = fused_rl_ops.ValueHead(config.hidden_size)
     with torch.no_grad():
         value_head.weight.copy_(0.1 * torch.randn(value_head.weight.shape, generator=torch.Generator().manual_seed(2)))
-    naive_value_weight = torch.nn.Parameter(value_head.weight.detach().clone())
+    naive_value_head = fused_rl_ops.ValueHead(config.hidden_size)
+    naive_value_head.load_state_dict(value_head.state_dict())
+    # attach makes each value head a submodule of its model: model.parameters() holds it.
     attach(fused, rl_output_processor(value_head=value_head, vocab_size=vocab_size))
-    attach(naive, NaiveRLOutputProcessor(value_head=naive_value_weight, vocab_size=vocab_size))
+    attach(naive, NaiveRLOutputProcessor(value_head=naive_value_head, vocab_size=vocab_size))
 
     tokens = torch.randint(0, vocab_size, (2, seq_length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -83,8 +86,8 @@ def _main(rank, world_size, vocab_size, seq_length):
     rollout = make_rollout(tokens, old_logprobs, seed=1)
 
     report = {}
-    for name, model, extra_params in (("naive", naive, [naive_value_weight]), ("fused", fused, list(value_head.parameters()))):
-        optimizer = torch.optim.Adam(list(model.parameters()) + extra_params, lr=1e-3)
+    for name, model in (("naive", naive), ("fused", fused)):
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         tracker = MemTracker()
         with tracker:
             outputs, loss = forward_backward(model, rollout)

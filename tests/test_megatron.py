@@ -61,10 +61,11 @@ def same_on_all_ranks(*shape, seed):
 
 
 class RecordingProcessor:
-    """Wraps a processor and keeps the hidden states of every call."""
+    """Wraps a processor and keeps the hidden states of every call; shows attach its value head."""
 
     def __init__(self, processor):
         self.processor = processor
+        self.value_head = getattr(processor, "value_head", None)
         self.hidden_states = []
 
     def __call__(self, **kwargs):
@@ -208,7 +209,7 @@ def test_processor_refuses_bad_calls():
         processor(hidden_states=hidden, output_layer=output_layer)
     with pytest.raises(ValueError, match="got both"):
         processor(hidden_states=hidden, output_layer=output_layer, labels=tokens, context={"tokens": tokens})
-    with pytest.raises(ValueError, match="do not match"):
+    with pytest.raises(ValueError, match=r"labels must be \[b, s\] = \[2, 8\]"):
         processor(hidden_states=hidden, output_layer=output_layer, labels=tokens.t().contiguous())
     mup = types.SimpleNamespace(use_mup=True, mup_output_mult=0.5)
     with pytest.raises(ValueError, match="MuP"):
@@ -471,18 +472,19 @@ def test_hybrid_model_wrapped_models_and_clamped_swiglu_mlp():
 def build_policy_pair(config, **processor_options):
     """The same GPTModel twice, with a processor each, not attached:
     fused: ClampedSwiGLUMLP, rl_output_processor, fused_rl_ops.ValueHead;
-    naive: Megatron's MLP, materialised logits, the value weight as a plain tensor.
-    Returns [(model, processor, value parameter)] for fused, then naive."""
+    naive: Megatron's MLP, the reference processor (materialised logits), a copy of the value head.
+    Returns [(model, processor)] for fused, then naive; attach makes each value head its model's."""
     fused = tiny_model("gpt", config, clamped_swiglu_mlp=True)
     naive = tiny_model("gpt", config)
     naive.load_state_dict(fused.state_dict())
     value_head = fused_rl_ops.ValueHead(config.hidden_size)
     with torch.no_grad():
         value_head.weight.copy_(same_on_all_ranks(*value_head.weight.shape, seed=7))
-    naive_value_weight = torch.nn.Parameter(value_head.weight.detach().clone())
+    naive_value_head = fused_rl_ops.ValueHead(config.hidden_size)
+    naive_value_head.load_state_dict(value_head.state_dict())
     return [
-        (fused, rl_output_processor(value_head=value_head, **processor_options), value_head.weight),
-        (naive, NaiveRLOutputProcessor(value_head=naive_value_weight, **processor_options), naive_value_weight),
+        (fused, rl_output_processor(value_head=value_head, **processor_options)),
+        (naive, NaiveRLOutputProcessor(value_head=naive_value_head, **processor_options)),
     ]
 
 
@@ -501,30 +503,31 @@ def assert_same_outputs(fused_outputs, naive_outputs):
 
 
 def assert_same_step(policies):
-    """Fused and naive have the same gradient for every parameter; after an SGD step each, the same parameters."""
-    (fused, _, fused_value), (naive, _, naive_value) = policies
-    assert_close_by_name(grads_by_name(fused), grads_by_name(naive))
-    if naive_value.grad is not None:  # only a pipeline's last stage uses its value head
-        assert_close(fused_value.grad, naive_value.grad, rtol=1e-4, atol=1e-6)
-    for model, _, value_weight in policies:
-        torch.optim.SGD([*model.parameters(), value_weight], lr=0.1).step()
+    """Fused and naive have the same gradient for every parameter (the value head's, on the stage
+    that has it, among them); after an SGD step each over model.parameters(), the same parameters."""
+    (fused, _), (naive, _) = policies
+    fused_grads, naive_grads = grads_by_name(fused), grads_by_name(naive)
+    assert ("value_head.weight" in fused_grads) == parallel_state.is_pipeline_last_stage()
+    assert_close_by_name(fused_grads, naive_grads)
+    for model, _ in policies:
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
     assert_close_by_name(dict(fused.named_parameters()), dict(naive.named_parameters()))
 
 
 def _check_ppo_step(sequence_parallel):
     config = ppo_config(sequence_parallel=sequence_parallel)
     policies = build_policy_pair(config, vocab_size=REAL_VOCAB, temperature=0.9)
-    for model, processor, _ in policies:
+    for model, processor in policies:
         attach(model, processor)
     tokens = make_batch(REAL_VOCAB, seed=8)[0]
     rollout = make_rollout(tokens, torch.full((B, S), -math.log(REAL_VOCAB)), seed=9)
-    (fused_outputs, fused_loss), (naive_outputs, naive_loss) = [forward_backward(m, rollout) for m, _, _ in policies]
+    (fused_outputs, fused_loss), (naive_outputs, naive_loss) = [forward_backward(m, rollout) for m, _ in policies]
     assert list(fused_outputs) == ["logprobs", "entropy", "values"]
     assert_same_outputs(fused_outputs, naive_outputs)
     assert_close(fused_loss, naive_loss)
     assert_same_step(policies)
     with torch.no_grad():
-        fused_after, naive_after = [m(tokens, *model_inputs(tokens), labels=tokens)["logprobs"] for m, _, _ in policies]
+        fused_after, naive_after = [m(tokens, *model_inputs(tokens), labels=tokens)["logprobs"] for m, _ in policies]
     assert_close(fused_after, naive_after)
     assert not torch.allclose(fused_after, fused_outputs["logprobs"])  # the step moved the policy
 
@@ -567,7 +570,7 @@ def _pipeline_parallel(rank, world_size):
     input and matches Megatron's cross entropy; the PPO step matches the naive path on both stages."""
     set_parallel_degrees(tp=1, pp=2)
     policies = build_policy_pair(ppo_config(pipeline_dtype=torch.float32))
-    (fused, fused_processor, _), (naive, naive_processor, _) = policies
+    (fused, fused_processor), (naive, naive_processor) = policies
     rollouts = [
         make_rollout(make_batch(seed=10 + i)[0], torch.full((B, S), -math.log(VOCAB)), seed=20 + i) for i in range(2)
     ]

@@ -14,12 +14,21 @@ whose configured SwiGLU clamp some module would ignore (mlp.check_clamp_not_drop
   tokens come through `output_processor_context={"tokens": ...}`; `labels` is refused (the model
   would compute its cross entropy over the stand-in's output). Models with MTP are refused.
 
+A value head on the processor (`processor.value_head`: a module, or a weight nn.Parameter) becomes
+the language model's submodule `value_head` on the stage that holds the output layer, so
+`parameters()`, `state_dict()`, optimizers, Megatron's DDP and checkpoints see it; its parameters
+are marked replicated over TP (each TP rank computes the values of the whole sequence, so their
+gradients are complete and equal there). Hence attach before wrapping the model in Megatron's
+DistributedDataParallel (attach refuses a wrapped one).
+
 Hooks run on `model(...)` calls, as Megatron's schedules make them; `model.forward(...)` bypasses them.
 """
 import functools
 import inspect
 
 import torch
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.utils import unwrap_model
 
 from .mlp import check_clamp_not_dropped
@@ -28,6 +37,7 @@ from .mtp import route_mtp_loss
 __all__ = ["attach", "detach"]
 
 _ATTACHMENT = "_fused_rl_ops_output_processor_undo"
+_VALUE_HEAD = "value_head"  # the submodule name a processor's value head gets
 
 
 def attach(model, processor):
@@ -36,10 +46,13 @@ def attach(model, processor):
     if getattr(language_model, _ATTACHMENT, None) is not None:
         raise RuntimeError("attach: this model already has an output processor attached; detach it first")
     check_clamp_not_dropped(language_model)
+    value_head = _value_head_to_register(model, language_model, processor)
     if "output_processor" in inspect.signature(language_model.forward).parameters:
         undo = route_mtp_loss(language_model, processor) + _attach_through_native_hook(language_model, processor)
     else:
         undo = _attach_by_substituting_output_layer(language_model, processor)
+    if value_head is not None:
+        undo.append(_register_value_head(language_model, value_head))
     setattr(language_model, _ATTACHMENT, undo)
 
 
@@ -52,6 +65,65 @@ def detach(model):
     for step in undo:
         step()
     delattr(language_model, _ATTACHMENT)
+
+
+def _value_head_to_register(model, language_model, processor):
+    """The processor's value head as a module if this stage computes values, else None; refuses a
+    value head given as a plain tensor (not a parameter) and a model whose parameters a data-parallel wrapper has already
+    bucketed (the head would get no gradient reduction)."""
+    value_head = getattr(processor, "value_head", None)
+    if value_head is None or not getattr(language_model, "post_process", True):
+        return None
+    if isinstance(value_head, torch.nn.Parameter):
+        value_head = _ValueHeadWeight(value_head)
+    elif not isinstance(value_head, torch.nn.Module):
+        raise TypeError(
+            "attach: the processor's value_head is a plain tensor, which the model cannot own (its "
+            "parameters(), state_dict() and optimizer would miss it); pass a module such as "
+            "fused_rl_ops.ValueHead(hidden_size), or an nn.Parameter"
+        )
+    if _wrapped_for_data_parallel(model, language_model):
+        raise RuntimeError(
+            "attach: the model is already wrapped in a data-parallel wrapper (Megatron's "
+            "DistributedDataParallel or FSDP), whose buffers would leave the value head out; attach "
+            "the processor before wrapping the model"
+        )
+    if hasattr(language_model, _VALUE_HEAD):
+        raise RuntimeError(f"attach: the model already has an attribute {_VALUE_HEAD!r}; the value head would replace it")
+    return value_head
+
+
+def _register_value_head(language_model, value_head):
+    """Adds value_head as the submodule `value_head`, its parameters marked replicated over TP;
+    returns the undo step."""
+    for param in value_head.parameters():
+        param.tensor_model_parallel = False
+        # Complete on every TP rank, unlike sequence-parallel norms' partial sums: no TP all-reduce.
+        param.sequence_parallel = False
+        set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    language_model.add_module(_VALUE_HEAD, value_head)
+    return functools.partial(delattr, language_model, _VALUE_HEAD)
+
+
+class _ValueHeadWeight(torch.nn.Module):
+    """Holds a value head given as a bare weight parameter, so that the model owns it as
+    `value_head.weight` (the key fused_rl_ops.ValueHead's weight has); the processor uses the
+    parameter itself."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+
+def _wrapped_for_data_parallel(model, language_model):
+    """Whether a Megatron data-parallel wrapper holds the model: in the wrappers `model` is inside,
+    or (the inner module given) as the main_grad views its buffers give the parameters."""
+    wrapper = model
+    while wrapper is not language_model:
+        if isinstance(wrapper, _BaseDataParallel):
+            return True
+        wrapper = wrapper.module
+    return any(hasattr(param, "main_grad") for param in language_model.parameters())
 
 
 def _refuse_explicit_processor(kwargs):

@@ -5,15 +5,20 @@ Megatron calls the processor in place of its output layer with keywords only (`h
 `labels` [b, s], `loss_mask`, `context`, `config`, ...). It returns a dict of fp32 [b, s] tensors,
 keys in `output_names` order: "logprobs", then "entropy" and "values" when asked for.
 
-Tokens come from `labels` or `context["tokens"]` (exactly one). Positions with loss_mask 0 or
-ignore_index get logprob 0 and no gradient; entropy is computed everywhere. The weight is the local
-vocab shard (tied embedding or output_layer.weight) over the output layer's TP group. With sequence
-parallel the hidden states are gathered with Megatron's gather, whose backward reduce-scatters, so
-chosen_logprob leaves its hidden gradient unreduced (summed exactly once). MuP output scaling is
-refused. Under Megatron's DDP with gradient_accumulation_fusion the output weight's gradient is
-added into its `main_grad` chunk by chunk, as Megatron's own output layer does, instead of being
-returned as a [V_local, H] tensor.
+Tokens come from `labels` or `context["tokens"]` (exactly one), [b, s] like `loss_mask`. Positions
+with loss_mask 0 or ignore_index get logprob 0 and no gradient; entropy is computed everywhere. The
+weight is the local vocab shard (tied embedding or output_layer.weight) over the output layer's TP
+group. With sequence parallel the hidden states are gathered with Megatron's gather, whose backward
+reduce-scatters, so chosen_logprob leaves its hidden gradient unreduced (summed exactly once). The
+value head sees the gathered states: its values, and its parameters' gradients, are complete and
+equal on every TP rank (fused_rl_ops.megatron.attach makes it the model's submodule). MuP output
+scaling is refused. Under Megatron's DDP with gradient_accumulation_fusion the output weight's
+gradient is added into its `main_grad` chunk by chunk, as Megatron's own output layer does, instead
+of being returned as a [V_local, H] tensor.
 """
+import math
+import numbers
+
 import torch
 
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -37,12 +42,13 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class RLOutputProcessor:
-    """What `rl_output_processor` returns (module docstring). Subclasses override _per_token and
-    _value_from_weight (fused_rl_ops.reference.megatron.NaiveRLOutputProcessor does).
+    """What `rl_output_processor` returns (module docstring).
 
+    temperature: the logits' divisor; assign a new one between steps (`processor.temperature = 0.7`),
+    checked as in the constructor.
     output_names: the keys of the returned dict, in order ("logprobs", then "entropy", "values").
     batch_invariant: passed on to chosen_logprob (a token's outputs bitwise independent of the rest
-    of the batch); the naive reference processor ignores it.
+    of the batch); the naive reference processor has no such option.
     host_checks: chosen_logprob's token-range and TP group checks, the processor's only host
     synchronisations on CUDA; False skips both (for CUDA graphs): an out-of-range token then gets a
     NaN logprob and NaN gradients, and a rank with invalid arguments raises alone.
@@ -50,8 +56,6 @@ class RLOutputProcessor:
 
     def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
                  vocab_size=None, batch_invariant=False, host_checks=True):
-        if not temperature > 0:
-            raise ValueError(f"{type(self).__name__}: temperature must be > 0, got {temperature}")
         self.temperature = temperature
         self.return_entropy = return_entropy
         self.value_head = value_head
@@ -65,28 +69,36 @@ class RLOutputProcessor:
         if value_head is not None:
             self.output_names += ("values",)
 
+    @property
+    def temperature(self):
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, temperature):
+        if (not isinstance(temperature, numbers.Real) or isinstance(temperature, bool)
+                or not 0 < temperature < math.inf):
+            raise ValueError(f"{type(self).__name__}: temperature must be a positive finite number, got {temperature!r}")
+        self._temperature = temperature
+
     def __call__(self, *, hidden_states, output_layer, output_weight=None, labels=None, loss_mask=None,
                  context=None, config=None, **unused_keywords):
         if config is not None and config.use_mup and config.mup_output_mult != 1.0:
             raise ValueError(f"{type(self).__name__}: MuP output scaling (config.mup_output_mult) is not supported")
-        tokens = self._tokens(labels, context)
-        if loss_mask is not None:
-            tokens = tokens.masked_fill(loss_mask == 0, self.ignore_index)
         sequence_parallel = output_layer.sequence_parallel
         seq_length = hidden_states.shape[0] * (
             torch.distributed.get_world_size(output_layer.tp_group) if sequence_parallel else 1
         )
-        if tuple(tokens.shape) != (hidden_states.shape[1], seq_length):
-            raise ValueError(
-                f"{type(self).__name__}: tokens {tuple(tokens.shape)} do not match hidden states "
-                f"{tuple(hidden_states.shape)} (tokens are [b, s], hidden states [s, b, h] per rank)"
-            )
+        expected_shape = (hidden_states.shape[1], seq_length)
+        tokens = self._tokens(labels, context, expected_shape, hidden_states)
+        if loss_mask is not None:
+            self._check_batch_shape("loss_mask", loss_mask, expected_shape, hidden_states)
+            tokens = tokens.masked_fill(loss_mask == 0, self.ignore_index)
         weight = output_weight if output_weight is not None else output_layer.weight
         # Work in the model's [s, b] layout and transpose only the small per-token results.
         per_token = self._per_token(hidden_states, output_layer, weight, tokens.t())
         return {name: t.t().contiguous() for name, t in zip(self.output_names, per_token)}
 
-    def _tokens(self, labels, context):
+    def _tokens(self, labels, context, expected_shape, hidden_states):
         context_tokens = context.get("tokens") if isinstance(context, dict) else None
         if (labels is None) == (context_tokens is None):
             raise ValueError(
@@ -94,7 +106,21 @@ class RLOutputProcessor:
                 "output_processor_context={'tokens': tokens}"
                 + (" (got both)" if labels is not None else " (got neither)")
             )
-        return labels if labels is not None else context_tokens
+        if labels is not None:
+            return self._check_batch_shape("labels", labels, expected_shape, hidden_states)
+        return self._check_batch_shape("output_processor_context['tokens']", context_tokens, expected_shape, hidden_states)
+
+    def _check_batch_shape(self, name, tensor, expected_shape, hidden_states):
+        """tensor, if it is a [b, s] tensor for these hidden states; else a ValueError naming it."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}: {name} must be a [b, s] tensor, got {type(tensor).__name__}")
+        if tuple(tensor.shape) != expected_shape:
+            raise ValueError(
+                f"{type(self).__name__}: {name} must be [b, s] = {list(expected_shape)} for hidden states "
+                f"{list(hidden_states.shape)} ([s, b, h], s split over TP ranks with sequence parallel), "
+                f"got {list(tensor.shape)}"
+            )
+        return tensor
 
     def _per_token(self, hidden_states, output_layer, weight, tokens):
         """[s, b] logprobs, then entropy and values as asked, from [s(/tp), b, h] hidden states."""

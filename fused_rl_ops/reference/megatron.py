@@ -1,47 +1,78 @@
 """The naive Megatron baseline of fused_rl_ops.megatron's output processor: materialised logits
-through Megatron's own output layer and vocab_parallel_cross_entropy. The tests and the example
-compare the fused processor against it."""
+through Megatron's own output layer, vocab_parallel_cross_entropy and TP gathers, written apart
+from the fused processor (no code shared with it). The tests and the example compare against it."""
 import torch
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
 )
-
-from ..megatron.processor import RLOutputProcessor
+from megatron.core.tensor_parallel.utils import VocabUtility
 
 __all__ = ["NaiveRLOutputProcessor"]
 
 
-class NaiveRLOutputProcessor(RLOutputProcessor):
-    """The same outputs through the materialised logits, the baseline to compare against: Megatron's
-    output layer and vocab_parallel_cross_entropy, entropy from the TP-gathered logits, values from
-    the weight by a plain matmul (a value-head module is called as is)."""
+class NaiveRLOutputProcessor:
+    """An output processor with the fused one's keywords and outputs ([b, s] fp32 "logprobs", then
+    "entropy", "values" as asked), computed the plain way: the output layer's logits, divided by
+    the temperature, padded rows at -inf, -vocab_parallel_cross_entropy for the chosen tokens,
+    entropy from the TP-gathered logits, values by F.linear from the value head's weight (and bias).
 
-    def _per_token(self, hidden_states, output_layer, weight, tokens):
+    value_head: None, a [H] / [1, H] weight, or a module holding `weight` (and optionally `bias`)
+    in nn.Linear(H, 1)'s layout, such as fused_rl_ops.ValueHead (its weight is read, the module is
+    not called). temperature is a plain attribute: set it between steps.
+    """
+
+    def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
+                 vocab_size=None):
+        self.temperature = temperature
+        self.return_entropy = return_entropy
+        self.value_head = value_head
+        self.ignore_index = ignore_index
+        self.vocab_size = vocab_size
+        self.output_names = ("logprobs",) + (("entropy",) if return_entropy else ()) + (
+            ("values",) if value_head is not None else ()
+        )
+
+    def __call__(self, *, hidden_states, output_layer, output_weight=None, labels=None, loss_mask=None,
+                 context=None, **unused_keywords):
+        tokens = labels if labels is not None else context["tokens"]  # [b, s]
+        keep = tokens != self.ignore_index
+        if loss_mask is not None:
+            keep &= loss_mask != 0
+        # The output layer gathers sequence-parallel hidden states itself: logits are [s, b, V/tp].
+        logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=False)
+        # [b, s, V/tp], contiguous: vocab_parallel_cross_entropy views it as [b * s, V/tp].
+        logits = logits.transpose(0, 1).contiguous().float() / self.temperature
         tp_group = output_layer.tp_group
-        logits, _ = output_layer(hidden_states, weight=weight, runtime_gather_output=False)
-        logits = logits.float() / self.temperature
         if self.vocab_size is not None:
-            vocab_start = torch.distributed.get_rank(tp_group) * logits.shape[-1] if tp_group is not None else 0
-            global_ids = torch.arange(vocab_start, vocab_start + logits.shape[-1], device=logits.device)
-            logits = logits.masked_fill(global_ids >= self.vocab_size, float("-inf"))
-        valid = tokens != self.ignore_index
-        # vocab_parallel_cross_entropy works in place on its input; the entropy needs the logits.
-        neg_logprobs = vocab_parallel_cross_entropy(logits.clone(), tokens.masked_fill(~valid, 0), tp_group=tp_group)
-        per_token = (torch.where(valid, -neg_logprobs, 0.0),)
+            rank, world = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
+            first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(logits.shape[-1], rank, world)
+            padded = torch.arange(first, last, device=logits.device) >= self.vocab_size
+            logits = logits.masked_fill(padded, float("-inf"))
+        # vocab_parallel_cross_entropy overwrites its input; the entropy needs the logits.
+        cross_entropy = vocab_parallel_cross_entropy(logits.clone(), tokens.masked_fill(~keep, 0), tp_group=tp_group)
+        outputs = {"logprobs": torch.where(keep, -cross_entropy, 0.0)}
         if self.return_entropy:
-            full_logits = gather_from_tensor_model_parallel_region(logits, group=tp_group)[..., : self.vocab_size]
-            log_probs = torch.log_softmax(full_logits, dim=-1)
-            per_token += (-(log_probs.exp() * log_probs).sum(-1),)
-        if self.value_head is None:
-            return per_token
-        if output_layer.sequence_parallel:
-            # Values are replicated over TP: the gather's backward keeps this rank's slice of the gradient.
-            hidden_states = gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=False, group=tp_group
-            )
-        return per_token + (self._apply_value_head(hidden_states),)
+            full_vocab_logits = gather_from_tensor_model_parallel_region(logits, group=tp_group)[..., : self.vocab_size]
+            log_probs = torch.log_softmax(full_vocab_logits, dim=-1)
+            outputs["entropy"] = -(log_probs.exp() * log_probs).sum(-1)
+        if self.value_head is not None:
+            outputs["values"] = self._values(hidden_states, output_layer).transpose(0, 1)
+        return {name: outputs[name].contiguous() for name in self.output_names}
 
-    def _value_from_weight(self, hidden_states):
-        return hidden_states.float() @ self.value_head.float().reshape(-1)
+    def _values(self, hidden_states, output_layer):
+        """[s, b] values from all positions' hidden states."""
+        if output_layer.sequence_parallel:
+            # Every TP rank computes the same values from the whole sequence; the gather's backward
+            # keeps this rank's slice of the (already complete) gradient.
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=output_layer.tp_group
+            )
+        if isinstance(self.value_head, torch.nn.Module):
+            weight, bias = self.value_head.weight, getattr(self.value_head, "bias", None)
+        else:
+            weight, bias = self.value_head, None
+        return torch.nn.functional.linear(
+            hidden_states.float(), weight.float().reshape(1, -1), None if bias is None else bias.float().reshape(1)
+        ).squeeze(-1)

@@ -7,8 +7,8 @@ In a process whose default group is initialised (fused_rl_ops.testing.distribute
     logits = full_vocab_logits(build_tiny_gpt(seed=1), tokens)  # [batch, seq, vocab]
 
 The shims (install_cpu_shims says what each replaces) make megatron-core's CUDA-only calls in the
-forward, schedule-plan, pipeline-parallel and HybridModel paths run on the CPU, and let torch's
-LayerNorm (the fallback without Apex) run with sequence parallel. They patch megatron-core
+forward, schedule-plan, pipeline-parallel, HybridModel and DDP gradient-reduction paths run on the
+CPU, and let torch's LayerNorm (the fallback without Apex) run with sequence parallel. They patch megatron-core
 process-wide, so only tests and examples import them.
 """
 import contextlib
@@ -35,6 +35,17 @@ class _NoopEvent:
         pass
 
 
+class _NoopStream:
+    """Stands in for torch.cuda.current_stream(): Megatron's DDP makes it wait on CUDA-graph events
+    before reducing gradients (there are none on the CPU)."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+
 def _is_cuda(device):
     return isinstance(device, int) or torch.device(device).type == "cuda"
 
@@ -51,8 +62,8 @@ class _CudaToCpuMode(TorchFunctionMode):
 
 
 def install_cpu_shims():
-    """Makes megatron-core's forward, schedule-plan, pipeline and HybridModel paths run on the CPU.
-    Idempotent."""
+    """Makes megatron-core's forward, schedule-plan, pipeline, HybridModel and DDP gradient-reduction
+    paths run on the CPU. Idempotent."""
     global _installed
     if _installed:
         return
@@ -80,6 +91,9 @@ def install_cpu_shims():
     plan_cls.record_current_stream = lambda self: None
     plan_cls.wait_current_stream = lambda self: None
     torch.Tensor.record_stream = lambda self, stream: None
+
+    # DDP's gradient reduction (finish_grad_sync) asks for the current stream.
+    torch.cuda.current_stream = lambda device=None: _NoopStream()
 
     # Pipeline parallel: p2p buffers and the current device. The mode stays on for the process.
     torch.cuda.current_device = lambda: "cpu"

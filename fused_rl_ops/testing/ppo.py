@@ -1,6 +1,7 @@
-"""The pieces of a tiny PPO step that examples/ppo_step.py runs and tests/test_megatron.py checks:
-a rollout as a sampler and critic would hand it over, a clipped PPO loss with an entropy bonus and
-a value loss, and one forward-backward through a model with an attached output processor."""
+"""The pieces of a tiny PPO step that examples/ppo_step.py runs and the Megatron tests check: a
+rollout as a sampler and critic would hand it over, a clipped PPO loss with an entropy bonus and a
+value loss, one forward-backward through a model with an attached output processor, and a training
+step of a model inside Megatron's DistributedDataParallel with a torch optimizer."""
 import torch
 import torch.distributed as dist
 
@@ -55,11 +56,30 @@ def allreduce_sequence_parallel_grads(model):
             dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
 
 
-def forward_backward(model, rollout):
-    """The attached processor's outputs and the PPO loss, after backward."""
+def forward_backward(model, rollout, **forward_kwargs):
+    """The attached processor's outputs and the PPO loss, after backward; forward_kwargs go to the
+    model's forward (e.g. output_processor= for a model without an attached one)."""
     position_ids, attention_mask = model_inputs(rollout["tokens"])
-    outputs = model(rollout["tokens"], position_ids, attention_mask, labels=rollout["tokens"])
+    outputs = model(rollout["tokens"], position_ids, attention_mask, labels=rollout["tokens"], **forward_kwargs)
     loss = ppo_loss(outputs, rollout)
     loss.backward()
     allreduce_sequence_parallel_grads(model)
+    return outputs, loss
+
+
+def ddp_train_step(ddp_model, optimizer, rollout):
+    """One PPO step of a model inside Megatron's DistributedDataParallel, with a torch optimizer over
+    its parameters: forward-backward, Megatron's finalize_model_grads (the data-parallel reduction
+    of every gradient, the TP all-reduce of sequence-parallel norms' partial ones), then each
+    main_grad handed to the optimizer as param.grad (as Megatron's own optimizer does) and a step.
+    Returns the processor's outputs and the loss."""
+    from megatron.core.distributed import finalize_model_grads
+
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs, loss = forward_backward(ddp_model, rollout)
+    finalize_model_grads([ddp_model])
+    for param in ddp_model.parameters():
+        param.grad = param.main_grad
+    optimizer.step()
     return outputs, loss

@@ -1,0 +1,221 @@
+"""The value head a trainer attaches, and the processor's argument checks, on megatron-core 0.19.2
+(CPU / gloo with the test-only shims).
+
+`attach(model, rl_output_processor(value_head=ValueHead(H)))` makes the head the model's submodule:
+a tiny GPTModel at TP 2 x DP 2 (with and without sequence parallel) inside Megatron's DDP, an Adam
+optimizer over `model.parameters()` only and a PPO loss train it for a few steps. Each step its
+values and gradient are equal on the TP ranks, every gradient equals (to fp32 rounding) the naive
+reference's at the same weights (materialised logits, value head and data-parallel reduction done
+by hand, no attach), the replicas stay identical, and at the last step the temperature changes.
+Then the head is saved and loaded with the model (at TP 2 and at TP 1) and detach removes it."""
+import math
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from fused_rl_ops.testing.distributed import run_distributed
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+
+import fused_rl_ops  # noqa: E402
+from fused_rl_ops.checkpoint import load_sharded, save_sharded  # noqa: E402
+from fused_rl_ops.megatron import attach, detach, rl_output_processor  # noqa: E402
+from fused_rl_ops.reference.megatron import NaiveRLOutputProcessor  # noqa: E402
+from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
+from fused_rl_ops.testing.ppo import ddp_train_step, forward_backward, make_rollout, model_inputs  # noqa: E402
+
+B, S = 2, 8  # b != s, so a [b, s] / [s, b] mix-up cannot pass
+VOCAB, REAL_VOCAB = 256, 200  # the model's padded vocabulary, the tokenizer's
+TEMPERATURES = (0.9, 0.9, 0.6)  # per step: the last step changes the processor's temperature
+
+
+def value_head_like(seed, hidden_size=32):
+    head = fused_rl_ops.ValueHead(hidden_size, bias=True)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)))
+    return head
+
+
+# --------------------------------------------------------------------------------- in-process checks
+
+
+def one_rank_call(**overrides):
+    """A processor call's keywords without a TP group: hidden [S, B, 16], a 32-row weight."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(S, B, 16, generator=g), torch.randn(32, 16, generator=g)
+    output_layer = types.SimpleNamespace(weight=weight, tp_group=None, sequence_parallel=False)
+    call = dict(hidden_states=hidden, output_layer=output_layer, labels=torch.randint(0, 32, (B, S), generator=g))
+    return {**call, **overrides}
+
+
+def test_shape_mistakes_name_the_argument_and_the_expected_shape():
+    processor = rl_output_processor()
+    tokens = one_rank_call()["labels"]
+    expected = r"must be \[b, s\] = \[2, 8\] for hidden states \[8, 2, 16\].*got "
+    for keywords, name, got in (
+        (dict(loss_mask=torch.ones(S, B)), "loss_mask", r"\[8, 2\]"),  # [s, b]: a broadcasting error before
+        (dict(loss_mask=torch.ones(B * S)), "loss_mask", r"\[16\]"),
+        (dict(labels=tokens.t().contiguous()), "labels", r"\[8, 2\]"),
+        (dict(labels=tokens[:, :-1]), "labels", r"\[2, 7\]"),
+        (dict(labels=None, context={"tokens": tokens[None]}), r"output_processor_context\['tokens'\]", r"\[1, 2, 8\]"),
+    ):
+        with pytest.raises(ValueError, match=f"{name} {expected}{got}"):
+            processor(**one_rank_call(**keywords))
+    with pytest.raises(TypeError, match=r"loss_mask must be a \[b, s\] tensor, got list"):
+        processor(**one_rank_call(loss_mask=[[1.0] * S] * B))
+
+
+def test_temperature_is_checked_when_given_and_when_changed():
+    for bad in (None, 0, -1.0, math.inf, math.nan, True, "0.7"):
+        with pytest.raises(ValueError, match=f"temperature must be a positive finite number, got {bad!r}"):
+            rl_output_processor(temperature=bad)
+    processor = rl_output_processor(temperature=0.9)
+    with pytest.raises(ValueError, match="got None"):
+        processor.temperature = None
+    assert processor.temperature == 0.9  # a refused value leaves the old one
+    processor.temperature = 0.5
+    call = one_rank_call()
+    outputs = processor(**call)
+    # float64 at the new temperature
+    logits = call["hidden_states"].double() @ call["output_layer"].weight.double().t() / 0.5
+    log_probs = torch.log_softmax(logits, dim=-1)
+    chosen = log_probs.gather(-1, call["labels"].t().unsqueeze(-1)).squeeze(-1).t()
+    assert_close(outputs["logprobs"], chosen.float())
+    assert_close(outputs["entropy"], -(log_probs.exp() * log_probs).sum(-1).t().float())
+
+
+# ------------------------------------------------------- TP 2 x DP 2: training, checkpoint, detach
+
+
+def all_gathered(tensor, group):
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return pieces
+
+
+def assert_equal_over(group, tensors):
+    """Every tensor of the dict is bitwise the same on all ranks of group."""
+    for name, tensor in tensors.items():
+        first, *others = all_gathered(tensor.detach(), group)
+        assert all(torch.equal(first, other) for other in others), name
+
+
+def reference_grads(naive, naive_head, language_model, rollout, temperature):
+    """Every gradient of the PPO loss at language_model's current weights, the naive way: naive
+    (untouched by attach) gets those weights and the reference processor per call, its gradients are
+    reduced by hand (sequence-parallel norms summed over TP by forward_backward, then everything
+    averaged over the data-parallel ranks). Returns the outputs and the gradients by name."""
+    weights = language_model.state_dict()
+    naive_head.load_state_dict({k.removeprefix("value_head."): v for k, v in weights.items() if k.startswith("value_head.")})
+    naive.load_state_dict({k: v for k, v in weights.items() if not k.startswith("value_head.")})
+    naive.zero_grad()
+    naive_head.zero_grad()
+    processor = NaiveRLOutputProcessor(value_head=naive_head, vocab_size=REAL_VOCAB, temperature=temperature)
+    outputs, _ = forward_backward(naive, rollout, output_processor=processor)
+    grads = {name: p.grad for name, p in naive.named_parameters()}
+    grads.update({f"value_head.{name}": p.grad for name, p in naive_head.named_parameters()})
+    dp_group = parallel_state.get_data_parallel_group()
+    for grad in grads.values():
+        dist.all_reduce(grad, group=dp_group)
+        grad /= dist.get_world_size(dp_group)
+    return outputs, grads
+
+
+def _check_training(sequence_parallel):
+    config = tiny_config(sequence_parallel=sequence_parallel)
+    model = tiny_model("gpt", config, vocab_size=VOCAB, seed=1)
+    names_before = [name for name, _ in model.named_parameters()]
+    head = value_head_like(seed=2)
+    processor = rl_output_processor(value_head=head, vocab_size=REAL_VOCAB, temperature=TEMPERATURES[0])
+    attach(model, processor)
+    assert model.value_head is head
+    assert [name for name, _ in model.named_parameters()] == names_before + ["value_head.weight", "value_head.bias"]
+    assert {"value_head.weight", "value_head.bias"} <= model.state_dict().keys()
+    assert all(p.tensor_model_parallel is False and p.sequence_parallel is False for p in head.parameters())
+
+    ddp_model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    optimizer = torch.optim.Adam(ddp_model.parameters(), lr=1e-2)  # the head comes with the model
+    naive, naive_head = tiny_model("gpt", config, vocab_size=VOCAB), value_head_like(seed=3)
+    tp_group, dp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
+    initial_head = {name: p.detach().clone() for name, p in head.named_parameters()}
+    for step, temperature in enumerate(TEMPERATURES):
+        # The data differs between the replicas (as data parallelism has it), not between TP ranks.
+        seed = 100 * step + parallel_state.get_data_parallel_rank()
+        tokens = torch.randint(0, REAL_VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
+        rollout = make_rollout(tokens, torch.full((B, S), -math.log(REAL_VOCAB)), seed=seed)
+        naive_outputs, expected_grads = reference_grads(naive, naive_head, model, rollout, temperature)
+        processor.temperature = temperature
+        outputs, _ = ddp_train_step(ddp_model, optimizer, rollout)
+
+        for name in outputs:
+            assert_close(outputs[name], naive_outputs[name], msg=lambda message: f"step {step} {name}: {message}")
+        grads = {name: p.main_grad for name, p in model.named_parameters()}
+        assert grads.keys() == expected_grads.keys()
+        for name, expected in expected_grads.items():
+            assert_close(grads[name], expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item(),
+                         msg=lambda message: f"step {step} {name}: {message}")
+        assert grads["value_head.weight"].abs().sum() > 0
+        assert_equal_over(tp_group, {"values": outputs["values"], "value_head.weight grad": grads["value_head.weight"],
+                                     "value_head.bias grad": grads["value_head.bias"]})
+        assert_equal_over(dp_group, dict(model.named_parameters()))  # the replicas stay identical
+    for name, initial in initial_head.items():
+        assert (head.get_parameter(name) - initial).abs().min() > 1e-4, name  # Adam moved every entry
+    return model, head
+
+
+def _check_checkpoint_and_detach(model, head, path):
+    """The head is saved with the model and loads into another model's attached head, at TP 2 and
+    at TP 1 (a replicated parameter: the same values at every degree). detach removes it."""
+    tokens = torch.randint(0, REAL_VOCAB, (B, S), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected_values = model(tokens, *model_inputs(tokens), labels=tokens)["values"]
+    save_sharded(model, path, tp_group=parallel_state.get_tensor_model_parallel_group())
+    for tp in (2, 1):
+        set_parallel_degrees(tp=tp)
+        config = tiny_config(sequence_parallel=model.config.sequence_parallel and tp > 1)
+        other, other_head = tiny_model("gpt", config, vocab_size=VOCAB, seed=5), value_head_like(seed=6)
+        attach(other, rl_output_processor(value_head=other_head, vocab_size=REAL_VOCAB))
+        assert not torch.equal(other_head.weight, head.weight)
+        load_sharded(other, path, tp_group=parallel_state.get_tensor_model_parallel_group())
+        for name, param in head.named_parameters():
+            assert torch.equal(other_head.get_parameter(name), param), name
+        with torch.no_grad():
+            values = other(tokens, *model_inputs(tokens), labels=tokens)["values"]
+        assert_close(values, expected_values, rtol=1e-5, atol=1e-5)
+
+    names_attached = [name for name, _ in other.named_parameters()]
+    detach(other)
+    assert [name for name, _ in other.named_parameters()] == names_attached[:-2]
+    assert not hasattr(other, "value_head") and "value_head.weight" not in other.state_dict()
+    assert other(tokens, *model_inputs(tokens)).shape == (B, S, VOCAB)  # logits again (TP 1)
+
+
+def _check_attach_refuses_a_wrapped_model_and_a_plain_tensor():
+    config = tiny_config()
+    wrapped = DistributedDataParallel(config, DistributedDataParallelConfig(), tiny_model("gpt", config))
+    for model in (wrapped, wrapped.module):
+        with pytest.raises(RuntimeError, match="attach the processor before wrapping the model"):
+            attach(model, rl_output_processor(value_head=value_head_like(seed=1)))
+        assert not hasattr(wrapped.module, "value_head")
+    attach(wrapped, rl_output_processor())  # no value head: nothing for DDP to miss
+    detach(wrapped)
+    with pytest.raises(TypeError, match="value_head is a plain tensor"):
+        attach(tiny_model("gpt", config), rl_output_processor(value_head=torch.randn(config.hidden_size)))
+
+
+def _tp2_dp2(rank, world_size, path):
+    set_parallel_degrees(tp=2)
+    _check_attach_refuses_a_wrapped_model_and_a_plain_tensor()
+    _check_training(sequence_parallel=False)
+    model, head = _check_training(sequence_parallel=True)
+    _check_checkpoint_and_detach(model, head, path)
+
+
+def test_value_head_trains_with_the_model_at_tp2_dp2_and_is_checkpointed(tmp_path):
+    run_distributed(_tp2_dp2, 4, str(tmp_path / "checkpoint"))
