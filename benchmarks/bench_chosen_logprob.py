@@ -11,173 +11,21 @@ time fused, naive and compile only. A peer that is not installed or cannot run h
 missing in the JSON, with the reason.
 
 Reports time (forward, forward+backward; median and IQR), extra peak memory beyond the inputs
-(CPU: peak RSS growth, one fresh process per path; CUDA: max_memory_allocated), the max error of
+(see chosen_logprob_paths.peak_mib), the max error of
 the logprob against float64 on the first tokens, and TFLOP/s of every path counting the model's
 FLOPs: 2*N*H*V forward (the logits GEMM), 6*N*H*V forward+backward (plus the two gradient GEMMs).
 The fused path also recomputes the logits in its backward, 8*N*H*V in all: fused_hw_TFLOP/s counts
 those. The plot (--json PATH -> PATH.png) draws time and peak memory of forward+backward (logprob
 only) against V and against N for every path."""
-import os
-import socket
-import subprocess
-import sys
-
 import torch
-import torch.distributed as dist
 
-import fused_rl_ops
 from fused_rl_ops import reference
-from common import (find_peers, parse_args, png_path, print_row, pyplot, record_times, save_figure,
-                    summary_table, synchronize, time_paths, write_json)
 
-
-def extra_args(parser):
-    import argparse
-
-    parser.add_argument("--peak-of", help=argparse.SUPPRESS, nargs=4)
-
-
-def make_inputs(N, H, V, dtype, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(N, H, generator=g).to(device, dtype)
-    weight = (torch.randn(V, H, generator=g) / H**0.5 * 2).to(device, dtype)
-    tokens = torch.randint(0, V, (N,), generator=g).to(device)
-    return hidden, weight, tokens
-
-
-def init_megatron(device):
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1)
-
-
-def megatron_logprob(hidden, weight, tokens):
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    logits = (hidden @ weight.T).float()
-    return -vocab_parallel_cross_entropy(logits[:, None], tokens[:, None]).squeeze(1)
-
-
-def load_megatron(device):
-    init_megatron(device)
-    return megatron_logprob
-
-
-def load_cce(device):
-    from cut_cross_entropy import linear_cross_entropy
-
-    impl = "cce" if device == "cuda" else "torch_compile"
-    return lambda h, w, t: -linear_cross_entropy(h, w, t, reduction="none", impl=impl)
-
-
-def load_liger(device):
-    if device != "cuda":
-        raise RuntimeError("Liger-Kernel's Triton kernels run on CUDA only")
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-
-    return lambda h, w, t: -liger_fused_linear_cross_entropy(h, w, t, reduction="none")
-
-
-def load_compile(device):
-    torch._dynamo.config.recompile_limit = 64  # one graph per mode; dynamic shapes cover the sweeps
-    return torch.compile(reference.chosen_logprob, dynamic=True)
-
-
-PEERS = {  # name -> (distribution, loader(device) -> fn(hidden, weight, tokens))
-    "compile": (None, load_compile),
-    "megatron": ("megatron-core", load_megatron),
-    "cce": ("cut-cross-entropy", load_cce),
-    "liger": ("liger-kernel", load_liger),
-}
-ENTROPY_PEERS = {"compile"}  # peers that also give the entropy
-
-
-def load_peers(device):
-    return find_peers({name: (dist_name, lambda loader=loader: loader(device))
-                       for name, (dist_name, loader) in PEERS.items()})
-
-
-def path_fn(path, entropy, peers):
-    """fn(hidden, weight, tokens) -> tuple of differentiable outputs (logprob[, entropy])."""
-    if path in ("fused", "fused_invariant"):
-        kw = dict(batch_invariant=path == "fused_invariant")
-        return lambda h, w, t: fused_rl_ops.chosen_logprob(h, w, t, return_entropy=True, **kw) if entropy else (
-            fused_rl_ops.chosen_logprob(h, w, t, **kw),)
-    if path in ("naive", "compile"):
-        fn = reference.chosen_logprob if path == "naive" else peers["compile"]
-        return lambda h, w, t: fn(h, w, t) if entropy else fn(h, w, t)[:1]
-    fn = peers[path]
-    return lambda h, w, t: (fn(h, w, t),)
-
-
-def paths_for(entropy, peers):
-    return ["fused", "naive"] + [p for p in peers if p in ENTROPY_PEERS or not entropy]
-
-
-def run_once(fn, mode, hidden, weight, tokens):
-    def run():
-        if mode == "fwd":
-            with torch.no_grad():
-                fn(hidden, weight, tokens)
-            return
-        h, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
-        outs = fn(h, w, tokens)
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-
-    return run
-
-
-def peak_mib(path, shapes, dtype, device, peers) -> list:
-    """Extra peak memory (MiB) of one forward+backward (logprob only) per (N, H, V) in shapes; on
-    the CPU measured in one fresh process per path."""
-    if device == "cuda":
-        peaks = []
-        for N, H, V in shapes:
-            hidden, weight, tokens = make_inputs(N, H, V, dtype, device)
-            synchronize(device)
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            run_once(path_fn(path, False, peers), "fwd+bwd", hidden, weight, tokens)()
-            synchronize(device)
-            peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
-            del hidden, weight, tokens
-        return peaks
-    spec = ";".join(f"{N},{H},{V}" for N, H, V in shapes)
-    out = subprocess.run([sys.executable, __file__, "--peak-of", path, spec, str(dtype), device],
-                         capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"peak memory of {path} failed:\n{out.stderr[-2000:]}")
-    return [int(v) / 2**20 for v in out.stdout.split()[-len(shapes):]]
-
-
-def rss_kib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def peak_in_this_process(path, spec, dtype, device):
-    """Prints the peak RSS growth in bytes of each shape's forward+backward, one per line."""
-    import warnings
-
-    warnings.filterwarnings("ignore")  # a helper process: its output is the numbers only
-    dtype = getattr(torch, dtype.replace("torch.", ""))
-    peers = {path: PEERS[path][1](device)} if path in PEERS else {}
-    fn = path_fn(path, False, peers)
-    for N, H, V in (map(int, shape.split(",")) for shape in spec.split(";")):
-        run_once(fn, "fwd+bwd", *make_inputs(64, H, 256, dtype, device))()  # one-time costs (and compiling)
-        hidden, weight, tokens = make_inputs(N, H, V, dtype, device)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
-        before = rss_kib("VmRSS")
-        run_once(fn, "fwd+bwd", hidden, weight, tokens)()
-        print((rss_kib("VmHWM") - before) * 1024)
-        del hidden, weight, tokens
+from .chosen_logprob_paths import load_peers, make_inputs, path_fn, paths_for, peak_mib, run_once
+from .plots import pyplot, save_figure
+from .results import parse_args, png_path, write_json
+from .tables import print_row, summary_table
+from .timing import record_times, time_paths
 
 
 def max_error(fn, hidden, weight, tokens, rows=256):
@@ -239,11 +87,7 @@ def plot(v_curve, n_curve, paths, path, device, dtype):
 
 
 def main():
-    args = parse_args(__doc__, extra_args)
-    if args.peak_of:
-        path, spec, dtype, device = args.peak_of
-        peak_in_this_process(path, spec, dtype, device)
-        return
+    args = parse_args(__doc__)
     dev = args.device
     if dev == "cpu":
         shapes = [(256, 128, 8192)] if args.quick else [(2048, 512, 32768), (4096, 1024, 65536)]

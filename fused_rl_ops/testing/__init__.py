@@ -5,4 +5,5 @@
   They patch megatron-core process-wide, so only tests and examples import them.
 - ppo: the pieces of a tiny PPO step (rollout, loss, forward-backward) the example runs and the
   tests check.
+- peak_memory: peak resident memory growth of a call, in this process or a fresh one.
 """
