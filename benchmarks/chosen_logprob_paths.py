@@ -1,9 +1,10 @@
 """The paths bench_chosen_logprob compares (fused_rl_ops.chosen_logprob, the naive path and the
-peers), and each path's extra peak memory."""
+peers), the plain GEMMs it measures the machine's GEMM rate with, and each path's extra peak memory."""
 import socket
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import fused_rl_ops
 from fused_rl_ops import reference
@@ -45,6 +46,12 @@ def load_megatron(device):
     return megatron_logprob
 
 
+def load_torch_lce(device):
+    """torch's chunked linear_cross_entropy (options given: the chunked path, not the reference one)."""
+    options = torch.nn.LinearCrossEntropyOptions()
+    return lambda h, w, t: -F.linear_cross_entropy(h, w, t, reduction="none", options=options)
+
+
 def load_cce(device):
     from cut_cross_entropy import linear_cross_entropy
 
@@ -67,6 +74,7 @@ def load_compile(device):
 
 PEERS = {  # name -> (distribution, None for torch itself; loader(device) -> fn(hidden, weight, tokens))
     "compile": (None, load_compile),
+    "torch_lce": (None, load_torch_lce),
     "megatron": ("megatron-core", load_megatron),
     "cce": ("cut-cross-entropy", load_cce),
     "liger": ("liger-kernel", load_liger),
@@ -107,6 +115,25 @@ def run_once(fn, mode, hidden, weight, tokens):
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
     return run
+
+
+def gemm_runs(hidden, weight) -> dict:
+    """mode -> a closure running the plain GEMMs of a path that keeps the logits, into outputs
+    allocated here: forward the logits [N, H] x [H, V]; forward+backward also the hidden gradient
+    [N, V] x [V, H] and the weight gradient [V, N] x [N, H] (the logits buffer standing in for their
+    gradient)."""
+    logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+    grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
+
+    def forward():
+        torch.mm(hidden, weight.T, out=logits)
+
+    def forward_backward():
+        forward()
+        torch.mm(logits, weight, out=grad_hidden)
+        torch.mm(logits.T, hidden, out=grad_weight)
+
+    return {"fwd": forward, "fwd+bwd": forward_backward}
 
 
 def peak_mib(path, shapes, dtype, device, peers) -> list:
