@@ -33,9 +33,12 @@ import time
 
 import torch
 
-from common import (LoadProbe, bar_chart, busy_note, BUSY_OTHER_CORES, parse_args, png_path, pyplot, save_figure,
-                    summary_table, write_json)
 from fused_rl_ops.testing.distributed import run_distributed
+
+from .load import LoadProbe, busy_note, is_busy
+from .plots import bar_chart, pyplot, save_figure
+from .results import parse_args, png_path, write_json
+from .tables import summary_table
 
 TP = 2
 LAYERS = 4
@@ -194,7 +197,7 @@ def main():
         shutil.rmtree(root, ignore_errors=True)
     load = probe.stop()
     for row in rows:
-        row.update(load, busy=load["other_cores"] > BUSY_OTHER_CORES)
+        row.update(load, busy=is_busy(load))
     plain, adapter = rows
     for row in rows:
         row["save_overhead_%"] = 100 * (row["save_s"] / plain["save_s"] - 1)

@@ -1,183 +1,59 @@
 """chosen_logprob against the naive path and the peers, in one run.
 
 Paths: fused (this package); fused_invariant (chosen_logprob(batch_invariant=True), in the main
-rows only; invariant/fused is its time over the default's: the cost of batch invariance); naive (materialised logits + log_softmax + gather,
-fused_rl_ops.reference); compile (torch.compile of the naive path); megatron (Megatron's
+rows only; invariant/fused is its time over the default's: the cost of batch invariance); naive
+(materialised logits + log_softmax + gather, fused_rl_ops.reference); compile (torch.compile of the
+naive path); torch_lce (torch.nn.functional.linear_cross_entropy(reduction="none",
+options=LinearCrossEntropyOptions()), torch's own chunked path); megatron (Megatron's
 vocab_parallel_cross_entropy at TP=1 on materialised fp32 logits); cce (Apple's Cut Cross-Entropy,
 linear_cross_entropy(reduction="none"); on the CPU its impl="torch_compile", the one that runs
 there); liger (Liger-Kernel's fused linear cross entropy, reduction="none"; CUDA only). The peers
-give -cross-entropy, which is the chosen-token logprob; they have no entropy, so rows with entropy
-time fused, naive and compile only. A peer that is not installed or cannot run here is listed as
-missing in the JSON, with the reason.
+give the cross entropy, whose negative is the chosen-token logprob at temperature 1; they have no
+temperature and no entropy, so every path runs at temperature 1 and rows with entropy time fused,
+naive and compile only. A peer that is not installed or cannot run here is listed as missing in
+the JSON, with the reason.
 
 Reports time (forward, forward+backward; median and IQR), extra peak memory beyond the inputs
-(CPU: peak RSS growth, one fresh process per path; CUDA: max_memory_allocated), the max error of
-the logprob against float64 on the first tokens, and TFLOP/s of every path counting the model's
-FLOPs: 2*N*H*V forward (the logits GEMM), 6*N*H*V forward+backward (plus the two gradient GEMMs).
-The fused path also recomputes the logits in its backward, 8*N*H*V in all: fused_hw_TFLOP/s counts
-those. The plot (--json PATH -> PATH.png) draws time and peak memory of forward+backward (logprob
-only) against V and against N for every path."""
-import os
-import socket
-import subprocess
-import sys
-
+(see chosen_logprob_paths.peak_mib), the max error of the logprob against float64 on the first
+tokens, and TFLOP/s of every path counting the model's FLOPs: 2*N*H*V forward (the logits GEMM),
+6*N*H*V forward+backward (plus the two gradient GEMMs). The fused path (and torch_lce, whose
+reduction="none" backward recomputes too) also recomputes the logits in its backward, 8*N*H*V in
+all: fused_hw_TFLOP/s counts those. gemm is the machine's GEMM rate, timed in the same rounds as
+the paths: the plain GEMMs of those FLOPs at the same shapes and dtype (chosen_logprob_paths.gemm_runs);
+<path>_%gemm is the path's TFLOP/s as a share of it (= gemm time / path time). The goal_* columns
+say whether fused meets the project's goals on the row (reported, not asserted): time at most half torch_lce's and at most the
+naive path's, extra peak memory at most torch_lce's. The plot (--json PATH -> PATH.png) draws time
+and peak memory of forward+backward (logprob only) against V and against N for every path."""
 import torch
-import torch.distributed as dist
 
-import fused_rl_ops
 from fused_rl_ops import reference
-from common import (find_peers, parse_args, png_path, print_row, pyplot, record_times, save_figure,
-                    summary_table, synchronize, time_paths, write_json)
 
+from .chosen_logprob_paths import gemm_runs, load_peers, make_inputs, path_fn, paths_for, peak_mib, run_once
+from .plots import pyplot, save_figure
+from .results import parse_args, png_path, write_json
+from .tables import print_row, summary_table
+from .timing import record_times, time_paths
 
-def extra_args(parser):
-    import argparse
-
-    parser.add_argument("--peak-of", help=argparse.SUPPRESS, nargs=4)
-
-
-def make_inputs(N, H, V, dtype, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(N, H, generator=g).to(device, dtype)
-    weight = (torch.randn(V, H, generator=g) / H**0.5 * 2).to(device, dtype)
-    tokens = torch.randint(0, V, (N,), generator=g).to(device)
-    return hidden, weight, tokens
-
-
-def init_megatron(device):
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1)
-
-
-def megatron_logprob(hidden, weight, tokens):
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    logits = (hidden @ weight.T).float()
-    return -vocab_parallel_cross_entropy(logits[:, None], tokens[:, None]).squeeze(1)
-
-
-def load_megatron(device):
-    init_megatron(device)
-    return megatron_logprob
-
-
-def load_cce(device):
-    from cut_cross_entropy import linear_cross_entropy
-
-    impl = "cce" if device == "cuda" else "torch_compile"
-    return lambda h, w, t: -linear_cross_entropy(h, w, t, reduction="none", impl=impl)
-
-
-def load_liger(device):
-    if device != "cuda":
-        raise RuntimeError("Liger-Kernel's Triton kernels run on CUDA only")
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-
-    return lambda h, w, t: -liger_fused_linear_cross_entropy(h, w, t, reduction="none")
-
-
-def load_compile(device):
-    torch._dynamo.config.recompile_limit = 64  # one graph per mode; dynamic shapes cover the sweeps
-    return torch.compile(reference.chosen_logprob, dynamic=True)
-
-
-PEERS = {  # name -> (distribution, loader(device) -> fn(hidden, weight, tokens))
-    "compile": (None, load_compile),
-    "megatron": ("megatron-core", load_megatron),
-    "cce": ("cut-cross-entropy", load_cce),
-    "liger": ("liger-kernel", load_liger),
+FLOP_COUNTING = ("model FLOPs: 2*N*H*V forward (the logits GEMM), 6*N*H*V forward+backward (plus the hidden "
+                 "and weight gradient GEMMs), whatever a path runs; fused_hw counts 8*N*H*V forward+backward "
+                 "(the fused backward recomputes the logits). gemm: those FLOPs over the time of plain "
+                 "torch.mm calls of the same shapes and dtype; <path>_%gemm = 100 * path TFLOP/s / gemm TFLOP/s")
+GOALS = {  # column -> (what it checks, its value on a row: True / False, or None where a path is missing)
+    "goal_time<=torch_lce/2": ("fused time at most half of torch_lce's",
+                               lambda r: r["fused_ms"] <= r["torch_lce_ms"] / 2 if "torch_lce_ms" in r else None),
+    "goal_time<=naive": ("fused time at most the naive path's",
+                         lambda r: r["fused_ms"] <= r["naive_ms"] if "naive_ms" in r else None),
+    "goal_mem<=torch_lce": ("fused extra peak memory at most torch_lce's",
+                            lambda r: r["fused_MiB"] <= r["torch_lce_MiB"] if "torch_lce_MiB" in r else None),
 }
-ENTROPY_PEERS = {"compile"}  # peers that also give the entropy
+TIME_GOALS, MEMORY_GOALS = ["goal_time<=torch_lce/2", "goal_time<=naive"], ["goal_mem<=torch_lce"]
 
 
-def load_peers(device):
-    return find_peers({name: (dist_name, lambda loader=loader: loader(device))
-                       for name, (dist_name, loader) in PEERS.items()})
-
-
-def path_fn(path, entropy, peers):
-    """fn(hidden, weight, tokens) -> tuple of differentiable outputs (logprob[, entropy])."""
-    if path in ("fused", "fused_invariant"):
-        kw = dict(batch_invariant=path == "fused_invariant")
-        return lambda h, w, t: fused_rl_ops.chosen_logprob(h, w, t, return_entropy=True, **kw) if entropy else (
-            fused_rl_ops.chosen_logprob(h, w, t, **kw),)
-    if path in ("naive", "compile"):
-        fn = reference.chosen_logprob if path == "naive" else peers["compile"]
-        return lambda h, w, t: fn(h, w, t) if entropy else fn(h, w, t)[:1]
-    fn = peers[path]
-    return lambda h, w, t: (fn(h, w, t),)
-
-
-def paths_for(entropy, peers):
-    return ["fused", "naive"] + [p for p in peers if p in ENTROPY_PEERS or not entropy]
-
-
-def run_once(fn, mode, hidden, weight, tokens):
-    def run():
-        if mode == "fwd":
-            with torch.no_grad():
-                fn(hidden, weight, tokens)
-            return
-        h, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
-        outs = fn(h, w, tokens)
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-
-    return run
-
-
-def peak_mib(path, shapes, dtype, device, peers) -> list:
-    """Extra peak memory (MiB) of one forward+backward (logprob only) per (N, H, V) in shapes; on
-    the CPU measured in one fresh process per path."""
-    if device == "cuda":
-        peaks = []
-        for N, H, V in shapes:
-            hidden, weight, tokens = make_inputs(N, H, V, dtype, device)
-            synchronize(device)
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            run_once(path_fn(path, False, peers), "fwd+bwd", hidden, weight, tokens)()
-            synchronize(device)
-            peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
-            del hidden, weight, tokens
-        return peaks
-    spec = ";".join(f"{N},{H},{V}" for N, H, V in shapes)
-    out = subprocess.run([sys.executable, __file__, "--peak-of", path, spec, str(dtype), device],
-                         capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"peak memory of {path} failed:\n{out.stderr[-2000:]}")
-    return [int(v) / 2**20 for v in out.stdout.split()[-len(shapes):]]
-
-
-def rss_kib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def peak_in_this_process(path, spec, dtype, device):
-    """Prints the peak RSS growth in bytes of each shape's forward+backward, one per line."""
-    import warnings
-
-    warnings.filterwarnings("ignore")  # a helper process: its output is the numbers only
-    dtype = getattr(torch, dtype.replace("torch.", ""))
-    peers = {path: PEERS[path][1](device)} if path in PEERS else {}
-    fn = path_fn(path, False, peers)
-    for N, H, V in (map(int, shape.split(",")) for shape in spec.split(";")):
-        run_once(fn, "fwd+bwd", *make_inputs(64, H, 256, dtype, device))()  # one-time costs (and compiling)
-        hidden, weight, tokens = make_inputs(N, H, V, dtype, device)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
-        before = rss_kib("VmRSS")
-        run_once(fn, "fwd+bwd", hidden, weight, tokens)()
-        print((rss_kib("VmHWM") - before) * 1024)
-        del hidden, weight, tokens
+def add_goals(row, goals):
+    for column in goals:
+        met = GOALS[column][1](row)
+        if met is not None:
+            row[column] = met
 
 
 def max_error(fn, hidden, weight, tokens, rows=256):
@@ -189,12 +65,15 @@ def max_error(fn, hidden, weight, tokens, rows=256):
 
 
 def add_ratios(row, paths, N, H, V, mode):
-    """TFLOP/s of every path and each path's time over the fused one (fused_invariant's: invariant/fused)."""
+    """TFLOP/s and share of the GEMM rate of every path, and each path's time over the fused one
+    (fused_invariant's: invariant/fused)."""
     flops = (2 if mode == "fwd" else 6) * N * H * V
-    for path in paths:
+    for path in paths + ["gemm"]:
         row[f"{path}_TFLOP/s"] = flops / (row[f"{path}_ms"] * 1e-3) / 1e12
     if mode != "fwd":
         row["fused_hw_TFLOP/s"] = 8 * N * H * V / (row["fused_ms"] * 1e-3) / 1e12
+    for path in paths + (["fused_hw"] if mode != "fwd" else []):
+        row[f"{path}_%gemm"] = 100 * row[f"{path}_TFLOP/s"] / row["gemm_TFLOP/s"]
     for path in paths[1:]:
         row["invariant/fused" if path == "fused_invariant" else f"{path}/fused"] = row[f"{path}_ms"] / row["fused_ms"]
 
@@ -234,16 +113,66 @@ def plot(v_curve, n_curve, paths, path, device, dtype):
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     busy = "  (! measured on a busy machine)" if any(p.get("busy") for p in v_curve + n_curve) else ""
-    fig.suptitle(f"chosen_logprob (logprob only) on {device}, {str(dtype).replace('torch.', '')}{busy}")
+    fig.suptitle(f"chosen_logprob (logprob only, temperature 1) on {device}, {str(dtype).replace('torch.', '')}{busy}")
     save_figure(fig, path)
 
 
+def measure_shape(N, H, V, dtype, dev, peers, reps) -> list:
+    """The timed rows (with and without entropy, forward and forward+backward) and the peak memory
+    row of one shape."""
+    rows = []
+    hidden, weight, tokens = make_inputs(N, H, V, dtype, dev)
+    gemms = gemm_runs(hidden, weight)
+    for entropy in (False, True):
+        for mode in ("fwd", "fwd+bwd"):
+            row = {"N": N, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "entropy": entropy,
+                   "mode": mode}
+            paths = ["fused", "fused_invariant"] + paths_for(entropy, peers)[1:]
+            runs = {p: run_once(path_fn(p, entropy, peers), mode, hidden, weight, tokens) for p in paths}
+            record_times(row, time_paths({**runs, "gemm": gemms[mode]}, dev, reps=reps))
+            add_ratios(row, paths, N, H, V, mode)
+            add_goals(row, TIME_GOALS)
+            rows.append(row)
+            print_row(row, ["N", "H", "V", "entropy", "mode"]
+                      + [c for c in row if c.endswith(("_ms", "/fused", "_%gemm")) and "iqr" not in c]
+                      + [c for c in TIME_GOALS if c in row])
+    del gemms
+    memory = {"N": N, "H": H, "V": V, "mode": "peak fwd+bwd"}
+    for path in paths_for(False, peers):
+        memory[f"{path}_MiB"] = peak_mib(path, [(N, H, V)], dtype, dev, peers)[0]
+        memory[f"{path}_max_err"] = max_error(path_fn(path, False, peers), hidden, weight, tokens)
+    memory["naive/fused_mem"] = memory["naive_MiB"] / memory["fused_MiB"]
+    add_goals(memory, MEMORY_GOALS)
+    rows.append(memory)
+    print_row(memory, list(memory))
+    return rows
+
+
+def summary_tables(rows, all_paths):
+    timed = [r for r in rows if "fused_ms" in r]
+    key = ["N", "H", "V", "entropy", "mode"]
+    return [
+        summary_table("chosen_logprob: median time (ms); ratios are path time / fused time",
+                      timed, key + [f"{p}_ms" for p in all_paths] + ["gemm_ms"]
+                      + [f"{p}/fused" for p in all_paths[1:]]),
+        summary_table("chosen_logprob: the cost of batch_invariant=True (fused_invariant time / fused time)",
+                      timed, key + ["fused_ms", "fused_invariant_ms", "invariant/fused"]),
+        summary_table("chosen_logprob: TFLOP/s (2NHV forward, 6NHV forward+backward; fused_hw adds the "
+                      "2NHV recompute) and % of the GEMM rate (plain GEMMs of the same shapes, same rounds)",
+                      timed, key + ["gemm_TFLOP/s"] + [f"{p}_TFLOP/s" for p in all_paths] + ["fused_hw_TFLOP/s"]
+                      + [f"{p}_%gemm" for p in all_paths] + ["fused_hw_%gemm"]),
+        summary_table("chosen_logprob: extra peak memory (MiB) and max |error| against float64",
+                      [r for r in rows if "fused_MiB" in r], ["N", "H", "V"] + [f"{p}_MiB" for p in all_paths]
+                      + ["naive/fused_mem"] + [f"{p}_max_err" for p in all_paths]),
+        summary_table("chosen_logprob: goals (" + "; ".join(f"{c}: {GOALS[c][0]}" for c in GOALS) + ")",
+                      [r for r in rows if any(c in r for c in GOALS)],
+                      ["N", "H", "V", "entropy", "mode", "fused_ms", "torch_lce_ms", "naive_ms", "fused_MiB",
+                       "torch_lce_MiB"] + list(GOALS)),
+    ]
+
+
 def main():
-    args = parse_args(__doc__, extra_args)
-    if args.peak_of:
-        path, spec, dtype, device = args.peak_of
-        peak_in_this_process(path, spec, dtype, device)
-        return
+    args = parse_args(__doc__)
     dev = args.device
     if dev == "cpu":
         shapes = [(256, 128, 8192)] if args.quick else [(2048, 512, 32768), (4096, 1024, 65536)]
@@ -260,46 +189,9 @@ def main():
         n_sweep = [(N, 1024, 32768) for N in (1024, 2048, 4096)] if args.quick else \
             [(N, 4096, 131072) for N in (2048, 4096, 8192, 16384)]
     peers, versions = load_peers(dev)
-
-    rows = []
-    for N, H, V in shapes:
-        hidden, weight, tokens = make_inputs(N, H, V, dtype, dev)
-        for entropy in (False, True):
-            for mode in ("fwd", "fwd+bwd"):
-                row = {"N": N, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "entropy": entropy,
-                       "mode": mode}
-                paths = ["fused", "fused_invariant"] + paths_for(entropy, peers)[1:]
-                times = time_paths({p: run_once(path_fn(p, entropy, peers), mode, hidden, weight, tokens)
-                                    for p in paths}, dev, reps=reps)
-                record_times(row, times)
-                add_ratios(row, paths, N, H, V, mode)
-                rows.append(row)
-                print_row(row, ["N", "H", "V", "entropy", "mode"]
-                          + [c for c in row if c.endswith(("_ms", "/fused")) and "iqr" not in c])
-        memory = {"N": N, "H": H, "V": V, "mode": "peak fwd+bwd"}
-        for path in paths_for(False, peers):
-            memory[f"{path}_MiB"] = peak_mib(path, [(N, H, V)], dtype, dev, peers)[0]
-            memory[f"{path}_max_err"] = max_error(path_fn(path, False, peers), hidden, weight, tokens)
-        memory["naive/fused_mem"] = memory["naive_MiB"] / memory["fused_MiB"]
-        rows.append(memory)
-        print_row(memory, list(memory))
-        del hidden, weight, tokens
-
+    rows = [row for N, H, V in shapes for row in measure_shape(N, H, V, dtype, dev, peers, reps)]
     all_paths = paths_for(False, peers)
-    timed = [r for r in rows if "fused_ms" in r]
-    tables = [
-        summary_table("chosen_logprob: median time (ms); ratios are path time / fused time",
-                      timed, ["N", "H", "V", "entropy", "mode"] + [f"{p}_ms" for p in all_paths]
-                      + [f"{p}/fused" for p in all_paths[1:]]),
-        summary_table("chosen_logprob: the cost of batch_invariant=True (fused_invariant time / fused time)",
-                      timed, ["N", "H", "V", "entropy", "mode", "fused_ms", "fused_invariant_ms", "invariant/fused"]),
-        summary_table("chosen_logprob: TFLOP/s (2NHV forward, 6NHV forward+backward; fused_hw adds the "
-                      "2NHV recompute)", timed, ["N", "H", "V", "entropy", "mode"]
-                      + [f"{p}_TFLOP/s" for p in all_paths] + ["fused_hw_TFLOP/s"]),
-        summary_table("chosen_logprob: extra peak memory (MiB) and max |error| against float64",
-                      [r for r in rows if "fused_MiB" in r], ["N", "H", "V"] + [f"{p}_MiB" for p in all_paths]
-                      + ["naive/fused_mem"] + [f"{p}_max_err" for p in all_paths]),
-    ]
+    tables = summary_tables(rows, all_paths)
 
     v_curve = sweep(v_sweep, dtype, dev, peers, reps)
     n_curve = sweep(n_sweep, dtype, dev, peers, reps)
@@ -310,20 +202,27 @@ def main():
     if plot_file:
         plot(v_curve, n_curve, all_paths, plot_file, dev, dtype)
 
-    largest = [r for r in timed if (r["N"], r["H"], r["V"]) == shapes[-1]]
-    with_entropy = next(r for r in largest if r["entropy"] and r["mode"] == "fwd+bwd")
-    logprob_only = next(r for r in largest if not r["entropy"] and r["mode"] == "fwd+bwd")
+    largest = [r for r in rows if (r["N"], r["H"], r["V"]) == shapes[-1]]
+    with_entropy = next(r for r in largest if r.get("entropy") and r["mode"] == "fwd+bwd")
+    logprob_only = next(r for r in largest if r.get("entropy") is False and r["mode"] == "fwd+bwd")
+    memory = largest[-1]
     shape = "N={N} H={H} V={V}".format(**with_entropy)
     headline = [{"metric": f"naive / fused time, fwd+bwd with entropy, {shape}",
                  "value": with_entropy["naive/fused"], "busy": with_entropy["busy"]},
                 {"metric": f"naive / fused extra peak memory, fwd+bwd, {shape}",
-                 "value": rows[-1]["naive/fused_mem"], "busy": False}]
+                 "value": memory["naive/fused_mem"], "busy": False}]
     headline += [{"metric": f"{p} / fused time, fwd+bwd logprob only, {shape}", "value": logprob_only[f"{p}/fused"],
                   "busy": logprob_only["busy"]} for p in all_paths[1:]]
+    headline.append({"metric": f"fused % of the GEMM rate (6NHV), fwd+bwd logprob only, {shape}",
+                     "value": logprob_only["fused_%gemm"], "busy": logprob_only["busy"]})
+    if "torch_lce_MiB" in memory:
+        headline.append({"metric": f"torch_lce / fused extra peak memory, fwd+bwd, {shape}",
+                         "value": memory["torch_lce_MiB"] / memory["fused_MiB"], "busy": False})
     headline.append({"metric": f"batch_invariant=True / default time, fwd+bwd with entropy, {shape}",
                      "value": with_entropy["invariant/fused"], "busy": with_entropy["busy"]})
     write_json(args.json, "chosen_logprob", dev, rows, headline=headline, tables=tables, peers=versions,
-               plot=plot_file, sweeps={"V": v_curve, "N": n_curve})
+               plot=plot_file, sweeps={"V": v_curve, "N": n_curve}, flop_counting=FLOP_COUNTING,
+               goals={column: what for column, (what, _) in GOALS.items()})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,11 @@ import torch.nn.functional as F
 
 from fused_rl_ops import reference
 from fused_rl_ops.value_head import value_head
-from common import add_times, bandwidth_figure, parse_args, png_path, run_mode, summary_table, time_paths, write_json
+
+from .plots import bandwidth_figure
+from .results import parse_args, png_path, write_json
+from .tables import add_times, summary_table
+from .timing import run_mode, time_paths
 
 args = parse_args(__doc__)
 dev = args.device

@@ -1,13 +1,14 @@
 """Gathers the benchmarks' JSON files (default bench_results/) into one summary table of headline
 figures per op, printed, and DIR/REPORT.md with every benchmark's tables and plot.
 
-    python benchmarks/report.py [DIR]"""
+    python -m benchmarks.report [DIR]"""
 import glob
 import json
 import os
 import sys
 
-from common import BUSY_OTHER_CORES, format_cell, print_table
+from .load import BUSY_OTHER_CORES
+from .tables import format_cell, print_table
 
 
 def markdown_table(columns: list, rows: list) -> str:
@@ -37,7 +38,7 @@ def main():
     machine = (f"{env.get('gpu') or env['machine']}, {env['cpus']} CPUs, torch {env['torch']}, "
                f"copy bandwidth {env['copy_GB/s']:.1f} GB/s")
     busy_line = (f"{busy_total} of {timed_total} timed rows were measured while other processes used more than "
-                 f"{BUSY_OTHER_CORES} cores (marked busy; CPU ratios there can be off by 2-3x)")
+                 f"{BUSY_OTHER_CORES} cores (marked busy; CPU ratios there are not reliable)")
 
     print("\n=== summary: headline figures per op (x / fused time: above 1 means fused is faster)")
     print(machine)

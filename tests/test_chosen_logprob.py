@@ -248,41 +248,29 @@ def test_torch_compile(device):
     torch.testing.assert_close(w1.grad, w2.grad)
 
 
-PEAK_MEMORY_SCRIPT = """
-import sys, torch
-import fused_rl_ops
-from fused_rl_ops import reference
-
-def rss_kib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-def fwd_bwd(N, H, V):
+def _fwd_bwd(path, N, H, V):
     hidden = torch.randn(N, H, requires_grad=True)
     weight = (torch.randn(V, H) * 0.1).requires_grad_(True)
     tokens = torch.randint(0, V, (N,))
-    if sys.argv[1] == "fused":
+    if path == "fused":
         lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, tokens, return_entropy=True, workspace_bytes=8 * 2**20)
     else:
         lp, ent = reference.chosen_logprob(hidden, weight, tokens)
     (lp.sum() + ent.sum()).backward()
 
-fwd_bwd(64, 64, 256)  # thread pools and BLAS buffers
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # reset the peak RSS to the current RSS
-before = rss_kib("VmRSS")
-fwd_bwd(1024, 64, 32768)
-print((rss_kib("VmHWM") - before) * 1024)
-"""
+
+def _extra_peak_in_this_process(path):
+    from fused_rl_ops.testing.peak_memory import peak_rss_growth
+
+    torch.set_num_threads(1)
+    _fwd_bwd(path, 64, 64, 256)  # thread pools and BLAS buffers
+    return peak_rss_growth(lambda: _fwd_bwd(path, 1024, 64, 32768))
 
 
 def extra_peak_bytes(path):
-    import subprocess
-    import sys
+    from fused_rl_ops.testing.peak_memory import in_fresh_process
 
-    out = subprocess.run([sys.executable, "-c", PEAK_MEMORY_SCRIPT, path], capture_output=True, text=True,
-                         check=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
-    return int(out.stdout.split()[-1])
+    return in_fresh_process(_extra_peak_in_this_process, path)
 
 
 def test_peak_memory_does_not_hold_tokens_by_vocab():

@@ -6,4 +6,5 @@
 - checkpoint: reference splits, bit-exact comparisons and toy modules for the checkpoint tests.
 - ppo: the pieces of a tiny PPO step (rollout, loss, forward-backward) the example runs and the
   tests check.
+- peak_memory: peak resident memory growth of a call, in this process or a fresh one.
 """

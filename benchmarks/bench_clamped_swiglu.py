@@ -12,8 +12,11 @@ import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from common import (add_times, bandwidth_figure, find_peers, parse_args, png_path, run_mode, summary_table,
-                    time_paths, write_json)
+
+from .plots import bandwidth_figure
+from .results import find_peers, parse_args, png_path, write_json
+from .tables import add_times, summary_table
+from .timing import run_mode, time_paths
 
 
 def load_transformer_engine():
