@@ -19,6 +19,7 @@ import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 import fused_rl_ops
+from fused_rl_ops._checks import check_temperature
 
 __all__ = ["RLOutputProcessor", "rl_output_processor"]
 
@@ -45,13 +46,13 @@ class RLOutputProcessor:
     of the batch); the naive reference processor ignores it.
     host_checks: chosen_logprob's token-range and TP group checks, the processor's only host
     synchronisations on CUDA; False skips both (for CUDA graphs): an out-of-range token then gets a
-    NaN logprob and NaN gradients, and a rank with invalid arguments raises alone.
+    NaN logprob and NaN gradients, and a rank with invalid arguments raises alone. Under torch.compile
+    both are skipped whatever host_checks says (see chosen_logprob's check_tokens).
     """
 
     def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
                  vocab_size=None, batch_invariant=False, host_checks=True):
-        if not temperature > 0:
-            raise ValueError(f"{type(self).__name__}: temperature must be > 0, got {temperature}")
+        check_temperature(type(self).__name__, temperature)
         self.temperature = temperature
         self.return_entropy = return_entropy
         self.value_head = value_head
