@@ -9,8 +9,10 @@ import torch
 def values_readable(*tensors: torch.Tensor) -> bool:
     """Whether the host may read these tensors' values: not while torch.compile or torch.export
     traces (their tensors are fake, and a value read is a data-dependent guard that fullgraph
-    refuses), and not for meta tensors (they have no values)."""
-    return not torch.compiler.is_compiling() and all(t.device.type != "meta" for t in tensors)
+    refuses), and not for meta tensors (they have no values). Non-tensors are left to the type
+    checks that follow."""
+    return not torch.compiler.is_compiling() and not any(
+        isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
 
 
 def check_temperature(op: str, temperature) -> None:

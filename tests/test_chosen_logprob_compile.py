@@ -215,3 +215,8 @@ def test_meta_tensors_give_shapes(dtype):
     assert (weight.grad.shape, weight.grad.dtype) == (weight.shape, dtype)
     with pytest.raises(ValueError, match=r"all tensors must be on one device, got hidden on meta, weight on cpu"):
         fused_rl_ops.chosen_logprob(hidden, torch.randn(VOCAB, HIDDEN, dtype=dtype), labels)
+
+
+def test_non_tensor_input_is_named():
+    with pytest.raises(TypeError, match="chosen_logprob: hidden must be a tensor, got list"):
+        fused_rl_ops.chosen_logprob([[1.0]], torch.randn(VOCAB, 1), torch.zeros(1, dtype=torch.long))
