@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ._library import acc_dtype, check_device, check_float_dtype, ops
+from ._checks import check_hidden_size, check_temperature, values_readable
 
 DEFAULT_WORKSPACE_BYTES = 64 * 2**20
 _MIN_CHUNK = 128
@@ -65,8 +66,8 @@ def _check_args(hidden, weight, tokens, temperature):
     if tuple(tokens.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"{op}: tokens must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
                          f"got {tuple(tokens.shape)}")
-    if not (temperature > 0 and temperature != float("inf")):
-        raise ValueError(f"{op}: temperature must be a positive finite number, got {temperature}")
+    check_hidden_size(op, hidden)
+    check_temperature(op, temperature)
     check_device(op, hidden=hidden, weight=weight, tokens=tokens)
 
 
@@ -264,7 +265,10 @@ def chosen_logprob(
     disagree on the tokens, hidden size, dtype, temperature, ignore_index, vocab_size or
     reduce_hidden_grad, or hold vocab shards that do not tile [0, total rows): one all-gather of a
     few integers per call and a host synchronisation; False skips it (a rank with invalid arguments then raises alone while the others
-    wait in the collective). main_grad ([V_local, H], float32 or weight's dtype: Megatron's
+    wait in the collective). Both checks read tensor values on the host, so they are skipped while
+    torch.compile or torch.export traces the call (fullgraph works with the defaults) and for meta
+    tensors: an out-of-range id then gets the NaN logprob and gradients of check_tokens=False, and
+    the ranks of tp_group are not compared. main_grad ([V_local, H], float32 or weight's dtype: Megatron's
     gradient-accumulation buffer) makes the backward add the weight gradient into it, chunk by
     chunk, instead of returning one (see _main_grad_placeholder for what the weight receives).
     workspace_bytes bounds the per-chunk buffers (see chunk_size_for; with main_grad add a
@@ -279,6 +283,9 @@ def chosen_logprob(
     """
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    # Traced or meta tensors: both host checks are skipped and out-of-range ids get NaN (below).
+    check_tokens = check_tokens and values_readable(hidden, weight, tokens)
+    check_group = check_group and values_readable(hidden, weight, tokens)
     error = None
     try:
         _check_args(hidden, weight, tokens, temperature)

@@ -16,14 +16,13 @@ scaling is refused. Under Megatron's DDP with gradient_accumulation_fusion the o
 gradient is added into its `main_grad` chunk by chunk, as Megatron's own output layer does, instead
 of being returned as a [V_local, H] tensor.
 """
-import math
-import numbers
 
 import torch
 
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 import fused_rl_ops
+from fused_rl_ops._checks import check_temperature
 
 __all__ = ["RLOutputProcessor", "rl_output_processor"]
 
@@ -51,7 +50,8 @@ class RLOutputProcessor:
     of the batch); the naive reference processor has no such option.
     host_checks: chosen_logprob's token-range and TP group checks, the processor's only host
     synchronisations on CUDA; False skips both (for CUDA graphs): an out-of-range token then gets a
-    NaN logprob and NaN gradients, and a rank with invalid arguments raises alone.
+    NaN logprob and NaN gradients, and a rank with invalid arguments raises alone. Under torch.compile
+    both are skipped whatever host_checks says (see chosen_logprob's check_tokens).
     """
 
     def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
@@ -75,9 +75,7 @@ class RLOutputProcessor:
 
     @temperature.setter
     def temperature(self, temperature):
-        if (not isinstance(temperature, numbers.Real) or isinstance(temperature, bool)
-                or not 0 < temperature < math.inf):
-            raise ValueError(f"{type(self).__name__}: temperature must be a positive finite number, got {temperature!r}")
+        check_temperature(type(self).__name__, temperature)
         self._temperature = temperature
 
     def __call__(self, *, hidden_states, output_layer, output_weight=None, labels=None, loss_mask=None,

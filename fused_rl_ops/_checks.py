@@ -1,0 +1,28 @@
+"""Argument checks of the Python wrappers that hold while torch.compile traces them, and when the
+host may read tensor values."""
+import math
+from numbers import Real
+
+import torch
+
+
+def values_readable(*tensors: torch.Tensor) -> bool:
+    """Whether the host may read these tensors' values: not while torch.compile or torch.export
+    traces (their tensors are fake, and a value read is a data-dependent guard that fullgraph
+    refuses), and not for meta tensors (they have no values). Non-tensors are left to the type
+    checks that follow."""
+    return not torch.compiler.is_compiling() and not any(
+        isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
+
+
+def check_temperature(op: str, temperature) -> None:
+    """temperature must be a positive finite real number (a Python or NumPy scalar; the kernels take
+    it by value, so not a tensor)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, Real) or not 0 < temperature < math.inf:
+        raise ValueError(f"{op}: temperature must be a positive finite number, got {temperature!r}")
+
+
+def check_hidden_size(op: str, hidden: torch.Tensor) -> None:
+    if hidden.shape[-1] == 0:
+        raise ValueError(f"{op}: hidden's last dimension (the hidden size H) must be at least 1, "
+                         f"got hidden of shape {tuple(hidden.shape)}")
