@@ -55,7 +55,10 @@ if CUDA_HOME and not WITH_CUDA:
 elif not CUDA_HOME:
     print("fused_rl_ops: no CUDA toolkit found; building the CPU kernels only", file=sys.stderr)
 
-sources = ["csrc/module.cpp"] + sorted(glob.glob("csrc/*_cpu.cpp"))
+# Every op's folder csrc/<op>/ holds cpu.cpp, cuda.cpp and kernel.cu; they include "<op>/..." and
+# "common/..." from csrc.
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+sources = ["csrc/module.cpp"] + sorted(glob.glob("csrc/*/cpu.cpp"))
 cxx_flags = ["-O3", "-Wall", "-Wno-unknown-pragmas"]  # ATen's vec headers use #pragma unroll
 link_flags = []
 if platform.system() == "Linux":
@@ -67,19 +70,20 @@ if platform.machine() in ("x86_64", "AMD64") and os.environ.get("FUSED_RL_OPS_NO
     # The CPU kernels use at::vec; without these its Vectorized falls back to scalar loops.
     cxx_flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
 if WITH_CUDA:
-    sources += sorted(glob.glob("csrc/*_cuda.cpp")) + sorted(glob.glob("csrc/*.cu"))
+    sources += sorted(glob.glob("csrc/*/cuda.cpp")) + sorted(glob.glob("csrc/*/kernel.cu"))
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", default_arch_list(CUDA_HOME))
     print(f"fused_rl_ops: building CUDA kernels for {os.environ['TORCH_CUDA_ARCH_LIST']} with {CUDA_HOME}",
           file=sys.stderr)
     extension = cpp_extension.CUDAExtension(
         "fused_rl_ops._C",
         sources,
+        include_dirs=[CSRC],
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
         extra_link_args=link_flags,
     )
 else:
-    extension = cpp_extension.CppExtension("fused_rl_ops._C", sources, extra_compile_args={"cxx": cxx_flags},
-                                           extra_link_args=link_flags)
+    extension = cpp_extension.CppExtension("fused_rl_ops._C", sources, include_dirs=[CSRC],
+                                           extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
 
 
 def write_build_info():

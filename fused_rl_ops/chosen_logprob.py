@@ -177,7 +177,7 @@ class _ChosenLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, ignore, temperature, vocab_start, n_valid, tiling, tp_group,
                 reduce_hidden_grad, main_grad):
-        stats = ops.logprob_stats(hidden, weight[:n_valid], tokens, temperature, vocab_start, *tiling)
+        stats = ops.chosen_logprob_stats(hidden, weight[:n_valid], tokens, temperature, vocab_start, *tiling)
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(tp_group))]
             dist.all_gather(gathered, stats, group=tp_group)
@@ -185,7 +185,7 @@ class _ChosenLogprob(torch.autograd.Function):
         else:
             partials = stats.unsqueeze(0)
         # lse = row_max + log_sum, kept apart: z - row_max is exact near the top of the row.
-        row_max, log_sum, entropy, chosen = ops.logprob_combine(partials).unbind(1)
+        row_max, log_sum, entropy, chosen = ops.chosen_logprob_combine(partials).unbind(1)
         logprob = torch.where(ignore, 0.0, (chosen - row_max) - log_sum)
         ctx.save_for_backward(hidden, weight, tokens, ignore, row_max, log_sum, entropy)
         ctx.args = (temperature, vocab_start, n_valid, tiling, tp_group, reduce_hidden_grad)
@@ -202,7 +202,7 @@ class _ChosenLogprob(torch.autograd.Function):
         grad_logprob = torch.zeros_like(entropy) if grad_logprob is None else torch.where(ignore, 0.0, grad_logprob)
         grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy
         # One [V_local, H] weight gradient, padded rows zeroed by the op; or none, added into main_grad.
-        grad_hidden, grad_weight = ops.logprob_backward(
+        grad_hidden, grad_weight = ops.chosen_logprob_backward(
             hidden, weight, tokens, row_max, log_sum, log_sum - entropy, grad_logprob.to(entropy.dtype).contiguous(),
             grad_entropy.to(entropy.dtype).contiguous(), temperature, vocab_start, n_valid, *tiling, ctx.main_grad)
         if ctx.main_grad is not None:
@@ -308,17 +308,17 @@ def chosen_logprob(
     return (logprob, entropy) if return_entropy else logprob
 
 
-@torch.library.register_fake("fused_rl_ops::logprob_stats")
+@torch.library.register_fake("fused_rl_ops::chosen_logprob_stats")
 def _(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block=0, pass_rows=0):
     return hidden.new_empty(hidden.shape[0], 4, dtype=acc_dtype(hidden.dtype))
 
 
-@torch.library.register_fake("fused_rl_ops::logprob_combine")
+@torch.library.register_fake("fused_rl_ops::chosen_logprob_combine")
 def _(partials):
     return partials.new_empty(partials.shape[1], 4)
 
 
-@torch.library.register_fake("fused_rl_ops::logprob_backward")
+@torch.library.register_fake("fused_rl_ops::chosen_logprob_backward")
 def _(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy, temperature, vocab_start, valid_rows,
       chunk_size, row_block=0, pass_rows=0, main_grad=None):
     grad_weight = weight.new_empty(0, weight.shape[1]) if main_grad is not None else torch.empty_like(weight)

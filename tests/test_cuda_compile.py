@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 CSRC = os.path.join(os.path.dirname(__file__), "..", "csrc")
-CU_FILES = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
+CU_FILES = sorted(glob.glob(os.path.join(CSRC, "*", "kernel.cu")))
 
 
 def nvcc_path():
@@ -19,11 +19,11 @@ def nvcc_path():
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="no CUDA toolkit on this machine")
-@pytest.mark.parametrize("source", CU_FILES, ids=os.path.basename)
+@pytest.mark.parametrize("source", CU_FILES, ids=lambda path: os.path.basename(os.path.dirname(path)))
 def test_compiles_for_sm90_without_warnings_or_spills(source, tmp_path):
     result = subprocess.run(
         [nvcc_path(), "-std=c++17", "-O3", "-arch=sm_90", "-Werror", "all-warnings", "-Xptxas", "-v",
-         "-c", source, "-o", str(tmp_path / "out.o")],
+         f"-I{CSRC}", "-c", source, "-o", str(tmp_path / "out.o")],
         capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stderr

@@ -1,5 +1,5 @@
 """Every CUDA kernel of the package, executed on the CPU: g++ compiles the kernel headers
-(csrc/*_kernel.cuh, the source nvcc compiles) with the host execution model
+(csrc/<op>/kernel.cuh, the source nvcc compiles) with the host execution model
 tests/kernels_on_cpu/cuda_on_host.h (what it models and what not: its header comment). A driver per
 op (tests/kernels_on_cpu/<op>_driver.cpp) reads a case written here, makes one launch and writes
 the buffers back. Every case runs in three builds, plain, ThreadSanitizer and AddressSanitizer +
@@ -27,7 +27,7 @@ CSRC = ROOT / "csrc"
 HARNESS = ROOT / "tests" / "kernels_on_cpu"
 CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
 CXX = os.environ.get("CXX", "g++")
-OPS = ("logprob", "swiglu", "value_head")
+OPS = ("chosen_logprob", "clamped_swiglu", "value_head")
 DRIVERS = (*OPS, "harness_selftest")
 BUILDS = {
     "plain": [],
@@ -78,8 +78,8 @@ def build_drivers(csrc, out_dir, drivers=DRIVERS, variants=tuple(BUILDS)):
 def sources_hash():
     h = hashlib.sha256(" ".join([CXX, str(CUDA_INCLUDE), repr(BUILDS)]).encode())
     h.update(subprocess.run([CXX, "--version"], capture_output=True).stdout)
-    for path in sorted([*CSRC.glob("*.h"), *CSRC.glob("*.cuh"), *HARNESS.iterdir()]):
-        h.update(path.name.encode() + path.read_bytes())
+    for path in sorted([*CSRC.rglob("*.h"), *CSRC.rglob("*.cuh"), *HARNESS.iterdir()]):
+        h.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -167,10 +167,10 @@ def assert_within(actual, expected, tol, what):
 
 
 # ---------------------------------------------------------------------------------------------
-# chosen_logprob: stats_rows_kernel, grad_rows_kernel, combine_kernel (logprob_kernel.cuh)
+# chosen_logprob: chosen_logprob_{stats_rows,grad_rows,combine}_kernel (chosen_logprob/kernel.cuh)
 
 def row_stats64(z):
-    """(max, sum, ent) of logits z [N, C] (already divided by the temperature), as logprob_math.h
+    """(max, sum, ent) of logits z [N, C] (already divided by the temperature), as chosen_logprob/math.h
     keeps them, in float64; rows with no columns are (-inf, 0, 0)."""
     if z.shape[1] == 0:
         empty = torch.zeros(z.shape[0], dtype=torch.float64)
@@ -202,7 +202,7 @@ def stats_tolerance(terms, zmax):
     (13, 7, "several"),   # fewer columns than lanes (a short last chunk)
 ])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature):
+def test_chosen_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature):
     col0 = 100  # the chunk holds global ids [100, 100 + C)
     inv_temp = float(torch.tensor(1 / temperature, dtype=torch.float32))
     logits = torch.randn(N, C) * 3
@@ -243,9 +243,9 @@ def running_stats(earlier, has_earlier):
 
 
 def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, passes):
-    """stats_rows_kernel merging logits [N, C] into stats; returns the stats it wrote, in float64."""
+    """chosen_logprob_stats_rows_kernel merging logits [N, C] into stats; returns the stats it wrote, in float64."""
     N, C = logits.shape
-    out, notes = run_case(drivers, "logprob", "stats_rows",
+    out, notes = run_case(drivers, "chosen_logprob", "stats_rows",
                           {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats)},
                           {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=GRIDS[passes], tmp_dir=tmp_path)
     assert_passes(notes, passes)
@@ -259,7 +259,7 @@ def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, pas
     (33, 3, "one"),       # block (4, 64): a partial row tile
 ])
 @pytest.mark.parametrize("temperature", [1.0, 1.3])
-def test_logprob_grad_rows(drivers, tmp_path, N, C, passes, temperature):
+def test_chosen_logprob_grad_rows(drivers, tmp_path, N, C, passes, temperature):
     col0 = 64
     inv_temp = float(torch.tensor(1 / temperature, dtype=torch.float32))
     logits = torch.randn(N, C) * 3
@@ -285,10 +285,10 @@ def combined_stats64(z):
 
 
 def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp, passes):
-    """grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32); returns the
+    """chosen_logprob_grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32); returns the
     gradients it wrote in place."""
     N, C = logits.shape
-    out, notes = run_case(drivers, "logprob", "grad_rows",
+    out, notes = run_case(drivers, "chosen_logprob", "grad_rows",
                           {"logits": Buf(logits), "tokens": Buf(tokens), "row_max": Buf(row_max.float()),
                            "lse": Buf(log_sum.float()), "mean": Buf(mean.float()), "gl": Buf(gl), "ge": Buf(ge)},
                           {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=GRIDS[passes], tmp_dir=tmp_path)
@@ -318,7 +318,7 @@ def grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, in
 
 
 @pytest.mark.parametrize("ranks,N,passes", [(3, 300, "several"), (3, 300, "one"), (1, 5, "one"), (4, 17, "one")])
-def test_logprob_combine(drivers, tmp_path, ranks, N, passes):
+def test_chosen_logprob_combine(drivers, tmp_path, ranks, N, passes):
     # Each rank's partials from its own shard of logits; rank 1 holds only padded vocab rows (no
     # logits: empty stats) when there are several; the chosen logit sits on one rank.
     C = 20
@@ -330,7 +330,7 @@ def test_logprob_combine(drivers, tmp_path, ranks, N, passes):
     owner = torch.randint(0, ranks, (N,))
     partials[owner, torch.arange(N), 3] = torch.randn(N, dtype=torch.float64)
     partials = partials.float()
-    out, notes = run_case(drivers, "logprob", "combine",
+    out, notes = run_case(drivers, "chosen_logprob", "combine",
                           {"partials": Buf(partials), "out": Buf(torch.full((N, 4), math.nan))},
                           {"N": N, "ranks": ranks}, grid=GRIDS[passes], tmp_dir=tmp_path)
     assert_passes(notes, passes)
@@ -354,7 +354,7 @@ def test_logprob_combine(drivers, tmp_path, ranks, N, passes):
     assert_within(got[:, 0] + got[:, 1], lse_entropy64(seen)[0], tol + 1e-5, "lse against the logits")
 
 
-# Non-finite logits (logprob_math.h): a NaN makes its row's partial NaN and every result of the
+# Non-finite logits (chosen_logprob/math.h): a NaN makes its row's partial NaN and every result of the
 # row NaN; a -inf has probability 0 and adds nothing; a chunk of -inf only is an empty partial
 # (max -inf) that merges as nothing; a NaN partial is never dropped in a merge.
 
@@ -372,7 +372,7 @@ def nonfinite_logits(N, C):
 
 
 @pytest.mark.parametrize("C,passes", [(45, "several"), (45, "one"), (7, "several")])
-def test_logprob_stats_rows_nonfinite(drivers, tmp_path, C, passes):
+def test_chosen_logprob_stats_rows_nonfinite(drivers, tmp_path, C, passes):
     N, col0 = 16, 100
     inv_temp = float(torch.tensor(1 / 0.7, dtype=torch.float32))
     logits, cols = nonfinite_logits(N, C)
@@ -404,7 +404,7 @@ def test_logprob_stats_rows_nonfinite(drivers, tmp_path, C, passes):
 
 
 @pytest.mark.parametrize("passes", ["several", "one"])
-def test_logprob_grad_rows_nonfinite(drivers, tmp_path, passes):
+def test_chosen_logprob_grad_rows_nonfinite(drivers, tmp_path, passes):
     N, C, col0 = 16, 45, 64
     inv_temp = float(torch.tensor(1 / 1.3, dtype=torch.float32))
     logits, cols = nonfinite_logits(N, C)
@@ -428,7 +428,7 @@ def test_logprob_grad_rows_nonfinite(drivers, tmp_path, passes):
 
 
 @pytest.mark.parametrize("ranks", [3, 4])
-def test_logprob_combine_nonfinite(drivers, tmp_path, ranks):
+def test_chosen_logprob_combine_nonfinite(drivers, tmp_path, ranks):
     # For each rank k and kind: a partial NaN from a NaN logit (NaN, NaN, NaN) or from a +inf
     # logit (inf, NaN, NaN) on rank k, the other ranks finite or empty (-inf, 0, 0); then finite
     # rows, and a NaN chosen logit on the last rank in the last row.
@@ -450,7 +450,7 @@ def test_logprob_combine_nonfinite(drivers, tmp_path, ranks):
     partials[owner, torch.arange(N), 3] = torch.randn(N, dtype=torch.float64)
     partials[ranks - 1, N - 1, 3] = math.nan
     partials = partials.float()
-    out, notes = run_case(drivers, "logprob", "combine",
+    out, notes = run_case(drivers, "chosen_logprob", "combine",
                           {"partials": Buf(partials), "out": Buf(torch.full((N, 4), math.nan))},
                           {"N": N, "ranks": ranks}, grid=(1,), tmp_dir=tmp_path)
     got = out["out"].double()
@@ -466,17 +466,17 @@ def test_logprob_combine_nonfinite(drivers, tmp_path, ranks):
     assert_within(got[~bad_rows, 0] + got[~bad_rows, 1], lse[~bad_rows], tol, "lse")
     assert_within(got[:, 2], ent, tol, "entropy")
     # The CPU kernel (combine_row on the host) agrees, non-finite values exactly.
-    assert_within(got, torch.ops.fused_rl_ops.logprob_combine(partials).double(), tol, "against the CPU op")
+    assert_within(got, torch.ops.fused_rl_ops.chosen_logprob_combine(partials).double(), tol, "against the CPU op")
     assert got[N - 1, 3].isnan()
 
 
 # ---------------------------------------------------------------------------------------------
-# clamped_swiglu: swiglu_forward_kernel, swiglu_backward_kernel (swiglu_kernel.cuh)
+# clamped_swiglu: clamped_swiglu_{forward,backward,scaled_backward}_kernel (clamped_swiglu/kernel.cuh)
 
 SWIGLU = dict(alpha=1.702, limit=7.0, offset=1.0)
 
 
-def swiglu_input(rows, F, dtype):
+def clamped_swiglu_input(rows, F, dtype):
     """x [rows, 2F] with values on and beyond +-limit among random ones (finite)."""
     x = torch.randn(rows, 2 * F, dtype=torch.float64) * 5
     edges = torch.tensor([7.0, -7.0, 8.5, -8.5, 0.0], dtype=torch.float64)
@@ -485,7 +485,7 @@ def swiglu_input(rows, F, dtype):
     return x.to(dtype)
 
 
-def swiglu_reference(x, dy, interleaved):
+def clamped_swiglu_reference(x, dy, interleaved):
     x64 = x.double().requires_grad_(True)
     y = reference.clamped_swiglu(x64, SWIGLU["limit"], alpha=SWIGLU["alpha"], linear_offset=SWIGLU["offset"],
                                  interleaved=interleaved)
@@ -515,14 +515,14 @@ SWIGLU_CASES = [
 @pytest.mark.parametrize("rows,F,passes,offset,path", SWIGLU_CASES)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-def test_swiglu_forward_and_backward(drivers, tmp_path, rows, F, passes, offset, path, interleaved, dtype):
-    x = swiglu_input(rows, F, dtype)
+def test_clamped_swiglu_forward_and_backward(drivers, tmp_path, rows, F, passes, offset, path, interleaved, dtype):
+    x = clamped_swiglu_input(rows, F, dtype)
     dy = torch.randn(rows, F).to(dtype)
-    y_ref, dx_ref = swiglu_reference(x, dy, interleaved)
+    y_ref, dx_ref = clamped_swiglu_reference(x, dy, interleaved)
     scalars = dict(rows=rows, F=F, dtype=dtype_scalar(dtype), interleaved=int(interleaved), has_scale=0, **SWIGLU)
     expected_width = (8 if interleaved else 16) // x.element_size() if path == "vector" else 1
 
-    out, notes = run_case(drivers, "swiglu", "forward",
+    out, notes = run_case(drivers, "clamped_swiglu", "forward",
                           {"x": Buf(x, offset), "y": Buf(torch.full((rows, F), math.nan).to(dtype), offset)},
                           scalars, grid=GRIDS[passes], block_order_seed=rows, tmp_dir=tmp_path / "fwd")
     assert int(notes["width"]) == expected_width
@@ -530,7 +530,7 @@ def test_swiglu_forward_and_backward(drivers, tmp_path, rows, F, passes, offset,
     # u' + offset cancels for u' near -offset: an absolute fp32 error of eps |u'| |g' s| <= 50 eps.
     assert_rounded_once(out["y"], y_ref, dtype, "y", fp32_error=8 * FP32_EPS * 50)
 
-    out, notes = run_case(drivers, "swiglu", "backward",
+    out, notes = run_case(drivers, "clamped_swiglu", "backward",
                           {"x": Buf(x, offset), "y": Buf(dy, offset),
                            "x_grad": Buf(torch.full((rows, 2 * F), math.nan).to(dtype), offset)},
                           scalars, grid=GRIDS[passes], tmp_dir=tmp_path / "bwd")
@@ -544,12 +544,12 @@ def test_swiglu_forward_and_backward(drivers, tmp_path, rows, F, passes, offset,
 @pytest.mark.parametrize("rows,F,passes,offset,path", SWIGLU_CASES)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-def test_swiglu_weighted_forward_and_backward(drivers, tmp_path, rows, F, passes, offset, path, interleaved, dtype):
-    """The weighted form y = scale * swiglu(x): swiglu_forward_kernel with a scale buffer and
-    swiglu_scaled_backward_kernel (dx and dscale). row_sum takes its shuffle-only branch where a
+def test_clamped_swiglu_weighted_forward_and_backward(drivers, tmp_path, rows, F, passes, offset, path, interleaved, dtype):
+    """The weighted form y = scale * swiglu(x): clamped_swiglu_forward_kernel with a scale buffer and
+    clamped_swiglu_scaled_backward_kernel (dx and dscale). row_sum takes its shuffle-only branch where a
     row has at most a warp of threads (F = 64 on the vector path: 8 to 32 threads a row) and its
     shared-memory branch otherwise (64 or 256 threads a row)."""
-    x = swiglu_input(rows, F, dtype)
+    x = clamped_swiglu_input(rows, F, dtype)
     dy = torch.randn(rows, F).to(dtype)
     scale = torch.rand(rows) * 2  # routing weights; one of them 0
     scale[rows // 2] = 0.0
@@ -562,7 +562,7 @@ def test_swiglu_weighted_forward_and_backward(drivers, tmp_path, rows, F, passes
     expected_width = (8 if interleaved else 16) // x.element_size() if path == "vector" else 1
     row_fits_a_warp = F == 64 and path == "vector"
 
-    out, notes = run_case(drivers, "swiglu", "forward",
+    out, notes = run_case(drivers, "clamped_swiglu", "forward",
                           {"x": Buf(x, offset), "scale": Buf(scale),
                            "y": Buf(torch.full((rows, F), math.nan).to(dtype), offset)},
                           scalars, grid=GRIDS[passes], block_order_seed=rows, tmp_dir=tmp_path / "fwd")
@@ -573,7 +573,7 @@ def test_swiglu_weighted_forward_and_backward(drivers, tmp_path, rows, F, passes
     s = scale.double()[:, None]
     assert_rounded_once(out["y"], y_ref, dtype, "y", fp32_error=8 * FP32_EPS * 50 * s)
 
-    out, notes = run_case(drivers, "swiglu", "scaled_backward",
+    out, notes = run_case(drivers, "clamped_swiglu", "scaled_backward",
                           {"x": Buf(x, offset), "y": Buf(dy, offset), "scale": Buf(scale),
                            "x_grad": Buf(torch.full((rows, 2 * F), math.nan).to(dtype), offset),
                            "dscale": Buf(torch.full((rows,), math.nan))},
@@ -594,7 +594,7 @@ def test_swiglu_weighted_forward_and_backward(drivers, tmp_path, rows, F, passes
 
 # ---------------------------------------------------------------------------------------------
 # value_head: value_head_forward_kernel, value_head_backward_hidden_kernel,
-# value_head_partials_kernel and sum_partials_kernel (value_head_kernel.cuh)
+# value_head_partials_kernel and value_head_sum_partials_kernel (value_head/kernel.cuh)
 
 
 def sum_tolerance(terms):
@@ -675,7 +675,7 @@ def test_value_head_backward_params(drivers, tmp_path, rows, H, offset, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# The model itself: its checks of synchronisation, and the launch shapes of cuda_utils.cuh
+# The model itself: its checks of synchronisation, and the launch shapes of common/cuda_utils.cuh
 
 
 @pytest.mark.parametrize("scenario,error", [
@@ -709,40 +709,40 @@ def test_harness_selftest(drivers, scenario, error):
 DEFECTS = {
     # value_head stage 1 without the barrier between writing and reading the group sums.
     "syncthreads_deleted": (
-        "value_head_kernel.cuh", "  __syncthreads();\n  if (threadIdx.y != 0 || c >= H) return;",
+        "value_head/kernel.cuh", "  __syncthreads();\n  if (threadIdx.y != 0 || c >= H) return;",
         "  if (threadIdx.y != 0 || c >= H) return;",
         lambda d, tmp: test_value_head_backward_params(d, tmp, 130, 40, 0, torch.float32),
         "ThreadSanitizer: data race", "tsan"),
     # The same barrier placed after threads return: reached by part of the block.
     "barrier_after_return": (
-        "value_head_kernel.cuh", "  __syncthreads();\n  if (threadIdx.y != 0 || c >= H) return;",
+        "value_head/kernel.cuh", "  __syncthreads();\n  if (threadIdx.y != 0 || c >= H) return;",
         "  if (threadIdx.y != 0 || c >= H) return;\n  __syncthreads();",
         lambda d, tmp: test_value_head_backward_params(d, tmp, 130, 40, 0, torch.float32),
         "cuda_on_host error", "plain"),
     # chosen_logprob's max loop reads one column past the row.
     "loop_bound_le": (
-        "logprob_kernel.cuh", "for (int64_t k = lane; k < C; k += kWarp) m =",
+        "chosen_logprob/kernel.cuh", "for (int64_t k = lane; k < C; k += kWarp) m =",
         "for (int64_t k = lane; k <= C; k += kWarp) m =",
-        lambda d, tmp: test_logprob_stats_rows(d, tmp, 21, 45, "several", 1.0),
+        lambda d, tmp: test_chosen_logprob_stats_rows(d, tmp, 21, 45, "several", 1.0),
         "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
     # warp_sum's butterfly starting at offset 8: each half-warp sums only itself (a row of more
     # than 16 packs).
     "shuffle_offset_halved": (
-        "cuda_utils.cuh", "for (int offset = kWarp / 2; offset > 0; offset /= 2)",
+        "common/cuda_utils.cuh", "for (int offset = kWarp / 2; offset > 0; offset /= 2)",
         "for (int offset = kWarp / 4; offset > 0; offset /= 2)",
         lambda d, tmp: test_value_head_forward_and_backward_hidden(d, tmp, 9, 640, "several", 0, True, torch.float32),
         "forward: ", "plain"),
     # row_sum without the barrier that keeps a row's next totals from overwriting ones still read
     # (rows of 256 threads, two rows in turn on one block).
     "row_sum_first_barrier_deleted": (
-        "swiglu_kernel.cuh", "  __syncthreads();  // the previous call's totals are read\n", "",
-        lambda d, tmp: test_swiglu_weighted_forward_and_backward(d, tmp, 2, 2080, "several", 0, "vector", False,
+        "clamped_swiglu/kernel.cuh", "  __syncthreads();  // the previous call's totals are read\n", "",
+        lambda d, tmp: test_clamped_swiglu_weighted_forward_and_backward(d, tmp, 2, 2080, "several", 0, "vector", False,
                                                                  torch.float32),
         "ThreadSanitizer: data race", "tsan"),
     # row_sum's warp_sum over the whole warp when a row has fewer threads (8 here): rows mix.
     "row_sum_width_ignored": (
-        "swiglu_kernel.cuh", "const int width = blockDim.x < kWarp ? blockDim.x : kWarp;", "const int width = kWarp;",
-        lambda d, tmp: test_swiglu_weighted_forward_and_backward(d, tmp, 40, 64, "one", 0, "vector", False,
+        "clamped_swiglu/kernel.cuh", "const int width = blockDim.x < kWarp ? blockDim.x : kWarp;", "const int width = kWarp;",
+        lambda d, tmp: test_clamped_swiglu_weighted_forward_and_backward(d, tmp, 40, 64, "one", 0, "vector", False,
                                                                  torch.bfloat16),
         "dscale: ", "plain"),
 }
@@ -756,7 +756,7 @@ def test_planted_defect_is_caught(tmp_path, defect):
     text = (csrc / header).read_text()
     assert text.count(good) == 1, f"{header} no longer holds the line this defect changes"
     (csrc / header).write_text(text.replace(good, bad))
-    op = {"logprob_kernel.cuh": "logprob", "swiglu_kernel.cuh": "swiglu"}.get(header, "value_head")
+    op = header.split("/")[0] if header.split("/")[0] in OPS else "value_head"
     drivers = build_drivers(csrc, tmp_path / "build", drivers=(op,), variants=(variant,))
     (tmp_path / "run").mkdir()
     with pytest.raises(AssertionError, match=re.escape(report)):

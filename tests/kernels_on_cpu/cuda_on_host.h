@@ -1,5 +1,5 @@
 // cuda_on_host.h: a small CUDA execution model for the host, so that g++ compiles the package's
-// kernel headers (csrc/*_kernel.cuh) unchanged and runs their launches on the CPU, under
+// kernel headers (csrc/<op>/kernel.cuh) unchanged and runs their launches on the CPU, under
 // ThreadSanitizer, AddressSanitizer and UBSan. Test infrastructure only (tests/kernels_on_cpu/).
 //
 // What it models:
@@ -295,7 +295,7 @@ inline void* dynamic_shared() { return current_block->dynamic_shared.data(); }
 
 }  // namespace cuda_on_host
 
-// The runtime calls of the launch helpers (cuda_utils.cuh), answered for the stand-in devices.
+// The runtime calls of the launch helpers (csrc/common/cuda_utils.cuh), answered for the stand-in devices.
 extern "C" inline cudaError_t cudaGetLastError() {
   std::lock_guard<std::mutex> lock(cuda_on_host::runtime_mu);
   const cudaError_t err = cuda_on_host::last_error;

@@ -16,7 +16,7 @@
 #pragma once
 
 #include "cuda_on_host.h"
-#include "cuda_utils.cuh"
+#include "common/cuda_utils.cuh"
 
 #include <fstream>
 #include <iostream>

@@ -1,11 +1,12 @@
-// Runs the value-head CUDA kernels (csrc/value_head_kernel.cuh) on the CPU, through
-// launch_with_width and the launch shapes of value_head_kernel.cu; forward and backward_hidden
+// Runs the value-head CUDA kernels (csrc/value_head/kernel.cuh) on the CPU, through
+// launch_with_width and the launch shapes of value_head/kernel.cu; forward and backward_hidden
 // stride over rows (the grid: the case's, or the launcher's for one pass), backward_params (both
 // reduction stages) has a grid fixed by the work.
 #include "driver.h"
-#include "value_head_kernel.cuh"
+#include "value_head/kernel.cuh"
 
 using namespace fused_rl_ops;
+using namespace fused_rl_ops::value_head;
 using cuda_on_host::launch;
 
 int main(int argc, char** argv) {
@@ -44,13 +45,13 @@ int main(int argc, char** argv) {
       constexpr int N = decltype(width)::value;
       std::cout << "width " << N << "\n";
       const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>((H / N + kWarp - 1) / kWarp));
-      launch(value_head_partials_kernel<T, N>, grid, dim3(kWarp, kRowGroups), 0, c.buf<float>("grad_out"),
+      launch(value_head_partials_kernel<T, N>, grid, dim3(kWarp, kStage1Warps), 0, c.buf<float>("grad_out"),
              static_cast<const T*>(hidden), weight_partials, bias_partials, rows, H);
     };
     const cudaError_t err = launch_with_width<16>(c.dtype(), H, {hidden, weight_partials}, partials);
     if (err != cudaSuccess) return err;
     const auto sum_partials = [&](const float* partials, float* out, int64_t cols) {
-      launch(sum_partials_kernel, dim3(static_cast<unsigned>((cols + kWarp - 1) / kWarp)), dim3(kWarp, kSumSlices), 0,
+      launch(value_head_sum_partials_kernel, dim3(static_cast<unsigned>((cols + kWarp - 1) / kWarp)), dim3(kWarp, kSumSlices), 0,
              partials, out, blocks, cols);
       return cudaGetLastError();
     };

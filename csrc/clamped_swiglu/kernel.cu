@@ -1,8 +1,8 @@
-// Launchers of the clamped SwiGLU CUDA kernels (swiglu_kernel.cuh).
-#include "swiglu_kernel.cuh"
-#include "swiglu_kernel.h"
+// Launchers of the clamped SwiGLU CUDA kernels (clamped_swiglu/kernel.cuh).
+#include "clamped_swiglu/kernel.cuh"
+#include "clamped_swiglu/kernel.h"
 
-namespace fused_rl_ops {
+namespace fused_rl_ops::clamped_swiglu {
 namespace {
 
 // Calls launch(type_tag, width, interleaved_tag, cfg) with the element type, the vector width the
@@ -16,7 +16,7 @@ cudaError_t launch_rows(std::initializer_list<const void*> ptrs, int64_t rows, i
   auto run = [&](auto interleaved_tag) {
     constexpr bool kInter = decltype(interleaved_tag)::value;
     return launch_with_width<kInter ? 8 : 16>(dtype, F, ptrs, [&](auto* type_tag, auto width) {
-      launch(type_tag, width, interleaved_tag, row_launch(rows, F / decltype(width)::value, kThreads, dev));
+      launch(type_tag, width, interleaved_tag, row_launch(rows, F / decltype(width)::value, kBlockThreads, dev));
     });
   };
   return interleaved ? run(std::true_type{}) : run(std::false_type{});
@@ -24,35 +24,35 @@ cudaError_t launch_rows(std::initializer_list<const void*> ptrs, int64_t rows, i
 
 }  // namespace
 
-cudaError_t launch_swiglu_forward(const void* x, const float* scale, void* y, int64_t rows, int64_t F, DType dtype,
-                                  bool interleaved, SwigluParams p, cudaStream_t stream) {
+cudaError_t launch_clamped_swiglu_forward(const void* x, const float* scale, void* y, int64_t rows, int64_t F, DType dtype,
+                                  bool interleaved, Params p, cudaStream_t stream) {
   return launch_rows({x, y}, rows, F, dtype, interleaved, [&](auto* type_tag, auto width, auto inter, RowLaunch cfg) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    swiglu_forward_kernel<T, decltype(width)::value, decltype(inter)::value><<<cfg.grid, cfg.block, 0, stream>>>(
+    clamped_swiglu_forward_kernel<T, decltype(width)::value, decltype(inter)::value><<<cfg.grid, cfg.block, 0, stream>>>(
         static_cast<const T*>(x), scale, static_cast<T*>(y), rows, F, p);
   });
 }
 
-cudaError_t launch_swiglu_backward(const void* dy, const void* x, void* dx, int64_t rows, int64_t F, DType dtype,
-                                   bool interleaved, SwigluParams p, cudaStream_t stream) {
+cudaError_t launch_clamped_swiglu_backward(const void* dy, const void* x, void* dx, int64_t rows, int64_t F, DType dtype,
+                                   bool interleaved, Params p, cudaStream_t stream) {
   return launch_rows({dy, x, dx}, rows, F, dtype, interleaved, [&](auto* type_tag, auto width, auto inter,
                                                                   RowLaunch cfg) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    swiglu_backward_kernel<T, decltype(width)::value, decltype(inter)::value><<<cfg.grid, cfg.block, 0, stream>>>(
+    clamped_swiglu_backward_kernel<T, decltype(width)::value, decltype(inter)::value><<<cfg.grid, cfg.block, 0, stream>>>(
         static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<T*>(dx), rows, F, p);
   });
 }
 
-cudaError_t launch_swiglu_scaled_backward(const void* dy, const void* x, const float* scale, void* dx, float* dscale,
-                                          int64_t rows, int64_t F, DType dtype, bool interleaved, SwigluParams p,
+cudaError_t launch_clamped_swiglu_scaled_backward(const void* dy, const void* x, const float* scale, void* dx, float* dscale,
+                                          int64_t rows, int64_t F, DType dtype, bool interleaved, Params p,
                                           cudaStream_t stream) {
   return launch_rows({dy, x, dx}, rows, F, dtype, interleaved, [&](auto* type_tag, auto width, auto inter,
                                                                   RowLaunch cfg) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    swiglu_scaled_backward_kernel<T, decltype(width)::value, decltype(inter)::value>
+    clamped_swiglu_scaled_backward_kernel<T, decltype(width)::value, decltype(inter)::value>
         <<<cfg.grid, cfg.block, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x), scale,
                                              static_cast<T*>(dx), dscale, rows, F, p);
   });
 }
 
-}  // namespace fused_rl_ops
+}  // namespace fused_rl_ops::clamped_swiglu

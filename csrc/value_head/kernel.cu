@@ -1,13 +1,13 @@
-// Launchers of the value-head CUDA kernels (value_head_kernel.cuh).
-#include "value_head_kernel.cuh"
-#include "value_head_kernel.h"
+// Launchers of the value-head CUDA kernels (value_head/kernel.cuh).
+#include "value_head/kernel.cuh"
+#include "value_head/kernel.h"
 
-namespace fused_rl_ops {
+namespace fused_rl_ops::value_head {
 namespace {
 
 cudaError_t sum_partials(const float* partials, float* out, int64_t blocks, int64_t cols, cudaStream_t stream) {
   const auto grid = static_cast<unsigned>((cols + kWarp - 1) / kWarp);
-  sum_partials_kernel<<<grid, dim3(kWarp, kSumSlices), 0, stream>>>(partials, out, blocks, cols);
+  value_head_sum_partials_kernel<<<grid, dim3(kWarp, kSumSlices), 0, stream>>>(partials, out, blocks, cols);
   return cudaGetLastError();
 }
 
@@ -50,7 +50,7 @@ cudaError_t launch_value_head_backward_params(const float* grad_out, const void*
       using T = std::remove_pointer_t<decltype(type_tag)>;
       constexpr int N = decltype(width)::value;
       const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>((H / N + kWarp - 1) / kWarp));
-      value_head_partials_kernel<T, N><<<grid, dim3(kWarp, kRowGroups), 0, stream>>>(
+      value_head_partials_kernel<T, N><<<grid, dim3(kWarp, kStage1Warps), 0, stream>>>(
           grad_out, static_cast<const T*>(hidden), weight_partials, bias_partials, rows, H);
     });
     if (err != cudaSuccess) return err;
@@ -59,4 +59,4 @@ cudaError_t launch_value_head_backward_params(const float* grad_out, const void*
   return err != cudaSuccess ? err : sum_partials(bias_partials, grad_bias, blocks, 1, stream);
 }
 
-}  // namespace fused_rl_ops
+}  // namespace fused_rl_ops::value_head
