@@ -1,7 +1,8 @@
 // Launchers of the chosen_logprob CUDA row kernels (chosen_logprob/kernel.cuh); the GEMMs around
-// them are cuBLAS calls made by the torch glue.
+// them are cuBLAS calls made by the torch glue. Compiled by nvcc and by the kernels-on-CPU tests.
 #include "chosen_logprob/kernel.cuh"
 #include "chosen_logprob/kernel.h"
+#include "common/launch.h"
 
 namespace fused_rl_ops::chosen_logprob {
 
@@ -13,7 +14,8 @@ cudaError_t launch_chosen_logprob_stats_rows(const float* logits, int64_t N, int
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   const int threads = kStatsRowsPerBlock * kWarp;
   const unsigned grid = grid_for((N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock, threads, dev);
-  chosen_logprob_stats_rows_kernel<<<grid, threads, 0, stream>>>(logits, N, C, col0, tokens, inv_temp, stats);
+  launch_kernel(chosen_logprob_stats_rows_kernel, grid, threads, 0, stream, logits, N, C, col0, tokens, inv_temp,
+                stats);
   return cudaGetLastError();
 }
 
@@ -24,8 +26,8 @@ cudaError_t launch_chosen_logprob_grad_rows(float* logits, int64_t N, int64_t C,
   DeviceSize dev;
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   const RowLaunch cfg = row_launch(N, C, kGradThreads, dev);
-  chosen_logprob_grad_rows_kernel<<<cfg.grid, cfg.block, 0, stream>>>(logits, N, C, col0, tokens, row_max, lse,
-                                                                      mean, gl, ge, inv_temp);
+  launch_kernel(chosen_logprob_grad_rows_kernel, cfg.grid, cfg.block, 0, stream, logits, N, C, col0, tokens, row_max,
+                lse, mean, gl, ge, inv_temp);
   return cudaGetLastError();
 }
 
@@ -35,7 +37,7 @@ cudaError_t launch_chosen_logprob_combine(const float* partials, int64_t ranks, 
   DeviceSize dev;
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   const unsigned grid = grid_for((N + kCombineThreads - 1) / kCombineThreads, kCombineThreads, dev);
-  chosen_logprob_combine_kernel<<<grid, kCombineThreads, 0, stream>>>(partials, ranks, N, out);
+  launch_kernel(chosen_logprob_combine_kernel, grid, kCombineThreads, 0, stream, partials, ranks, N, out);
   return cudaGetLastError();
 }
 

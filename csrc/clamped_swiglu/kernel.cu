@@ -1,6 +1,8 @@
-// Launchers of the clamped SwiGLU CUDA kernels (clamped_swiglu/kernel.cuh).
+// Launchers of the clamped SwiGLU CUDA kernels (clamped_swiglu/kernel.cuh). Compiled by nvcc and by
+// the kernels-on-CPU tests.
 #include "clamped_swiglu/kernel.cuh"
 #include "clamped_swiglu/kernel.h"
+#include "common/launch.h"
 
 namespace fused_rl_ops::clamped_swiglu {
 namespace {
@@ -24,34 +26,35 @@ cudaError_t launch_rows(std::initializer_list<const void*> ptrs, int64_t rows, i
 
 }  // namespace
 
-cudaError_t launch_clamped_swiglu_forward(const void* x, const float* scale, void* y, int64_t rows, int64_t F, DType dtype,
-                                  bool interleaved, Params p, cudaStream_t stream) {
+cudaError_t launch_clamped_swiglu_forward(const void* x, const float* scale, void* y, int64_t rows, int64_t F,
+                                          DType dtype, bool interleaved, Params p, cudaStream_t stream) {
   return launch_rows({x, y}, rows, F, dtype, interleaved, [&](auto* type_tag, auto width, auto inter, RowLaunch cfg) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    clamped_swiglu_forward_kernel<T, decltype(width)::value, decltype(inter)::value><<<cfg.grid, cfg.block, 0, stream>>>(
-        static_cast<const T*>(x), scale, static_cast<T*>(y), rows, F, p);
+    launch_kernel(clamped_swiglu_forward_kernel<T, decltype(width)::value, decltype(inter)::value>, cfg.grid,
+                  cfg.block, 0, stream, static_cast<const T*>(x), scale, static_cast<T*>(y), rows, F, p);
   });
 }
 
-cudaError_t launch_clamped_swiglu_backward(const void* dy, const void* x, void* dx, int64_t rows, int64_t F, DType dtype,
-                                   bool interleaved, Params p, cudaStream_t stream) {
+cudaError_t launch_clamped_swiglu_backward(const void* dy, const void* x, void* dx, int64_t rows, int64_t F,
+                                           DType dtype, bool interleaved, Params p, cudaStream_t stream) {
   return launch_rows({dy, x, dx}, rows, F, dtype, interleaved, [&](auto* type_tag, auto width, auto inter,
                                                                   RowLaunch cfg) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    clamped_swiglu_backward_kernel<T, decltype(width)::value, decltype(inter)::value><<<cfg.grid, cfg.block, 0, stream>>>(
-        static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<T*>(dx), rows, F, p);
+    launch_kernel(clamped_swiglu_backward_kernel<T, decltype(width)::value, decltype(inter)::value>, cfg.grid,
+                  cfg.block, 0, stream, static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<T*>(dx),
+                  rows, F, p);
   });
 }
 
-cudaError_t launch_clamped_swiglu_scaled_backward(const void* dy, const void* x, const float* scale, void* dx, float* dscale,
-                                          int64_t rows, int64_t F, DType dtype, bool interleaved, Params p,
-                                          cudaStream_t stream) {
+cudaError_t launch_clamped_swiglu_scaled_backward(const void* dy, const void* x, const float* scale, void* dx,
+                                                  float* dscale, int64_t rows, int64_t F, DType dtype,
+                                                  bool interleaved, Params p, cudaStream_t stream) {
   return launch_rows({dy, x, dx}, rows, F, dtype, interleaved, [&](auto* type_tag, auto width, auto inter,
                                                                   RowLaunch cfg) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    clamped_swiglu_scaled_backward_kernel<T, decltype(width)::value, decltype(inter)::value>
-        <<<cfg.grid, cfg.block, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x), scale,
-                                             static_cast<T*>(dx), dscale, rows, F, p);
+    launch_kernel(clamped_swiglu_scaled_backward_kernel<T, decltype(width)::value, decltype(inter)::value>,
+                  cfg.grid, cfg.block, 0, stream, static_cast<const T*>(dy), static_cast<const T*>(x), scale,
+                  static_cast<T*>(dx), dscale, rows, F, p);
   });
 }
 
