@@ -1,15 +1,15 @@
 """Builds fused_rl_ops._C: CPU kernels always, CUDA kernels when a CUDA toolkit and a CUDA build of
 torch are present (no GPU is needed to build). Environment knobs:
-  CUDA_HOME                  the toolkit (default: /usr/local/cuda, else found from nvcc)
+  CUDA_HOME                  the toolkit (default: found by fused_rl_ops/_cuda_home.py)
   TORCH_CUDA_ARCH_LIST       architectures (default: 8.0;9.0 and 10.0 where nvcc has it, PTX for the newest)
   FUSED_RL_OPS_CPU_ONLY=1    skip the CUDA kernels
   FUSED_RL_OPS_NO_AVX2=1     x86-64 CPU kernels without AVX2/FMA (for CPUs that lack them)
   MAX_JOBS                   parallel compile jobs (ninja)
 """
 import glob
+import importlib.util
 import os
 import platform
-import shutil
 import subprocess
 import sys
 
@@ -17,20 +17,12 @@ from setuptools import find_packages, setup
 
 
 def find_cuda_home():
-    """The toolkit root holding bin/nvcc and include/cuda_runtime.h, or None.
-
-    A bare `nvcc` on PATH may be a wrapper script (as /usr/local/bin/nvcc is on our machines), in
-    which case torch's own guess (the folder above it) has no headers or libraries."""
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
-    for root in candidates:
-        if root and os.path.isfile(os.path.join(root, "bin", "nvcc")) and os.path.isfile(
-            os.path.join(root, "include", "cuda_runtime.h")
-        ):
-            return root
-    return None
+    """fused_rl_ops/_cuda_home.py's answer, loaded from its file (the package is not built yet)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused_rl_ops", "_cuda_home.py")
+    spec = importlib.util.spec_from_file_location("cuda_home", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.find_cuda_home()
 
 
 def default_arch_list(cuda_home):

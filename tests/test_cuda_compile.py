@@ -3,19 +3,19 @@ registers (read from ptxas's resource report). Needs nvcc, not a GPU."""
 import glob
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
+
+from fused_rl_ops._cuda_home import find_cuda_home
 
 CSRC = os.path.join(os.path.dirname(__file__), "..", "csrc")
 CU_FILES = sorted(glob.glob(os.path.join(CSRC, "*", "kernel.cu")))
 
 
 def nvcc_path():
-    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    candidate = os.path.join(home, "bin", "nvcc")
-    return candidate if os.path.isfile(candidate) else shutil.which("nvcc")
+    home = find_cuda_home()
+    return os.path.join(home, "bin", "nvcc") if home else None
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="no CUDA toolkit on this machine")
