@@ -1,15 +1,15 @@
 """Builds fused_rl_ops._C: CPU kernels always, CUDA kernels when a CUDA toolkit and a CUDA build of
 torch are present (no GPU is needed to build). Environment knobs:
-  CUDA_HOME                  the toolkit (default: /usr/local/cuda, else found from nvcc)
+  CUDA_HOME                  the toolkit (default: found by fused_rl_ops/_cuda_home.py)
   TORCH_CUDA_ARCH_LIST       architectures (default: 8.0;9.0 and 10.0 where nvcc has it, PTX for the newest)
   FUSED_RL_OPS_CPU_ONLY=1    skip the CUDA kernels
   FUSED_RL_OPS_NO_AVX2=1     x86-64 CPU kernels without AVX2/FMA (for CPUs that lack them)
   MAX_JOBS                   parallel compile jobs (ninja)
 """
 import glob
+import importlib.util
 import os
 import platform
-import shutil
 import subprocess
 import sys
 
@@ -17,20 +17,12 @@ from setuptools import find_packages, setup
 
 
 def find_cuda_home():
-    """The toolkit root holding bin/nvcc and include/cuda_runtime.h, or None.
-
-    A bare `nvcc` on PATH may be a wrapper script (as /usr/local/bin/nvcc is on our machines), in
-    which case torch's own guess (the folder above it) has no headers or libraries."""
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
-    for root in candidates:
-        if root and os.path.isfile(os.path.join(root, "bin", "nvcc")) and os.path.isfile(
-            os.path.join(root, "include", "cuda_runtime.h")
-        ):
-            return root
-    return None
+    """fused_rl_ops/_cuda_home.py's answer, loaded from its file (the package is not built yet)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused_rl_ops", "_cuda_home.py")
+    spec = importlib.util.spec_from_file_location("cuda_home", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.find_cuda_home()
 
 
 def default_arch_list(cuda_home):
@@ -55,7 +47,10 @@ if CUDA_HOME and not WITH_CUDA:
 elif not CUDA_HOME:
     print("fused_rl_ops: no CUDA toolkit found; building the CPU kernels only", file=sys.stderr)
 
-sources = ["csrc/module.cpp"] + sorted(glob.glob("csrc/*_cpu.cpp"))
+# Every op's folder csrc/<op>/ holds cpu.cpp, cuda.cpp and kernel.cu; they include "<op>/..." and
+# "common/..." from csrc.
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+sources = ["csrc/module.cpp"] + sorted(glob.glob("csrc/*/cpu.cpp"))
 cxx_flags = ["-O3", "-Wall", "-Wno-unknown-pragmas"]  # ATen's vec headers use #pragma unroll
 link_flags = []
 if platform.system() == "Linux":
@@ -67,19 +62,20 @@ if platform.machine() in ("x86_64", "AMD64") and os.environ.get("FUSED_RL_OPS_NO
     # The CPU kernels use at::vec; without these its Vectorized falls back to scalar loops.
     cxx_flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
 if WITH_CUDA:
-    sources += sorted(glob.glob("csrc/*_cuda.cpp")) + sorted(glob.glob("csrc/*.cu"))
+    sources += sorted(glob.glob("csrc/*/cuda.cpp")) + sorted(glob.glob("csrc/*/kernel.cu"))
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", default_arch_list(CUDA_HOME))
     print(f"fused_rl_ops: building CUDA kernels for {os.environ['TORCH_CUDA_ARCH_LIST']} with {CUDA_HOME}",
           file=sys.stderr)
     extension = cpp_extension.CUDAExtension(
         "fused_rl_ops._C",
         sources,
+        include_dirs=[CSRC],
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
         extra_link_args=link_flags,
     )
 else:
-    extension = cpp_extension.CppExtension("fused_rl_ops._C", sources, extra_compile_args={"cxx": cxx_flags},
-                                           extra_link_args=link_flags)
+    extension = cpp_extension.CppExtension("fused_rl_ops._C", sources, include_dirs=[CSRC],
+                                           extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
 
 
 def write_build_info():

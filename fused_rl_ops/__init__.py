@@ -1,7 +1,7 @@
 """Fused kernels for RL post-training on Megatron-core."""
 from ._library import has_cuda_kernels
 from .chosen_logprob import DEFAULT_WORKSPACE_BYTES, chosen_logprob
-from .swiglu import clamped_swiglu
+from .clamped_swiglu import clamped_swiglu
 from .value_head import ValueHead, value_head
 
 __all__ = ["DEFAULT_WORKSPACE_BYTES", "ValueHead", "chosen_logprob", "clamped_swiglu", "has_cuda_kernels", "value_head"]

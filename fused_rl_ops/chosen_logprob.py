@@ -9,6 +9,7 @@ place. Memory beyond inputs, outputs and gradients: the workspace (`workspace_by
 DEFAULT_WORKSPACE_BYTES) plus O(tokens) state, independent of the vocabulary size.
 """
 import struct
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -174,25 +175,40 @@ def _main_grad_placeholder(weight):
     return torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
 
 
+@dataclass(frozen=True)
+class _Options:
+    """The non-tensor arguments of _ChosenLogprob, resolved and checked by chosen_logprob."""
+    temperature: float
+    vocab_start: int
+    valid_rows: int  # this shard's rows of weight that are vocabulary, the rest padding
+    tiling: tuple  # (chunk_size, row_block, pass_rows), as tiling_for gives
+    tp_group: Optional[dist.ProcessGroup]
+    reduce_hidden_grad: bool
+
+    @property
+    def distributed(self) -> bool:
+        return self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
+
+
 class _ChosenLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, ignore, temperature, vocab_start, n_valid, tiling, tp_group,
-                reduce_hidden_grad, main_grad):
-        stats = ops.logprob_stats(hidden, weight[:n_valid], tokens, temperature, vocab_start, *tiling)
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
-            gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(tp_group))]
-            dist.all_gather(gathered, stats, group=tp_group)
+    def forward(ctx, hidden, weight, tokens, ignore, main_grad, opts):
+        stats = ops.chosen_logprob_stats(hidden, weight[:opts.valid_rows], tokens, opts.temperature, opts.vocab_start,
+                                         *opts.tiling)
+        if opts.distributed:
+            gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(opts.tp_group))]
+            dist.all_gather(gathered, stats, group=opts.tp_group)
             partials = torch.stack(gathered)
         else:
             partials = stats.unsqueeze(0)
         # lse = row_max + log_sum, kept apart: z - row_max is exact near the top of the row.
-        row_max, log_sum, entropy, chosen = ops.logprob_combine(partials).unbind(1)
+        row_max, log_sum, entropy, chosen = ops.chosen_logprob_combine(partials).unbind(1)
         logprob = torch.where(ignore, 0.0, (chosen - row_max) - log_sum)
         # Both come from the same fp32 logit buffer, so a chosen maximum compares equal exactly.
         is_max = (chosen == row_max) & ~ignore
         ctx.mark_non_differentiable(is_max)
         ctx.save_for_backward(hidden, weight, tokens, ignore, row_max, log_sum, entropy)
-        ctx.args = (temperature, vocab_start, n_valid, tiling, tp_group, reduce_hidden_grad)
+        ctx.opts = opts
         # main_grad is the backward's output buffer, not an input of its math: kept on ctx, not saved
         # (autograd's version check would trip on its in-place updates). The placeholder needs the
         # parameter object itself (its attributes), as Megatron's layers do.
@@ -202,18 +218,19 @@ class _ChosenLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, grad_is_max):
         hidden, weight, tokens, ignore, row_max, log_sum, entropy = ctx.saved_tensors
-        temperature, vocab_start, n_valid, tiling, tp_group, reduce_hidden_grad = ctx.args
+        opts = ctx.opts
         grad_logprob = torch.zeros_like(entropy) if grad_logprob is None else torch.where(ignore, 0.0, grad_logprob)
         grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy
         # One [V_local, H] weight gradient, padded rows zeroed by the op; or none, added into main_grad.
-        grad_hidden, grad_weight = ops.logprob_backward(
+        grad_hidden, grad_weight = ops.chosen_logprob_backward(
             hidden, weight, tokens, row_max, log_sum, log_sum - entropy, grad_logprob.to(entropy.dtype).contiguous(),
-            grad_entropy.to(entropy.dtype).contiguous(), temperature, vocab_start, n_valid, *tiling, ctx.main_grad)
+            grad_entropy.to(entropy.dtype).contiguous(), opts.temperature, opts.vocab_start, opts.valid_rows,
+            *opts.tiling, ctx.main_grad)
         if ctx.main_grad is not None:
             grad_weight = _main_grad_placeholder(ctx.weight_param)
-        if reduce_hidden_grad and tp_group is not None and dist.get_world_size(tp_group) > 1:
-            dist.all_reduce(grad_hidden, group=tp_group)  # fp32: the sum is taken before rounding
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None, None, None, None
+        if opts.reduce_hidden_grad and opts.distributed:
+            dist.all_reduce(grad_hidden, group=opts.tp_group)  # fp32: the sum is taken before rounding
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
 
 
 def chosen_logprob(
@@ -264,11 +281,11 @@ def chosen_logprob(
     rank raise the same clear error when any rank's arguments are invalid, or when the ranks
     disagree on the tokens, hidden size, dtype, temperature, ignore_index, vocab_size or
     reduce_hidden_grad, or hold vocab shards that do not tile [0, total rows): one all-gather of a
-    few integers per call and a host synchronisation; False skips it (a rank with invalid arguments then raises alone while the others
-    wait in the collective). Both checks read tensor values on the host, so they are skipped while
-    torch.compile or torch.export traces the call (fullgraph works with the defaults) and for meta
-    tensors: an out-of-range id then gets the NaN logprob and gradients of check_tokens=False, and
-    the ranks of tp_group are not compared. main_grad ([V_local, H], float32 or weight's dtype: Megatron's
+    few integers per call and a host synchronisation; False skips it (a rank with invalid arguments
+    then raises alone while the others wait in the collective). Both checks read tensor values on the
+    host, so they are skipped while torch.compile or torch.export traces the call (fullgraph works
+    with the defaults) and for meta tensors: an out-of-range id then gets the NaN logprob and
+    gradients of check_tokens=False, and the ranks of tp_group are not compared. main_grad ([V_local, H], float32 or weight's dtype: Megatron's
     gradient-accumulation buffer) makes the backward add the weight gradient into it, chunk by
     chunk, instead of returning one (see _main_grad_placeholder for what the weight receives).
     workspace_bytes bounds the per-chunk buffers (see chunk_size_for; with main_grad add a
@@ -310,9 +327,8 @@ def chosen_logprob(
     tiling = tiling_for(hidden2d.shape[0], hidden_size, hidden.element_size(), workspace_bytes, hidden.device,
                         batch_invariant)
     ignored = tokens1d == ignore_index
-    logprob, entropy, is_max = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, float(temperature),
-                                                    int(vocab_start), n_valid, tiling, tp_group,
-                                                    bool(reduce_hidden_grad), main_grad)
+    opts = _Options(float(temperature), int(vocab_start), n_valid, tiling, tp_group, bool(reduce_hidden_grad))
+    logprob, entropy, is_max = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, main_grad, opts)
     if not check_tokens:
         # An unchecked id outside [0, vocab_size) matches no row and would get a finite -lse: NaN
         # marks it instead (and, through the product, its gradients), with no host synchronisation.
@@ -324,17 +340,17 @@ def chosen_logprob(
     return outputs if len(outputs) > 1 else outputs[0]
 
 
-@torch.library.register_fake("fused_rl_ops::logprob_stats")
+@torch.library.register_fake("fused_rl_ops::chosen_logprob_stats")
 def _(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block=0, pass_rows=0):
     return hidden.new_empty(hidden.shape[0], 4, dtype=acc_dtype(hidden.dtype))
 
 
-@torch.library.register_fake("fused_rl_ops::logprob_combine")
+@torch.library.register_fake("fused_rl_ops::chosen_logprob_combine")
 def _(partials):
     return partials.new_empty(partials.shape[1], 4)
 
 
-@torch.library.register_fake("fused_rl_ops::logprob_backward")
+@torch.library.register_fake("fused_rl_ops::chosen_logprob_backward")
 def _(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy, temperature, vocab_start, valid_rows,
       chunk_size, row_block=0, pass_rows=0, main_grad=None):
     grad_weight = weight.new_empty(0, weight.shape[1]) if main_grad is not None else torch.empty_like(weight)

@@ -13,8 +13,12 @@ OUT="$(cd "$OUT" && pwd)"
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
-if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
-export PATH="${CUDA_HOME:-/usr/local/cuda}/bin:$PATH"
+if CUDA_HOME="$($PY fused_rl_ops/_cuda_home.py)"; then  # compute-sanitizer is in its bin/
+  export CUDA_HOME PATH="$CUDA_HOME/bin:$PATH"
+else
+  unset CUDA_HOME
+  echo "=== no CUDA toolkit found (fused_rl_ops/_cuda_home.py): the build has no CUDA kernels"
+fi
 export TORCH_CUDA_ARCH_LIST="$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
 export MAX_JOBS="$(nproc)"
 

@@ -61,9 +61,7 @@ fi
 # The checkout on the venv's path, as an editable install would put it (the extension is built in place).
 echo "$PWD" >"$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/fused_rl_ops_checkout.pth"
 
-if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
-  export CUDA_HOME=/usr/local/cuda
-fi
+# setup.py finds the CUDA toolkit itself (fused_rl_ops/_cuda_home.py).
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 if compgen -G "fused_rl_ops/_C*.so" >/dev/null; then
   echo "setup: updating the extension (recompiles only changed sources; log: $PWD/build/build.log)"

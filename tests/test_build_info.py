@@ -8,7 +8,7 @@ import fused_rl_ops
 from fused_rl_ops import _build_info
 from fused_rl_ops.__main__ import kernel_table
 
-PUBLIC_OPS = {"clamped_swiglu", "logprob_stats", "logprob_combine", "value_head"}
+PUBLIC_OPS = {"clamped_swiglu", "chosen_logprob_stats", "chosen_logprob_combine", "value_head"}
 
 
 def test_build_info_matches_this_build():

@@ -191,17 +191,17 @@ def test_gradcheck_float64():
 def test_opcheck(device):
     hidden, weight, tokens = make_inputs(9, 12, 200, torch.float32, device)
     ops = torch.ops.fused_rl_ops
-    torch.library.opcheck(ops.logprob_stats, (hidden, weight, tokens, 0.9, 100, 128))
-    torch.library.opcheck(ops.logprob_stats, (hidden, weight, tokens, 0.9, 100, 128, 4, 8))  # blocks of 4, passes of 8
-    stats = ops.logprob_stats(hidden, weight, tokens, 0.9, 0, 128)
-    torch.library.opcheck(ops.logprob_combine, (torch.stack([stats, stats]),))
-    row_max, log_sum, ent, _ = ops.logprob_combine(stats[None]).unbind(1)
+    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, 100, 128))
+    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, 100, 128, 4, 8))  # blocks of 4, passes of 8
+    stats = ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, 0, 128)
+    torch.library.opcheck(ops.chosen_logprob_combine, (torch.stack([stats, stats]),))
+    row_max, log_sum, ent, _ = ops.chosen_logprob_combine(stats[None]).unbind(1)
     per_token = [row_max.contiguous(), log_sum.contiguous(), (log_sum - ent).contiguous(),
                  torch.randn(9, device=device), torch.randn(9, device=device)]
-    torch.library.opcheck(ops.logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128))
-    torch.library.opcheck(ops.logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128, 4, 8))
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128))
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128, 4, 8))
     main_grad = torch.randn(weight.shape, device=device)
-    torch.library.opcheck(ops.logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128, 4, 8,
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128, 4, 8,
                                                  main_grad))
 
 

@@ -139,17 +139,17 @@ def test_all_logits_minus_inf_give_nan(device, workspace):
 def test_logprob_combine_merges_nan_and_skips_only_empty_partials(device):
     """The cross-shard merge: a shard whose partial holds a NaN is never dropped, whatever its place;
     a shard marked empty (max -inf, sums 0) changes nothing."""
-    stats = torch.ops.fused_rl_ops.logprob_stats
+    stats = torch.ops.fused_rl_ops.chosen_logprob_stats
     hidden, weight, tokens, _, _ = make_inputs()
     hidden, weight, tokens = hidden.to(device), weight.to(device), tokens.to(device).clamp(min=0)
-    full = torch.ops.fused_rl_ops.logprob_combine(stats(hidden, weight[:VOCAB], tokens, 1.0, 0, 128)[None])
+    full = torch.ops.fused_rl_ops.chosen_logprob_combine(stats(hidden, weight[:VOCAB], tokens, 1.0, 0, 128)[None])
     shards = [stats(hidden, weight[a:b], tokens, 1.0, a, 128) for a, b in ((0, 100), (100, 200), (200, VOCAB))]
     empty = stats(hidden, weight[:0], tokens, 1.0, VOCAB, 128)
     assert empty[:, 0].eq(-math.inf).all() and empty[:, 1:].eq(0).all()
-    merged = torch.ops.fused_rl_ops.logprob_combine(torch.stack([empty] + shards + [empty]))
+    merged = torch.ops.fused_rl_ops.chosen_logprob_combine(torch.stack([empty] + shards + [empty]))
     torch.testing.assert_close(merged, full, atol=1e-5, rtol=1e-5)
     for k in range(3):
         poisoned = [s.clone() for s in shards]
         poisoned[k][3, 1] = math.nan  # one token's sum on shard k
-        merged = torch.ops.fused_rl_ops.logprob_combine(torch.stack(poisoned + [empty]))
+        merged = torch.ops.fused_rl_ops.chosen_logprob_combine(torch.stack(poisoned + [empty]))
         assert merged[3, 1:3].isnan().all() and merged[torch.arange(N) != 3].isfinite().all()

@@ -3,27 +3,27 @@ registers (read from ptxas's resource report). Needs nvcc, not a GPU."""
 import glob
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
 
+from fused_rl_ops._cuda_home import find_cuda_home
+
 CSRC = os.path.join(os.path.dirname(__file__), "..", "csrc")
-CU_FILES = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
+CU_FILES = sorted(glob.glob(os.path.join(CSRC, "*", "kernel.cu")))
 
 
 def nvcc_path():
-    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    candidate = os.path.join(home, "bin", "nvcc")
-    return candidate if os.path.isfile(candidate) else shutil.which("nvcc")
+    home = find_cuda_home()
+    return os.path.join(home, "bin", "nvcc") if home else None
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="no CUDA toolkit on this machine")
-@pytest.mark.parametrize("source", CU_FILES, ids=os.path.basename)
+@pytest.mark.parametrize("source", CU_FILES, ids=lambda path: os.path.basename(os.path.dirname(path)))
 def test_compiles_for_sm90_without_warnings_or_spills(source, tmp_path):
     result = subprocess.run(
         [nvcc_path(), "-std=c++17", "-O3", "-arch=sm_90", "-Werror", "all-warnings", "-Xptxas", "-v",
-         "-c", source, "-o", str(tmp_path / "out.o")],
+         f"-I{CSRC}", "-c", source, "-o", str(tmp_path / "out.o")],
         capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stderr

@@ -1,10 +1,11 @@
-"""Every CUDA kernel of the package, executed on the CPU: g++ compiles the kernel headers
-(csrc/*_kernel.cuh, the source nvcc compiles) with the host execution model
-tests/kernels_on_cpu/cuda_on_host.h (what it models and what not: its header comment). A driver per
-op (tests/kernels_on_cpu/<op>_driver.cpp) reads a case written here, makes one launch and writes
-the buffers back. Every case runs in three builds, plain, ThreadSanitizer and AddressSanitizer +
-UBSan; any sanitizer report, harness error or wrong number fails it, and the three builds must
-agree bit for bit. Results are checked against float64 references.
+"""Every CUDA kernel of the package, executed on the CPU: g++ compiles each op's launchers and
+kernels (csrc/<op>/kernel.cu and kernel.cuh, the sources nvcc compiles) with the host execution
+model tests/kernels_on_cpu/cuda_on_host.h (what it models and what not: its header comment). A
+driver per op (tests/kernels_on_cpu/<op>_driver.cpp) reads a case written here, calls one of the
+op's launchers for a stand-in device and writes the buffers back. Every case runs in three
+builds, plain, ThreadSanitizer and AddressSanitizer + UBSan; any sanitizer report, harness error
+or wrong number fails it, and the three builds must agree bit for bit. Results are checked
+against float64 references.
 
 Run alone with `python -m pytest -m kernels_on_cpu tests`. The drivers are built once per session
 into build/kernels_on_cpu/<hash of the sources>/ (reused while the sources are unchanged)."""
@@ -16,18 +17,21 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from fused_rl_ops import reference
+from fused_rl_ops._cuda_home import find_cuda_home
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 HARNESS = ROOT / "tests" / "kernels_on_cpu"
-CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
+CUDA_HOME = find_cuda_home()
+CUDA_INCLUDE = Path(CUDA_HOME or "", "include")
 CXX = os.environ.get("CXX", "g++")
-OPS = ("logprob", "swiglu", "value_head")
+OPS = ("chosen_logprob", "clamped_swiglu", "value_head")
 DRIVERS = (*OPS, "harness_selftest")
 BUILDS = {
     "plain": [],
@@ -49,7 +53,7 @@ HALF_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 pytestmark = [
     pytest.mark.kernels_on_cpu,
-    pytest.mark.skipif(not (CUDA_INCLUDE / "cuda_fp16.h").is_file() or shutil.which(CXX) is None,
+    pytest.mark.skipif(CUDA_HOME is None or shutil.which(CXX) is None,
                        reason="needs the CUDA toolkit's headers and g++"),
 ]
 
@@ -59,16 +63,20 @@ pytestmark = [
 
 
 def build_drivers(csrc, out_dir, drivers=DRIVERS, variants=tuple(BUILDS)):
-    """Compiles each driver (tests/kernels_on_cpu/NAME.cpp; <op>_driver.cpp for an op) against the
-    kernel headers in csrc, in each build variant, into out_dir/<variant>/NAME, in parallel."""
+    """Compiles each driver (tests/kernels_on_cpu/NAME.cpp; for an op, <op>_driver.cpp with the op's
+    csrc/<op>/kernel.cu) against the sources in csrc, in each build variant, into
+    out_dir/<variant>/NAME, in parallel."""
     jobs = []
     for variant in variants:
         flags = BUILDS[variant]
         (out_dir / variant).mkdir(parents=True, exist_ok=True)
-        for name in (f"{d}_driver" if d in OPS else d for d in drivers):
-            cmd = [CXX, "-std=c++17", "-O1", "-g", "-pthread", "-Wall", "-Wno-unknown-pragmas", *flags,
-                   f"-I{CUDA_INCLUDE}", f"-I{csrc}", f"-I{HARNESS}", str(HARNESS / f"{name}.cpp"),
-                   "-o", str(out_dir / variant / name)]
+        for d in drivers:
+            name = f"{d}_driver" if d in OPS else d
+            launchers = ["-x", "c++", str(csrc / d / "kernel.cu")] if d in OPS else []
+            # -rdynamic: cuda_on_host names the kernels launched from their symbols.
+            cmd = [CXX, "-std=c++17", "-O1", "-g", "-pthread", "-rdynamic", "-Wall", "-Wno-unknown-pragmas", *flags,
+                   f"-I{CUDA_INCLUDE}", f"-I{csrc}", f"-I{HARNESS}", "-include", "cuda_on_host.h",
+                   str(HARNESS / f"{name}.cpp"), *launchers, "-o", str(out_dir / variant / name)]
             jobs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     errors = [job.communicate()[0] for job in jobs if job.wait() != 0]
     assert not errors, "driver build failed:\n" + "\n".join(errors)
@@ -78,8 +86,8 @@ def build_drivers(csrc, out_dir, drivers=DRIVERS, variants=tuple(BUILDS)):
 def sources_hash():
     h = hashlib.sha256(" ".join([CXX, str(CUDA_INCLUDE), repr(BUILDS)]).encode())
     h.update(subprocess.run([CXX, "--version"], capture_output=True).stdout)
-    for path in sorted([*CSRC.glob("*.h"), *CSRC.glob("*.cuh"), *HARNESS.iterdir()]):
-        h.update(path.name.encode() + path.read_bytes())
+    for path in sorted([*CSRC.rglob("*.h"), *CSRC.rglob("*.cuh"), *CSRC.rglob("*.cu"), *HARNESS.iterdir()]):
+        h.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -101,11 +109,9 @@ class Buf:
         self.tensor, self.offset = tensor.contiguous(), offset
 
 
-def write_case(case_dir, kernel, grid, buffers, scalars, block_order_seed):
+def write_case(case_dir, kernel, device, buffers, scalars, block_order_seed):
     case_dir.mkdir(parents=True)
-    lines = [f"kernel {kernel}", f"block_order_seed {block_order_seed}"]
-    if grid is not None:
-        lines.append("grid {} {} {}".format(*(list(grid) + [1, 1])[:3]))
+    lines = [f"kernel {kernel}", "device {} {}".format(*device), f"block_order_seed {block_order_seed}"]
     for name, value in scalars.items():
         lines.append(f"{'float' if isinstance(value, float) else 'int'} {name} {value!r}")
     for name, b in buffers.items():
@@ -114,13 +120,26 @@ def write_case(case_dir, kernel, grid, buffers, scalars, block_order_seed):
     (case_dir / "case.txt").write_text("\n".join(lines) + "\n")
 
 
-def run_case(drivers, op, kernel, buffers, scalars, *, grid=None, block_order_seed=0, tmp_dir):
-    """Runs one launch in every build found under drivers; returns (outputs of the first build,
-    notes printed by the driver). Fails on any error, sanitizer report, or disagreement between the
-    builds."""
+class Launch(NamedTuple):
+    """One kernel launch a launcher made, as the driver reports it."""
+    kernel: str
+    template_args: tuple  # e.g. ("float", "4", "false")
+    grid: tuple
+    block: tuple
+
+    @property
+    def width(self):
+        """Elements per thread: the kernel's second template argument (1 for a kernel without)."""
+        return int(self.template_args[1]) if len(self.template_args) > 1 else 1
+
+
+def run_case(drivers, op, kernel, buffers, scalars, *, passes="one", block_order_seed=0, tmp_dir):
+    """Calls one launcher in every build found under drivers, on the stand-in device DEVICES[passes];
+    returns (outputs of the first build, the launches it made). Fails on any error, sanitizer
+    report, or disagreement between the builds."""
     variants = [v for v in BUILDS if (drivers / v).is_dir()]
     case_dir = tmp_dir / "case"
-    write_case(case_dir, kernel, grid, buffers, scalars, block_order_seed)
+    write_case(case_dir, kernel, DEVICES[passes], buffers, scalars, block_order_seed)
     env = {**os.environ, **SANITIZER_ENV}
 
     def run(variant):
@@ -138,17 +157,26 @@ def run_case(drivers, op, kernel, buffers, scalars, *, grid=None, block_order_se
         raw = {v: (tmp_dir / v / f"{name}.out").read_bytes() for v in variants}
         assert len(set(raw.values())) == 1, f"{name}: the builds disagree"
         outputs[name] = torch.frombuffer(bytearray(raw[variants[0]]), dtype=b.tensor.dtype).reshape(b.tensor.shape)
-    notes = dict(re.findall(r"^(\w+) (\S+)$", results[variants[0]].stdout, re.M))
-    return outputs, notes
+    launches = [Launch(name, tuple(args.split(",")) if args else (), tuple(map(int, grid.split())),
+                       tuple(map(int, block.split())))
+                for name, args, grid, block in re.findall(r"^launch (\w+)(?:<(.*)>)? (\d+ \d+ \d+) (\d+ \d+ \d+)$",
+                                                          results[variants[0]].stdout, re.M)]
+    return outputs, launches
 
 
-# Grid-stride passes: "several" launches one block for all the rows, "one" the launcher's own grid
-# on a device large enough for every row tile (grid_for); the driver reports the passes made.
-GRIDS = {"several": (1,), "one": None}
+# The stand-in devices (SMs, resident threads per SM) the launchers size their grids for:
+# "several" grid-stride passes on a device that holds one block, "one" pass on a device large
+# enough for a block per row tile.
+DEVICES = {"several": (1, 1), "one": (1 << 16, 2048)}
 
 
-def assert_passes(notes, passes):
-    assert (int(notes["passes"]) > 1) if passes == "several" else (int(notes["passes"]) == 1), notes
+def assert_passes(launch, rows, passes, rows_per_block=None):
+    """The grid-stride passes launch makes over `rows` rows (rows_per_block per block, by default
+    its block's y extent): more than one, or exactly one, as `passes` says."""
+    per_pass = launch.grid[0] * (rows_per_block or launch.block[1])
+    made = -(-rows // per_pass)
+    assert made > 1 if passes == "several" else made == 1, \
+        f"{launch.kernel}: {made} grid-stride passes over {rows} rows ({per_pass} a pass), expected {passes}"
 
 
 def dtype_scalar(dtype):
@@ -167,10 +195,10 @@ def assert_within(actual, expected, tol, what):
 
 
 # ---------------------------------------------------------------------------------------------
-# chosen_logprob: stats_rows_kernel, grad_rows_kernel, combine_kernel (logprob_kernel.cuh)
+# chosen_logprob: chosen_logprob_{stats_rows,grad_rows,combine}_kernel (chosen_logprob/kernel.cuh)
 
 def row_stats64(z):
-    """(max, sum, ent) of logits z [N, C] (already divided by the temperature), as logprob_math.h
+    """(max, sum, ent) of logits z [N, C] (already divided by the temperature), as chosen_logprob/math.h
     keeps them, in float64; rows with no columns are (-inf, 0, 0)."""
     if z.shape[1] == 0:
         empty = torch.zeros(z.shape[0], dtype=torch.float64)
@@ -202,7 +230,7 @@ def stats_tolerance(terms, zmax):
     (13, 7, "several"),   # fewer columns than lanes (a short last chunk)
 ])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature):
+def test_chosen_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature):
     col0 = 100  # the chunk holds global ids [100, 100 + C)
     inv_temp = float(torch.tensor(1 / temperature, dtype=torch.float32))
     logits = torch.randn(N, C) * 3
@@ -243,12 +271,12 @@ def running_stats(earlier, has_earlier):
 
 
 def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, passes):
-    """stats_rows_kernel merging logits [N, C] into stats; returns the stats it wrote, in float64."""
+    """chosen_logprob_stats_rows_kernel merging logits [N, C] into stats; returns the stats it wrote, in float64."""
     N, C = logits.shape
-    out, notes = run_case(drivers, "logprob", "stats_rows",
-                          {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats)},
-                          {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=GRIDS[passes], tmp_dir=tmp_path)
-    assert_passes(notes, passes)
+    out, [launch] = run_case(drivers, "chosen_logprob", "stats_rows",
+                             {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats)},
+                             {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, passes=passes, tmp_dir=tmp_path)
+    assert_passes(launch, N, passes, rows_per_block=launch.block[0] // 32)  # a warp per row
     return out["stats"].double()
 
 
@@ -259,7 +287,7 @@ def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, pas
     (33, 3, "one"),       # block (4, 64): a partial row tile
 ])
 @pytest.mark.parametrize("temperature", [1.0, 1.3])
-def test_logprob_grad_rows(drivers, tmp_path, N, C, passes, temperature):
+def test_chosen_logprob_grad_rows(drivers, tmp_path, N, C, passes, temperature):
     col0 = 64
     inv_temp = float(torch.tensor(1 / temperature, dtype=torch.float32))
     logits = torch.randn(N, C) * 3
@@ -285,14 +313,14 @@ def combined_stats64(z):
 
 
 def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp, passes):
-    """grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32); returns the
+    """chosen_logprob_grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32); returns the
     gradients it wrote in place."""
     N, C = logits.shape
-    out, notes = run_case(drivers, "logprob", "grad_rows",
-                          {"logits": Buf(logits), "tokens": Buf(tokens), "row_max": Buf(row_max.float()),
-                           "lse": Buf(log_sum.float()), "mean": Buf(mean.float()), "gl": Buf(gl), "ge": Buf(ge)},
-                          {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, grid=GRIDS[passes], tmp_dir=tmp_path)
-    assert_passes(notes, passes)
+    out, [launch] = run_case(drivers, "chosen_logprob", "grad_rows",
+                             {"logits": Buf(logits), "tokens": Buf(tokens), "row_max": Buf(row_max.float()),
+                              "lse": Buf(log_sum.float()), "mean": Buf(mean.float()), "gl": Buf(gl), "ge": Buf(ge)},
+                             {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, passes=passes, tmp_dir=tmp_path)
+    assert_passes(launch, N, passes)
     return out["logits"]
 
 
@@ -318,7 +346,7 @@ def grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, in
 
 
 @pytest.mark.parametrize("ranks,N,passes", [(3, 300, "several"), (3, 300, "one"), (1, 5, "one"), (4, 17, "one")])
-def test_logprob_combine(drivers, tmp_path, ranks, N, passes):
+def test_chosen_logprob_combine(drivers, tmp_path, ranks, N, passes):
     # Each rank's partials from its own shard of logits; rank 1 holds only padded vocab rows (no
     # logits: empty stats) when there are several; the chosen logit sits on one rank.
     C = 20
@@ -330,10 +358,10 @@ def test_logprob_combine(drivers, tmp_path, ranks, N, passes):
     owner = torch.randint(0, ranks, (N,))
     partials[owner, torch.arange(N), 3] = torch.randn(N, dtype=torch.float64)
     partials = partials.float()
-    out, notes = run_case(drivers, "logprob", "combine",
-                          {"partials": Buf(partials), "out": Buf(torch.full((N, 4), math.nan))},
-                          {"N": N, "ranks": ranks}, grid=GRIDS[passes], tmp_dir=tmp_path)
-    assert_passes(notes, passes)
+    out, [launch] = run_case(drivers, "chosen_logprob", "combine",
+                             {"partials": Buf(partials), "out": Buf(torch.full((N, 4), math.nan))},
+                             {"N": N, "ranks": ranks}, passes=passes, tmp_dir=tmp_path)
+    assert_passes(launch, N, passes, rows_per_block=launch.block[0])  # a thread per row
 
     seen = torch.cat([z[k] for k in range(ranks) if k != 1 or ranks == 1], 1)
     # The float32 partials carry their own rounding: recompute the reference from them.
@@ -354,7 +382,7 @@ def test_logprob_combine(drivers, tmp_path, ranks, N, passes):
     assert_within(got[:, 0] + got[:, 1], lse_entropy64(seen)[0], tol + 1e-5, "lse against the logits")
 
 
-# Non-finite logits (logprob_math.h): a NaN makes its row's partial NaN and every result of the
+# Non-finite logits (chosen_logprob/math.h): a NaN makes its row's partial NaN and every result of the
 # row NaN; a -inf has probability 0 and adds nothing; a chunk of -inf only is an empty partial
 # (max -inf) that merges as nothing; a NaN partial is never dropped in a merge.
 
@@ -372,7 +400,7 @@ def nonfinite_logits(N, C):
 
 
 @pytest.mark.parametrize("C,passes", [(45, "several"), (45, "one"), (7, "several")])
-def test_logprob_stats_rows_nonfinite(drivers, tmp_path, C, passes):
+def test_chosen_logprob_stats_rows_nonfinite(drivers, tmp_path, C, passes):
     N, col0 = 16, 100
     inv_temp = float(torch.tensor(1 / 0.7, dtype=torch.float32))
     logits, cols = nonfinite_logits(N, C)
@@ -404,7 +432,7 @@ def test_logprob_stats_rows_nonfinite(drivers, tmp_path, C, passes):
 
 
 @pytest.mark.parametrize("passes", ["several", "one"])
-def test_logprob_grad_rows_nonfinite(drivers, tmp_path, passes):
+def test_chosen_logprob_grad_rows_nonfinite(drivers, tmp_path, passes):
     N, C, col0 = 16, 45, 64
     inv_temp = float(torch.tensor(1 / 1.3, dtype=torch.float32))
     logits, cols = nonfinite_logits(N, C)
@@ -428,7 +456,7 @@ def test_logprob_grad_rows_nonfinite(drivers, tmp_path, passes):
 
 
 @pytest.mark.parametrize("ranks", [3, 4])
-def test_logprob_combine_nonfinite(drivers, tmp_path, ranks):
+def test_chosen_logprob_combine_nonfinite(drivers, tmp_path, ranks):
     # For each rank k and kind: a partial NaN from a NaN logit (NaN, NaN, NaN) or from a +inf
     # logit (inf, NaN, NaN) on rank k, the other ranks finite or empty (-inf, 0, 0); then finite
     # rows, and a NaN chosen logit on the last rank in the last row.
@@ -450,9 +478,9 @@ def test_logprob_combine_nonfinite(drivers, tmp_path, ranks):
     partials[owner, torch.arange(N), 3] = torch.randn(N, dtype=torch.float64)
     partials[ranks - 1, N - 1, 3] = math.nan
     partials = partials.float()
-    out, notes = run_case(drivers, "logprob", "combine",
-                          {"partials": Buf(partials), "out": Buf(torch.full((N, 4), math.nan))},
-                          {"N": N, "ranks": ranks}, grid=(1,), tmp_dir=tmp_path)
+    out, [launch] = run_case(drivers, "chosen_logprob", "combine",
+                             {"partials": Buf(partials), "out": Buf(torch.full((N, 4), math.nan))},
+                             {"N": N, "ranks": ranks}, passes="several", tmp_dir=tmp_path)
     got = out["out"].double()
 
     bad_rows = torch.arange(N) < len(kinds)
@@ -466,17 +494,17 @@ def test_logprob_combine_nonfinite(drivers, tmp_path, ranks):
     assert_within(got[~bad_rows, 0] + got[~bad_rows, 1], lse[~bad_rows], tol, "lse")
     assert_within(got[:, 2], ent, tol, "entropy")
     # The CPU kernel (combine_row on the host) agrees, non-finite values exactly.
-    assert_within(got, torch.ops.fused_rl_ops.logprob_combine(partials).double(), tol, "against the CPU op")
+    assert_within(got, torch.ops.fused_rl_ops.chosen_logprob_combine(partials).double(), tol, "against the CPU op")
     assert got[N - 1, 3].isnan()
 
 
 # ---------------------------------------------------------------------------------------------
-# clamped_swiglu: swiglu_forward_kernel, swiglu_backward_kernel (swiglu_kernel.cuh)
+# clamped_swiglu: clamped_swiglu_{forward,backward,scaled_backward}_kernel (clamped_swiglu/kernel.cuh)
 
 SWIGLU = dict(alpha=1.702, limit=7.0, offset=1.0)
 
 
-def swiglu_input(rows, F, dtype):
+def clamped_swiglu_input(rows, F, dtype):
     """x [rows, 2F] with values on and beyond +-limit among random ones (finite)."""
     x = torch.randn(rows, 2 * F, dtype=torch.float64) * 5
     edges = torch.tensor([7.0, -7.0, 8.5, -8.5, 0.0], dtype=torch.float64)
@@ -485,7 +513,7 @@ def swiglu_input(rows, F, dtype):
     return x.to(dtype)
 
 
-def swiglu_reference(x, dy, interleaved):
+def clamped_swiglu_reference(x, dy, interleaved):
     x64 = x.double().requires_grad_(True)
     y = reference.clamped_swiglu(x64, SWIGLU["limit"], alpha=SWIGLU["alpha"], linear_offset=SWIGLU["offset"],
                                  interleaved=interleaved)
@@ -515,27 +543,27 @@ SWIGLU_CASES = [
 @pytest.mark.parametrize("rows,F,passes,offset,path", SWIGLU_CASES)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-def test_swiglu_forward_and_backward(drivers, tmp_path, rows, F, passes, offset, path, interleaved, dtype):
-    x = swiglu_input(rows, F, dtype)
+def test_clamped_swiglu_forward_and_backward(drivers, tmp_path, rows, F, passes, offset, path, interleaved, dtype):
+    x = clamped_swiglu_input(rows, F, dtype)
     dy = torch.randn(rows, F).to(dtype)
-    y_ref, dx_ref = swiglu_reference(x, dy, interleaved)
+    y_ref, dx_ref = clamped_swiglu_reference(x, dy, interleaved)
     scalars = dict(rows=rows, F=F, dtype=dtype_scalar(dtype), interleaved=int(interleaved), has_scale=0, **SWIGLU)
     expected_width = (8 if interleaved else 16) // x.element_size() if path == "vector" else 1
 
-    out, notes = run_case(drivers, "swiglu", "forward",
-                          {"x": Buf(x, offset), "y": Buf(torch.full((rows, F), math.nan).to(dtype), offset)},
-                          scalars, grid=GRIDS[passes], block_order_seed=rows, tmp_dir=tmp_path / "fwd")
-    assert int(notes["width"]) == expected_width
-    assert_passes(notes, passes)
+    out, [launch] = run_case(drivers, "clamped_swiglu", "forward",
+                             {"x": Buf(x, offset), "y": Buf(torch.full((rows, F), math.nan).to(dtype), offset)},
+                             scalars, passes=passes, block_order_seed=rows, tmp_dir=tmp_path / "fwd")
+    assert launch.width == expected_width
+    assert_passes(launch, rows, passes)
     # u' + offset cancels for u' near -offset: an absolute fp32 error of eps |u'| |g' s| <= 50 eps.
     assert_rounded_once(out["y"], y_ref, dtype, "y", fp32_error=8 * FP32_EPS * 50)
 
-    out, notes = run_case(drivers, "swiglu", "backward",
-                          {"x": Buf(x, offset), "y": Buf(dy, offset),
-                           "x_grad": Buf(torch.full((rows, 2 * F), math.nan).to(dtype), offset)},
-                          scalars, grid=GRIDS[passes], tmp_dir=tmp_path / "bwd")
-    assert int(notes["width"]) == expected_width
-    assert_passes(notes, passes)
+    out, [launch] = run_case(drivers, "clamped_swiglu", "backward",
+                             {"x": Buf(x, offset), "y": Buf(dy, offset),
+                              "x_grad": Buf(torch.full((rows, 2 * F), math.nan).to(dtype), offset)},
+                             scalars, passes=passes, tmp_dir=tmp_path / "bwd")
+    assert launch.width == expected_width
+    assert_passes(launch, rows, passes)
     # d/dg = dy (u' + offset) (s + alpha g' s (1 - s)) cancels between terms of up to ~100 in size
     # for |g|, |u| <= 7 (the clamp), |dy| <= 4: an absolute fp32 error of a few eps times 100.
     assert_rounded_once(out["x_grad"], dx_ref, dtype, "dx", fp32_error=8 * FP32_EPS * 100)
@@ -544,12 +572,13 @@ def test_swiglu_forward_and_backward(drivers, tmp_path, rows, F, passes, offset,
 @pytest.mark.parametrize("rows,F,passes,offset,path", SWIGLU_CASES)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-def test_swiglu_weighted_forward_and_backward(drivers, tmp_path, rows, F, passes, offset, path, interleaved, dtype):
-    """The weighted form y = scale * swiglu(x): swiglu_forward_kernel with a scale buffer and
-    swiglu_scaled_backward_kernel (dx and dscale). row_sum takes its shuffle-only branch where a
+def test_clamped_swiglu_weighted_forward_and_backward(drivers, tmp_path, rows, F, passes, offset, path, interleaved,
+                                                      dtype):
+    """The weighted form y = scale * swiglu(x): clamped_swiglu_forward_kernel with a scale buffer and
+    clamped_swiglu_scaled_backward_kernel (dx and dscale). row_sum takes its shuffle-only branch where a
     row has at most a warp of threads (F = 64 on the vector path: 8 to 32 threads a row) and its
     shared-memory branch otherwise (64 or 256 threads a row)."""
-    x = swiglu_input(rows, F, dtype)
+    x = clamped_swiglu_input(rows, F, dtype)
     dy = torch.randn(rows, F).to(dtype)
     scale = torch.rand(rows) * 2  # routing weights; one of them 0
     scale[rows // 2] = 0.0
@@ -562,25 +591,25 @@ def test_swiglu_weighted_forward_and_backward(drivers, tmp_path, rows, F, passes
     expected_width = (8 if interleaved else 16) // x.element_size() if path == "vector" else 1
     row_fits_a_warp = F == 64 and path == "vector"
 
-    out, notes = run_case(drivers, "swiglu", "forward",
-                          {"x": Buf(x, offset), "scale": Buf(scale),
-                           "y": Buf(torch.full((rows, F), math.nan).to(dtype), offset)},
-                          scalars, grid=GRIDS[passes], block_order_seed=rows, tmp_dir=tmp_path / "fwd")
-    assert int(notes["width"]) == expected_width
-    assert_passes(notes, passes)
+    out, [launch] = run_case(drivers, "clamped_swiglu", "forward",
+                             {"x": Buf(x, offset), "scale": Buf(scale),
+                              "y": Buf(torch.full((rows, F), math.nan).to(dtype), offset)},
+                             scalars, passes=passes, block_order_seed=rows, tmp_dir=tmp_path / "fwd")
+    assert launch.width == expected_width
+    assert_passes(launch, rows, passes)
     # As the unweighted forward (its fp32 error times the scale), plus the product's rounding
     # (within the 8 eps relative).
     s = scale.double()[:, None]
     assert_rounded_once(out["y"], y_ref, dtype, "y", fp32_error=8 * FP32_EPS * 50 * s)
 
-    out, notes = run_case(drivers, "swiglu", "scaled_backward",
-                          {"x": Buf(x, offset), "y": Buf(dy, offset), "scale": Buf(scale),
-                           "x_grad": Buf(torch.full((rows, 2 * F), math.nan).to(dtype), offset),
-                           "dscale": Buf(torch.full((rows,), math.nan))},
-                          scalars, grid=GRIDS[passes], block_order_seed=rows + 1, tmp_dir=tmp_path / "bwd")
-    assert int(notes["width"]) == expected_width
-    assert (int(notes["block_x"]) <= 32) == row_fits_a_warp, notes
-    assert_passes(notes, passes)
+    out, [launch] = run_case(drivers, "clamped_swiglu", "scaled_backward",
+                             {"x": Buf(x, offset), "y": Buf(dy, offset), "scale": Buf(scale),
+                              "x_grad": Buf(torch.full((rows, 2 * F), math.nan).to(dtype), offset),
+                              "dscale": Buf(torch.full((rows,), math.nan))},
+                             scalars, passes=passes, block_order_seed=rows + 1, tmp_dir=tmp_path / "bwd")
+    assert launch.width == expected_width
+    assert (launch.block[0] <= 32) == row_fits_a_warp, launch
+    assert_passes(launch, rows, passes)
     # dx: the unweighted backward's bound with dy * scale (one more rounding, within the 8 eps).
     assert_rounded_once(out["x_grad"], x64.grad, dtype, "dx", fp32_error=8 * FP32_EPS * 100 * s)
     # dscale = sum over the row of dy * swiglu(x): each term's fp32 error (8 eps relative and the
@@ -594,7 +623,7 @@ def test_swiglu_weighted_forward_and_backward(drivers, tmp_path, rows, F, passes
 
 # ---------------------------------------------------------------------------------------------
 # value_head: value_head_forward_kernel, value_head_backward_hidden_kernel,
-# value_head_partials_kernel and sum_partials_kernel (value_head_kernel.cuh)
+# value_head_partials_kernel and value_head_sum_partials_kernel (value_head/kernel.cuh)
 
 
 def sum_tolerance(terms):
@@ -623,23 +652,23 @@ def test_value_head_forward_and_backward_hidden(drivers, tmp_path, rows, H, pass
     width = 16 // hidden.element_size() if vector else 1
     scalars = dict(rows=rows, H=H, dtype=dtype_scalar(dtype), has_bias=int(rows % 2))
 
-    out, notes = run_case(drivers, "value_head", "forward",
-                          {"hidden": Buf(hidden, offset), "weight": Buf(weight, offset), "bias": Buf(bias),
-                           "out": Buf(torch.full((rows,), math.nan))},
-                          scalars, grid=GRIDS[passes], block_order_seed=7, tmp_dir=tmp_path / "fwd")
-    assert int(notes["width"]) == width
-    assert_passes(notes, passes)
+    out, [launch] = run_case(drivers, "value_head", "forward",
+                             {"hidden": Buf(hidden, offset), "weight": Buf(weight, offset), "bias": Buf(bias),
+                              "out": Buf(torch.full((rows,), math.nan))},
+                             scalars, passes=passes, block_order_seed=7, tmp_dir=tmp_path / "fwd")
+    assert launch.width == width
+    assert_passes(launch, rows, passes)
     terms = hidden.double() * weight.double()
     expected = terms.sum(1) + (bias.double() if rows % 2 else 0.0)
     assert_within(out["out"], expected, sum_tolerance(terms) + FP32_EPS * expected.abs(), "forward")
 
     grad_out = torch.randn(rows)
-    out, notes = run_case(drivers, "value_head", "backward_hidden",
-                          {"grad_out": Buf(grad_out), "weight": Buf(weight, offset),
-                           "grad_hidden": Buf(torch.full((rows, H), math.nan).to(dtype), offset)},
-                          scalars, grid=GRIDS[passes], tmp_dir=tmp_path / "bwd")
-    assert int(notes["width"]) == width
-    assert_passes(notes, passes)
+    out, [launch] = run_case(drivers, "value_head", "backward_hidden",
+                             {"grad_out": Buf(grad_out), "weight": Buf(weight, offset),
+                              "grad_hidden": Buf(torch.full((rows, H), math.nan).to(dtype), offset)},
+                             scalars, passes=passes, tmp_dir=tmp_path / "bwd")
+    assert launch.width == width
+    assert_passes(launch, rows, passes)
     assert_rounded_once(out["grad_hidden"], grad_out.double()[:, None] * weight.double(), dtype, "grad_hidden")
 
 
@@ -655,15 +684,15 @@ def test_value_head_backward_params(drivers, tmp_path, rows, H, offset, dtype):
     hidden = torch.randn(rows, H).to(dtype)
     grad_out = torch.randn(rows)
     blocks = (rows + 63) // 64
-    out, notes = run_case(drivers, "value_head", "backward_params",
-                          {"grad_out": Buf(grad_out), "hidden": Buf(hidden, offset),
-                           "weight_partials": Buf(torch.full((blocks, H), math.nan), offset),
-                           "bias_partials": Buf(torch.full((blocks,), math.nan)),
-                           "grad_weight": Buf(torch.full((H,), math.nan)),
-                           "grad_bias": Buf(torch.full((1,), math.nan))},
-                          dict(rows=rows, H=H, dtype=dtype_scalar(dtype)), block_order_seed=3, tmp_dir=tmp_path)
+    out, launches = run_case(drivers, "value_head", "backward_params",
+                             {"grad_out": Buf(grad_out), "hidden": Buf(hidden, offset),
+                              "weight_partials": Buf(torch.full((blocks, H), math.nan), offset),
+                              "bias_partials": Buf(torch.full((blocks,), math.nan)),
+                              "grad_weight": Buf(torch.full((H,), math.nan)),
+                              "grad_bias": Buf(torch.full((1,), math.nan))},
+                             dict(rows=rows, H=H, dtype=dtype_scalar(dtype)), block_order_seed=3, tmp_dir=tmp_path)
     vector = H % (16 // hidden.element_size()) == 0 and offset == 0
-    assert int(notes["width"]) == (16 // hidden.element_size() if vector else 1)
+    assert launches[0].width == (16 // hidden.element_size() if vector else 1)
     g = grad_out.double()
     terms = g[:, None] * hidden.double()                           # [rows, H]
     padded = torch.cat([terms, terms.new_zeros(blocks * 64 - rows, H)]).view(blocks, 64, H).transpose(1, 2)
@@ -675,7 +704,7 @@ def test_value_head_backward_params(drivers, tmp_path, rows, H, offset, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# The model itself: its checks of synchronisation, and the launch shapes of cuda_utils.cuh
+# The model itself: its checks of synchronisation, and the launch shapes of common/cuda_utils.cuh
 
 
 @pytest.mark.parametrize("scenario,error", [
@@ -701,62 +730,98 @@ def test_harness_selftest(drivers, scenario, error):
 
 
 # ---------------------------------------------------------------------------------------------
-# Proof that the harness catches bugs: known defects planted in a copy of the kernel headers, one
-# at a time, each reported by a case above. Each entry: (header, line, defective line, case, the
-# report expected, the one build that gives it); only that build is compiled and run, which keeps
-# the six rebuilds inside CI's time budget.
+# Proof that the harness catches bugs: known defects planted in a copy of the sources, one at a
+# time, each reported by a case above. Each entry: (file, line, defective line, the op whose driver
+# runs the case, case, the report expected, the one build that gives it); only that build is
+# compiled and run, which keeps the rebuilds inside CI's time budget.
 
 DEFECTS = {
     # value_head stage 1 without the barrier between writing and reading the group sums.
     "syncthreads_deleted": (
-        "value_head_kernel.cuh", "  __syncthreads();\n  if (threadIdx.y != 0 || c >= H) return;",
-        "  if (threadIdx.y != 0 || c >= H) return;",
+        "value_head/kernel.cuh", "  __syncthreads();\n  if (threadIdx.y != 0 || c >= H) return;",
+        "  if (threadIdx.y != 0 || c >= H) return;", "value_head",
         lambda d, tmp: test_value_head_backward_params(d, tmp, 130, 40, 0, torch.float32),
         "ThreadSanitizer: data race", "tsan"),
     # The same barrier placed after threads return: reached by part of the block.
     "barrier_after_return": (
-        "value_head_kernel.cuh", "  __syncthreads();\n  if (threadIdx.y != 0 || c >= H) return;",
-        "  if (threadIdx.y != 0 || c >= H) return;\n  __syncthreads();",
+        "value_head/kernel.cuh", "  __syncthreads();\n  if (threadIdx.y != 0 || c >= H) return;",
+        "  if (threadIdx.y != 0 || c >= H) return;\n  __syncthreads();", "value_head",
         lambda d, tmp: test_value_head_backward_params(d, tmp, 130, 40, 0, torch.float32),
         "cuda_on_host error", "plain"),
     # chosen_logprob's max loop reads one column past the row.
     "loop_bound_le": (
-        "logprob_kernel.cuh", "for (int64_t k = lane; k < C; k += kWarp) m =",
-        "for (int64_t k = lane; k <= C; k += kWarp) m =",
-        lambda d, tmp: test_logprob_stats_rows(d, tmp, 21, 45, "several", 1.0),
+        "chosen_logprob/kernel.cuh", "for (int64_t k = lane; k < C; k += kWarp) m =",
+        "for (int64_t k = lane; k <= C; k += kWarp) m =", "chosen_logprob",
+        lambda d, tmp: test_chosen_logprob_stats_rows(d, tmp, 21, 45, "several", 1.0),
         "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
     # warp_sum's butterfly starting at offset 8: each half-warp sums only itself (a row of more
     # than 16 packs).
     "shuffle_offset_halved": (
-        "cuda_utils.cuh", "for (int offset = kWarp / 2; offset > 0; offset /= 2)",
-        "for (int offset = kWarp / 4; offset > 0; offset /= 2)",
+        "common/cuda_utils.cuh", "for (int offset = kWarp / 2; offset > 0; offset /= 2)",
+        "for (int offset = kWarp / 4; offset > 0; offset /= 2)", "value_head",
         lambda d, tmp: test_value_head_forward_and_backward_hidden(d, tmp, 9, 640, "several", 0, True, torch.float32),
         "forward: ", "plain"),
     # row_sum without the barrier that keeps a row's next totals from overwriting ones still read
     # (rows of 256 threads, two rows in turn on one block).
     "row_sum_first_barrier_deleted": (
-        "swiglu_kernel.cuh", "  __syncthreads();  // the previous call's totals are read\n", "",
-        lambda d, tmp: test_swiglu_weighted_forward_and_backward(d, tmp, 2, 2080, "several", 0, "vector", False,
-                                                                 torch.float32),
+        "clamped_swiglu/kernel.cuh", "  __syncthreads();  // the previous call's totals are read\n", "",
+        "clamped_swiglu",
+        lambda d, tmp: test_clamped_swiglu_weighted_forward_and_backward(d, tmp, 2, 2080, "several", 0, "vector",
+                                                                         False, torch.float32),
         "ThreadSanitizer: data race", "tsan"),
     # row_sum's warp_sum over the whole warp when a row has fewer threads (8 here): rows mix.
     "row_sum_width_ignored": (
-        "swiglu_kernel.cuh", "const int width = blockDim.x < kWarp ? blockDim.x : kWarp;", "const int width = kWarp;",
-        lambda d, tmp: test_swiglu_weighted_forward_and_backward(d, tmp, 40, 64, "one", 0, "vector", False,
-                                                                 torch.bfloat16),
+        "clamped_swiglu/kernel.cuh", "const int width = blockDim.x < kWarp ? blockDim.x : kWarp;",
+        "const int width = kWarp;", "clamped_swiglu",
+        lambda d, tmp: test_clamped_swiglu_weighted_forward_and_backward(d, tmp, 40, 64, "one", 0, "vector", False,
+                                                                         torch.bfloat16),
         "dscale: ", "plain"),
+    # The launchers' grid arithmetic, each ceil-division turned into a floor division. Grid-stride
+    # kernels still cover every row with too few blocks, so the launch shape itself is checked: on
+    # the large stand-in device a block per row tile, one pass (21 rows: 2 blocks of 8 rows).
+    "stats_rows_grid_floor": (
+        "chosen_logprob/kernel.cu", "grid_for((N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock,",
+        "grid_for(N / kStatsRowsPerBlock,", "chosen_logprob",
+        lambda d, tmp: test_chosen_logprob_stats_rows(d, tmp, 21, 45, "one", 1.0),
+        "chosen_logprob_stats_rows_kernel: 2 grid-stride passes", "plain"),
+    # 300 rows: 1 block of 256.
+    "combine_grid_floor": (
+        "chosen_logprob/kernel.cu", "grid_for((N + kCombineThreads - 1) / kCombineThreads,",
+        "grid_for(N / kCombineThreads,", "chosen_logprob",
+        lambda d, tmp: test_chosen_logprob_combine(d, tmp, 3, 300, "one"),
+        "chosen_logprob_combine_kernel: 2 grid-stride passes", "plain"),
+    # row_launch (grad_rows, clamped_swiglu, value_head backward_hidden): 70 rows in tiles of 16.
+    "row_launch_grid_floor": (
+        "common/cuda_utils.cuh", "grid_for((rows + ty - 1) / ty,", "grid_for(rows / ty,", "value_head",
+        lambda d, tmp: test_value_head_forward_and_backward_hidden(d, tmp, 70, 40, "one", 0, True, torch.float32),
+        "value_head_backward_hidden_kernel: 2 grid-stride passes", "plain"),
+    # 70 rows: 8 blocks of 8.
+    "value_head_forward_grid_floor": (
+        "value_head/kernel.cu", "grid_for((rows + kForwardWarps - 1) / kForwardWarps,",
+        "grid_for(rows / kForwardWarps,", "value_head",
+        lambda d, tmp: test_value_head_forward_and_backward_hidden(d, tmp, 70, 40, "one", 0, True, torch.float32),
+        "value_head_forward_kernel: 2 grid-stride passes", "plain"),
+    # Stage 1's column tiles: 300 columns (the scalar path) in 9 tiles of 32, the last 12 lost.
+    "partials_columns_floor": (
+        "value_head/kernel.cu", "(H / N + kWarp - 1) / kWarp", "H / N / kWarp", "value_head",
+        lambda d, tmp: test_value_head_backward_params(d, tmp, 130, 300, 1, torch.float32),
+        "stage 1 weight partials", "plain"),
+    # Stage 2's column tiles: the bias's one column gets a grid of 0 blocks, a launch error.
+    "sum_partials_columns_floor": (
+        "value_head/kernel.cu", "(cols + kWarp - 1) / kWarp", "cols / kWarp", "value_head",
+        lambda d, tmp: test_value_head_backward_params(d, tmp, 130, 40, 0, torch.float32),
+        "launch returned error", "plain"),
 }
 
 
 @pytest.mark.parametrize("defect", list(DEFECTS))
 def test_planted_defect_is_caught(tmp_path, defect):
-    header, good, bad, case, report, variant = DEFECTS[defect]
+    path, good, bad, op, case, report, variant = DEFECTS[defect]
     csrc = tmp_path / "csrc"
     shutil.copytree(CSRC, csrc)
-    text = (csrc / header).read_text()
-    assert text.count(good) == 1, f"{header} no longer holds the line this defect changes"
-    (csrc / header).write_text(text.replace(good, bad))
-    op = {"logprob_kernel.cuh": "logprob", "swiglu_kernel.cuh": "swiglu"}.get(header, "value_head")
+    text = (csrc / path).read_text()
+    assert text.count(good) == 1, f"{path} no longer holds the line this defect changes"
+    (csrc / path).write_text(text.replace(good, bad))
     drivers = build_drivers(csrc, tmp_path / "build", drivers=(op,), variants=(variant,))
     (tmp_path / "run").mkdir()
     with pytest.raises(AssertionError, match=re.escape(report)):

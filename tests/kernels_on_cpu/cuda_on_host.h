@@ -1,13 +1,15 @@
 // cuda_on_host.h: a small CUDA execution model for the host, so that g++ compiles the package's
-// kernel headers (csrc/*_kernel.cuh) unchanged and runs their launches on the CPU, under
-// ThreadSanitizer, AddressSanitizer and UBSan. Test infrastructure only (tests/kernels_on_cpu/).
+// kernels and their launchers (csrc/<op>/kernel.cu, kernel.cuh) unchanged and runs them on the
+// CPU, under ThreadSanitizer, AddressSanitizer and UBSan. Test infrastructure only
+// (tests/kernels_on_cpu/); force-included (-include) ahead of every source it compiles.
 //
 // What it models:
 //   - launch(kernel, grid, block, shared_bytes, args...) stands in for kernel<<<grid, block,
-//     shared_bytes>>>(args...): one OS thread per CUDA thread of a block, the blocks one after
-//     another (in order, or shuffled by set_block_order_seed); threadIdx, blockIdx, blockDim,
-//     gridDim. An invalid configuration (CUDA's limits) runs nothing and is returned by
-//     cudaGetLastError(), as on a GPU.
+//     shared_bytes>>>(args...) (csrc/common/launch.h calls it where nvcc would launch): one OS
+//     thread per CUDA thread of a block, the blocks one after another (in order, or shuffled by
+//     set_block_order_seed); threadIdx, blockIdx, blockDim, gridDim. An invalid configuration
+//     (CUDA's limits) runs nothing and is returned by cudaGetLastError(), as on a GPU. Every
+//     valid launch is recorded (kernel name, grid, block) for the drivers to report.
 //   - __shared__: a static variable shared by every thread (blocks run one at a time); extern
 //     dynamic shared memory of shared_bytes bytes per block through dynamic_shared().
 //   - __syncthreads(): a barrier of the whole block. A thread leaves the block when it returns;
@@ -37,10 +39,14 @@
 
 // Before CUDA's headers, which keep a definition made here.
 #define __shared__ static
+// Tells csrc/common/launch.h to launch through cuda_on_host::launch.
+#define CUDA_ON_HOST 1
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <cxxabi.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -231,6 +237,28 @@ inline unsigned block_order_seed = 0;  // 0: blocks in order
 
 inline void set_block_order_seed(unsigned seed) { block_order_seed = seed; }
 
+// A launch the kernels ran: the kernel's name with its template arguments (its symbol, read back
+// with dladdr: the executable is linked with -rdynamic; "unnamed" for a kernel of internal
+// linkage, which has none), the grid and the block.
+struct LaunchRecord {
+  std::string kernel;
+  dim3 grid, block;
+};
+inline std::vector<LaunchRecord> launches;
+
+template <typename Fn>
+std::string kernel_name(Fn* kernel) {
+  Dl_info info;
+  if (!dladdr(reinterpret_cast<void*>(kernel), &info) || !info.dli_sname) return "unnamed";
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
+  std::string name = status == 0 ? demangled : info.dli_sname;
+  std::free(demangled);
+  name = name.substr(0, name.find('('));                        // without the parameter list
+  const size_t scope = name.rfind("::", name.find('<'));          // without the namespaces
+  return scope == std::string::npos ? name : name.substr(scope + 2);
+}
+
 inline cudaError_t record(cudaError_t err) {
   std::lock_guard<std::mutex> lock(runtime_mu);
   last_error = err;
@@ -252,6 +280,10 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_byte
     return;
   }
   const std::tuple<Params...> params(std::forward<Args>(args)...);  // converted as a launch converts
+  {
+    const std::lock_guard<std::mutex> lock(runtime_mu);
+    launches.push_back({kernel_name(kernel), grid, block});
+  }
   std::vector<uint64_t> order(uint64_t(grid.x) * grid.y * grid.z);
   std::iota(order.begin(), order.end(), 0);
   if (block_order_seed) std::shuffle(order.begin(), order.end(), std::mt19937(block_order_seed));
@@ -295,7 +327,7 @@ inline void* dynamic_shared() { return current_block->dynamic_shared.data(); }
 
 }  // namespace cuda_on_host
 
-// The runtime calls of the launch helpers (cuda_utils.cuh), answered for the stand-in devices.
+// The runtime calls of the launch helpers (csrc/common/cuda_utils.cuh), answered for the stand-in devices.
 extern "C" inline cudaError_t cudaGetLastError() {
   std::lock_guard<std::mutex> lock(cuda_on_host::runtime_mu);
   const cudaError_t err = cuda_on_host::last_error;

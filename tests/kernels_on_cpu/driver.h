@@ -1,22 +1,22 @@
 // Shared part of the kernel drivers (<op>_driver.cpp): reads a case directory written by
-// test_kernels_on_cpu.py, runs one launch through cuda_on_host.h and writes the buffers back.
+// test_kernels_on_cpu.py, calls one of the op's launchers (csrc/<op>/kernel.cu, compiled into the
+// driver) through cuda_on_host.h and writes the buffers back.
 //
 // case.txt, one entry a line:
-//   kernel NAME                      which launch the driver makes
-//   grid X Y Z                       the grid of a grid-stride kernel; none: the launcher's own
-//                                    for a device large enough for one pass (kLargeDevice)
+//   kernel NAME                      which launcher the driver calls
+//   device SMS THREADS_PER_SM        the stand-in device the launcher sizes its grid for
 //   block_order_seed S               run the blocks in a shuffled order (0: in order)
 //   int NAME VALUE / float NAME VALUE    scalar arguments
 //   buffer NAME DTYPE COUNT OFFSET   NAME.bin holds COUNT elements (f32, bf16, f16, i64); the
 //                                    driver places them OFFSET elements past a 16-byte boundary
 //                                    and with nothing after them, so a read past the end is an
 //                                    AddressSanitizer report; written back to NAME.out after
-// The driver prints "NAME VALUE" lines about the launch it made: the vector width and the number
-// of grid-stride passes.
+// The driver prints a line "launch KERNEL<TEMPLATE ARGS> GRID_X Y Z BLOCK_X Y Z" for each kernel
+// the launcher started.
 #pragma once
 
+#include "common/math.h"
 #include "cuda_on_host.h"
-#include "cuda_utils.cuh"
 
 #include <fstream>
 #include <iostream>
@@ -25,9 +25,6 @@
 #include <sstream>
 
 namespace driver {
-
-// A device on which the launchers' grid_for gives every row tile a block of its own.
-inline const fused_rl_ops::DeviceSize kLargeDevice{1 << 16, 2048};
 
 struct Buffer {
   std::string dtype;
@@ -51,7 +48,7 @@ class Case {
     std::string key;
     while (in >> key) {
       if (key == "kernel") in >> kernel;
-      else if (key == "grid") in >> grid.x >> grid.y >> grid.z;
+      else if (key == "device") in >> cuda_on_host::devices.at(0).sms >> cuda_on_host::devices.at(0).threads_per_sm;
       else if (key == "block_order_seed") in >> block_order_seed;
       else if (key == "int" || key == "float") {
         std::string name;
@@ -84,15 +81,6 @@ class Case {
   int64_t i(const std::string& name) const { return static_cast<int64_t>(scalar(name)); }
   float f(const std::string& name) const { return static_cast<float>(scalar(name)); }
 
-  // The grid of a launch striding over `rows` rows, block_rows per block: the case's, or the
-  // launcher's own (on kLargeDevice); prints how many passes the blocks make.
-  dim3 row_grid(int64_t rows, int64_t block_rows, dim3 launcher_grid) const {
-    const dim3 g = grid.x ? grid : launcher_grid;
-    const int64_t per_pass = block_rows * g.x;
-    std::cout << "passes " << (rows + per_pass - 1) / per_pass << "\n";
-    return g;
-  }
-
   fused_rl_ops::DType dtype() const { return static_cast<fused_rl_ops::DType>(i("dtype")); }
 
   void write_back(const std::string& out_dir) const {
@@ -103,7 +91,6 @@ class Case {
   }
 
   std::string kernel;
-  dim3 grid{0, 0, 0};
   unsigned block_order_seed = 0;
 
  private:
@@ -139,13 +126,19 @@ inline void check(cudaError_t err, const std::string& what) {
 }
 
 // Runs `run(case)` on the case directory argv[1], writing the buffers to the directory argv[2];
-// run returns the launch's cudaError_t.
+// run returns the launcher's cudaError_t.
 template <typename Run>
 int main(int argc, char** argv, const Run& run) {
   if (argc != 3) cuda_on_host::fail("usage: driver CASE_DIR OUT_DIR");
   Case c(argv[1]);
   check(run(c), c.kernel);
   check(cudaGetLastError(), c.kernel);
+  for (const auto& l : cuda_on_host::launches) {
+    std::string name = l.kernel;
+    name.erase(std::remove(name.begin(), name.end(), ' '), name.end());
+    std::cout << "launch " << name << " " << l.grid.x << " " << l.grid.y << " " << l.grid.z << " " << l.block.x
+              << " " << l.block.y << " " << l.block.z << "\n";
+  }
   c.write_back(argv[2]);
   return 0;
 }

@@ -1,11 +1,11 @@
-// Checks of cuda_on_host.h itself and of the launch helpers of csrc/cuda_utils.cuh, one scenario
+// Checks of cuda_on_host.h itself and of the launch helpers of csrc/common/cuda_utils.cuh, one scenario
 // per run (argv[1]). The scenarios named bad_* must end in a reported error (exit 70); the others
 // print "ok" after checking their results.
 #include <atomic>
 #include <iostream>
 
 #include "cuda_on_host.h"
-#include "cuda_utils.cuh"
+#include "common/cuda_utils.cuh"
 
 using cuda_on_host::launch;
 using namespace fused_rl_ops;

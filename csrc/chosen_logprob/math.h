@@ -16,9 +16,9 @@
 // all -inf ends with sum 0, so lse = -inf and entropy = NaN, as the reference gives.
 #pragma once
 
-#include "common.h"
+#include "common/math.h"
 
-namespace fused_rl_ops {
+namespace fused_rl_ops::chosen_logprob {
 
 template <typename T>
 struct RowStats {
@@ -107,4 +107,4 @@ FRL_HD T logit_grad(T z, T lse, T mean, T gl, T ge) {
   return Math<T>::select(p == T(0), T(0), T(0) - p * (gl + ge * (z - mean)));
 }
 
-}  // namespace fused_rl_ops
+}  // namespace fused_rl_ops::chosen_logprob

@@ -12,9 +12,9 @@
 // No float atomics.
 #pragma once
 
-#include "common.h"
+#include "common/math.h"
 
-namespace fused_rl_ops {
+namespace fused_rl_ops::value_head {
 
 // Rows per stage-1 block: large enough that the fp32 partials add little traffic (4 bytes per
 // column per 64 rows of hidden), small enough to give every core or SM blocks to work on.
@@ -37,4 +37,4 @@ FRL_HD RowRange value_head_block_rows(int64_t block, int64_t rows, int64_t part 
   return {begin, end < rows ? end : rows};
 }
 
-}  // namespace fused_rl_ops
+}  // namespace fused_rl_ops::value_head

@@ -5,10 +5,10 @@
 
 #include <optional>
 
-#include "torch_utils.h"
-#include "value_head_math.h"
+#include "common/torch_utils.h"
+#include "value_head/math.h"
 
-namespace fused_rl_ops {
+namespace fused_rl_ops::value_head {
 
 // weight: [H] or [1, H], fp32 or hidden's dtype.
 inline void check_value_head_weight(const at::Tensor& weight, int64_t H, at::ScalarType hidden_dtype) {
@@ -62,4 +62,4 @@ inline std::vector<int64_t> value_head_hidden_shape(const at::Tensor& grad_out, 
   return shape;
 }
 
-}  // namespace fused_rl_ops
+}  // namespace fused_rl_ops::value_head

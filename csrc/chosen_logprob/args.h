@@ -6,10 +6,10 @@
 #include <cmath>
 #include <optional>
 
-namespace fused_rl_ops {
+namespace fused_rl_ops::chosen_logprob {
 
-inline void check_logprob_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                                 double temperature, int64_t chunk_size, int64_t row_block, int64_t pass_rows) {
+inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
+                         double temperature, int64_t chunk_size, int64_t row_block, int64_t pass_rows) {
   TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
               "chosen_logprob: hidden must be [N, H] and weight [V, H], got ", hidden.sizes(), " and ", weight.sizes());
   TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), "chosen_logprob: hidden and weight dtypes differ");
@@ -22,8 +22,8 @@ inline void check_logprob_inputs(const at::Tensor& hidden, const at::Tensor& wei
   TORCH_CHECK(row_block >= 0 && pass_rows >= 0, "chosen_logprob: row_block and pass_rows must be >= 0 (0: all rows)");
 }
 
-inline void check_logprob_backward_args(const at::Tensor& weight, int64_t valid_rows,
-                                        const std::optional<at::Tensor>& main_grad) {
+inline void check_backward_args(const at::Tensor& weight, int64_t valid_rows,
+                                const std::optional<at::Tensor>& main_grad) {
   TORCH_CHECK(valid_rows >= 0 && valid_rows <= weight.size(0), "chosen_logprob backward: valid_rows ", valid_rows,
               " outside [0, ", weight.size(0), "]");
   if (!main_grad) return;
@@ -35,9 +35,9 @@ inline void check_logprob_backward_args(const at::Tensor& weight, int64_t valid_
 
 inline void check_combine_input(const at::Tensor& partials) {
   TORCH_CHECK(partials.dim() == 3 && partials.size(2) == 4,
-              "logprob_combine: partials must be [ranks, N, 4], got ", partials.sizes());
+              "chosen_logprob_combine: partials must be [ranks, N, 4], got ", partials.sizes());
   TORCH_CHECK(partials.scalar_type() == at::kFloat || partials.scalar_type() == at::kDouble,
-              "logprob_combine: partials must be float32 or float64");
+              "chosen_logprob_combine: partials must be float32 or float64");
 }
 
-}  // namespace fused_rl_ops
+}  // namespace fused_rl_ops::chosen_logprob

@@ -14,7 +14,7 @@
 namespace fused_rl_ops {
 
 // Elementwise primitives the per-element math headers are written in. Specialised here for
-// scalars (CPU and CUDA) and in vec_math.h for at::vec::Vectorized (CPU SIMD), so one
+// scalars (CPU and CUDA) and in common/vec_math.h for at::vec::Vectorized (CPU SIMD), so one
 // formula serves every kernel. select(c, a, b) is c ? a : b; comparisons are ordered (NaN
 // compares false), as IEEE and AVX's _CMP_*_OQ are.
 template <typename T>

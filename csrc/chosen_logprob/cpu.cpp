@@ -1,14 +1,14 @@
 // chosen_logprob, CPU: the chunk loop with ATen GEMMs (in fp32, or fp64 for float64 inputs) and
-// SIMD row kernels running the shared formulas of logprob_math.h.
+// SIMD row kernels running the shared formulas of chosen_logprob/math.h.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "logprob_chunks.h"
-#include "logprob_math.h"
-#include "vec_math.h"
+#include "chosen_logprob/chunks.h"
+#include "chosen_logprob/math.h"
+#include "common/vec_math.h"
 
-namespace fused_rl_ops {
+namespace fused_rl_ops::chosen_logprob {
 namespace {
 
 template <typename acc>
@@ -80,7 +80,7 @@ struct CpuBackend {
 
   static void stats_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, double inv_temp,
                          at::Tensor& stats) {
-    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "logprob_stats_cpu", [&] {
+    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "chosen_logprob_stats_cpu", [&] {
       stats_rows_cpu<scalar_t>(logits.const_data_ptr<scalar_t>(), logits.size(0), logits.size(1), col0,
                                tokens.const_data_ptr<int64_t>(), static_cast<scalar_t>(inv_temp),
                                stats.mutable_data_ptr<scalar_t>());
@@ -90,7 +90,7 @@ struct CpuBackend {
   static void grad_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, const at::Tensor& row_max,
                         const at::Tensor& lse, const at::Tensor& mean, const at::Tensor& gl, const at::Tensor& ge,
                         double inv_temp) {
-    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "logprob_grad_cpu", [&] {
+    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "chosen_logprob_grad_cpu", [&] {
       grad_rows_cpu<scalar_t>(logits.mutable_data_ptr<scalar_t>(), logits.size(0), logits.size(1), col0,
                               tokens.const_data_ptr<int64_t>(), row_max.const_data_ptr<scalar_t>(),
                               lse.const_data_ptr<scalar_t>(), mean.const_data_ptr<scalar_t>(),
@@ -109,32 +109,32 @@ struct CpuBackend {
   }
 };
 
-at::Tensor logprob_stats_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                             double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
-                             int64_t pass_rows) {
-  return logprob_stats_impl<CpuBackend>(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block,
-                                        pass_rows);
+at::Tensor stats_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
+                     double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
+                     int64_t pass_rows) {
+  return stats_impl<CpuBackend>(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block,
+                                pass_rows);
 }
 
-std::tuple<at::Tensor, at::Tensor> logprob_backward_cpu(const at::Tensor& hidden, const at::Tensor& weight,
-                                                        const at::Tensor& tokens, const at::Tensor& row_max,
-                                                        const at::Tensor& lse, const at::Tensor& mean,
-                                                        const at::Tensor& grad_logprob,
-                                                        const at::Tensor& grad_entropy, double temperature,
-                                                        int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
-                                                        int64_t row_block, int64_t pass_rows,
-                                                        const std::optional<at::Tensor>& main_grad) {
-  return logprob_backward_impl<CpuBackend>(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy,
-                                           temperature, vocab_start, valid_rows, chunk_size, row_block, pass_rows,
-                                           main_grad);
+std::tuple<at::Tensor, at::Tensor> backward_cpu(const at::Tensor& hidden, const at::Tensor& weight,
+                                                const at::Tensor& tokens, const at::Tensor& row_max,
+                                                const at::Tensor& lse, const at::Tensor& mean,
+                                                const at::Tensor& grad_logprob,
+                                                const at::Tensor& grad_entropy, double temperature,
+                                                int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
+                                                int64_t row_block, int64_t pass_rows,
+                                                const std::optional<at::Tensor>& main_grad) {
+  return backward_impl<CpuBackend>(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy,
+                                   temperature, vocab_start, valid_rows, chunk_size, row_block, pass_rows,
+                                   main_grad);
 }
 
-at::Tensor logprob_combine_cpu(const at::Tensor& partials_in) {
+at::Tensor combine_cpu(const at::Tensor& partials_in) {
   check_combine_input(partials_in);
   const at::Tensor partials = partials_in.contiguous();
   const int64_t ranks = partials.size(0), N = partials.size(1);
   at::Tensor out = at::empty({N, 4}, partials.options());
-  AT_DISPATCH_FLOATING_TYPES(partials.scalar_type(), "logprob_combine_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(partials.scalar_type(), "chosen_logprob_combine_cpu", [&] {
     const scalar_t* p = partials.const_data_ptr<scalar_t>();
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) {
@@ -147,9 +147,9 @@ at::Tensor logprob_combine_cpu(const at::Tensor& partials_in) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_rl_ops, CPU, m) {
-  m.impl("logprob_stats", &logprob_stats_cpu);
-  m.impl("logprob_backward", &logprob_backward_cpu);
-  m.impl("logprob_combine", &logprob_combine_cpu);
+  m.impl("chosen_logprob_stats", &stats_cpu);
+  m.impl("chosen_logprob_backward", &backward_cpu);
+  m.impl("chosen_logprob_combine", &combine_cpu);
 }
 
-}  // namespace fused_rl_ops
+}  // namespace fused_rl_ops::chosen_logprob

@@ -11,10 +11,10 @@
 #include <array>
 #include <cstring>
 
-#include "swiglu_args.h"
-#include "vec_math.h"
+#include "clamped_swiglu/args.h"
+#include "common/vec_math.h"
 
-namespace fused_rl_ops {
+namespace fused_rl_ops::clamped_swiglu {
 namespace {
 
 using at::vec::Vectorized;
@@ -93,14 +93,14 @@ void store_gu(const typename L::Parts& g, const typename L::Parts& u, int64_t k,
 
 // kScaled: the weighted form, every output times the row's scale.
 template <typename scalar_t, bool kScaled>
-void forward_tile(const Halves<const scalar_t>& in, scalar_t* y, bool interleaved, const SwigluParams& p,
+void forward_tile(const Halves<const scalar_t>& in, scalar_t* y, bool interleaved, const Params& p,
                   acc_t<scalar_t> scale) {
   using L = Lanes<scalar_t>;
   for (int64_t k = 0; k < kTile; k += L::kWidth) {
     typename L::Parts g, u, out;
     load_gu(in, k, interleaved, g, u);
     for (int i = 0; i < L::kParts; ++i) {
-      out[i] = swiglu_forward<typename L::Acc, typename L::M>(g[i], u[i], p);
+      out[i] = clamped_swiglu_forward<typename L::Acc, typename L::M>(g[i], u[i], p);
       if constexpr (kScaled) out[i] = out[i] * typename L::Acc(scale);
     }
     L::store(out, y + k);
@@ -111,7 +111,7 @@ void forward_tile(const Halves<const scalar_t>& in, scalar_t* y, bool interleave
 // the lanes of `dscale` (the row's running sum, in a fixed order). Unweighted, `dscale` is unused.
 template <typename scalar_t, bool kScaled>
 void backward_tile(const Halves<const scalar_t>& in, const scalar_t* dy, const Halves<scalar_t>& dx, bool interleaved,
-                   const SwigluParams& p, acc_t<scalar_t> scale, Vectorized<acc_t<scalar_t>>& dscale) {
+                   const Params& p, acc_t<scalar_t> scale, Vectorized<acc_t<scalar_t>>& dscale) {
   using L = Lanes<scalar_t>;
   const typename L::Acc s(scale);
   for (int64_t k = 0; k < kTile; k += L::kWidth) {
@@ -119,9 +119,10 @@ void backward_tile(const Halves<const scalar_t>& in, const scalar_t* dy, const H
     load_gu(in, k, interleaved, g, u);
     for (int i = 0; i < L::kParts; ++i) {
       if constexpr (kScaled) {
-        dscale = dscale + swiglu_scaled_backward<typename L::Acc, typename L::M>(g[i], u[i], d[i], s, p, dg[i], du[i]);
+        dscale = dscale + clamped_swiglu_scaled_backward<typename L::Acc, typename L::M>(g[i], u[i], d[i], s, p, dg[i],
+                                                                                         du[i]);
       } else {
-        swiglu_backward<typename L::Acc, typename L::M>(g[i], u[i], d[i], p, dg[i], du[i]);
+        clamped_swiglu_backward<typename L::Acc, typename L::M>(g[i], u[i], d[i], p, dg[i], du[i]);
       }
     }
     store_gu(dg, du, k, interleaved, dx);
@@ -167,8 +168,8 @@ void for_each_tile(int64_t rows, int64_t F, const Fn& fn) {
 
 // kScaled: the weighted form, with [rows] scales.
 template <typename scalar_t, bool kScaled>
-void swiglu_forward_cpu(const scalar_t* x, scalar_t* y, const acc_t<scalar_t>* scale, int64_t rows, int64_t F,
-                        bool interleaved, const SwigluParams& p) {
+void forward_rows(const scalar_t* x, scalar_t* y, const acc_t<scalar_t>* scale, int64_t rows, int64_t F,
+                  bool interleaved, const Params& p) {
   const RowLayout layout{F, interleaved};
   for_each_tile(rows, F, [&](int64_t r, int64_t c, int64_t n) {
     const scalar_t* xr = x + r * 2 * F;
@@ -190,8 +191,8 @@ void swiglu_forward_cpu(const scalar_t* x, scalar_t* y, const acc_t<scalar_t>* s
 // scale's gradient (the lanes' running sums, then the lanes in order) is summed in a fixed order at
 // any thread count.
 template <typename scalar_t, bool kScaled>
-void swiglu_backward_cpu(const scalar_t* dy, const scalar_t* x, const acc_t<scalar_t>* scale, scalar_t* dx,
-                         acc_t<scalar_t>* dscale, int64_t rows, int64_t F, bool interleaved, const SwigluParams& p) {
+void backward_rows(const scalar_t* dy, const scalar_t* x, const acc_t<scalar_t>* scale, scalar_t* dx,
+                   acc_t<scalar_t>* dscale, int64_t rows, int64_t F, bool interleaved, const Params& p) {
   using acc = acc_t<scalar_t>;
   const RowLayout layout{F, interleaved};
   // Outputs [begin, end) of row r (begin a multiple of kTile), tile by tile: one tile for the
@@ -240,26 +241,26 @@ void swiglu_backward_cpu(const scalar_t* dy, const scalar_t* x, const acc_t<scal
 
 at::Tensor clamped_swiglu_cpu(const at::Tensor& x, std::optional<double> limit, double alpha, double linear_offset,
                               bool interleaved, const std::optional<at::Tensor>& scale) {
-  const SwigluCall c = swiglu_forward_call(x, limit, alpha, linear_offset, scale);
+  const CallTensors c = forward_call(x, limit, alpha, linear_offset, scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_cpu", [&] {
     const scalar_t* in = c.x.const_data_ptr<scalar_t>();
     scalar_t* out = c.half.mutable_data_ptr<scalar_t>();
     if (c.scale.defined()) {
-      swiglu_forward_cpu<scalar_t, true>(in, out, c.scale.const_data_ptr<acc_t<scalar_t>>(), c.rows, c.F,
-                                         interleaved, c.p);
+      forward_rows<scalar_t, true>(in, out, c.scale.const_data_ptr<acc_t<scalar_t>>(), c.rows, c.F,
+                                   interleaved, c.p);
     } else {
-      swiglu_forward_cpu<scalar_t, false>(in, out, nullptr, c.rows, c.F, interleaved, c.p);
+      forward_rows<scalar_t, false>(in, out, nullptr, c.rows, c.F, interleaved, c.p);
     }
   });
   return c.half;
 }
 
-at::Tensor clamped_swiglu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, std::optional<double> limit,
-                                       double alpha, double linear_offset, bool interleaved) {
-  const SwigluCall c = swiglu_backward_call(grad_out, x, limit, alpha, linear_offset);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_backward_cpu", [&] {
-    swiglu_backward_cpu<scalar_t, false>(c.half.const_data_ptr<scalar_t>(), c.x.const_data_ptr<scalar_t>(), nullptr,
-                                         c.full.mutable_data_ptr<scalar_t>(), nullptr, c.rows, c.F, interleaved, c.p);
+at::Tensor clamped_backward_rows(const at::Tensor& grad_out, const at::Tensor& x, std::optional<double> limit,
+                                 double alpha, double linear_offset, bool interleaved) {
+  const CallTensors c = backward_call(grad_out, x, limit, alpha, linear_offset);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_backward_rows", [&] {
+    backward_rows<scalar_t, false>(c.half.const_data_ptr<scalar_t>(), c.x.const_data_ptr<scalar_t>(), nullptr,
+                                   c.full.mutable_data_ptr<scalar_t>(), nullptr, c.rows, c.F, interleaved, c.p);
   });
   return c.full;
 }
@@ -268,23 +269,23 @@ std::tuple<at::Tensor, at::Tensor> clamped_swiglu_scaled_backward_cpu(const at::
                                                                       const at::Tensor& scale,
                                                                       std::optional<double> limit, double alpha,
                                                                       double linear_offset, bool interleaved) {
-  const SwigluCall c = swiglu_scaled_backward_call(grad_out, x, scale, limit, alpha, linear_offset);
-  at::Tensor grad_scale = swiglu_scale_grad_buffer(c);
+  const CallTensors c = scaled_backward_call(grad_out, x, scale, limit, alpha, linear_offset);
+  at::Tensor grad_scale = scale_grad_buffer(c);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_scaled_backward_cpu", [&] {
     using acc = acc_t<scalar_t>;
-    swiglu_backward_cpu<scalar_t, true>(c.half.const_data_ptr<scalar_t>(), c.x.const_data_ptr<scalar_t>(),
-                                        c.scale.const_data_ptr<acc>(), c.full.mutable_data_ptr<scalar_t>(),
-                                        grad_scale.mutable_data_ptr<acc>(), c.rows, c.F, interleaved, c.p);
+    backward_rows<scalar_t, true>(c.half.const_data_ptr<scalar_t>(), c.x.const_data_ptr<scalar_t>(),
+                                  c.scale.const_data_ptr<acc>(), c.full.mutable_data_ptr<scalar_t>(),
+                                  grad_scale.mutable_data_ptr<acc>(), c.rows, c.F, interleaved, c.p);
   });
-  return {c.full, swiglu_scale_grad(grad_scale, scale)};
+  return {c.full, scale_grad(grad_scale, scale)};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_rl_ops, CPU, m) {
   m.impl("clamped_swiglu", &clamped_swiglu_cpu);
-  m.impl("clamped_swiglu_backward", &clamped_swiglu_backward_cpu);
+  m.impl("clamped_swiglu_backward", &clamped_backward_rows);
   m.impl("clamped_swiglu_scaled_backward", &clamped_swiglu_scaled_backward_cpu);
 }
 
-}  // namespace fused_rl_ops
+}  // namespace fused_rl_ops::clamped_swiglu

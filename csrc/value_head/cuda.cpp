@@ -1,14 +1,14 @@
 // Value head, CUDA entry points: checks, allocation and stream; the kernels live in
-// value_head_kernel.cu, which stays free of torch headers.
+// value_head/kernel.cu, which stays free of torch headers.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "torch_utils.h"
-#include "value_head_args.h"
-#include "value_head_kernel.h"
+#include "common/torch_utils.h"
+#include "value_head/args.h"
+#include "value_head/kernel.h"
 
-namespace fused_rl_ops {
+namespace fused_rl_ops::value_head {
 namespace {
 
 at::Tensor value_head_cuda(const at::Tensor& hidden_in, const at::Tensor& weight_in,
@@ -68,4 +68,4 @@ TORCH_LIBRARY_IMPL(fused_rl_ops, CUDA, m) {
   m.impl("value_head_backward_params", &value_head_backward_params_cuda);
 }
 
-}  // namespace fused_rl_ops
+}  // namespace fused_rl_ops::value_head

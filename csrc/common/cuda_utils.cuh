@@ -10,7 +10,7 @@
 #include <mutex>
 #include <type_traits>
 
-#include "common.h"
+#include "common/math.h"
 
 namespace fused_rl_ops {
 

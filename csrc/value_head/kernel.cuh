@@ -1,18 +1,18 @@
 // Value head CUDA kernels (device code only: no torch headers, no launches), each one pass over
 // hidden with 16-byte loads where alignment allows: the forward gives each row to a warp; the hidden
 // gradient is a broadcast write; the weight and bias gradients are the two fixed-order stages of
-// value_head_math.h (no atomics). Included by value_head_kernel.cu and the kernels-on-CPU tests.
+// value_head/math.h (no atomics). Included by value_head/kernel.cu and the kernels-on-CPU tests.
 #pragma once
 
-#include "cuda_utils.cuh"
-#include "value_head_math.h"
+#include "common/cuda_utils.cuh"
+#include "value_head/math.h"
 
-namespace fused_rl_ops {
+namespace fused_rl_ops::value_head {
 
 constexpr int kForwardWarps = 8;  // rows per forward block, one per warp
 constexpr int kLoadsInFlight = 4;  // packs a lane (forward) or rows a thread (stage 1) loads before using them
 constexpr int kBroadcastThreads = 256;
-constexpr int kRowGroups = 4;  // stage 1: warps per block, each summing a quarter of the row block
+constexpr int kStage1Warps = 4;  // stage 1: warps per block, each summing a quarter of the row block
 constexpr int kSumSlices = 16;  // stage 2: partial rows b = y, y + 16, ... go to thread row y
 
 // N consecutive floats, as 16-byte loads when N is a multiple of 4 (p is then 16-byte aligned).
@@ -108,18 +108,18 @@ __device__ __forceinline__ void accumulate_pack(float g, const Pack<T, N>& h, fl
 }
 
 // Stage 1: block (blockIdx.x, blockIdx.y) sums row block blockIdx.x over 32 * N columns. Block
-// (32, kRowGroups): thread (x, y) owns N columns and walks group y of the block's rows in order;
+// (32, kStage1Warps): thread (x, y) owns N columns and walks group y of the block's rows in order;
 // thread row 0 then adds the groups in order. Splitting rows over warps, not only columns, gives
 // enough warps in flight to saturate memory.
 template <typename T, int N>
 __global__ void value_head_partials_kernel(const float* __restrict__ grad_out, const T* __restrict__ hidden,
                                            float* __restrict__ weight_partials, float* __restrict__ bias_partials,
                                            int64_t rows, int64_t H) {
-  __shared__ float group_sums[kRowGroups][N][kWarp];
-  __shared__ float group_g_sums[kRowGroups];
+  __shared__ float group_sums[kStage1Warps][N][kWarp];
+  __shared__ float group_g_sums[kStage1Warps];
   const int64_t block = blockIdx.x;
   const int64_t c = (int64_t(blockIdx.y) * kWarp + threadIdx.x) * N;
-  const RowRange group = value_head_block_rows(block, rows, threadIdx.y, kRowGroups);
+  const RowRange group = value_head_block_rows(block, rows, threadIdx.y, kStage1Warps);
   const T* column = hidden + c;
   float acc[N] = {};
   float g_sum = 0.f;
@@ -151,7 +151,7 @@ __global__ void value_head_partials_kernel(const float* __restrict__ grad_out, c
   __syncthreads();
   if (threadIdx.y != 0 || c >= H) return;
 #pragma unroll
-  for (int y = 1; y < kRowGroups; ++y) {
+  for (int y = 1; y < kStage1Warps; ++y) {
 #pragma unroll
     for (int k = 0; k < N; ++k) acc[k] += group_sums[y][k][threadIdx.x];
     g_sum += group_g_sums[y];
@@ -162,8 +162,8 @@ __global__ void value_head_partials_kernel(const float* __restrict__ grad_out, c
 
 // Stage 2: out[c] = sum over b of partials[b, c]. Block (32, kSumSlices): thread row y sums the
 // partial rows b = y mod kSumSlices in order, then thread row 0 adds the slices in order.
-__global__ void sum_partials_kernel(const float* __restrict__ partials, float* __restrict__ out, int64_t blocks,
-                                    int64_t cols) {
+__global__ void value_head_sum_partials_kernel(const float* __restrict__ partials, float* __restrict__ out,
+                                               int64_t blocks, int64_t cols) {
   __shared__ float slice_sums[kSumSlices][kWarp];
   const int64_t c = int64_t(blockIdx.x) * kWarp + threadIdx.x;
   float sum = 0.f;
@@ -180,4 +180,4 @@ __global__ void sum_partials_kernel(const float* __restrict__ partials, float* _
   }
 }
 
-}  // namespace fused_rl_ops
+}  // namespace fused_rl_ops::value_head

@@ -14,10 +14,10 @@
 
 #include <ATen/ATen.h>
 
-#include "logprob_args.h"
-#include "torch_utils.h"
+#include "chosen_logprob/args.h"
+#include "common/torch_utils.h"
 
-namespace fused_rl_ops {
+namespace fused_rl_ops::chosen_logprob {
 
 // How the token rows meet the GEMMs. Every GEMM takes exactly `block` rows (a last, shorter block
 // runs on a zero-padded copy), and the rows are walked in passes of `pass` rows (a multiple of
@@ -90,10 +90,10 @@ void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_
 // [N, 4] per-token partials (max, sum, ent, chosen) of this shard's logits; chosen is 0 where the
 // token is not in [vocab_start, vocab_start + V).
 template <class Backend>
-at::Tensor logprob_stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                              double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
-                              int64_t pass_rows) {
-  check_logprob_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
+at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
+                      double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
+                      int64_t pass_rows) {
+  check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0);
   at::Tensor stats = at::zeros({N, 4}, hidden.options().dtype(acc));
@@ -117,20 +117,20 @@ at::Tensor logprob_stats_impl(const at::Tensor& hidden, const at::Tensor& weight
 // Megatron's gradient-accumulation buffer) each chunk's weight gradient, in weight's dtype as an
 // unfused backward hands it over, is added into main_grad's rows instead, through a [chunk, H]
 // buffer, and the returned weight gradient is empty [0, H]. row_max, lse and mean (= lse - entropy)
-// are the global per-token values, lse and mean relative to row_max (logprob_math.h).
+// are the global per-token values, lse and mean relative to row_max (chosen_logprob/math.h).
 // The hidden gradient takes one GEMM per row block and chunk, summed over chunks in vocab order;
 // the weight gradient sums over all tokens (over passes in order, in the accumulation dtype).
 template <class Backend>
-std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
-                                                         const at::Tensor& tokens, const at::Tensor& row_max,
-                                                         const at::Tensor& lse, const at::Tensor& mean,
-                                                         const at::Tensor& grad_logprob,
-                                                         const at::Tensor& grad_entropy, double temperature,
-                                                         int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
-                                                         int64_t row_block, int64_t pass_rows,
-                                                         const std::optional<at::Tensor>& main_grad) {
-  check_logprob_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
-  check_logprob_backward_args(weight, valid_rows, main_grad);
+std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
+                                                 const at::Tensor& tokens, const at::Tensor& row_max,
+                                                 const at::Tensor& lse, const at::Tensor& mean,
+                                                 const at::Tensor& grad_logprob,
+                                                 const at::Tensor& grad_entropy, double temperature,
+                                                 int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
+                                                 int64_t row_block, int64_t pass_rows,
+                                                 const std::optional<at::Tensor>& main_grad) {
+  check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
+  check_backward_args(weight, valid_rows, main_grad);
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0), H = weight.size(1);
   for (const at::Tensor* t : {&row_max, &lse, &mean, &grad_logprob, &grad_entropy}) {
@@ -187,4 +187,4 @@ std::tuple<at::Tensor, at::Tensor> logprob_backward_impl(const at::Tensor& hidde
   return {grad_h, grad_w};
 }
 
-}  // namespace fused_rl_ops
+}  // namespace fused_rl_ops::chosen_logprob

@@ -3,7 +3,7 @@
 
 #include <ATen/cpu/vec/vec.h>
 
-#include "common.h"
+#include "common/math.h"
 
 namespace fused_rl_ops {
 

@@ -3,11 +3,11 @@
 
 #include <ATen/ATen.h>
 
-#include "common.h"
+#include "common/math.h"
 
 namespace fused_rl_ops {
 
-// The accumulation (and fp32-output) dtype of a kernel reading `dtype`, as acc_t in common.h.
+// The accumulation (and fp32-output) dtype of a kernel reading `dtype`, as acc_t in common/math.h.
 inline at::ScalarType acc_dtype(at::ScalarType dtype) { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
 
 inline DType to_dtype(const at::Tensor& t) {

@@ -1,14 +1,14 @@
 // Clamped SwiGLU CUDA kernels (device code only: no torch headers, no launches): one pass over
 // memory each way. A thread owns N consecutive outputs and moves them with vector loads (16 bytes of
-// x per load where alignment allows). Included by swiglu_kernel.cu and the kernels-on-CPU tests.
+// x per load where alignment allows). Included by clamped_swiglu/kernel.cu and the kernels-on-CPU tests.
 #pragma once
 
-#include "cuda_utils.cuh"
-#include "swiglu_math.h"
+#include "common/cuda_utils.cuh"
+#include "clamped_swiglu/math.h"
 
-namespace fused_rl_ops {
+namespace fused_rl_ops::clamped_swiglu {
 
-constexpr int kThreads = 256;
+constexpr int kBlockThreads = 256;
 
 // Threads are laid out [rows, columns] within a block (blockDim.x threads along a row, each
 // owning N outputs; blockDim.y rows), blocks stride over rows: no integer division per element.
@@ -48,8 +48,8 @@ __device__ __forceinline__ void load_gate_linear(const T* row, int64_t F, int64_
 
 // scale: the weighted form's [rows] fp32 scales (y = scale * swiglu, rounded once), or null.
 template <typename T, int N, bool kInterleaved>
-__global__ void swiglu_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale, T* __restrict__ y,
-                                      int64_t rows, int64_t F, SwigluParams p) {
+__global__ void clamped_swiglu_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale,
+                                              T* __restrict__ y, int64_t rows, int64_t F, Params p) {
   for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < rows; r += int64_t(gridDim.x) * blockDim.y) {
     const float s = scale == nullptr ? 1.0f : scale[r];
     for (int64_t c = threadIdx.x * int64_t(N); c < F; c += int64_t(blockDim.x) * N) {
@@ -58,7 +58,7 @@ __global__ void swiglu_forward_kernel(const T* __restrict__ x, const float* __re
     Pack<T, N> out;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      out.v[k] = from_float<T>(swiglu_forward(g[k], u[k], p) * s);
+      out.v[k] = from_float<T>(clamped_swiglu_forward(g[k], u[k], p) * s);
     }
     *reinterpret_cast<Pack<T, N>*>(y + r * F + c) = out;
     }
@@ -104,10 +104,10 @@ __device__ __forceinline__ float backward_tile(const T* __restrict__ dy, const T
 
 template <typename T, int N, bool kInterleaved>
 __global__ void
-    swiglu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx, int64_t rows,
-                           int64_t F, SwigluParams p) {
+    clamped_swiglu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx, int64_t rows,
+                                   int64_t F, Params p) {
   const auto grad = [&](float g, float u, float d, float& dg, float& du) {
-    swiglu_backward(g, u, d, p, dg, du);
+    clamped_swiglu_backward(g, u, d, p, dg, du);
     return 0.0f;
   };
   for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < rows; r += int64_t(gridDim.x) * blockDim.y) {
@@ -118,10 +118,10 @@ __global__ void
 }
 
 // Sum of v over the blockDim.x threads of this thread's row (blockDim.x a power of two, at most
-// kThreads), in the same order on every call; thread x = 0 of the row gets the total. Every thread
+// kBlockThreads), in the same order on every call; thread x = 0 of the row gets the total. Every thread
 // of the block must call it (it synchronises the block).
 __device__ __forceinline__ float row_sum(float v) {
-  __shared__ float warp_totals[kThreads / kWarp];
+  __shared__ float warp_totals[kBlockThreads / kWarp];
   const int width = blockDim.x < kWarp ? blockDim.x : kWarp;
   v = warp_sum<true>(v, width);  // within the row: rows of fewer than kWarp threads share a warp
   if (blockDim.x <= kWarp) return v;
@@ -137,21 +137,21 @@ __device__ __forceinline__ float row_sum(float v) {
   return total;
 }
 
-// The weighted backward (y = scale * swiglu): dx as swiglu_backward_kernel with dy * scale, and
+// The weighted backward (y = scale * swiglu): dx as clamped_swiglu_backward_kernel with dy * scale, and
 // dscale[r] = sum over the row of dy * swiglu, each thread summing its outputs in order and
 // row_sum combining the threads in a fixed order (deterministic). The row loop runs the same
 // number of times in every thread of a block, as row_sum's barriers require.
 template <typename T, int N, bool kInterleaved>
-__global__ void swiglu_scaled_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                              const float* __restrict__ scale, T* __restrict__ dx,
-                                              float* __restrict__ dscale, int64_t rows, int64_t F, SwigluParams p) {
+__global__ void clamped_swiglu_scaled_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                                      const float* __restrict__ scale, T* __restrict__ dx,
+                                                      float* __restrict__ dscale, int64_t rows, int64_t F, Params p) {
   for (int64_t first = blockIdx.x * int64_t(blockDim.y); first < rows; first += int64_t(gridDim.x) * blockDim.y) {
     const int64_t r = first + threadIdx.y;
     float partial = 0.0f;
     if (r < rows) {
       const float s = scale[r];
       const auto grad = [&](float g, float u, float d, float& dg, float& du) {
-        return swiglu_scaled_backward(g, u, d, s, p, dg, du);
+        return clamped_swiglu_scaled_backward(g, u, d, s, p, dg, du);
       };
       for (int64_t c = threadIdx.x * int64_t(N); c < F; c += int64_t(blockDim.x) * N) {
         partial = backward_tile<T, N, kInterleaved>(dy, x, dx, r, F, c, partial, grad);
@@ -162,4 +162,4 @@ __global__ void swiglu_scaled_backward_kernel(const T* __restrict__ dy, const T*
   }
 }
 
-}  // namespace fused_rl_ops
+}  // namespace fused_rl_ops::clamped_swiglu

@@ -1,15 +1,15 @@
 // Value head, CPU kernels: the forward and the hidden gradient run over rows in parallel, in SIMD
 // (reduced-precision rows are widened to fp32 as they are loaded); the weight and bias gradients
-// follow the fixed two-stage reduction of value_head_math.h, with one parallel task per row block.
+// follow the fixed two-stage reduction of value_head/math.h, with one parallel task per row block.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
-#include "torch_utils.h"
-#include "value_head_args.h"
+#include "common/torch_utils.h"
+#include "value_head/args.h"
 
-namespace fused_rl_ops {
+namespace fused_rl_ops::value_head {
 namespace {
 
 // Loads and stores a row in chunks of two accumulator vectors, whatever the element type.
@@ -43,7 +43,7 @@ int64_t row_grain(int64_t H) { return std::max<int64_t>(1, 32768 / H); }
 
 // Rows handled side by side: the weight or partial chunk is loaded once for all of them, and the
 // rows stream in parallel (more memory traffic in flight than one row gives).
-constexpr int kRowGroup = 4;
+constexpr int kRowsAtOnce = 4;
 
 // out[i] = sum_j h[i * H + j] w[j] for kRows consecutive rows.
 template <int kRows, typename scalar_t, typename acc = acc_t<scalar_t>>
@@ -134,7 +134,7 @@ at::Tensor value_head_cpu(const at::Tensor& hidden_in, const at::Tensor& weight_
     auto* v = out.mutable_data_ptr<acc>();
     at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
       int64_t r = r0;
-      for (; r + kRowGroup <= r1; r += kRowGroup) dot_rows<kRowGroup>(h + r * H, H, w, v + r);
+      for (; r + kRowsAtOnce <= r1; r += kRowsAtOnce) dot_rows<kRowsAtOnce>(h + r * H, H, w, v + r);
       for (; r < r1; ++r) dot_rows<1>(h + r * H, H, w, v + r);
       for (r = r0; r < r1; ++r) v[r] += b;
     });
@@ -186,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor> value_head_backward_params_cpu(const at::Tens
       for (int64_t b = b0; b < b1; ++b) {
         const auto [r0, r1] = value_head_block_rows(b, rows);
         int64_t r = r0;
-        for (; r + kRowGroup <= r1; r += kRowGroup) accumulate_rows<kRowGroup>(g + r, h + r * H, H, wp + b * H);
+        for (; r + kRowsAtOnce <= r1; r += kRowsAtOnce) accumulate_rows<kRowsAtOnce>(g + r, h + r * H, H, wp + b * H);
         for (; r < r1; ++r) accumulate_rows<1>(g + r, h + r * H, H, wp + b * H);
         acc g_sum = 0;
         for (r = r0; r < r1; ++r) g_sum += g[r];
@@ -207,4 +207,4 @@ TORCH_LIBRARY_IMPL(fused_rl_ops, CPU, m) {
   m.impl("value_head_backward_params", &value_head_backward_params_cpu);
 }
 
-}  // namespace fused_rl_ops
+}  // namespace fused_rl_ops::value_head

@@ -1,0 +1,26 @@
+// launch_kernel: how every launcher (csrc/<op>/kernel.cu) starts a kernel. Under nvcc it is
+// kernel<<<grid, block, shared_bytes, stream>>>(args...); the kernels-on-CPU tests compile the
+// same launchers with g++ against tests/kernels_on_cpu/cuda_on_host.h (which defines
+// CUDA_ON_HOST), where it runs the kernel on the host, so they check the launchers' grids too.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+namespace fused_rl_ops {
+
+template <typename... Params, typename... Args>
+inline void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                          Args&&... args) {
+#if defined(__CUDACC__)
+  kernel<<<grid, block, shared_bytes, stream>>>(std::forward<Args>(args)...);
+#elif defined(CUDA_ON_HOST)
+  (void)stream;  // the host model runs launches one after another
+  cuda_on_host::launch(kernel, grid, block, shared_bytes, std::forward<Args>(args)...);
+#else
+#error "kernel launches are compiled by nvcc, or by the kernels-on-CPU tests (tests/kernels_on_cpu/cuda_on_host.h)"
+#endif
+}
+
+}  // namespace fused_rl_ops
