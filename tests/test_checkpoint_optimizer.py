@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from fused_rl_ops.checkpoint import ShardingMetadataError, load_sharded, save_sharded
-from fused_rl_ops.testing.checkpoint import (LAYOUT, add_parameter, flip_bits, legacy, reference_shard,
-                                             reference_unshard, same_bits, stored_items, tp_group_of_size)
+from fused_rl_ops.testing.checkpoint import (LAYOUT, add_parameter, flip_bits, gathered, legacy, reference_shard,
+                                             same_bits, stored_items, tp_group_of_size)
 from fused_rl_ops.testing.distributed import run_distributed
 
 pytestmark = pytest.mark.usefixtures("checkpoint_dependencies")
@@ -61,15 +61,6 @@ def train(module, optimizer, layout, tp, rank, steps, first_step=0, name_of=lamb
             loss = loss + (torch.cos(3 * p) + noise * p).float().sum()
         loss.backward()
         optimizer.step()
-
-
-def gathered(local, split, group):
-    """The logical tensor whose shards the ranks of group hold (local is this rank's)."""
-    if split is None:
-        return local.detach().clone()
-    shards = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shards, local.detach().clone(), group=group)  # pickled: bit for bit
-    return reference_unshard(shards, *split)
 
 
 def logical_state(module, optimizer, layout, group, name_of=lambda name: name):

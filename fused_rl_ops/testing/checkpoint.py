@@ -64,18 +64,19 @@ def perturb(model, tp_rank, seed, layer_offset=0):
             param.copy_(0.2 * torch.randn(param.shape, generator=generator))
 
 
+def gathered(local, split, group):
+    """The logical tensor whose shards (split: (dim, stride), None for a replicated tensor) the ranks
+    of group hold, local being this rank's; assembled by the test's reference rule."""
+    if split is None:
+        return local.detach().clone()
+    shards = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shards, local.detach().clone(), group=group)  # pickled: bit for bit
+    return reference_unshard(shards, *split)
+
+
 def gathered_logical(model, group):
     """The logical tensors of a TP-sharded model, assembled by the test's reference rule."""
-    logical = {}
-    for name, param in model.named_parameters():
-        split = partition_of(param)
-        if split is None:
-            logical[name] = param.detach().clone()
-            continue
-        shards = [torch.empty_like(param) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(shards, param.detach().contiguous(), group=group)
-        logical[name] = reference_unshard(shards, *split)
-    return logical
+    return {name: gathered(param, partition_of(param), group) for name, param in model.named_parameters()}
 
 
 def legacy(dim, stride=1):
