@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fused_rl_ops.testing.checkpoint import gathered, partition_of, reference_shard, same_bits
+from fused_rl_ops.testing.checkpoint import (assert_same_training_state, gathered, partition_of, reference_shard,
+                                             same_bits)
 from fused_rl_ops.testing.distributed import run_distributed
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
@@ -84,17 +85,6 @@ def logical_training_state(model, optimizer):
 
 def param_groups(optimizer):
     return optimizer.state_dict()["param_groups"]
-
-
-def assert_same_training_state(model, optimizer, expected_model, expected_optimizer):
-    expected = training_state(expected_model, expected_optimizer)
-    held = training_state(model, optimizer)
-    assert held.keys() == expected.keys()
-    for name, tensors in held.items():
-        assert tensors.keys() == expected[name].keys(), name
-        for key, value in tensors.items():
-            assert same_bits(value, expected[name][key]), (name, key)
-    assert param_groups(optimizer) == param_groups(expected_optimizer)
 
 
 def assert_holds_shards_of(model, optimizer, logical):

@@ -40,6 +40,19 @@ def reference_unshard(shards, dim, stride):
     return torch.cat([blocks[r][b] for b in range(stride) for r in range(len(shards))], dim)
 
 
+def assert_same_training_state(module, optimizer, expected_module, expected_optimizer):
+    """module's parameters and optimizer's state are bitwise those of expected_module and
+    expected_optimizer, name by name, and the param groups (hyperparameters) are equal."""
+    expected = dict(expected_module.named_parameters())
+    held = dict(module.named_parameters())
+    assert held.keys() == expected.keys(), sorted(held.keys() ^ expected.keys())
+    for name, param in held.items():
+        assert same_bits(param, expected[name]), name
+        state, wanted = optimizer.state[param], expected_optimizer.state[expected[name]]
+        assert state.keys() == wanted.keys() and all(same_bits(state[k], wanted[k]) for k in wanted), name
+    assert optimizer.state_dict()["param_groups"] == expected_optimizer.state_dict()["param_groups"]
+
+
 def partition_of(param):
     """(dim, stride) from Megatron's own legacy attributes, or None when replicated."""
     if getattr(param, "tensor_model_parallel", False):
