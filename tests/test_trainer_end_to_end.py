@@ -56,7 +56,7 @@ def build(seed, lr=1e-2):
     return model, ddp_model, optimizer
 
 
-def train(model, ddp_model, optimizer, steps):
+def train(ddp_model, optimizer, steps):
     """PPO steps; each step's rollout depends on the step and the data-parallel rank only."""
     for step in steps:
         seed = 100 * step + parallel_state.get_data_parallel_rank()
@@ -107,7 +107,7 @@ def _train_save_resume_reshard(rank, world_size, path):
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert {id(p) for p in model.value_head.parameters()} <= in_optimizer  # attach made it the model's
     initial_head = {name: p.detach().clone() for name, p in model.value_head.named_parameters()}
-    train(model, ddp_model, optimizer, range(STEPS_BEFORE_SAVE))
+    train(ddp_model, optimizer, range(STEPS_BEFORE_SAVE))
     for name, initial in initial_head.items():
         assert torch.all(model.value_head.get_parameter(name) != initial), f"value_head.{name} did not train"
 
@@ -116,13 +116,13 @@ def _train_save_resume_reshard(rank, world_size, path):
     saved_groups = param_groups(optimizer)
 
     # The same layout: resumed by a fresh model and optimizer, and the run that was not interrupted.
-    train(model, ddp_model, optimizer, range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE))
+    train(ddp_model, optimizer, range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE))
     resumed, resumed_ddp, resumed_optimizer = build(seed=2, lr=0.5)
     assert not same_bits(resumed.value_head.weight, model.value_head.weight)
     load_sharded(resumed, path, optimizer=resumed_optimizer)
     assert_holds_shards_of(resumed, resumed_optimizer, saved)
     assert param_groups(resumed_optimizer) == saved_groups  # lr 1e-2 again
-    train(resumed, resumed_ddp, resumed_optimizer, range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE))
+    train(resumed_ddp, resumed_optimizer, range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE))
     assert_same_training_state(resumed, resumed_optimizer, model, optimizer)
 
     # Other layouts: the model and optimizer state the TP 2 ranks held, gathered, at TP 1 and TP 4.
