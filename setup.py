@@ -51,7 +51,12 @@ elif not CUDA_HOME:
 # "common/..." from csrc.
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 sources = ["csrc/module.cpp"] + sorted(glob.glob("csrc/*/cpu.cpp"))
-cxx_flags = ["-O3", "-Wall", "-Wno-unknown-pragmas"]  # ATen's vec headers use #pragma unroll
+# ATen's vec headers use #pragma unroll. No implicit FMA contraction, on the CPU (-ffp-contract=off)
+# or the GPU (--fmad=false): chosen_logprob's backward recomputes the forward's shifted logits
+# z / T - max and needs them bit for bit (a contracted z * (1/T) - max is the product's rounding
+# error, not 0, and at |z / T| ~ 1e7 that is exp(+-0.5) in a probability of 1), and every kernel
+# then rounds as its formula is written, the same on both devices.
+cxx_flags = ["-O3", "-Wall", "-Wno-unknown-pragmas", "-ffp-contract=off"]
 link_flags = []
 if platform.system() == "Linux":
     # at::parallel_for is inline and runs serially unless the extension itself is compiled with
@@ -70,7 +75,7 @@ if WITH_CUDA:
         "fused_rl_ops._C",
         sources,
         include_dirs=[CSRC],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr", "--fmad=false"]},
         extra_link_args=link_flags,
     )
 else:

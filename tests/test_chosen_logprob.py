@@ -326,3 +326,26 @@ def test_cuda_peak_memory_within_workspace_at_large_vocab():
     extra = torch.cuda.max_memory_allocated() - base
     # workspace + the fp32 hidden-gradient accumulator + per-token state; the logits alone would be 2 GiB
     assert extra <= workspace + 4 * N * H + 2**20 * 8, extra
+
+
+@pytest.mark.parametrize("V", [1, 3, 300])
+def test_one_hot_softmax_passes_no_gradient(device, V):
+    """Logits of order 1e7 make the softmax one-hot: float64 gives the chosen token probability 1
+    and every logit gradient 0. The backward recomputes the forward's shifted logits z / T - max,
+    which must come out bit for bit as in the forward (no FMA contraction of z * (1/T) - max, whose
+    result would be the product's rounding error: an error of order 1 in a probability of 1)."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(40, 8, generator=g, dtype=torch.float64) * 3000
+    weight = torch.randn(V, 8, generator=g, dtype=torch.float64) * 3000
+    logits = hidden @ weight.T
+    tokens = logits.argmax(-1)  # the one token with probability 1
+    tokens[:5] = -100
+    grad_lp, grad_ent = torch.randn(40, generator=g), torch.randn(40, generator=g)
+    lp, ent, grad_h, grad_w = run_ours(hidden.float().to(device), weight.float().to(device), tokens.to(device),
+                                       grad_lp.to(device), grad_ent.to(device), temperature=1.7)
+    want_lp, want_ent, want_h, want_w = reference_outputs_and_grads(hidden, weight, tokens, grad_lp, grad_ent,
+                                                                    temperature=1.7)
+    assert torch.equal(want_h, torch.zeros_like(want_h)) and torch.equal(want_w, torch.zeros_like(want_w))
+    assert torch.equal(lp.cpu().double(), want_lp) and torch.equal(ent.cpu().double(), want_ent)
+    assert torch.equal(grad_h.cpu(), torch.zeros_like(grad_h.cpu()))
+    assert torch.equal(grad_w.cpu(), torch.zeros_like(grad_w.cpu()))

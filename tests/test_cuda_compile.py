@@ -22,7 +22,7 @@ def nvcc_path():
 @pytest.mark.parametrize("source", CU_FILES, ids=lambda path: os.path.basename(os.path.dirname(path)))
 def test_compiles_for_sm90_without_warnings_or_spills(source, tmp_path):
     result = subprocess.run(
-        [nvcc_path(), "-std=c++17", "-O3", "-arch=sm_90", "-Werror", "all-warnings", "-Xptxas", "-v",
+        [nvcc_path(), "-std=c++17", "-O3", "--fmad=false", "-arch=sm_90", "-Werror", "all-warnings", "-Xptxas", "-v",
          f"-I{CSRC}", "-c", source, "-o", str(tmp_path / "out.o")],
         capture_output=True, text=True,
     )
