@@ -26,12 +26,12 @@ TORCH_LIBRARY(fused_rl_ops, m) {
   // row_block / pass_rows: GEMMs of exactly row_block token rows, pass_rows rows per workspace
   // (0: all rows at once); see RowTiling in chosen_logprob/chunks.h.
   m.def(
-      "chosen_logprob_stats(Tensor hidden, Tensor weight, Tensor tokens, float temperature, int vocab_start, int chunk_size, "
+      "chosen_logprob_stats(Tensor hidden, Tensor weight, Tensor tokens, float temperature, float? softcap, int vocab_start, int chunk_size, "
       "int row_block=0, int pass_rows=0) -> Tensor");
   m.def("chosen_logprob_combine(Tensor partials) -> Tensor");
   m.def(
       "chosen_logprob_backward(Tensor hidden, Tensor weight, Tensor tokens, Tensor row_max, Tensor lse, Tensor mean, "
-      "Tensor grad_logprob, Tensor grad_entropy, float temperature, int vocab_start, int valid_rows, int chunk_size, "
+      "Tensor grad_logprob, Tensor grad_entropy, float temperature, float? softcap, int vocab_start, int valid_rows, int chunk_size, "
       "int row_block=0, int pass_rows=0, Tensor(a!)? main_grad=None) -> (Tensor, Tensor)");
   m.def("value_head(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor");
   m.def("value_head_backward_hidden(Tensor grad_out, Tensor weight, ScalarType dtype) -> Tensor");

@@ -91,8 +91,8 @@ void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_
 // token is not in [vocab_start, vocab_start + V).
 template <class Backend>
 at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                      double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
-                      int64_t pass_rows) {
+                      double temperature, std::optional<double> softcap, int64_t vocab_start,
+                      int64_t chunk_size, int64_t row_block, int64_t pass_rows) {
   check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0);
@@ -105,7 +105,8 @@ at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const 
       aligned_rows(Backend::gemm_operand(hidden.contiguous(), acc), tiling), weight, chunk_size, tiling,
       [&](const at::Tensor& logits, int64_t rows, const at::Tensor&, int64_t c0, int64_t r0) {
         at::Tensor z = logits.narrow(0, 0, rows), stats_rows = stats.narrow(0, r0, rows);
-        Backend::stats_rows(z, tok.narrow(0, r0, rows), vocab_start + c0, 1.0 / temperature, stats_rows);
+        Backend::stats_rows(z, tok.narrow(0, r0, rows), vocab_start + c0, temperature, softcap.value_or(0.0),
+                            stats_rows);
       });
   return stats;
 }
@@ -126,7 +127,7 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
                                                  const at::Tensor& lse, const at::Tensor& mean,
                                                  const at::Tensor& grad_logprob,
                                                  const at::Tensor& grad_entropy, double temperature,
-                                                 int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
+                                                 std::optional<double> softcap, int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
                                                  int64_t row_block, int64_t pass_rows,
                                                  const std::optional<at::Tensor>& main_grad) {
   check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
@@ -160,7 +161,7 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
     at::Tensor z = logits.narrow(0, 0, rows);
     Backend::grad_rows(z, tok.narrow(0, r0, rows), vocab_start + c0, max_c.narrow(0, r0, rows),
                        lse_c.narrow(0, r0, rows), mean_c.narrow(0, r0, rows), gl.narrow(0, r0, rows),
-                       ge.narrow(0, r0, rows), 1.0 / temperature);
+                       ge.narrow(0, r0, rows), temperature, softcap.value_or(0.0));
     // The padding rows of a last block hold the logits of zero rows (zeros) and reach only
     // grad_h_tail's padding.
     const at::Tensor d = Backend::grad_operand(logits, hidden.scalar_type());
