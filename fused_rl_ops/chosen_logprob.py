@@ -21,7 +21,7 @@ from ._checks import check_hidden_size, check_softcap, check_temperature, values
 DEFAULT_WORKSPACE_BYTES = 64 * 2**20
 _MIN_CHUNK = 128
 # batch_invariant=True: (token rows per GEMM, vocab rows per chunk) by device, fixed so that every
-# GEMM has one shape whatever the batch (see RowTiling in csrc/logprob_chunks.h). Row blocks are
+# GEMM has one shape whatever the batch (see RowTiling in csrc/chosen_logprob/chunks.h). Row blocks are
 # multiples of 128, so every block of an aligned hidden starts aligned (aligned_rows there).
 INVARIANT_TILING = {"cpu": (512, 2048), "cuda": (512, 4096)}
 

@@ -60,12 +60,11 @@ FUSED_RL_OPS_TEST_DEVICES=cuda step tests 200 $PY -m pytest -q --maxfail=30 --du
 for tool in memcheck racecheck synccheck; do
   step "sanitizer_$tool" 90 compute-sanitizer --tool "$tool" --error-exitcode 1 $PY scripts/sanitizer_cases.py
 done
-for bench in benchmarks/bench_{chosen_logprob,swiglu,value_head}.py; do  # the kernel benchmarks
-  name="$(basename "$bench" .py)"
-  step "$name" 150 $PY "$bench" --device cuda --json "$OUT/$name.json"
+for name in bench_chosen_logprob bench_clamped_swiglu bench_value_head; do  # the kernel benchmarks
+  step "$name" 150 $PY -m "benchmarks.$name" --device cuda --json "$OUT/$name.json"
   grep '^peer ' "$OUT/$name.log" || true  # which peers ran, which are missing and why
 done
-step report 30 $PY benchmarks/report.py "$OUT"
+step report 30 $PY -m benchmarks.report "$OUT"
 
 {
   echo "{"

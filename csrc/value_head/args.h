@@ -55,11 +55,23 @@ inline void check_value_head_grad(const at::Tensor& grad_out, at::IntArrayRef hi
               " on ", grad_out.device());
 }
 
-// Shape of the hidden gradient: grad_out's shape with H appended.
-inline std::vector<int64_t> value_head_hidden_shape(const at::Tensor& grad_out, int64_t H) {
+// value_head_backward_hidden's arguments checked; returns the hidden gradient's shape (grad_out's
+// with H appended).
+inline std::vector<int64_t> backward_hidden_shape(const at::Tensor& grad_out, const at::Tensor& weight,
+                                                  at::ScalarType hidden_dtype) {
+  const int64_t H = weight.size(-1);
+  check_value_head_weight(weight, H, hidden_dtype);
   auto shape = grad_out.sizes().vec();
   shape.push_back(H);
+  check_value_head_grad(grad_out, shape, hidden_dtype, weight);
   return shape;
+}
+
+// value_head_backward_params's arguments checked.
+inline void check_backward_params_args(const at::Tensor& grad_out, const at::Tensor& hidden) {
+  TORCH_CHECK(hidden.dim() >= 1 && hidden.size(-1) >= 1,
+              "value_head backward: hidden must be [..., H] with H >= 1, got ", hidden.sizes());
+  check_value_head_grad(grad_out, hidden.sizes(), hidden.scalar_type(), hidden);
 }
 
 }  // namespace fused_rl_ops::value_head

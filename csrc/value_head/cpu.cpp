@@ -144,10 +144,8 @@ at::Tensor value_head_cpu(const at::Tensor& hidden_in, const at::Tensor& weight_
 
 at::Tensor value_head_backward_hidden_cpu(const at::Tensor& grad_out_in, const at::Tensor& weight_in,
                                           at::ScalarType dtype) {
-  const int64_t H = weight_in.size(-1);
-  check_value_head_weight(weight_in, H, dtype);
-  const auto hidden_shape = value_head_hidden_shape(grad_out_in, H);
-  check_value_head_grad(grad_out_in, hidden_shape, dtype, weight_in);
+  const auto hidden_shape = backward_hidden_shape(grad_out_in, weight_in, dtype);
+  const int64_t H = hidden_shape.back();
   const at::ScalarType acc_type = acc_dtype(dtype);
   const at::Tensor grad_out = grad_out_in.contiguous(), weight = value_head_weight(weight_in, acc_type);
   at::Tensor grad_hidden = at::empty(hidden_shape, grad_out.options().dtype(dtype));
@@ -166,9 +164,7 @@ at::Tensor value_head_backward_hidden_cpu(const at::Tensor& grad_out_in, const a
 
 std::tuple<at::Tensor, at::Tensor> value_head_backward_params_cpu(const at::Tensor& grad_out_in,
                                                                   const at::Tensor& hidden_in) {
-  TORCH_CHECK(hidden_in.dim() >= 1 && hidden_in.size(-1) >= 1,
-              "value_head backward: hidden must be [..., H] with H >= 1, got ", hidden_in.sizes());
-  check_value_head_grad(grad_out_in, hidden_in.sizes(), hidden_in.scalar_type(), hidden_in);
+  check_backward_params_args(grad_out_in, hidden_in);
   const at::Tensor hidden = hidden_in.contiguous(), grad_out = grad_out_in.contiguous();
   const at::ScalarType acc_type = acc_dtype(hidden.scalar_type());
   const int64_t H = hidden.size(-1), rows = grad_out.numel(), blocks = value_head_row_blocks(rows);

@@ -28,10 +28,8 @@ at::Tensor value_head_cuda(const at::Tensor& hidden_in, const at::Tensor& weight
 
 at::Tensor value_head_backward_hidden_cuda(const at::Tensor& grad_out_in, const at::Tensor& weight_in,
                                            at::ScalarType hidden_dtype) {
-  const int64_t H = weight_in.size(-1);
-  check_value_head_weight(weight_in, H, hidden_dtype);
-  const auto hidden_shape = value_head_hidden_shape(grad_out_in, H);
-  check_value_head_grad(grad_out_in, hidden_shape, hidden_dtype, weight_in);
+  const auto hidden_shape = backward_hidden_shape(grad_out_in, weight_in, hidden_dtype);
+  const int64_t H = hidden_shape.back();
   const c10::cuda::CUDAGuard guard(grad_out_in.device());
   const at::Tensor grad_out = grad_out_in.contiguous(), weight = value_head_weight(weight_in, at::kFloat);
   at::Tensor grad_hidden = at::empty(hidden_shape, grad_out.options().dtype(hidden_dtype));
@@ -43,9 +41,7 @@ at::Tensor value_head_backward_hidden_cuda(const at::Tensor& grad_out_in, const 
 
 std::tuple<at::Tensor, at::Tensor> value_head_backward_params_cuda(const at::Tensor& grad_out_in,
                                                                    const at::Tensor& hidden_in) {
-  TORCH_CHECK(hidden_in.dim() >= 1 && hidden_in.size(-1) >= 1,
-              "value_head backward: hidden must be [..., H] with H >= 1, got ", hidden_in.sizes());
-  check_value_head_grad(grad_out_in, hidden_in.sizes(), hidden_in.scalar_type(), hidden_in);
+  check_backward_params_args(grad_out_in, hidden_in);
   const DType dtype = to_dtype(hidden_in);
   const c10::cuda::CUDAGuard guard(hidden_in.device());
   const at::Tensor hidden = hidden_in.contiguous(), grad_out = grad_out_in.contiguous();
