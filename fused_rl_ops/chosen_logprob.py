@@ -205,8 +205,8 @@ class _Options:
 class _ChosenLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, ignore, main_grad, opts):
-        stats = ops.chosen_logprob_stats(hidden, weight[:opts.valid_rows], tokens, opts.temperature, opts.softcap,
-                                         opts.vocab_start, *opts.tiling)
+        stats = ops.chosen_logprob_stats(hidden, weight[:opts.valid_rows], tokens, opts.temperature, opts.vocab_start,
+                                         *opts.tiling, softcap=opts.softcap)
         if opts.distributed:
             gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(opts.tp_group))]
             dist.all_gather(gathered, stats, group=opts.tp_group)
@@ -236,8 +236,8 @@ class _ChosenLogprob(torch.autograd.Function):
         # One [V_local, H] weight gradient, padded rows zeroed by the op; or none, added into main_grad.
         grad_hidden, grad_weight = ops.chosen_logprob_backward(
             hidden, weight, tokens, row_max, log_sum, log_sum - entropy, grad_logprob.to(entropy.dtype).contiguous(),
-            grad_entropy.to(entropy.dtype).contiguous(), opts.temperature, opts.softcap, opts.vocab_start, opts.valid_rows,
-            *opts.tiling, ctx.main_grad)
+            grad_entropy.to(entropy.dtype).contiguous(), opts.temperature, opts.vocab_start, opts.valid_rows,
+            *opts.tiling, ctx.main_grad, softcap=opts.softcap)
         if ctx.main_grad is not None:
             grad_weight = _main_grad_placeholder(ctx.weight_param)
         if opts.reduce_hidden_grad and opts.distributed:
@@ -359,7 +359,7 @@ def chosen_logprob(
 
 
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_stats")
-def _(hidden, weight, tokens, temperature, softcap, vocab_start, chunk_size, row_block=0, pass_rows=0):
+def _(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block=0, pass_rows=0, softcap=None):
     return hidden.new_empty(hidden.shape[0], 4, dtype=acc_dtype(hidden.dtype))
 
 
@@ -369,7 +369,7 @@ def _(partials):
 
 
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_backward")
-def _(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy, temperature, softcap, vocab_start,
-      valid_rows, chunk_size, row_block=0, pass_rows=0, main_grad=None):
+def _(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy, temperature, vocab_start, valid_rows,
+      chunk_size, row_block=0, pass_rows=0, main_grad=None, softcap=None):
     grad_weight = weight.new_empty(0, weight.shape[1]) if main_grad is not None else torch.empty_like(weight)
     return hidden.new_empty(hidden.shape, dtype=acc_dtype(hidden.dtype)), grad_weight

@@ -217,3 +217,40 @@ def tensor_parallel_checks(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_matches_float64(world):
     run_distributed(tensor_parallel_checks, world)
+
+
+def test_opcheck_and_gradcheck(device):
+    """The ops' schemas and fake kernels take softcap; float64 gradients through tanh are exact."""
+    hidden, weight, tokens, _ = make_inputs(2.0, n=9, v=200, vocab=200)
+    hidden, weight, tokens = hidden.to(device), weight.to(device), tokens.to(device)
+    ops = torch.ops.fused_rl_ops
+    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, 0, 128), dict(softcap=2.0))
+    stats = ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, 0, 128, softcap=2.0)
+    row_max, log_sum, ent, _ = ops.chosen_logprob_combine(stats[None]).unbind(1)
+    per_token = [row_max.contiguous(), log_sum.contiguous(), (log_sum - ent).contiguous(),
+                 torch.randn(9, device=device), torch.randn(9, device=device)]
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128, 4, 8),
+                          dict(softcap=2.0))
+    h, w = hidden[:4].double().cpu().requires_grad_(True), weight[:40].double().cpu().requires_grad_(True)
+    ids = torch.tensor([0, 39, 17, -100])
+
+    def fn(h, w):
+        return fused_rl_ops.chosen_logprob(h, w, ids, temperature=0.9, softcap=2.0, return_entropy=True)
+
+    assert torch.autograd.gradcheck(fn, (h, w))
+
+
+def test_compiles_fullgraph_with_a_softcap():
+    hidden, weight, tokens, grads = make_inputs(3.0, n=12)
+
+    def step(h, w, t):
+        lp, ent = fused_rl_ops.chosen_logprob(h, w, t, temperature=TEMPERATURE, softcap=3.0, vocab_size=VOCAB,
+                                              return_entropy=True)
+        return (lp * grads[0] + ent * grads[1]).sum(), lp, ent
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss, lp, ent = compiled(h, w, tokens)
+    loss.backward()
+    assert_same([lp, ent, h.grad, w.grad], float64_results(hidden, weight, tokens, grads, 3.0),
+                TOLERANCE[torch.float32])

@@ -242,7 +242,7 @@ def test_chosen_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature)
     earlier = torch.randn(N, 30, dtype=torch.float64) * 3
     has_earlier = torch.arange(N) < N // 2
     stats = running_stats(earlier, has_earlier)
-    got = run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, passes)
+    got = run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, temperature, passes)
 
     z = (logits * inv_temp).double()  # the kernel's fp32 product, exactly
     seen = torch.where(has_earlier[:, None], torch.cat([earlier, z], 1),
@@ -270,12 +270,14 @@ def running_stats(earlier, has_earlier):
     return stats
 
 
-def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, passes):
-    """chosen_logprob_stats_rows_kernel merging logits [N, C] into stats; returns the stats it wrote, in float64."""
+def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, temperature, passes, softcap=0.0):
+    """chosen_logprob_stats_rows_kernel merging logits [N, C] into stats (softcap 0: none); returns the stats it
+    wrote, in float64."""
     N, C = logits.shape
     out, [launch] = run_case(drivers, "chosen_logprob", "stats_rows",
                              {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats)},
-                             {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, passes=passes, tmp_dir=tmp_path)
+                             {"N": N, "C": C, "col0": col0, "temperature": temperature, "softcap": softcap},
+                             passes=passes, tmp_dir=tmp_path)
     assert_passes(launch, N, passes, rows_per_block=launch.block[0] // 32)  # a warp per row
     return out["stats"].double()
 
@@ -299,7 +301,7 @@ def test_chosen_logprob_grad_rows(drivers, tmp_path, N, C, passes, temperature):
     row_max, log_sum, ent = combined_stats64(torch.cat([z, torch.randn(N, 50, dtype=torch.float64)], 1))
     mean = log_sum - ent
     gl, ge = torch.randn(N), torch.randn(N)
-    out = run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp, passes)
+    out = run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl, ge, col0, temperature, passes)
     expected, tol = grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp)
     assert_within(out, expected, tol, "logit gradients")
 
@@ -312,14 +314,16 @@ def combined_stats64(z):
     return m, lse - m, ent
 
 
-def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp, passes):
-    """chosen_logprob_grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32); returns the
-    gradients it wrote in place."""
+def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl, ge, col0, temperature, passes,
+                  softcap=0.0):
+    """chosen_logprob_grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32; softcap 0:
+    none); returns the gradients it wrote in place."""
     N, C = logits.shape
     out, [launch] = run_case(drivers, "chosen_logprob", "grad_rows",
                              {"logits": Buf(logits), "tokens": Buf(tokens), "row_max": Buf(row_max.float()),
                               "lse": Buf(log_sum.float()), "mean": Buf(mean.float()), "gl": Buf(gl), "ge": Buf(ge)},
-                             {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, passes=passes, tmp_dir=tmp_path)
+                             {"N": N, "C": C, "col0": col0, "temperature": temperature, "softcap": softcap},
+                             passes=passes, tmp_dir=tmp_path)
     assert_passes(launch, N, passes)
     return out["logits"]
 
@@ -411,7 +415,7 @@ def test_chosen_logprob_stats_rows_nonfinite(drivers, tmp_path, C, passes):
     earlier[12, 5] = math.nan
     has_earlier = torch.arange(N) % 2 == 0
     stats = running_stats(earlier, has_earlier)
-    got = run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, passes)
+    got = run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, 0.7, passes)
     nan_rows = torch.zeros(N, dtype=torch.bool)
     nan_rows[:4] = nan_rows[12] = True
     assert torch.equal(got[:, :3].isnan(), nan_rows[:, None].expand(N, 3)), "NaN partials"
@@ -444,7 +448,7 @@ def test_chosen_logprob_grad_rows_nonfinite(drivers, tmp_path, passes):
     mean = log_sum - ent
     assert row_max[:4].isnan().all() and row_max[4:].isfinite().all()
     gl, ge = torch.randn(N), torch.randn(N)
-    got = run_grad_rows(drivers, tmp_path, logits.clone(), tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp,
+    got = run_grad_rows(drivers, tmp_path, logits.clone(), tokens, row_max, log_sum, mean, gl, ge, col0, 1.3,
                         passes)
     expected, tol = grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp)
     assert expected[:4].isnan().all() and expected[4:].isfinite().all()

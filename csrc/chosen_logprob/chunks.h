@@ -2,8 +2,8 @@
 // GEMMs and the hand-written row kernels:
 //   gemm_operand(t, acc)                 t as the GEMMs take it (CPU: converted to acc dtype)
 //   logits(h, w, out)                    out = h w^T, accumulated and stored in acc dtype
-//   stats_rows(logits, tokens, col0, inv_temp, stats)            merge a chunk into the row stats
-//   grad_rows(logits, tokens, col0, row_max, lse, mean, gl, ge, inv_temp)
+//   stats_rows(logits, tokens, col0, temperature, softcap, stats)   merge a chunk into the row stats
+//   grad_rows(logits, tokens, col0, row_max, lse, mean, gl, ge, temperature, softcap)
 //                                        logits -> d(loss)/d(logits) in place
 //   grad_operand(dlogits, dtype)         the logit gradients as the gradient GEMMs take them
 //   add_mm(out, a, b)                    out += a b, out in acc dtype
@@ -88,11 +88,12 @@ void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_
 }
 
 // [N, 4] per-token partials (max, sum, ent, chosen) of this shard's logits; chosen is 0 where the
-// token is not in [vocab_start, vocab_start + V).
+// token is not in [vocab_start, vocab_start + V). The row kernels take raw logits and apply the
+// temperature and the softcap (softcap 0 below: none) themselves, with chosen_logprob/math.h's maps.
 template <class Backend>
 at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                      double temperature, std::optional<double> softcap, int64_t vocab_start,
-                      int64_t chunk_size, int64_t row_block, int64_t pass_rows) {
+                      double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
+                      int64_t pass_rows, std::optional<double> softcap) {
   check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0);
@@ -127,9 +128,10 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
                                                  const at::Tensor& lse, const at::Tensor& mean,
                                                  const at::Tensor& grad_logprob,
                                                  const at::Tensor& grad_entropy, double temperature,
-                                                 std::optional<double> softcap, int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
+                                                 int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
                                                  int64_t row_block, int64_t pass_rows,
-                                                 const std::optional<at::Tensor>& main_grad) {
+                                                 const std::optional<at::Tensor>& main_grad,
+                                                 std::optional<double> softcap) {
   check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
   check_backward_args(weight, valid_rows, main_grad);
   const auto acc = acc_dtype(hidden.scalar_type());

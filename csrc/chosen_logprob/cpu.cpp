@@ -118,10 +118,10 @@ struct CpuBackend {
 };
 
 at::Tensor stats_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                     double temperature, std::optional<double> softcap, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
-                     int64_t pass_rows) {
-  return stats_impl<CpuBackend>(hidden, weight, tokens, temperature, softcap, vocab_start, chunk_size, row_block,
-                                pass_rows);
+                     double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
+                     int64_t pass_rows, std::optional<double> softcap) {
+  return stats_impl<CpuBackend>(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block,
+                                pass_rows, softcap);
 }
 
 std::tuple<at::Tensor, at::Tensor> backward_cpu(const at::Tensor& hidden, const at::Tensor& weight,
@@ -129,12 +129,13 @@ std::tuple<at::Tensor, at::Tensor> backward_cpu(const at::Tensor& hidden, const 
                                                 const at::Tensor& lse, const at::Tensor& mean,
                                                 const at::Tensor& grad_logprob,
                                                 const at::Tensor& grad_entropy, double temperature,
-                                                std::optional<double> softcap, int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
+                                                int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
                                                 int64_t row_block, int64_t pass_rows,
-                                                const std::optional<at::Tensor>& main_grad) {
+                                                const std::optional<at::Tensor>& main_grad,
+                                                std::optional<double> softcap) {
   return backward_impl<CpuBackend>(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy,
-                                   temperature, softcap, vocab_start, valid_rows, chunk_size, row_block, pass_rows,
-                                   main_grad);
+                                   temperature, vocab_start, valid_rows, chunk_size, row_block, pass_rows,
+                                   main_grad, softcap);
 }
 
 at::Tensor combine_cpu(const at::Tensor& partials_in) {
