@@ -330,10 +330,18 @@ def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl,
 
 def grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp):
     """float64 gradients d(gl logprob + ge entropy)/d(logits) from the fp32 per-row values the
-    kernel gets, and their tolerance. A logit of probability 0 (-inf) gets none (the limit of
-    p (z - mean) as p -> 0; float64 would say 0 * inf = NaN); NaN anywhere stays NaN."""
-    N, C = logits.shape
-    zr = (logits * inv_temp).double() - row_max.float().double()[:, None]  # z - m
+    kernel gets, and their tolerance."""
+    d, scale = logit_grads64((logits * inv_temp).double(), tokens, row_max, log_sum, mean, gl, ge, col0)
+    return d * inv_temp, 8 * FP32_EPS * scale * inv_temp + 1e-30
+
+
+def logit_grads64(z, tokens, row_max, log_sum, mean, gl, ge, col0, z_error=0.0):
+    """float64 d(gl logprob + ge entropy)/dz of float64 logits z from the fp32 per-row values the
+    kernel gets, and the scale of its fp32 error (in eps; z_error: the absolute error of the
+    kernel's own z). A logit of probability 0 (-inf) gets none (the limit of p (z - mean) as
+    p -> 0; float64 would say 0 * inf = NaN); NaN anywhere stays NaN."""
+    N, C = z.shape
+    zr = z - row_max.float().double()[:, None]  # z - m
     l, mu = log_sum.float().double()[:, None], mean.float().double()[:, None]
     g, e = gl.double()[:, None], ge.double()[:, None]
     p = (zr - l).exp()
@@ -343,10 +351,9 @@ def grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, in
     # A handful of fp32 roundings per element (z - m among them: |z - m| eps absolute), exp's
     # relative error growing with |z - m - lse|, and the chosen column's addition of gl.
     zr_f = torch.where(zr.isfinite(), zr, 0.0)
-    factor = torch.where(p == 0, 0.0,
-                         (1 + (zr_f - l).abs() + zr_f.abs()) * p * (g.abs() + e.abs() * ((zr_f - mu).abs() + 1)))
-    tol = 8 * FP32_EPS * (factor + g.abs()) * inv_temp + 1e-30
-    return d * inv_temp, tol
+    factor = torch.where(p == 0, 0.0, (1 + (zr_f - l).abs() + zr_f.abs() + z_error) * p
+                         * (g.abs() + e.abs() * ((zr_f - mu).abs() + 1)))
+    return d, factor + g.abs()
 
 
 @pytest.mark.parametrize("ranks,N,passes", [(3, 300, "several"), (3, 300, "one"), (1, 5, "one"), (4, 17, "one")])

@@ -94,7 +94,7 @@ template <class Backend>
 at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
                       double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
                       int64_t pass_rows, std::optional<double> softcap) {
-  check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
+  check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows, softcap);
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0);
   at::Tensor stats = at::zeros({N, 4}, hidden.options().dtype(acc));
@@ -132,7 +132,7 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
                                                  int64_t row_block, int64_t pass_rows,
                                                  const std::optional<at::Tensor>& main_grad,
                                                  std::optional<double> softcap) {
-  check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
+  check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows, softcap);
   check_backward_args(weight, valid_rows, main_grad);
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0), H = weight.size(1);
