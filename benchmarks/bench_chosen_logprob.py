@@ -171,8 +171,13 @@ def summary_tables(rows, all_paths):
     ]
 
 
+def no_sweeps_option(parser):
+    parser.add_argument("--no-sweeps", action="store_true",
+                        help="measure the main shapes only: no V and N sweeps, no plot")
+
+
 def main():
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, no_sweeps_option)
     dev = args.device
     if dev == "cpu":
         shapes = [(256, 128, 8192)] if args.quick else [(2048, 512, 32768), (4096, 1024, 65536)]
@@ -193,12 +198,13 @@ def main():
     all_paths = paths_for(False, peers)
     tables = summary_tables(rows, all_paths)
 
-    v_curve = sweep(v_sweep, dtype, dev, peers, reps)
-    n_curve = sweep(n_sweep, dtype, dev, peers, reps)
-    tables.append(summary_table("chosen_logprob sweeps: fwd+bwd (logprob only) time (ms) and peak memory (MiB)",
-                                v_curve + n_curve, ["N", "H", "V"] + [f"{p}_ms" for p in all_paths]
-                                + [f"{p}_MiB" for p in all_paths]))
-    plot_file = png_path(args.json)
+    v_curve = [] if args.no_sweeps else sweep(v_sweep, dtype, dev, peers, reps)
+    n_curve = [] if args.no_sweeps else sweep(n_sweep, dtype, dev, peers, reps)
+    if not args.no_sweeps:
+        tables.append(summary_table("chosen_logprob sweeps: fwd+bwd (logprob only) time (ms) and peak memory (MiB)",
+                                    v_curve + n_curve, ["N", "H", "V"] + [f"{p}_ms" for p in all_paths]
+                                    + [f"{p}_MiB" for p in all_paths]))
+    plot_file = None if args.no_sweeps else png_path(args.json)
     if plot_file:
         plot(v_curve, n_curve, all_paths, plot_file, dev, dtype)
 

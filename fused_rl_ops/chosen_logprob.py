@@ -5,8 +5,8 @@ local vocabulary in chunks (one GEMM per chunk into a bounded workspace, then a 
 folds the chunk into per-token partials: max, sum of exp, sum of exp-weighted shifted logits, and
 the chosen logit). Ranks exchange those [N, 4] partials with one all-gather and merge them in a
 fixed order; the backward recomputes each chunk's logits and turns them into logit gradients in
-place. Memory beyond inputs, outputs and gradients: the workspace (`workspace_bytes`, default
-DEFAULT_WORKSPACE_BYTES) plus O(tokens) state, independent of the vocabulary size.
+place. Memory beyond inputs, outputs and gradients: the workspace (`workspace_bytes`, by default
+default_workspace_bytes(hidden)) plus O(tokens) state, independent of the vocabulary size.
 """
 import struct
 from dataclasses import dataclass
@@ -18,12 +18,21 @@ import torch.distributed as dist
 from ._library import acc_dtype, check_device, check_float_dtype, ops
 from ._checks import check_hidden_size, check_softcap, check_temperature, values_readable
 
-DEFAULT_WORKSPACE_BYTES = 64 * 2**20
+DEFAULT_WORKSPACE_BYTES = 64 * 2**20  # the largest default workspace
+_MIN_DEFAULT_WORKSPACE_BYTES = 2**20
 _MIN_CHUNK = 128
 # batch_invariant=True: (token rows per GEMM, vocab rows per chunk) by device, fixed so that every
 # GEMM has one shape whatever the batch (see RowTiling in csrc/chosen_logprob/chunks.h). Row blocks are
 # multiples of 128, so every block of an aligned hidden starts aligned (aligned_rows there).
 INVARIANT_TILING = {"cpu": (512, 2048), "cuda": (512, 4096)}
+
+
+def default_workspace_bytes(hidden: torch.Tensor) -> int:
+    """The workspace when workspace_bytes is None: hidden's own size, within [1 MiB,
+    DEFAULT_WORKSPACE_BYTES]. The extra memory then stays below the input's size at small shapes (as
+    torch's chunked linear_cross_entropy sizes its chunks), while training-sized inputs (8192 tokens
+    x 4096 in bf16 is 64 MiB) get the largest workspace and so the widest GEMMs."""
+    return min(DEFAULT_WORKSPACE_BYTES, max(_MIN_DEFAULT_WORKSPACE_BYTES, hidden.numel() * hidden.element_size()))
 
 
 def chunk_size_for(num_tokens: int, hidden_size: int, element_size: int, workspace_bytes: int) -> int:
@@ -261,7 +270,7 @@ def chosen_logprob(
     check_tokens: bool = True,
     check_group: bool = True,
     main_grad: Optional[torch.Tensor] = None,
-    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+    workspace_bytes: Optional[int] = None,
     batch_invariant: bool = False,
     return_is_max: bool = False,
 ):
@@ -306,7 +315,7 @@ def chosen_logprob(
     gradient-accumulation buffer) makes the backward add the weight gradient into it, chunk by
     chunk, instead of returning one (see _main_grad_placeholder for what the weight receives).
     workspace_bytes bounds the per-chunk buffers (see chunk_size_for; with main_grad add a
-    [chunk, H] gradient buffer).
+    [chunk, H] gradient buffer); None: default_workspace_bytes(hidden).
 
     batch_invariant=True makes each token's logprob, entropy and hidden gradient bitwise
     independent of the other tokens of the call (their number, order, leading shape, ignored
@@ -341,6 +350,8 @@ def chosen_logprob(
     lead = tokens.shape
     hidden2d = hidden.reshape(-1, hidden_size)
     tokens1d = tokens.reshape(-1).to(torch.int64)
+    if workspace_bytes is None:
+        workspace_bytes = default_workspace_bytes(hidden)
     tiling = tiling_for(hidden2d.shape[0], hidden_size, hidden.element_size(), workspace_bytes, hidden.device,
                         batch_invariant)
     ignored = tokens1d == ignore_index

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from fused_rl_ops.checkpoint import ShardingMetadataError, load_sharded, save_sharded
-from fused_rl_ops.testing.checkpoint import (LAYOUT, add_parameter, flip_bits, legacy, reference_shard,
-                                             reference_unshard, same_bits, stored_items, tp_group_of_size)
+from fused_rl_ops.testing.checkpoint import (LAYOUT, add_parameter, assert_same_training_state, flip_bits, gathered,
+                                             legacy, reference_shard, same_bits, stored_items, tp_group_of_size)
 from fused_rl_ops.testing.distributed import run_distributed
 
 pytestmark = pytest.mark.usefixtures("checkpoint_dependencies")
@@ -61,15 +61,6 @@ def train(module, optimizer, layout, tp, rank, steps, first_step=0, name_of=lamb
             loss = loss + (torch.cos(3 * p) + noise * p).float().sum()
         loss.backward()
         optimizer.step()
-
-
-def gathered(local, split, group):
-    """The logical tensor whose shards the ranks of group hold (local is this rank's)."""
-    if split is None:
-        return local.detach().clone()
-    shards = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shards, local.detach().clone(), group=group)  # pickled: bit for bit
-    return reference_unshard(shards, *split)
 
 
 def logical_state(module, optimizer, layout, group, name_of=lambda name: name):
@@ -234,15 +225,6 @@ def test_expert_optimizer_state_reshards_from_ep2_to_ep1_grouped(tmp_path):
 
 def sgd(module, lr=0.05):
     return torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=0.01)
-
-
-def assert_same_training_state(module, optimizer, expected_module, expected_optimizer):
-    expected = dict(expected_module.named_parameters())
-    for name, param in module.named_parameters():
-        assert same_bits(param, expected[name]), name
-        held, wanted = optimizer.state[param], expected_optimizer.state[expected[name]]
-        assert held.keys() == wanted.keys() and all(same_bits(held[k], wanted[k]) for k in wanted), name
-    assert optimizer.state_dict()["param_groups"] == expected_optimizer.state_dict()["param_groups"]
 
 
 def _resume_and_refusals(rank, world_size, root):

@@ -40,6 +40,19 @@ def reference_unshard(shards, dim, stride):
     return torch.cat([blocks[r][b] for b in range(stride) for r in range(len(shards))], dim)
 
 
+def assert_same_training_state(module, optimizer, expected_module, expected_optimizer):
+    """module's parameters and optimizer's state are bitwise those of expected_module and
+    expected_optimizer, name by name, and the param groups (hyperparameters) are equal."""
+    expected = dict(expected_module.named_parameters())
+    held = dict(module.named_parameters())
+    assert held.keys() == expected.keys(), sorted(held.keys() ^ expected.keys())
+    for name, param in held.items():
+        assert same_bits(param, expected[name]), name
+        state, wanted = optimizer.state[param], expected_optimizer.state[expected[name]]
+        assert state.keys() == wanted.keys() and all(same_bits(state[k], wanted[k]) for k in wanted), name
+    assert optimizer.state_dict()["param_groups"] == expected_optimizer.state_dict()["param_groups"]
+
+
 def partition_of(param):
     """(dim, stride) from Megatron's own legacy attributes, or None when replicated."""
     if getattr(param, "tensor_model_parallel", False):
@@ -64,18 +77,19 @@ def perturb(model, tp_rank, seed, layer_offset=0):
             param.copy_(0.2 * torch.randn(param.shape, generator=generator))
 
 
+def gathered(local, split, group):
+    """The logical tensor whose shards (split: (dim, stride), None for a replicated tensor) the ranks
+    of group hold, local being this rank's; assembled by the test's reference rule."""
+    if split is None:
+        return local.detach().clone()
+    shards = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shards, local.detach().clone(), group=group)  # pickled: bit for bit
+    return reference_unshard(shards, *split)
+
+
 def gathered_logical(model, group):
     """The logical tensors of a TP-sharded model, assembled by the test's reference rule."""
-    logical = {}
-    for name, param in model.named_parameters():
-        split = partition_of(param)
-        if split is None:
-            logical[name] = param.detach().clone()
-            continue
-        shards = [torch.empty_like(param) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(shards, param.detach().contiguous(), group=group)
-        logical[name] = reference_unshard(shards, *split)
-    return logical
+    return {name: gathered(param, partition_of(param), group) for name, param in model.named_parameters()}
 
 
 def legacy(dim, stride=1):

@@ -21,14 +21,29 @@ def ppo_loss(outputs, rollout):
     return (per_token * mask).sum() / mask.sum()
 
 
-def make_rollout(tokens, old_logprobs, seed):
-    """What a sampler and a critic would hand the trainer; identical on every rank."""
+def shifted_labels(tokens, ignore_index=-100):
+    """The labels a trainer scores sampled tokens with: the output at position t predicts token
+    t + 1, so label t is token t + 1, and each sequence's last position (nothing follows) is
+    ignore_index."""
+    labels = torch.roll(tokens, -1, dims=1)
+    labels[:, -1] = ignore_index
+    return labels
+
+
+def make_rollout(tokens, old_logprobs, seed, labels=None):
+    """What a sampler and a critic would hand the trainer; identical on every rank. labels: the
+    token each position is scored on (default: tokens, each token at its own position, as the tests
+    against a naive reference score them; shifted_labels(tokens) as a trainer does); positions
+    labelled -100 are left out of the mask."""
     generator = torch.Generator().manual_seed(seed)
     batch, seq = tokens.shape
+    labels = tokens if labels is None else labels
     mask = torch.zeros(batch, seq)
     mask[:, seq // 4 :] = 1.0  # the response part of each sequence
+    mask[labels == -100] = 0.0
     return {
         "tokens": tokens,
+        "labels": labels,
         "old_logprobs": old_logprobs + 0.1 * torch.randn(batch, seq, generator=generator),
         "advantages": torch.randn(batch, seq, generator=generator),
         "returns": torch.randn(batch, seq, generator=generator),
@@ -60,7 +75,7 @@ def forward_backward(model, rollout, **forward_kwargs):
     """The attached processor's outputs and the PPO loss, after backward; forward_kwargs go to the
     model's forward (e.g. output_processor= for a model without an attached one)."""
     position_ids, attention_mask = model_inputs(rollout["tokens"])
-    outputs = model(rollout["tokens"], position_ids, attention_mask, labels=rollout["tokens"], **forward_kwargs)
+    outputs = model(rollout["tokens"], position_ids, attention_mask, labels=rollout["labels"], **forward_kwargs)
     loss = ppo_loss(outputs, rollout)
     loss.backward()
     allreduce_sequence_parallel_grads(model)
