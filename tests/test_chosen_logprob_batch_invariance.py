@@ -90,7 +90,8 @@ def test_matches_float64_reference(device, dtype, softcap):
     h = p["hidden"].clone().requires_grad_(True)
     w = p["weight"].clone().requires_grad_(True)
     lp, ent = fused_rl_ops.chosen_logprob(h, w, p["ids"], temperature=0.9, softcap=softcap,
-                                          vocab_size=p["vocab_size"], return_entropy=True, workspace_bytes=1, batch_invariant=True)
+                                          vocab_size=p["vocab_size"], return_entropy=True, workspace_bytes=1,
+                                          batch_invariant=True)
     (lp * p["grad_lp"] + ent * p["grad_ent"]).sum().backward()
     hd, wd = p["hidden"].double().cpu().requires_grad_(True), p["weight"].double().cpu().requires_grad_(True)
     ref_lp, ref_ent = reference.chosen_logprob(hd, wd, p["ids"].cpu(), temperature=0.9, vocab_size=p["vocab_size"],
