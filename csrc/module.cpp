@@ -24,15 +24,16 @@ TORCH_LIBRARY(fused_rl_ops, m) {
       "float linear_offset, bool interleaved) -> (Tensor, Tensor)");
   // chosen_logprob: per-shard partials, their merge across shards, and the chunked backward.
   // row_block / pass_rows: GEMMs of exactly row_block token rows, pass_rows rows per workspace
-  // (0: all rows at once); see RowTiling in chosen_logprob/chunks.h.
+  // (0: all rows at once); see RowTiling in chosen_logprob/chunks.h. softcap: logits
+  // softcap * tanh(logits / softcap) before the temperature (None: no cap).
   m.def(
       "chosen_logprob_stats(Tensor hidden, Tensor weight, Tensor tokens, float temperature, int vocab_start, int chunk_size, "
-      "int row_block=0, int pass_rows=0) -> Tensor");
+      "int row_block=0, int pass_rows=0, float? softcap=None) -> Tensor");
   m.def("chosen_logprob_combine(Tensor partials) -> Tensor");
   m.def(
       "chosen_logprob_backward(Tensor hidden, Tensor weight, Tensor tokens, Tensor row_max, Tensor lse, Tensor mean, "
       "Tensor grad_logprob, Tensor grad_entropy, float temperature, int vocab_start, int valid_rows, int chunk_size, "
-      "int row_block=0, int pass_rows=0, Tensor(a!)? main_grad=None) -> (Tensor, Tensor)");
+      "int row_block=0, int pass_rows=0, Tensor(a!)? main_grad=None, float? softcap=None) -> (Tensor, Tensor)");
   m.def("value_head(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor");
   m.def("value_head_backward_hidden(Tensor grad_out, Tensor weight, ScalarType dtype) -> Tensor");
   m.def("value_head_backward_params(Tensor grad_out, Tensor hidden) -> (Tensor, Tensor)");

@@ -15,11 +15,21 @@ def values_readable(*tensors: torch.Tensor) -> bool:
         isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
 
 
+def is_positive_finite(value) -> bool:
+    """A positive finite real number: a Python or NumPy scalar, not a bool (the kernels take it by
+    value, so not a tensor)."""
+    return isinstance(value, Real) and not isinstance(value, bool) and 0 < value < math.inf
+
+
 def check_temperature(op: str, temperature) -> None:
-    """temperature must be a positive finite real number (a Python or NumPy scalar; the kernels take
-    it by value, so not a tensor)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, Real) or not 0 < temperature < math.inf:
+    if not is_positive_finite(temperature):
         raise ValueError(f"{op}: temperature must be a positive finite number, got {temperature!r}")
+
+
+def check_softcap(op: str, softcap) -> None:
+    """softcap is None (no cap) or a positive finite number c: logits c * tanh(logits / c)."""
+    if softcap is not None and not is_positive_finite(softcap):
+        raise ValueError(f"{op}: softcap must be None or a positive finite number, got {softcap!r}")
 
 
 def check_hidden_size(op: str, hidden: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ._library import acc_dtype, check_device, check_float_dtype, ops
-from ._checks import check_hidden_size, check_temperature, values_readable
+from ._checks import check_hidden_size, check_softcap, check_temperature, values_readable
 
 DEFAULT_WORKSPACE_BYTES = 64 * 2**20  # the largest default workspace
 _MIN_DEFAULT_WORKSPACE_BYTES = 2**20
@@ -58,7 +58,7 @@ def tiling_for(num_tokens: int, hidden_size: int, element_size: int, workspace_b
     return chunk, row_block, max(row_block, fitting_rows // row_block * row_block)
 
 
-def _check_args(hidden, weight, tokens, temperature):
+def _check_args(hidden, weight, tokens, temperature, softcap):
     op = "chosen_logprob"
     for name, t in (("hidden", hidden), ("weight", weight), ("tokens", tokens)):
         if not isinstance(t, torch.Tensor):
@@ -78,6 +78,7 @@ def _check_args(hidden, weight, tokens, temperature):
                          f"got {tuple(tokens.shape)}")
     check_hidden_size(op, hidden)
     check_temperature(op, temperature)
+    check_softcap(op, softcap)
     check_device(op, hidden=hidden, weight=weight, tokens=tokens)
 
 
@@ -111,18 +112,26 @@ def _check_main_grad(main_grad, weight):
 
 
 # What every rank of tp_group must agree on, in the order _check_group gathers it.
-_GROUP_FIELDS = ("token count", "hidden size", "dtype", "temperature", "ignore_index", "vocab_size",
+_GROUP_FIELDS = ("token count", "hidden size", "dtype", "temperature", "softcap", "ignore_index", "vocab_size",
                  "reduce_hidden_grad", "token ids")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _group_fields(hidden, tokens, temperature, ignore_index, vocab_size, reduce_hidden_grad):
+def _float_bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def _group_fields(hidden, tokens, temperature, softcap, ignore_index, vocab_size, reduce_hidden_grad):
     flat = tokens.reshape(-1).long()
     # A cheap fingerprint of the ids and their order (distinct weights per position).
     fingerprint = int((flat * (torch.arange(flat.numel(), device=flat.device) % 8191 + 1)).sum())
-    temperature_bits = struct.unpack("<q", struct.pack("<d", float(temperature)))[0]
-    return [flat.numel(), hidden.shape[-1], _DTYPES.index(hidden.dtype), temperature_bits, ignore_index, vocab_size,
-            int(reduce_hidden_grad), fingerprint]
+    softcap_bits = 0 if softcap is None else _float_bits(float(softcap))  # 0.0's bits: no valid softcap
+    return [flat.numel(), hidden.shape[-1], _DTYPES.index(hidden.dtype), _float_bits(float(temperature)), softcap_bits,
+            ignore_index, vocab_size, int(reduce_hidden_grad), fingerprint]
 
 
 def _check_group(tp_group, error, shard_and_fields):
@@ -150,7 +159,9 @@ def _check_group(tp_group, error, shard_and_fields):
             if name == "dtype":
                 values = [_DTYPES[v] for v in values]
             elif name == "temperature":
-                values = [struct.unpack("<d", struct.pack("<q", v))[0] for v in values]
+                values = [_bits_float(v) for v in values]
+            elif name == "softcap":
+                values = [_bits_float(v) if v else None for v in values]
             shown = "differ" if name == "token ids" else f"per rank: {values}"
             raise ValueError(f"chosen_logprob: the ranks of tp_group disagree on the {name} ({shown})")
     total = 0
@@ -188,6 +199,7 @@ def _main_grad_placeholder(weight):
 class _Options:
     """The non-tensor arguments of _ChosenLogprob, resolved and checked by chosen_logprob."""
     temperature: float
+    softcap: Optional[float]  # None: no cap, a kernel path without tanh
     vocab_start: int
     valid_rows: int  # this shard's rows of weight that are vocabulary, the rest padding
     tiling: tuple  # (chunk_size, row_block, pass_rows), as tiling_for gives
@@ -203,7 +215,7 @@ class _ChosenLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, ignore, main_grad, opts):
         stats = ops.chosen_logprob_stats(hidden, weight[:opts.valid_rows], tokens, opts.temperature, opts.vocab_start,
-                                         *opts.tiling)
+                                         *opts.tiling, softcap=opts.softcap)
         if opts.distributed:
             gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(opts.tp_group))]
             dist.all_gather(gathered, stats, group=opts.tp_group)
@@ -234,7 +246,7 @@ class _ChosenLogprob(torch.autograd.Function):
         grad_hidden, grad_weight = ops.chosen_logprob_backward(
             hidden, weight, tokens, row_max, log_sum, log_sum - entropy, grad_logprob.to(entropy.dtype).contiguous(),
             grad_entropy.to(entropy.dtype).contiguous(), opts.temperature, opts.vocab_start, opts.valid_rows,
-            *opts.tiling, ctx.main_grad)
+            *opts.tiling, ctx.main_grad, softcap=opts.softcap)
         if ctx.main_grad is not None:
             grad_weight = _main_grad_placeholder(ctx.weight_param)
         if opts.reduce_hidden_grad and opts.distributed:
@@ -248,6 +260,7 @@ def chosen_logprob(
     tokens: torch.Tensor,
     *,
     temperature: float = 1.0,
+    softcap: Optional[float] = None,
     ignore_index: int = -100,
     vocab_size: Optional[int] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
@@ -261,7 +274,9 @@ def chosen_logprob(
     batch_invariant: bool = False,
     return_is_max: bool = False,
 ):
-    """log softmax(hidden @ weight.T / temperature)[tokens] over the (vocab-parallel) vocabulary.
+    """log softmax(z / temperature)[tokens] over the (vocab-parallel) vocabulary, z = hidden @ weight.T,
+    or z = softcap * tanh(hidden @ weight.T / softcap) with a softcap (a positive finite number;
+    None, the default, caps nothing).
 
     hidden [..., H] and weight [V_local, H] (this rank's rows of the output layer, global ids
     vocab_start .. vocab_start + V_local - 1; default vocab_start = rank * V_local in tp_group)
@@ -282,13 +297,15 @@ def chosen_logprob(
     Non-finite values give what float64 log_softmax over the valid rows gives: a NaN logit (from
     hidden or any valid weight row) or a +inf one makes the token's logprob and entropy NaN, and
     its gradients NaN (its hidden-gradient row and every valid weight-gradient row); a -inf logit
-    has probability 0 and adds nothing. Padding rows never take part, whatever they hold.
+    has probability 0 and adds nothing. With a softcap a +inf or -inf logit is capped to +softcap or
+    -softcap (so it has probability > 0) and passes no gradient through tanh; a NaN stays NaN.
+    Padding rows never take part, whatever they hold.
 
     check_tokens validates token ids against [0, vocab_size) (a host synchronisation on CUDA;
     False skips it: an out-of-range id then matches no row, never an out-of-bounds read, and its
     logprob and gradients are NaN). check_group (with a tp_group of more than one rank) makes every
     rank raise the same clear error when any rank's arguments are invalid, or when the ranks
-    disagree on the tokens, hidden size, dtype, temperature, ignore_index, vocab_size or
+    disagree on the tokens, hidden size, dtype, temperature, softcap, ignore_index, vocab_size or
     reduce_hidden_grad, or hold vocab shards that do not tile [0, total rows): one all-gather of a
     few integers per call and a host synchronisation; False skips it (a rank with invalid arguments
     then raises alone while the others wait in the collective). Both checks read tensor values on the
@@ -314,7 +331,7 @@ def chosen_logprob(
     check_group = check_group and values_readable(hidden, weight, tokens)
     error = None
     try:
-        _check_args(hidden, weight, tokens, temperature)
+        _check_args(hidden, weight, tokens, temperature, softcap)
         vocab_start, vocab_size = _resolve_vocab(weight, world, rank, vocab_start, vocab_size)
         _check_main_grad(main_grad, weight)
         if check_tokens:
@@ -323,7 +340,7 @@ def chosen_logprob(
         error = exc
     if world > 1 and check_group:
         shard_and_fields = None if error is not None else [vocab_start, weight.shape[0]] + _group_fields(
-            hidden, tokens, temperature, ignore_index, vocab_size, reduce_hidden_grad)
+            hidden, tokens, temperature, softcap, ignore_index, vocab_size, reduce_hidden_grad)
         _check_group(tp_group, error, shard_and_fields)
     elif error is not None:
         raise error
@@ -338,7 +355,8 @@ def chosen_logprob(
     tiling = tiling_for(hidden2d.shape[0], hidden_size, hidden.element_size(), workspace_bytes, hidden.device,
                         batch_invariant)
     ignored = tokens1d == ignore_index
-    opts = _Options(float(temperature), int(vocab_start), n_valid, tiling, tp_group, bool(reduce_hidden_grad))
+    opts = _Options(float(temperature), None if softcap is None else float(softcap), int(vocab_start), n_valid, tiling,
+                    tp_group, bool(reduce_hidden_grad))
     logprob, entropy, is_max = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, main_grad, opts)
     if not check_tokens:
         # An unchecked id outside [0, vocab_size) matches no row and would get a finite -lse: NaN
@@ -352,7 +370,7 @@ def chosen_logprob(
 
 
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_stats")
-def _(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block=0, pass_rows=0):
+def _(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block=0, pass_rows=0, softcap=None):
     return hidden.new_empty(hidden.shape[0], 4, dtype=acc_dtype(hidden.dtype))
 
 
@@ -363,6 +381,6 @@ def _(partials):
 
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_backward")
 def _(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy, temperature, vocab_start, valid_rows,
-      chunk_size, row_block=0, pass_rows=0, main_grad=None):
+      chunk_size, row_block=0, pass_rows=0, main_grad=None, softcap=None):
     grad_weight = weight.new_empty(0, weight.shape[1]) if main_grad is not None else torch.empty_like(weight)
     return hidden.new_empty(hidden.shape, dtype=acc_dtype(hidden.dtype)), grad_weight

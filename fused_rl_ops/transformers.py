@@ -2,14 +2,12 @@
 
 Needs the optional extra: pip install "fused_rl_ops[transformers]".
 """
-import inspect
-import math
-from numbers import Real
 from typing import Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from ._checks import check_temperature, is_positive_finite
 from .chosen_logprob import chosen_logprob
 
 IGNORE_INDEX = -100
@@ -33,10 +31,6 @@ LOGITS_AFTER_HEAD = {
 # Where each step reads its constant: the forward's own expression (config.x or model.x).
 _STEP_CONSTANT = {"softcap": ("config", "final_logit_softcapping"), "logit_scale": ("model", "logit_scale"),
                   "logits_scaling": ("config", "logits_scaling")}
-
-
-def _positive_finite(value) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def _check_model(model):
@@ -70,12 +64,9 @@ def _logit_transform(model, step) -> tuple[float, Optional[float]]:
     name, value = f"{owner}.{attribute}", getattr(model.config if owner == "config" else model, attribute, None)
     if step == "softcap" and value is None:
         return 1.0, None
-    if not _positive_finite(value):
+    if not is_positive_finite(value):
         raise ValueError(f"causal_lm_logprobs: {name} must be a positive finite number, got {value!r}")
     if step == "softcap":
-        if "softcap" not in inspect.signature(chosen_logprob).parameters:
-            raise NotImplementedError(f"causal_lm_logprobs: {type(model).__name__} caps its logits "
-                                      f"({name} = {value}) and this build's chosen_logprob has no softcap")
         return 1.0, float(value)
     return (float(value) if step == "logit_scale" else 1.0 / float(value)), None
 
@@ -107,10 +98,8 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
         got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise ValueError(f"causal_lm_logprobs: labels must have input_ids' shape {tuple(input_ids.shape)} "
                          f"(unshifted), got {got}")
-    if not _positive_finite(temperature):
-        raise ValueError(f"causal_lm_logprobs: temperature must be a positive finite number, got {temperature!r}")
+    check_temperature("causal_lm_logprobs", temperature)
     scale, softcap = _logit_transform(model, step)
-    capped = {} if softcap is None else {"softcap": softcap}
 
     forward_kwargs.setdefault("use_cache", False)
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs).last_hidden_state
@@ -118,4 +107,4 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
     # As nn.Linear would need: the hidden states in the head's dtype.
     return chosen_logprob(hidden[:, :-1].to(weight.dtype), weight, labels[:, 1:], temperature=temperature / scale,
                           ignore_index=IGNORE_INDEX, vocab_size=model.config.vocab_size,
-                          return_entropy=return_entropy, **capped)
+                          softcap=softcap, return_entropy=return_entropy)

@@ -1,5 +1,6 @@
 """chosen_logprob(batch_invariant=True): a token's logprob, entropy and hidden gradient are bitwise
-the same whatever the other tokens of the call, their order, the leading shape and workspace_bytes."""
+the same whatever the other tokens of the call, their order, the leading shape and workspace_bytes;
+without and with a softcap."""
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ PROBES = 6  # the tokens followed through every call
 H = 40
 
 
-def problem(device, dtype):
+def problem(device, dtype, softcap=None):
     """Weights spanning two full vocab chunks and a partial one (padding rows past vocab_size), the
     probes' hidden rows, ids (one in each chunk, one ignored) and upstream gradients, and a pool of
     other tokens (some ignored) to surround them with."""
@@ -27,7 +28,7 @@ def problem(device, dtype):
     grads = torch.randn(2, PROBES + others, generator=g)
     to = dict(device=device)
     return dict(row_block=row_block, weight=weight.to(device, dtype), hidden=hidden.to(device, dtype), ids=torch.cat([probe_ids, other_ids]).to(**to),
-                grad_lp=grads[0].to(**to), grad_ent=grads[1].to(**to), vocab_size=vocab_size)
+                grad_lp=grads[0].to(**to), grad_ent=grads[1].to(**to), vocab_size=vocab_size, softcap=softcap)
 
 
 def score(p, order, lead_shape=None, workspace_bytes=fused_rl_ops.DEFAULT_WORKSPACE_BYTES, misaligned=False):
@@ -40,7 +41,7 @@ def score(p, order, lead_shape=None, workspace_bytes=fused_rl_ops.DEFAULT_WORKSP
         hidden = torch.cat([hidden.new_zeros(H + 1), hidden.reshape(-1)])[H + 1 :].reshape(hidden.shape)
     h = hidden.reshape(*shape, H).detach().requires_grad_(True)
     lp, ent = fused_rl_ops.chosen_logprob(h, p["weight"], p["ids"][order].reshape(shape), temperature=0.9,
-                                          vocab_size=p["vocab_size"], return_entropy=True,
+                                          softcap=p["softcap"], vocab_size=p["vocab_size"], return_entropy=True,
                                           workspace_bytes=workspace_bytes, batch_invariant=True)
     loss = (lp.reshape(-1) * p["grad_lp"][order]).sum() + (ent.reshape(-1) * p["grad_ent"][order]).sum()
     loss.backward()
@@ -52,9 +53,10 @@ def bits(t):
     return t.detach().cpu().view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
+@pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_probe_tokens_bitwise_equal_in_any_batch(device, dtype):
-    p = problem(device, dtype)
+def test_probe_tokens_bitwise_equal_in_any_batch(device, dtype, softcap):
+    p = problem(device, dtype, softcap)
     total = p["ids"].numel()
     probes, others = torch.arange(PROBES), torch.arange(PROBES, total)
     g = torch.Generator().manual_seed(1)
@@ -80,17 +82,20 @@ def test_probe_tokens_bitwise_equal_in_any_batch(device, dtype):
     assert together[0][PROBES - 1] == 0 and not together[2][PROBES - 1].eq(0).all()  # ignored: entropy grad only
 
 
+@pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_float64_reference(device, dtype):
-    p = problem(device, dtype)
+def test_matches_float64_reference(device, dtype, softcap):
+    p = problem(device, dtype, softcap)
     n = p["ids"].numel()
     h = p["hidden"].clone().requires_grad_(True)
     w = p["weight"].clone().requires_grad_(True)
-    lp, ent = fused_rl_ops.chosen_logprob(h, w, p["ids"], temperature=0.9, vocab_size=p["vocab_size"],
-                                          return_entropy=True, workspace_bytes=1, batch_invariant=True)
+    lp, ent = fused_rl_ops.chosen_logprob(h, w, p["ids"], temperature=0.9, softcap=softcap,
+                                          vocab_size=p["vocab_size"], return_entropy=True, workspace_bytes=1,
+                                          batch_invariant=True)
     (lp * p["grad_lp"] + ent * p["grad_ent"]).sum().backward()
     hd, wd = p["hidden"].double().cpu().requires_grad_(True), p["weight"].double().cpu().requires_grad_(True)
-    ref_lp, ref_ent = reference.chosen_logprob(hd, wd, p["ids"].cpu(), temperature=0.9, vocab_size=p["vocab_size"])
+    ref_lp, ref_ent = reference.chosen_logprob(hd, wd, p["ids"].cpu(), temperature=0.9, vocab_size=p["vocab_size"],
+                                               softcap=softcap)
     (ref_lp * p["grad_lp"].double().cpu() + ref_ent * p["grad_ent"].double().cpu()).sum().backward()
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     for ours, ref in ((lp, ref_lp), (ent, ref_ent), (h.grad, hd.grad), (w.grad, wd.grad)):

@@ -1,6 +1,6 @@
 """Property-based sweep of chosen_logprob (hypothesis): random shapes (empty, N = 1, H = 1, V_local = 1,
 V not a multiple of the chunk), dtypes, layouts (strided, transposed, expanded, storage offset),
-token dtypes, workspaces, batch_invariant, values from denormals to 1e4 and non-finite ones, against
+token dtypes, workspaces, batch_invariant, softcaps, values from denormals to 1e4 and non-finite ones, against
 float64 autograd; and every kind of invalid call raises a clear error."""
 import math
 
@@ -61,6 +61,7 @@ def cases(draw):
         token_dtype=draw(st.sampled_from([torch.int64, torch.int32])),
         strided_tokens=draw(st.booleans()),
         temperature=draw(st.sampled_from([0.5, 1.0, 1.7])),
+        softcap=draw(st.sampled_from([None, None, 0.5, 30.0])),
         workspace=draw(st.sampled_from([1, 5000, 2**26])),
         batch_invariant=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
@@ -97,7 +98,7 @@ def run(case, bases, tokens, grads, *, fused, acc=torch.float64):
     w_base = bases["weight"].to(dtype, copy=True).requires_grad_(True)
     hidden = view(h_base, case["hidden_layout"], case["N"], case["H"])
     weight = view(w_base, case["weight_layout"], case["V"], case["H"])
-    kw = dict(temperature=case["temperature"])
+    kw = dict(temperature=case["temperature"], softcap=case["softcap"])
     if fused:
         lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, tokens, vocab_size=case["vocab_size"],
                                               return_entropy=True, workspace_bytes=case["workspace"],
@@ -112,7 +113,8 @@ def run(case, bases, tokens, grads, *, fused, acc=torch.float64):
 def term_scales(case, bases, tokens, grads):
     """Per output entry, the sum of the magnitudes of the float64 terms it adds up (rounding errors
     scale with these, not with a result that cancels to 0): |logit| + |lse| for logprob and entropy;
-    sums over the vocabulary / tokens of |d logit| |w| / T and |d logit| |h| / T for the gradients,
+    sums over the vocabulary / tokens of |d logit| |w| z' and |d logit| |h| z' for the gradients
+    (z' = dz / dx of the raw logit x: 1 / T, or (1 - tanh^2(x / c)) / T with a softcap c),
     taken through each layout's view as its gradient is. Also how many of the op's gradient entries
     each entry sums (an expanded operand's)."""
     h_base = bases["hidden"].clone().requires_grad_(True)
@@ -120,7 +122,14 @@ def term_scales(case, bases, tokens, grads):
     hidden = view(h_base, case["hidden_layout"], case["N"], case["H"])
     weight = view(w_base, case["weight_layout"], case["V"], case["H"])[: case["vocab_size"]]
     with torch.no_grad():
-        z = hidden @ weight.T / case["temperature"]
+        x, softcap = hidden @ weight.T, case["softcap"]
+        if softcap is None:
+            z, slope = x / case["temperature"], 1 / case["temperature"]
+        else:
+            z = softcap * torch.tanh(x / softcap) / case["temperature"]
+            # + 2^-52: float64's own 1 - tanh^2 is that far from the true value (0 where tanh rounds
+            # to 1, where the kernels' is still > 0).
+            slope = (1 - torch.tanh(x / softcap) ** 2 + 2.0**-52) / case["temperature"]
         lse = torch.logsumexp(z, -1, keepdim=True)
         p = (z - lse).exp()
         mean = torch.where(p > 0, p * z, 0.0).sum(-1, keepdim=True)
@@ -130,9 +139,10 @@ def term_scales(case, bases, tokens, grads):
         # |z| too: a logit's own rounding moves z - mean by about ulp(z) even where z = mean.
         dz = gl * (p + chosen) + grads[1].abs().unsqueeze(1) * torch.where(p > 0, p * ((z - mean).abs() + z.abs()), 0.0)
         output_scale = z.abs().amax(-1) + lse.squeeze(-1).abs()  # V >= 1
-    (hidden * (dz @ weight.abs() / case["temperature"])).sum().backward()
+    dx = dz * slope
+    (hidden * (dx @ weight.abs())).sum().backward()
     grad_w_scale = torch.zeros(case["V"], case["H"], dtype=torch.float64)
-    grad_w_scale[: case["vocab_size"]] = dz.T @ hidden.detach().abs() / case["temperature"]
+    grad_w_scale[: case["vocab_size"]] = dx.T @ hidden.detach().abs()
     w_base.grad = None
     (view(w_base, case["weight_layout"], case["V"], case["H"]) * grad_w_scale).sum().backward()
     counts = []
@@ -211,6 +221,10 @@ BAD_CALLS = [
     ("negative temperature", lambda c: c.update(temperature=-1.0), ValueError, "temperature"),
     ("NaN temperature", lambda c: c.update(temperature=math.nan), ValueError, "temperature"),
     ("inf temperature", lambda c: c.update(temperature=math.inf), ValueError, "temperature"),
+    ("zero softcap", lambda c: c.update(softcap=0.0), ValueError, "softcap must be None or a positive finite"),
+    ("negative softcap", lambda c: c.update(softcap=-30.0), ValueError, "softcap must be None or a positive"),
+    ("NaN softcap", lambda c: c.update(softcap=math.nan), ValueError, "softcap must be None or a positive"),
+    ("inf softcap", lambda c: c.update(softcap=math.inf), ValueError, "softcap must be None or a positive"),
     ("vocab_size 0", lambda c: c.update(vocab_size=0), ValueError, "vocab_size must be >= 1"),
     ("vocab_size beyond the rows", lambda c: c.update(vocab_size=c["weight"].shape[0] + 1), ValueError,
      "whole vocabulary"),

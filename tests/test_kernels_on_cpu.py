@@ -242,7 +242,7 @@ def test_chosen_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature)
     earlier = torch.randn(N, 30, dtype=torch.float64) * 3
     has_earlier = torch.arange(N) < N // 2
     stats = running_stats(earlier, has_earlier)
-    got = run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, passes)
+    got = run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, temperature, passes)
 
     z = (logits * inv_temp).double()  # the kernel's fp32 product, exactly
     seen = torch.where(has_earlier[:, None], torch.cat([earlier, z], 1),
@@ -270,12 +270,14 @@ def running_stats(earlier, has_earlier):
     return stats
 
 
-def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, passes):
-    """chosen_logprob_stats_rows_kernel merging logits [N, C] into stats; returns the stats it wrote, in float64."""
+def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, temperature, passes, softcap=0.0):
+    """chosen_logprob_stats_rows_kernel merging logits [N, C] into stats (softcap 0: none); returns the stats it
+    wrote, in float64."""
     N, C = logits.shape
     out, [launch] = run_case(drivers, "chosen_logprob", "stats_rows",
                              {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats)},
-                             {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, passes=passes, tmp_dir=tmp_path)
+                             {"N": N, "C": C, "col0": col0, "temperature": temperature, "softcap": softcap},
+                             passes=passes, tmp_dir=tmp_path)
     assert_passes(launch, N, passes, rows_per_block=launch.block[0] // 32)  # a warp per row
     return out["stats"].double()
 
@@ -299,7 +301,7 @@ def test_chosen_logprob_grad_rows(drivers, tmp_path, N, C, passes, temperature):
     row_max, log_sum, ent = combined_stats64(torch.cat([z, torch.randn(N, 50, dtype=torch.float64)], 1))
     mean = log_sum - ent
     gl, ge = torch.randn(N), torch.randn(N)
-    out = run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp, passes)
+    out = run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl, ge, col0, temperature, passes)
     expected, tol = grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp)
     assert_within(out, expected, tol, "logit gradients")
 
@@ -312,24 +314,34 @@ def combined_stats64(z):
     return m, lse - m, ent
 
 
-def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp, passes):
-    """chosen_logprob_grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32); returns the
-    gradients it wrote in place."""
+def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl, ge, col0, temperature, passes,
+                  softcap=0.0):
+    """chosen_logprob_grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32; softcap 0:
+    none); returns the gradients it wrote in place."""
     N, C = logits.shape
     out, [launch] = run_case(drivers, "chosen_logprob", "grad_rows",
                              {"logits": Buf(logits), "tokens": Buf(tokens), "row_max": Buf(row_max.float()),
                               "lse": Buf(log_sum.float()), "mean": Buf(mean.float()), "gl": Buf(gl), "ge": Buf(ge)},
-                             {"N": N, "C": C, "col0": col0, "inv_temp": inv_temp}, passes=passes, tmp_dir=tmp_path)
+                             {"N": N, "C": C, "col0": col0, "temperature": temperature, "softcap": softcap},
+                             passes=passes, tmp_dir=tmp_path)
     assert_passes(launch, N, passes)
     return out["logits"]
 
 
 def grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp):
     """float64 gradients d(gl logprob + ge entropy)/d(logits) from the fp32 per-row values the
-    kernel gets, and their tolerance. A logit of probability 0 (-inf) gets none (the limit of
-    p (z - mean) as p -> 0; float64 would say 0 * inf = NaN); NaN anywhere stays NaN."""
-    N, C = logits.shape
-    zr = (logits * inv_temp).double() - row_max.float().double()[:, None]  # z - m
+    kernel gets, and their tolerance."""
+    d, scale = logit_grads64((logits * inv_temp).double(), tokens, row_max, log_sum, mean, gl, ge, col0)
+    return d * inv_temp, 8 * FP32_EPS * scale * inv_temp + 1e-30
+
+
+def logit_grads64(z, tokens, row_max, log_sum, mean, gl, ge, col0, z_error=0.0):
+    """float64 d(gl logprob + ge entropy)/dz of float64 logits z from the fp32 per-row values the
+    kernel gets, and the scale of its fp32 error (in eps; z_error: the absolute error of the
+    kernel's own z). A logit of probability 0 (-inf) gets none (the limit of p (z - mean) as
+    p -> 0; float64 would say 0 * inf = NaN); NaN anywhere stays NaN."""
+    N, C = z.shape
+    zr = z - row_max.float().double()[:, None]  # z - m
     l, mu = log_sum.float().double()[:, None], mean.float().double()[:, None]
     g, e = gl.double()[:, None], ge.double()[:, None]
     p = (zr - l).exp()
@@ -339,10 +351,9 @@ def grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, in
     # A handful of fp32 roundings per element (z - m among them: |z - m| eps absolute), exp's
     # relative error growing with |z - m - lse|, and the chosen column's addition of gl.
     zr_f = torch.where(zr.isfinite(), zr, 0.0)
-    factor = torch.where(p == 0, 0.0,
-                         (1 + (zr_f - l).abs() + zr_f.abs()) * p * (g.abs() + e.abs() * ((zr_f - mu).abs() + 1)))
-    tol = 8 * FP32_EPS * (factor + g.abs()) * inv_temp + 1e-30
-    return d * inv_temp, tol
+    factor = torch.where(p == 0, 0.0, (1 + (zr_f - l).abs() + zr_f.abs() + z_error) * p
+                         * (g.abs() + e.abs() * ((zr_f - mu).abs() + 1)))
+    return d, factor + g.abs()
 
 
 @pytest.mark.parametrize("ranks,N,passes", [(3, 300, "several"), (3, 300, "one"), (1, 5, "one"), (4, 17, "one")])
@@ -411,7 +422,7 @@ def test_chosen_logprob_stats_rows_nonfinite(drivers, tmp_path, C, passes):
     earlier[12, 5] = math.nan
     has_earlier = torch.arange(N) % 2 == 0
     stats = running_stats(earlier, has_earlier)
-    got = run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, inv_temp, passes)
+    got = run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, 0.7, passes)
     nan_rows = torch.zeros(N, dtype=torch.bool)
     nan_rows[:4] = nan_rows[12] = True
     assert torch.equal(got[:, :3].isnan(), nan_rows[:, None].expand(N, 3)), "NaN partials"
@@ -444,7 +455,7 @@ def test_chosen_logprob_grad_rows_nonfinite(drivers, tmp_path, passes):
     mean = log_sum - ent
     assert row_max[:4].isnan().all() and row_max[4:].isfinite().all()
     gl, ge = torch.randn(N), torch.randn(N)
-    got = run_grad_rows(drivers, tmp_path, logits.clone(), tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp,
+    got = run_grad_rows(drivers, tmp_path, logits.clone(), tokens, row_max, log_sum, mean, gl, ge, col0, 1.3,
                         passes)
     expected, tol = grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp)
     assert expected[:4].isnan().all() and expected[4:].isfinite().all()

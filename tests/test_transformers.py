@@ -11,7 +11,6 @@ import transformers  # noqa: E402
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig,  # noqa: E402
                           LlamaForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
-import fused_rl_ops.transformers as fused_hf  # noqa: E402
 from fused_rl_ops.testing.distributed import run_distributed  # noqa: E402
 from fused_rl_ops.transformers import LOGITS_AFTER_HEAD, causal_lm_logprobs  # noqa: E402
 
@@ -161,7 +160,6 @@ def test_nan_weights_give_what_the_model_logits_give(poisoned):
         assert_close(fused, from_logits, **TIGHT, equal_nan=True)
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason="needs chosen_logprob softcap")
 def test_gemma2_softcap():
     config = Gemma2Config(final_logit_softcapping=30.0, tie_word_embeddings=False, **TINY)
     model = Gemma2ForCausalLM(config).double().eval()
@@ -172,21 +170,6 @@ def test_gemma2_softcap():
     capped = model(input_ids).logits
     assert (uncapped - capped).abs().max() > 1.0
     check_against_model(model, left_padding=False)
-
-
-def test_softcap_refused_while_chosen_logprob_lacks_it(monkeypatch):
-    """A softcapped model never gets uncapped logprobs: with a chosen_logprob without softcap= it raises."""
-    def chosen_logprob_without_softcap(hidden, weight, tokens, *, temperature=1.0, ignore_index=-100,
-                                       vocab_size=None, return_entropy=False):
-        raise AssertionError("must not be called")
-    monkeypatch.setattr(fused_hf, "chosen_logprob", chosen_logprob_without_softcap)
-    model = tiny_model("Gemma2ForCausalLM", final_logit_softcapping=30.0)
-    with pytest.raises(NotImplementedError, match=r"caps its logits \(config.final_logit_softcapping = 30.0\)"):
-        causal_lm_logprobs(model, rl_batch()[0])
-    # Without a cap it runs through (the stand-in is called).
-    model.config.final_logit_softcapping = None
-    with pytest.raises(AssertionError, match="must not be called"):
-        causal_lm_logprobs(model, rl_batch()[0])
 
 
 def test_defaults_and_no_grad():

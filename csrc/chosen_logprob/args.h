@@ -9,7 +9,8 @@
 namespace fused_rl_ops::chosen_logprob {
 
 inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                         double temperature, int64_t chunk_size, int64_t row_block, int64_t pass_rows) {
+                         double temperature, int64_t chunk_size, int64_t row_block, int64_t pass_rows,
+                         std::optional<double> softcap) {
   TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
               "chosen_logprob: hidden must be [N, H] and weight [V, H], got ", hidden.sizes(), " and ", weight.sizes());
   TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), "chosen_logprob: hidden and weight dtypes differ");
@@ -18,6 +19,8 @@ inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, con
   TORCH_CHECK(hidden.device() == weight.device() && hidden.device() == tokens.device(),
               "chosen_logprob: hidden, weight and tokens must be on one device");
   TORCH_CHECK(temperature > 0 && std::isfinite(temperature), "chosen_logprob: temperature must be > 0");
+  TORCH_CHECK(!softcap || (*softcap > 0 && std::isfinite(*softcap)),
+              "chosen_logprob: softcap must be None or a positive finite number");
   TORCH_CHECK(chunk_size > 0, "chosen_logprob: chunk_size must be > 0");
   TORCH_CHECK(row_block >= 0 && pass_rows >= 0, "chosen_logprob: row_block and pass_rows must be >= 0 (0: all rows)");
 }

@@ -2,8 +2,8 @@
 // GEMMs and the hand-written row kernels:
 //   gemm_operand(t, acc)                 t as the GEMMs take it (CPU: converted to acc dtype)
 //   logits(h, w, out)                    out = h w^T, accumulated and stored in acc dtype
-//   stats_rows(logits, tokens, col0, inv_temp, stats)            merge a chunk into the row stats
-//   grad_rows(logits, tokens, col0, row_max, lse, mean, gl, ge, inv_temp)
+//   stats_rows(logits, tokens, col0, temperature, softcap, stats)   merge a chunk into the row stats
+//   grad_rows(logits, tokens, col0, row_max, lse, mean, gl, ge, temperature, softcap)
 //                                        logits -> d(loss)/d(logits) in place
 //   grad_operand(dlogits, dtype)         the logit gradients as the gradient GEMMs take them
 //   add_mm(out, a, b)                    out += a b, out in acc dtype
@@ -88,12 +88,13 @@ void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_
 }
 
 // [N, 4] per-token partials (max, sum, ent, chosen) of this shard's logits; chosen is 0 where the
-// token is not in [vocab_start, vocab_start + V).
+// token is not in [vocab_start, vocab_start + V). The row kernels take raw logits and apply the
+// temperature and the softcap (softcap 0 below: none) themselves, with chosen_logprob/math.h's maps.
 template <class Backend>
 at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
                       double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
-                      int64_t pass_rows) {
-  check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
+                      int64_t pass_rows, std::optional<double> softcap) {
+  check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows, softcap);
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0);
   at::Tensor stats = at::zeros({N, 4}, hidden.options().dtype(acc));
@@ -105,7 +106,8 @@ at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const 
       aligned_rows(Backend::gemm_operand(hidden.contiguous(), acc), tiling), weight, chunk_size, tiling,
       [&](const at::Tensor& logits, int64_t rows, const at::Tensor&, int64_t c0, int64_t r0) {
         at::Tensor z = logits.narrow(0, 0, rows), stats_rows = stats.narrow(0, r0, rows);
-        Backend::stats_rows(z, tok.narrow(0, r0, rows), vocab_start + c0, 1.0 / temperature, stats_rows);
+        Backend::stats_rows(z, tok.narrow(0, r0, rows), vocab_start + c0, temperature, softcap.value_or(0.0),
+                            stats_rows);
       });
   return stats;
 }
@@ -128,8 +130,9 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
                                                  const at::Tensor& grad_entropy, double temperature,
                                                  int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
                                                  int64_t row_block, int64_t pass_rows,
-                                                 const std::optional<at::Tensor>& main_grad) {
-  check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows);
+                                                 const std::optional<at::Tensor>& main_grad,
+                                                 std::optional<double> softcap) {
+  check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows, softcap);
   check_backward_args(weight, valid_rows, main_grad);
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0), H = weight.size(1);
@@ -160,7 +163,7 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
     at::Tensor z = logits.narrow(0, 0, rows);
     Backend::grad_rows(z, tok.narrow(0, r0, rows), vocab_start + c0, max_c.narrow(0, r0, rows),
                        lse_c.narrow(0, r0, rows), mean_c.narrow(0, r0, rows), gl.narrow(0, r0, rows),
-                       ge.narrow(0, r0, rows), 1.0 / temperature);
+                       ge.narrow(0, r0, rows), temperature, softcap.value_or(0.0));
     // The padding rows of a last block hold the logits of zero rows (zeros) and reach only
     // grad_h_tail's padding.
     const at::Tensor d = Backend::grad_operand(logits, hidden.scalar_type());

@@ -23,22 +23,21 @@ struct CudaBackend {
     else at::mm_out(out, h, w.t(), at::kFloat);
   }
 
-  static void stats_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, double inv_temp,
-                         at::Tensor& stats) {
+  static void stats_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, double temperature,
+                         double softcap, at::Tensor& stats) {
     C10_CUDA_CHECK(launch_chosen_logprob_stats_rows(logits.const_data_ptr<float>(), logits.size(0), logits.size(1),
-                                                    col0, tokens.const_data_ptr<int64_t>(),
-                                                    static_cast<float>(inv_temp), stats.mutable_data_ptr<float>(),
-                                                    stream()));
+                                                    col0, tokens.const_data_ptr<int64_t>(), temperature, softcap,
+                                                    stats.mutable_data_ptr<float>(), stream()));
   }
 
   static void grad_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, const at::Tensor& row_max,
                         const at::Tensor& lse, const at::Tensor& mean, const at::Tensor& gl, const at::Tensor& ge,
-                        double inv_temp) {
+                        double temperature, double softcap) {
     C10_CUDA_CHECK(launch_chosen_logprob_grad_rows(logits.mutable_data_ptr<float>(), logits.size(0), logits.size(1),
                                                    col0, tokens.const_data_ptr<int64_t>(),
                                                    row_max.const_data_ptr<float>(), lse.const_data_ptr<float>(),
                                                    mean.const_data_ptr<float>(), gl.const_data_ptr<float>(),
-                                                   ge.const_data_ptr<float>(), static_cast<float>(inv_temp), stream()));
+                                                   ge.const_data_ptr<float>(), temperature, softcap, stream()));
   }
 
   // Tensor cores take the logit gradients in the inputs' dtype; the hidden gradient still
@@ -57,10 +56,10 @@ struct CudaBackend {
 
 at::Tensor stats_cuda(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
                       double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
-                      int64_t pass_rows) {
+                      int64_t pass_rows, std::optional<double> softcap) {
   const c10::cuda::CUDAGuard guard(hidden.device());
   return stats_impl<CudaBackend>(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block,
-                                 pass_rows);
+                                 pass_rows, softcap);
 }
 
 std::tuple<at::Tensor, at::Tensor> backward_cuda(const at::Tensor& hidden, const at::Tensor& weight,
@@ -70,11 +69,12 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(const at::Tensor& hidden, const
                                                  const at::Tensor& grad_entropy, double temperature,
                                                  int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
                                                  int64_t row_block, int64_t pass_rows,
-                                                 const std::optional<at::Tensor>& main_grad) {
+                                                 const std::optional<at::Tensor>& main_grad,
+                                                 std::optional<double> softcap) {
   const c10::cuda::CUDAGuard guard(hidden.device());
   return backward_impl<CudaBackend>(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy,
                                     temperature, vocab_start, valid_rows, chunk_size, row_block, pass_rows,
-                                    main_grad);
+                                    main_grad, softcap);
 }
 
 at::Tensor combine_cuda(const at::Tensor& partials_in) {

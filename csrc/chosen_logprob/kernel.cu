@@ -7,27 +7,32 @@
 namespace fused_rl_ops::chosen_logprob {
 
 cudaError_t launch_chosen_logprob_stats_rows(const float* logits, int64_t N, int64_t C, int64_t col0,
-                                             const int64_t* tokens, float inv_temp, float* stats,
+                                             const int64_t* tokens, double temperature, double softcap, float* stats,
                                              cudaStream_t stream) {
   if (N == 0 || C == 0) return cudaSuccess;
   DeviceSize dev;
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   const int threads = kStatsRowsPerBlock * kWarp;
   const unsigned grid = grid_for((N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock, threads, dev);
-  launch_kernel(chosen_logprob_stats_rows_kernel, grid, threads, 0, stream, logits, N, C, col0, tokens, inv_temp,
-                stats);
+  with_logit_map<float>(temperature, softcap, [&](auto logit) {
+    launch_kernel(chosen_logprob_stats_rows_kernel<decltype(logit)>, grid, threads, 0, stream, logits, N, C, col0,
+                  tokens, logit, stats);
+  });
   return cudaGetLastError();
 }
 
 cudaError_t launch_chosen_logprob_grad_rows(float* logits, int64_t N, int64_t C, int64_t col0, const int64_t* tokens,
                                             const float* row_max, const float* lse, const float* mean,
-                                            const float* gl, const float* ge, float inv_temp, cudaStream_t stream) {
+                                            const float* gl, const float* ge, double temperature, double softcap,
+                                            cudaStream_t stream) {
   if (N == 0 || C == 0) return cudaSuccess;
   DeviceSize dev;
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   const RowLaunch cfg = row_launch(N, C, kGradThreads, dev);
-  launch_kernel(chosen_logprob_grad_rows_kernel, cfg.grid, cfg.block, 0, stream, logits, N, C, col0, tokens, row_max,
-                lse, mean, gl, ge, inv_temp);
+  with_logit_map<float>(temperature, softcap, [&](auto logit) {
+    launch_kernel(chosen_logprob_grad_rows_kernel<decltype(logit)>, cfg.grid, cfg.block, 0, stream, logits, N, C,
+                  col0, tokens, row_max, lse, mean, gl, ge, logit);
+  });
   return cudaGetLastError();
 }
 

@@ -19,37 +19,41 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // A warp reads its row twice (max, then sums); the second pass mostly hits L1/L2. Lanes take
 // columns lane, lane + 32, ... and the butterfly reductions fix the order: deterministic.
+// Logit: PlainLogit<float> or SoftcappedLogit<float> (chosen_logprob/math.h), raw logits -> z.
+template <class Logit>
 __global__ void chosen_logprob_stats_rows_kernel(const float* __restrict__ logits, int64_t N, int64_t C, int64_t col0,
-                                                 const int64_t* __restrict__ tokens, float inv_temp,
+                                                 const int64_t* __restrict__ tokens, Logit logit,
                                                  float* __restrict__ stats) {
   const int lane = threadIdx.x % kWarp;
   for (int64_t r = blockIdx.x * int64_t(kStatsRowsPerBlock) + threadIdx.x / kWarp; r < N;
        r += int64_t(gridDim.x) * kStatsRowsPerBlock) {
-    const float* z = logits + r * C;
+    const float* x = logits + r * C;
     float m = -INFINITY;
-    for (int64_t k = lane; k < C; k += kWarp) m = Math<float>::max(m, z[k]);
-    m = warp_max(m) * inv_temp;
+    for (int64_t k = lane; k < C; k += kWarp) m = Math<float>::max(m, x[k]);
+    m = logit(warp_max(m));  // the map is nondecreasing: the largest z is the map of the largest x
     float s = 0.f, t = 0.f;
-    for (int64_t k = lane; k < C; k += kWarp) stats_add(z[k] * inv_temp, m, s, t);
+    for (int64_t k = lane; k < C; k += kWarp) stats_add(logit(x[k]), m, s, t);
     s = warp_sum(s);
     t = warp_sum(t);
-    if (lane == 0) stats_update_row(stats + 4 * r, RowStats<float>{m, s, t}, z, tokens[r] - col0, C, inv_temp);
+    if (lane == 0) stats_update_row(stats + 4 * r, RowStats<float>{m, s, t}, x, tokens[r] - col0, C, logit);
   }
 }
 
+template <class Logit>
 __global__ void chosen_logprob_grad_rows_kernel(float* __restrict__ logits, int64_t N, int64_t C, int64_t col0,
                                                 const int64_t* __restrict__ tokens, const float* __restrict__ row_max,
                                                 const float* __restrict__ lse, const float* __restrict__ mean,
                                                 const float* __restrict__ gl, const float* __restrict__ ge,
-                                                float inv_temp) {
+                                                Logit logit) {
   for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < N; r += int64_t(gridDim.x) * blockDim.y) {
-    float* z = logits + r * C;
+    float* x = logits + r * C;
     const float m = row_max[r], l = lse[r], mu = mean[r], g = gl[r], e = ge[r];
     const int64_t target = tokens[r] - col0;
     for (int64_t k = threadIdx.x; k < C; k += blockDim.x) {
-      float d = logit_grad(z[k] * inv_temp - m, l, mu, g, e);
+      const float xk = x[k];
+      float d = logit_grad(logit(xk) - m, l, mu, g, e);
       if (k == target) d += g;
-      z[k] = d * inv_temp;
+      x[k] = d * logit.slope(xk);
     }
   }
 }

@@ -1,5 +1,7 @@
 // Chosen-token log-softmax and entropy, per-row math shared by the CPU and CUDA kernels.
-// For a row of logits z (already divided by the temperature) the kernels keep, per token,
+// The GEMMs give raw logits x = h . w; the softmax takes z = x / T, or with a softcap c
+// z = c tanh(x / c) / T (PlainLogit, SoftcappedLogit below).
+// For a row of logits z the kernels keep, per token,
 //   m = max z,  s = sum exp(z - m),  t = sum exp(z - m) (z - m)
 // over the vocabulary seen so far; partials from vocab chunks and TP ranks merge exactly. Then
 //   lse = m + log s,  entropy = lse - sum p z = log s - t / s.
@@ -13,12 +15,58 @@
 // nothing (0 log 0 = 0), so the rest stays finite. A partial with no probability mass (no valid
 // rows: a chunk or rank of padding, or only -inf logits) is marked by max = -inf with sum = ent = 0;
 // merges skip it by that mark, never by its sum (a NaN sum must propagate). A row whose logits are
-// all -inf ends with sum 0, so lse = -inf and entropy = NaN, as the reference gives.
+// all -inf ends with sum 0, so lse = -inf and entropy = NaN, as the reference gives. With a
+// softcap, a raw +-inf becomes the finite z = +-c / T (tanh(+-inf) = +-1), so it has probability
+// > 0 and passes no gradient through tanh (slope 0), as float64 autograd of c tanh(x / c) gives; a
+// NaN stays NaN.
 #pragma once
 
 #include "common/math.h"
 
 namespace fused_rl_ops::chosen_logprob {
+
+// z = x / T. Without a softcap the kernels run this map, which has no tanh.
+// T may be a scalar or an at::vec::Vectorized; as<V>() broadcasts a scalar map to V.
+template <typename T>
+struct PlainLogit {
+  T inv_temp;
+
+  template <typename V>
+  PlainLogit<V> as() const {
+    return {V(inv_temp)};
+  }
+  FRL_HD T operator()(T x) const { return x * inv_temp; }
+  FRL_HD T slope(T) const { return inv_temp; }  // dz / dx
+};
+
+// z = c tanh(x / c) / T (Gemma 2's final_logit_softcapping; the sampler's temperature acts on the
+// capped logit). Both maps are nondecreasing, so a row's largest z is the map of its largest x.
+template <typename T>
+struct SoftcappedLogit {
+  T inv_cap, cap_over_temp, inv_temp;
+
+  template <typename V>
+  SoftcappedLogit<V> as() const {
+    return {V(inv_cap), V(cap_over_temp), V(inv_temp)};
+  }
+  FRL_HD T operator()(T x) const { return Math<T>::tanh(x * inv_cap) * cap_over_temp; }
+  // dz / dx = (1 - tanh^2(x / c)) / T, written 4 e / (1 + e)^2 with e = exp(-2 |x / c|): near
+  // saturation 1 - tanh^2 would subtract two numbers within an ulp of 1 and keep no significant
+  // digit, where this keeps full relative precision down to underflow. 0 at x = +-inf, NaN at NaN.
+  FRL_HD T slope(T x) const {
+    const T e = Math<T>::exp(T(-2) * Math<T>::abs(x * inv_cap));
+    const T one_plus_e = T(1) + e;
+    return T(4) * e / (one_plus_e * one_plus_e) * inv_temp;
+  }
+};
+
+// Calls fn with the logit map of (temperature, softcap), in T: PlainLogit without a softcap
+// (softcap <= 0), else SoftcappedLogit. Its constants are taken in double and rounded once.
+template <typename T, class Fn>
+void with_logit_map(double temperature, double softcap, const Fn& fn) {
+  if (softcap > 0) fn(SoftcappedLogit<T>{T(1.0 / softcap), T(softcap / temperature), T(1.0 / temperature)});
+  else fn(PlainLogit<T>{T(1.0 / temperature)});
+}
 
 template <typename T>
 struct RowStats {
@@ -66,15 +114,17 @@ FRL_HD T stats_entropy(const RowStats<T>& r) {
 }
 
 // Merges one vocab chunk's sums into a token's row of the [N, 4] stats (max, sum, ent, chosen),
-// taking the chosen logit from z (the chunk's raw logits) when target falls inside the chunk.
-template <typename T>
-FRL_HD void stats_update_row(T* row, const RowStats<T>& chunk, const T* z, int64_t target, int64_t C, T inv_temp) {
+// taking the chosen logit logit(x[target]) from x (the chunk's raw logits) when target falls
+// inside the chunk.
+template <typename T, class Logit>
+FRL_HD void stats_update_row(T* row, const RowStats<T>& chunk, const T* x, int64_t target, int64_t C,
+                             const Logit& logit) {
   RowStats<T> running{row[0], row[1], row[2]};
   stats_merge(running, chunk);
   row[0] = running.max;
   row[1] = running.sum;
   row[2] = running.ent;
-  if (target >= 0 && target < C) row[3] = z[target] * inv_temp;
+  if (target >= 0 && target < C) row[3] = logit(x[target]);
 }
 
 // Token r of partials [ranks, N, 4] (one row of stats per shard) -> out[r] = (m, log s, entropy,

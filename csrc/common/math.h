@@ -25,6 +25,8 @@ struct ScalarMath {
   static FRL_HD S select(bool c, S a, S b) { return c ? a : b; }
   static FRL_HD S exp(S x) { return ::exp(x); }
   static FRL_HD S log(S x) { return ::log(x); }
+  static FRL_HD S tanh(S x) { return ::tanh(x); }
+  static FRL_HD S abs(S x) { return ::fabs(x); }
   // NaN-propagating in either argument, like at::vec::maximum and torch.maximum: a bare a > b ? a : b
   // would drop a NaN in a but not in b, so the lanes of a reduction could disagree.
   static FRL_HD S max(S a, S b) { return (a > b || a != a) ? a : b; }
@@ -35,6 +37,8 @@ template <>
 struct Math<float> : ScalarMath<float> {
   static FRL_HD float exp(float x) { return ::expf(x); }
   static FRL_HD float log(float x) { return ::logf(x); }
+  static FRL_HD float tanh(float x) { return ::tanhf(x); }
+  static FRL_HD float abs(float x) { return ::fabsf(x); }
 #if defined(__CUDA_ARCH__)
   // Correctly rounded like the host's 1.0f / x, without the division's slow-path call.
   static FRL_HD float recip(float x) { return __frcp_rn(x); }

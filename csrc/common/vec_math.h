@@ -13,6 +13,8 @@ struct Math<at::vec::Vectorized<S>> {
   static V select(const V& mask, const V& a, const V& b) { return V::blendv(b, a, mask); }
   static V exp(const V& x) { return x.exp(); }
   static V log(const V& x) { return x.log(); }
+  static V tanh(const V& x) { return x.tanh(); }
+  static V abs(const V& x) { return x.abs(); }
   static V max(const V& a, const V& b) { return at::vec::maximum(a, b); }
   static V recip(const V& x) { return V(S(1)) / x; }
 };

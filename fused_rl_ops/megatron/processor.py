@@ -22,7 +22,7 @@ import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 import fused_rl_ops
-from fused_rl_ops._checks import check_temperature
+from fused_rl_ops._checks import check_softcap, check_temperature
 
 __all__ = ["RLOutputProcessor", "rl_output_processor"]
 
@@ -45,6 +45,8 @@ class RLOutputProcessor:
 
     temperature: the logits' divisor; assign a new one between steps (`processor.temperature = 0.7`),
     checked as in the constructor.
+    softcap: None, or c for logits c * tanh(logits / c) before the temperature (Gemma 2's
+    final_logit_softcapping), passed on to chosen_logprob.
     output_names: the keys of the returned dict, in order ("logprobs", then "entropy", "values").
     batch_invariant: passed on to chosen_logprob (a token's outputs bitwise independent of the rest
     of the batch); the naive reference processor has no such option.
@@ -55,8 +57,10 @@ class RLOutputProcessor:
     """
 
     def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
-                 vocab_size=None, batch_invariant=False, host_checks=True):
+                 vocab_size=None, softcap=None, batch_invariant=False, host_checks=True):
+        check_softcap(type(self).__name__, softcap)
         self.temperature = temperature
+        self.softcap = softcap
         self.return_entropy = return_entropy
         self.value_head = value_head
         self.ignore_index = ignore_index
@@ -129,6 +133,7 @@ class RLOutputProcessor:
         result = fused_rl_ops.chosen_logprob(
             hidden_states, weight, tokens,
             temperature=self.temperature,
+            softcap=self.softcap,
             ignore_index=self.ignore_index,
             vocab_size=self.vocab_size,
             tp_group=tp_group,
@@ -174,7 +179,7 @@ def _fused_main_grad(output_layer, weight):
 
 
 def rl_output_processor(*, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
-                        vocab_size=None, batch_invariant=False, host_checks=True):
+                        vocab_size=None, softcap=None, batch_invariant=False, host_checks=True):
     """An output processor returning fp32 [b, s] logprobs (+ entropy, values); see the module docstring."""
     return RLOutputProcessor(
         temperature=temperature,
@@ -182,6 +187,7 @@ def rl_output_processor(*, temperature=1.0, return_entropy=True, value_head=None
         value_head=value_head,
         ignore_index=ignore_index,
         vocab_size=vocab_size,
+        softcap=softcap,
         batch_invariant=batch_invariant,
         host_checks=host_checks,
     )

@@ -28,11 +28,15 @@ def clamped_swiglu(x: torch.Tensor, limit: Optional[float] = 7.0, *, alpha: floa
 
 
 def chosen_logprob(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0,
-                   ignore_index: int = -100, vocab_size: Optional[int] = None):
-    """Materialised logits (GEMM in the inputs' dtype, then fp32; fp64 for fp64), log_softmax and
+                   ignore_index: int = -100, vocab_size: Optional[int] = None, softcap: Optional[float] = None):
+    """Materialised logits (GEMM in the inputs' dtype, then fp32; fp64 for fp64), capped to
+    softcap * tanh(logits / softcap) when softcap is given, divided by the temperature, log_softmax and
     gather. Returns (logprob, entropy); rows of weight at or beyond vocab_size are padding."""
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    logits = (hidden @ weight.T).to(acc) / temperature
+    logits = (hidden @ weight.T).to(acc)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
     if vocab_size is not None and vocab_size < weight.shape[0]:
         padding = torch.arange(weight.shape[0], device=weight.device) >= vocab_size
         logits = logits.masked_fill(padding, float("-inf"))

@@ -14,8 +14,9 @@ __all__ = ["NaiveRLOutputProcessor"]
 
 class NaiveRLOutputProcessor:
     """An output processor with the fused one's keywords and outputs ([b, s] fp32 "logprobs", then
-    "entropy", "values" as asked), computed the plain way: the output layer's logits, divided by
-    the temperature, padded rows at -inf, -vocab_parallel_cross_entropy for the chosen tokens,
+    "entropy", "values" as asked), computed the plain way: the output layer's logits, capped to
+    softcap * tanh(logits / softcap) when softcap is given, divided by the temperature, padded rows
+    at -inf, -vocab_parallel_cross_entropy for the chosen tokens,
     entropy from the TP-gathered logits, values by F.linear from the value head's weight (and bias).
 
     value_head: None, a [H] / [1, H] weight, or a module holding `weight` (and optionally `bias`)
@@ -24,8 +25,9 @@ class NaiveRLOutputProcessor:
     """
 
     def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
-                 vocab_size=None):
+                 vocab_size=None, softcap=None):
         self.temperature = temperature
+        self.softcap = softcap
         self.return_entropy = return_entropy
         self.value_head = value_head
         self.ignore_index = ignore_index
@@ -43,7 +45,10 @@ class NaiveRLOutputProcessor:
         # The output layer gathers sequence-parallel hidden states itself: logits are [s, b, V/tp].
         logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=False)
         # [b, s, V/tp], contiguous: vocab_parallel_cross_entropy views it as [b * s, V/tp].
-        logits = logits.transpose(0, 1).contiguous().float() / self.temperature
+        logits = logits.transpose(0, 1).contiguous().float()
+        if self.softcap is not None:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
+        logits = logits / self.temperature
         tp_group = output_layer.tp_group
         if self.vocab_size is not None:
             rank, world = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())

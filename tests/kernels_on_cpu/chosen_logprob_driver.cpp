@@ -10,14 +10,14 @@ int main(int argc, char** argv) {
     const int64_t N = c.i("N");
     if (c.kernel == "stats_rows") {
       return launch_chosen_logprob_stats_rows(c.buf<float>("logits"), N, c.i("C"), c.i("col0"),
-                                              c.buf<int64_t>("tokens"), c.f("inv_temp"), c.buf<float>("stats"),
-                                              nullptr);
+                                              c.buf<int64_t>("tokens"), c.d("temperature"), c.d("softcap"),
+                                              c.buf<float>("stats"), nullptr);
     }
     if (c.kernel == "grad_rows") {
       return launch_chosen_logprob_grad_rows(c.buf<float>("logits"), N, c.i("C"), c.i("col0"),
                                              c.buf<int64_t>("tokens"), c.buf<float>("row_max"), c.buf<float>("lse"),
                                              c.buf<float>("mean"), c.buf<float>("gl"), c.buf<float>("ge"),
-                                             c.f("inv_temp"), nullptr);
+                                             c.d("temperature"), c.d("softcap"), nullptr);
     }
     if (c.kernel != "combine") cuda_on_host::fail("unknown kernel " + c.kernel);
     return launch_chosen_logprob_combine(c.buf<float>("partials"), c.i("ranks"), N, c.buf<float>("out"), nullptr);

@@ -80,6 +80,7 @@ class Case {
 
   int64_t i(const std::string& name) const { return static_cast<int64_t>(scalar(name)); }
   float f(const std::string& name) const { return static_cast<float>(scalar(name)); }
+  double d(const std::string& name) const { return scalar(name); }
 
   fused_rl_ops::DType dtype() const { return static_cast<fused_rl_ops::DType>(i("dtype")); }
 

@@ -1,0 +1,65 @@
+"""rl_output_processor(softcap=c) on a tiny Megatron GPTModel at TP 2, with and without sequence
+parallel: logprobs, entropy and every parameter's gradient match the naive reference processor
+(fused_rl_ops.reference.megatron), which caps the materialised logits the plain way."""
+import pytest
+import torch
+from torch.testing import assert_close
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+from fused_rl_ops.megatron import attach, detach, rl_output_processor  # noqa: E402
+from fused_rl_ops.reference.megatron import NaiveRLOutputProcessor  # noqa: E402
+from fused_rl_ops.testing.distributed import run_distributed  # noqa: E402
+from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
+from fused_rl_ops.testing.ppo import allreduce_sequence_parallel_grads, model_inputs  # noqa: E402
+
+B, S, REAL_VOCAB = 2, 8, 200  # the model's vocabulary is padded to 256
+SOFTCAP = 0.5  # the tiny model's logits reach a few units: the cap changes them
+
+
+def forward_backward(model, tokens, coeff):
+    outputs = model(tokens, *model_inputs(tokens), labels=tokens)
+    (coeff[0] * outputs["logprobs"] + coeff[1] * outputs["entropy"]).sum().backward()
+    allreduce_sequence_parallel_grads(model)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return {name: t.detach() for name, t in outputs.items()}, grads
+
+
+def _processor_checks(rank, world_size):
+    set_parallel_degrees(tp=2)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, REAL_VOCAB, (B, S), generator=g)
+    coeff = torch.randn(2, B, S, generator=g)
+    for sequence_parallel in (False, True):
+        config = tiny_config(sequence_parallel=sequence_parallel, init_method_std=0.3)
+        fused, naive = tiny_model("gpt", config), tiny_model("gpt", config)
+        naive.load_state_dict(fused.state_dict())
+        options = dict(softcap=SOFTCAP, temperature=0.8, vocab_size=REAL_VOCAB)
+        attach(fused, rl_output_processor(**options))
+        attach(naive, NaiveRLOutputProcessor(**options))
+        (fused_outputs, fused_grads), (naive_outputs, naive_grads) = [forward_backward(m, tokens, coeff)
+                                                                      for m in (fused, naive)]
+        assert list(fused_outputs) == list(naive_outputs) == ["logprobs", "entropy"]
+        for name in fused_outputs:
+            assert_close(fused_outputs[name], naive_outputs[name], msg=lambda m: f"{name}: {m}")
+        assert fused_grads.keys() == naive_grads.keys() and "output_layer.weight" in fused_grads
+        for name, grad in naive_grads.items():
+            assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item() + 1e-9,
+                         msg=lambda m: f"{name}: {m}")
+        # The cap matters here: without it the logprobs are others.
+        detach(fused)
+        with torch.no_grad():
+            uncapped = fused(tokens, *model_inputs(tokens), labels=tokens,
+                             output_processor=rl_output_processor(temperature=0.8, vocab_size=REAL_VOCAB))["logprobs"]
+        assert (uncapped - fused_outputs["logprobs"]).abs().max() > 0.1
+
+
+def test_processor_with_softcap_matches_the_naive_reference():
+    run_distributed(_processor_checks, 2)
+
+
+def test_processor_refuses_a_bad_softcap():
+    with pytest.raises(ValueError, match=r"RLOutputProcessor: softcap must be None or a positive finite number, "
+                                         r"got -1.0"):
+        rl_output_processor(softcap=-1.0)
