@@ -171,13 +171,15 @@ def summary_tables(rows, all_paths):
     ]
 
 
-def no_sweeps_option(parser):
+def shape_options(parser):
     parser.add_argument("--no-sweeps", action="store_true",
                         help="measure the main shapes only: no V and N sweeps, no plot")
+    parser.add_argument("--shape", nargs=3, type=int, action="append", metavar=("N", "H", "V"),
+                        help="a main shape to measure instead of the device's defaults (repeatable)")
 
 
 def main():
-    args = parse_args(__doc__, no_sweeps_option)
+    args = parse_args(__doc__, shape_options)
     dev = args.device
     if dev == "cpu":
         shapes = [(256, 128, 8192)] if args.quick else [(2048, 512, 32768), (4096, 1024, 65536)]
@@ -193,6 +195,8 @@ def main():
             [(4096, 4096, V) for V in (32768, 65536, 131072, 262144)]
         n_sweep = [(N, 1024, 32768) for N in (1024, 2048, 4096)] if args.quick else \
             [(N, 4096, 131072) for N in (2048, 4096, 8192, 16384)]
+    if args.shape:
+        shapes = [tuple(shape) for shape in args.shape]
     peers, versions = load_peers(dev)
     rows = [row for N, H, V in shapes for row in measure_shape(N, H, V, dtype, dev, peers, reps)]
     all_paths = paths_for(False, peers)
