@@ -1,6 +1,7 @@
-// The value-head ops, one implementation for the CPU and CUDA kernels: argument checks, output
-// allocation and the launch's Params. Kernels (cpu.cpp's, cuda.cpp's) runs a Params for the dtype of
-// the tensor it is given; each device file registers these templates with its own Kernels.
+// The value-head ops, one implementation for the CPU and CUDA kernels: output allocation and the
+// launch's Params. Kernels (cpu.cpp's, cuda.cpp's) runs a Params for the dtype of the tensor it is
+// given; each device file registers these templates with its own Kernels. The user-facing argument
+// checks are fused_rl_ops/value_head.py's; these check only what the kernels' memory accesses rely on.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -13,32 +14,16 @@
 
 namespace fused_rl_ops::value_head {
 
-// weight: [H] or [1, H], fp32 or hidden's dtype.
-inline void check_value_head_weight(const at::Tensor& weight, int64_t H, at::ScalarType hidden_dtype) {
-  const bool shape_ok = (weight.dim() == 1 && weight.size(0) == H) ||
-                        (weight.dim() == 2 && weight.size(0) == 1 && weight.size(1) == H);
-  TORCH_CHECK(shape_ok, "value_head: weight must be [H] or [1, H] with H = ", H, ", got ", weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == hidden_dtype,
-              "value_head: weight must be float32 or hidden's dtype ", hidden_dtype, ", got ", weight.scalar_type());
+inline void check_hidden(const at::Tensor& hidden) {
+  TORCH_CHECK(hidden.dim() >= 1 && hidden.size(-1) >= 1, "value_head: hidden must be [..., H] with H >= 1");
 }
 
-inline void check_value_head_args(const at::Tensor& hidden, const at::Tensor& weight,
-                                  const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(hidden.dim() >= 1 && hidden.size(-1) >= 1, "value_head: hidden must be [..., H] with H >= 1, got ",
-              hidden.sizes());
-  check_value_head_weight(weight, hidden.size(-1), hidden.scalar_type());
-  TORCH_CHECK(weight.device() == hidden.device(), "value_head: weight and hidden must be on one device");
-  if (bias) {
-    TORCH_CHECK(bias->dim() <= 1 && bias->numel() == 1, "value_head: bias must be a scalar or [1], got ",
-                bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == at::kFloat || bias->scalar_type() == hidden.scalar_type(),
-                "value_head: bias must be float32 or hidden's dtype, got ", bias->scalar_type());
-    TORCH_CHECK(bias->device() == hidden.device(), "value_head: bias and hidden must be on one device");
-  }
-}
-
-// The weight as a contiguous [H] vector in the accumulation type (no copy for a contiguous one).
-inline at::Tensor value_head_weight(const at::Tensor& weight, at::ScalarType acc_type) {
+// The weight's H values as a contiguous [H] vector in the accumulation type (no copy for a
+// contiguous one of that type); `other` is a tensor of the call, whose device the weight must share.
+inline at::Tensor value_head_weight(const at::Tensor& weight, int64_t H, at::ScalarType acc_type,
+                                    const at::Tensor& other) {
+  TORCH_CHECK(H >= 1 && weight.numel() == H && weight.device() == other.device(),
+              "value_head: weight must be H >= 1 values (hidden's last dimension), on hidden's device");
   return weight.reshape({-1}).to(acc_type).contiguous();
 }
 
@@ -47,42 +32,22 @@ inline std::vector<int64_t> value_head_out_shape(at::IntArrayRef hidden_shape) {
   return hidden_shape.slice(0, hidden_shape.size() - 1).vec();
 }
 
-inline void check_value_head_grad(const at::Tensor& grad_out, at::IntArrayRef hidden_shape,
-                                  at::ScalarType hidden_dtype, const at::Tensor& other) {
-  const auto values_shape = value_head_out_shape(hidden_shape);
-  const at::ScalarType acc_type = acc_dtype(hidden_dtype);
-  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(values_shape) && grad_out.scalar_type() == acc_type &&
-                  grad_out.device() == other.device(),
-              "value_head backward: grad_out must match the values' shape ", at::IntArrayRef(values_shape), ", dtype ",
-              acc_type, " and device ", other.device(), ", got ", grad_out.sizes(), " ", grad_out.scalar_type(),
-              " on ", grad_out.device());
-}
-
-// value_head_backward_hidden's arguments checked; returns the hidden gradient's shape (grad_out's
-// with H appended).
-inline std::vector<int64_t> backward_hidden_shape(const at::Tensor& grad_out, const at::Tensor& weight,
-                                                  at::ScalarType hidden_dtype) {
-  const int64_t H = weight.size(-1);
-  check_value_head_weight(weight, H, hidden_dtype);
-  auto shape = grad_out.sizes().vec();
-  shape.push_back(H);
-  check_value_head_grad(grad_out, shape, hidden_dtype, weight);
-  return shape;
-}
-
-// value_head_backward_params's arguments checked.
-inline void check_backward_params_args(const at::Tensor& grad_out, const at::Tensor& hidden) {
-  TORCH_CHECK(hidden.dim() >= 1 && hidden.size(-1) >= 1,
-              "value_head backward: hidden must be [..., H] with H >= 1, got ", hidden.sizes());
-  check_value_head_grad(grad_out, hidden.sizes(), hidden.scalar_type(), hidden);
+// shape_ok: grad_out has the values' shape (the hidden gradient takes grad_out's, so any is).
+inline void check_grad_out(bool shape_ok, const at::Tensor& grad_out, at::ScalarType acc_type,
+                           const at::Tensor& other) {
+  TORCH_CHECK(shape_ok && grad_out.scalar_type() == acc_type && grad_out.device() == other.device(),
+              "value_head backward: grad_out must match the values' shape, dtype and device");
 }
 
 template <class Kernels>
 at::Tensor forward(const at::Tensor& hidden_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in) {
-  check_value_head_args(hidden_in, weight_in, bias_in);
+  check_hidden(hidden_in);
+  TORCH_CHECK(!bias_in || (bias_in->numel() == 1 && bias_in->device() == hidden_in.device()),
+              "value_head: bias must be one value, on hidden's device");
   const at::DeviceGuard guard(hidden_in.device());
   const at::ScalarType acc_type = acc_dtype(hidden_in.scalar_type());
-  const at::Tensor hidden = hidden_in.contiguous(), weight = value_head_weight(weight_in, acc_type);
+  const at::Tensor hidden = hidden_in.contiguous();
+  const at::Tensor weight = value_head_weight(weight_in, hidden.size(-1), acc_type, hidden);
   const at::Tensor bias = bias_in ? bias_in->to(acc_type).contiguous() : at::Tensor();
   at::Tensor out = at::empty(value_head_out_shape(hidden.sizes()), hidden.options().dtype(acc_type));
   Params p;
@@ -98,14 +63,17 @@ at::Tensor forward(const at::Tensor& hidden_in, const at::Tensor& weight_in, con
 
 template <class Kernels>
 at::Tensor backward_hidden(const at::Tensor& grad_out_in, const at::Tensor& weight_in, at::ScalarType hidden_dtype) {
-  const auto hidden_shape = backward_hidden_shape(grad_out_in, weight_in, hidden_dtype);
+  const int64_t H = weight_in.numel();
+  const at::ScalarType acc_type = acc_dtype(hidden_dtype);
+  check_grad_out(/*shape_ok=*/true, grad_out_in, acc_type, weight_in);
   const at::DeviceGuard guard(grad_out_in.device());
-  const at::Tensor grad_out = grad_out_in.contiguous();
-  const at::Tensor weight = value_head_weight(weight_in, acc_dtype(hidden_dtype));
+  const at::Tensor grad_out = grad_out_in.contiguous(), weight = value_head_weight(weight_in, H, acc_type, grad_out);
+  auto hidden_shape = grad_out.sizes().vec();
+  hidden_shape.push_back(H);
   at::Tensor grad_hidden = at::empty(hidden_shape, grad_out.options().dtype(hidden_dtype));
   Params p;
   p.rows = grad_out.numel();
-  p.H = hidden_shape.back();
+  p.H = H;
   p.grad_out = grad_out.const_data_ptr();
   p.weight = weight.const_data_ptr();
   p.grad_hidden = grad_hidden.mutable_data_ptr();
@@ -115,7 +83,9 @@ at::Tensor backward_hidden(const at::Tensor& grad_out_in, const at::Tensor& weig
 
 template <class Kernels>
 std::tuple<at::Tensor, at::Tensor> backward_params(const at::Tensor& grad_out_in, const at::Tensor& hidden_in) {
-  check_backward_params_args(grad_out_in, hidden_in);
+  check_hidden(hidden_in);
+  check_grad_out(grad_out_in.sizes() == at::IntArrayRef(value_head_out_shape(hidden_in.sizes())), grad_out_in,
+                 acc_dtype(hidden_in.scalar_type()), hidden_in);
   const at::DeviceGuard guard(hidden_in.device());
   const at::Tensor hidden = hidden_in.contiguous(), grad_out = grad_out_in.contiguous();
   Params p;
