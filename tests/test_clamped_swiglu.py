@@ -149,6 +149,14 @@ def test_mismatched_devices_in_backward_are_rejected():
         torch.ops.fused_rl_ops.clamped_swiglu_backward(torch.randn(3, 5), x, 7.0, 1.702, 1.0, False)
 
 
+def test_ops_called_directly_reject_what_the_kernels_cannot_read():
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match=r"x must be \[\.\.\., 2F\]"):
+        torch.ops.fused_rl_ops.clamped_swiglu(torch.randn(3, 7), 7.0, 1.702, 1.0, False)
+    with pytest.raises(RuntimeError, match="grad_out must match"):
+        torch.ops.fused_rl_ops.clamped_swiglu_backward(torch.randn(3, 4).bfloat16(), x, 7.0, 1.702, 1.0, False)
+
+
 # The weighted form: y = clamped_swiglu(x) * scale, one scale per row (an MoE expert's routing weights).
 
 def scale_for(x, form, dtype):

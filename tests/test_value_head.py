@@ -206,6 +206,12 @@ def test_backward_ops_check_their_arguments():
         ops.value_head_backward_hidden(torch.randn(4).bfloat16(), weight, torch.bfloat16)
     with pytest.raises(RuntimeError, match="weight must be"):
         ops.value_head(hidden, torch.randn(3, 8), None)
+    with pytest.raises(RuntimeError, match="bias must be one value"):
+        ops.value_head(hidden, weight, torch.randn(2))
+    with pytest.raises(RuntimeError, match=r"hidden must be \[\.\.\., H\] with H >= 1"):
+        ops.value_head(torch.randn(4, 0), torch.randn(0), None)
+    with pytest.raises(RuntimeError, match="weight must be H >= 1 values"):
+        ops.value_head_backward_hidden(torch.randn(4), torch.randn(0), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,7 +11,7 @@
 #include <array>
 #include <cstring>
 
-#include "clamped_swiglu/args.h"
+#include "clamped_swiglu/entry.h"
 #include "common/vec_math.h"
 
 namespace fused_rl_ops::clamped_swiglu {
@@ -93,7 +93,7 @@ void store_gu(const typename L::Parts& g, const typename L::Parts& u, int64_t k,
 
 // kScaled: the weighted form, every output times the row's scale.
 template <typename scalar_t, bool kScaled>
-void forward_tile(const Halves<const scalar_t>& in, scalar_t* y, bool interleaved, const Params& p,
+void forward_tile(const Halves<const scalar_t>& in, scalar_t* y, bool interleaved, const Activation& p,
                   acc_t<scalar_t> scale) {
   using L = Lanes<scalar_t>;
   for (int64_t k = 0; k < kTile; k += L::kWidth) {
@@ -111,7 +111,7 @@ void forward_tile(const Halves<const scalar_t>& in, scalar_t* y, bool interleave
 // the lanes of `dscale` (the row's running sum, in a fixed order). Unweighted, `dscale` is unused.
 template <typename scalar_t, bool kScaled>
 void backward_tile(const Halves<const scalar_t>& in, const scalar_t* dy, const Halves<scalar_t>& dx, bool interleaved,
-                   const Params& p, acc_t<scalar_t> scale, Vectorized<acc_t<scalar_t>>& dscale) {
+                   const Activation& p, acc_t<scalar_t> scale, Vectorized<acc_t<scalar_t>>& dscale) {
   using L = Lanes<scalar_t>;
   const typename L::Acc s(scale);
   for (int64_t k = 0; k < kTile; k += L::kWidth) {
@@ -166,34 +166,43 @@ void for_each_tile(int64_t rows, int64_t F, const Fn& fn) {
   });
 }
 
-// kScaled: the weighted form, with [rows] scales.
+// kScaled: the weighted form, with p.scale's [rows] scales.
 template <typename scalar_t, bool kScaled>
-void forward_rows(const scalar_t* x, scalar_t* y, const acc_t<scalar_t>* scale, int64_t rows, int64_t F,
-                  bool interleaved, const Params& p) {
-  const RowLayout layout{F, interleaved};
-  for_each_tile(rows, F, [&](int64_t r, int64_t c, int64_t n) {
+void forward_rows(const Params& p) {
+  const auto* x = static_cast<const scalar_t*>(p.x);
+  auto* y = static_cast<scalar_t*>(p.y);
+  const auto* scale = static_cast<const acc_t<scalar_t>*>(p.scale);
+  const int64_t F = p.F;
+  const RowLayout layout{F, p.interleaved};
+  for_each_tile(p.rows, F, [&](int64_t r, int64_t c, int64_t n) {
     const scalar_t* xr = x + r * 2 * F;
     scalar_t* yr = y + r * F + c;
     const acc_t<scalar_t> s = kScaled ? scale[r] : 1;
     if (n == kTile) {
-      forward_tile<scalar_t, kScaled>(layout.tile(xr, c), yr, interleaved, p, s);
+      forward_tile<scalar_t, kScaled>(layout.tile(xr, c), yr, p.interleaved, p.act, s);
       return;
     }
     alignas(64) scalar_t in[2 * kTile] = {}, out[kTile];
     layout.copy(layout.tile(xr, c), layout.buffer(in), n);
-    forward_tile<scalar_t, kScaled>(layout.buffer<const scalar_t>(in), out, interleaved, p, s);
+    forward_tile<scalar_t, kScaled>(layout.buffer<const scalar_t>(in), out, p.interleaved, p.act, s);
     std::memcpy(yr, out, n * sizeof(scalar_t));
   });
 }
 
-// kScaled: the weighted form, with [rows] scales and their gradient dscale. The unweighted backward
+// kScaled: the weighted form, with p.scale's [rows] scales and their gradient p.dscale. The unweighted backward
 // splits the work by tiles; the weighted one by rows, a row's tiles in order in one task, so that the
 // scale's gradient (the lanes' running sums, then the lanes in order) is summed in a fixed order at
 // any thread count.
 template <typename scalar_t, bool kScaled>
-void backward_rows(const scalar_t* dy, const scalar_t* x, const acc_t<scalar_t>* scale, scalar_t* dx,
-                   acc_t<scalar_t>* dscale, int64_t rows, int64_t F, bool interleaved, const Params& p) {
+void backward_rows(const Params& p) {
   using acc = acc_t<scalar_t>;
+  const auto* dy = static_cast<const scalar_t*>(p.dy);
+  const auto* x = static_cast<const scalar_t*>(p.x);
+  const auto* scale = static_cast<const acc*>(p.scale);
+  auto* dx = static_cast<scalar_t*>(p.dx);
+  auto* dscale = static_cast<acc*>(p.dscale);
+  const int64_t rows = p.rows, F = p.F;
+  const bool interleaved = p.interleaved;
   const RowLayout layout{F, interleaved};
   // Outputs [begin, end) of row r (begin a multiple of kTile), tile by tile: one tile for the
   // unweighted form, the whole row for the weighted one. A row's last partial tile goes through
@@ -206,14 +215,14 @@ void backward_rows(const scalar_t* dy, const scalar_t* x, const acc_t<scalar_t>*
     for (int64_t c = begin; c < end; c += kTile) {
       const int64_t n = std::min(kTile, end - c);
       if (n == kTile) {
-        backward_tile<scalar_t, kScaled>(layout.tile(xr, c), dyr + c, layout.tile(dxr, c), interleaved, p, s,
+        backward_tile<scalar_t, kScaled>(layout.tile(xr, c), dyr + c, layout.tile(dxr, c), interleaved, p.act, s,
                                          dscale_lanes);
         continue;
       }
       alignas(64) scalar_t in[2 * kTile] = {}, d[kTile] = {}, out[2 * kTile];
       layout.copy(layout.tile(xr, c), layout.buffer(in), n);
       std::memcpy(d, dyr + c, n * sizeof(scalar_t));
-      backward_tile<scalar_t, kScaled>(layout.buffer<const scalar_t>(in), d, layout.buffer(out), interleaved, p, s,
+      backward_tile<scalar_t, kScaled>(layout.buffer<const scalar_t>(in), d, layout.buffer(out), interleaved, p.act, s,
                                        dscale_lanes);
       layout.copy(layout.buffer<const scalar_t>(out), layout.tile(dxr, c), n);
     }
@@ -239,53 +248,30 @@ void backward_rows(const scalar_t* dy, const scalar_t* x, const acc_t<scalar_t>*
   }
 }
 
-at::Tensor clamped_swiglu_cpu(const at::Tensor& x, std::optional<double> limit, double alpha, double linear_offset,
-                              bool interleaved, const std::optional<at::Tensor>& scale) {
-  const CallTensors c = forward_call(x, limit, alpha, linear_offset, scale);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_cpu", [&] {
-    const scalar_t* in = c.x.const_data_ptr<scalar_t>();
-    scalar_t* out = c.half.mutable_data_ptr<scalar_t>();
-    if (c.scale.defined()) {
-      forward_rows<scalar_t, true>(in, out, c.scale.const_data_ptr<acc_t<scalar_t>>(), c.rows, c.F,
-                                   interleaved, c.p);
-    } else {
-      forward_rows<scalar_t, false>(in, out, nullptr, c.rows, c.F, interleaved, c.p);
-    }
-  });
-  return c.half;
-}
-
-at::Tensor clamped_backward_rows(const at::Tensor& grad_out, const at::Tensor& x, std::optional<double> limit,
-                                 double alpha, double linear_offset, bool interleaved) {
-  const CallTensors c = backward_call(grad_out, x, limit, alpha, linear_offset);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_backward_rows", [&] {
-    backward_rows<scalar_t, false>(c.half.const_data_ptr<scalar_t>(), c.x.const_data_ptr<scalar_t>(), nullptr,
-                                   c.full.mutable_data_ptr<scalar_t>(), nullptr, c.rows, c.F, interleaved, c.p);
-  });
-  return c.full;
-}
-
-std::tuple<at::Tensor, at::Tensor> clamped_swiglu_scaled_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x,
-                                                                      const at::Tensor& scale,
-                                                                      std::optional<double> limit, double alpha,
-                                                                      double linear_offset, bool interleaved) {
-  const CallTensors c = scaled_backward_call(grad_out, x, scale, limit, alpha, linear_offset);
-  at::Tensor grad_scale = scale_grad_buffer(c);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_scaled_backward_cpu", [&] {
-    using acc = acc_t<scalar_t>;
-    backward_rows<scalar_t, true>(c.half.const_data_ptr<scalar_t>(), c.x.const_data_ptr<scalar_t>(),
-                                  c.scale.const_data_ptr<acc>(), c.full.mutable_data_ptr<scalar_t>(),
-                                  grad_scale.mutable_data_ptr<acc>(), c.rows, c.F, interleaved, c.p);
-  });
-  return {c.full, scale_grad(grad_scale, scale)};
-}
+// Runs the kernels above for x's dtype (float64 too, for gradcheck).
+struct CpuKernels {
+  static void forward(const Params& p, const at::Tensor& x) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_cpu", [&] {
+      if (p.scale != nullptr) forward_rows<scalar_t, true>(p);
+      else forward_rows<scalar_t, false>(p);
+    });
+  }
+  static void backward(const Params& p, const at::Tensor& x) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_backward_cpu",
+                                    [&] { backward_rows<scalar_t, false>(p); });
+  }
+  static void scaled_backward(const Params& p, const at::Tensor& x) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu_scaled_backward_cpu",
+                                    [&] { backward_rows<scalar_t, true>(p); });
+  }
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_rl_ops, CPU, m) {
-  m.impl("clamped_swiglu", &clamped_swiglu_cpu);
-  m.impl("clamped_swiglu_backward", &clamped_backward_rows);
-  m.impl("clamped_swiglu_scaled_backward", &clamped_swiglu_scaled_backward_cpu);
+  m.impl("clamped_swiglu", &forward<CpuKernels>);
+  m.impl("clamped_swiglu_backward", &backward<CpuKernels>);
+  m.impl("clamped_swiglu_scaled_backward", &scaled_backward<CpuKernels>);
 }
 
 }  // namespace fused_rl_ops::clamped_swiglu

@@ -49,7 +49,7 @@ __device__ __forceinline__ void load_gate_linear(const T* row, int64_t F, int64_
 // scale: the weighted form's [rows] fp32 scales (y = scale * swiglu, rounded once), or null.
 template <typename T, int N, bool kInterleaved>
 __global__ void clamped_swiglu_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale,
-                                              T* __restrict__ y, int64_t rows, int64_t F, Params p) {
+                                              T* __restrict__ y, int64_t rows, int64_t F, Activation p) {
   for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < rows; r += int64_t(gridDim.x) * blockDim.y) {
     const float s = scale == nullptr ? 1.0f : scale[r];
     for (int64_t c = threadIdx.x * int64_t(N); c < F; c += int64_t(blockDim.x) * N) {
@@ -105,7 +105,7 @@ __device__ __forceinline__ float backward_tile(const T* __restrict__ dy, const T
 template <typename T, int N, bool kInterleaved>
 __global__ void
     clamped_swiglu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx, int64_t rows,
-                                   int64_t F, Params p) {
+                                   int64_t F, Activation p) {
   const auto grad = [&](float g, float u, float d, float& dg, float& du) {
     clamped_swiglu_backward(g, u, d, p, dg, du);
     return 0.0f;
@@ -144,7 +144,7 @@ __device__ __forceinline__ float row_sum(float v) {
 template <typename T, int N, bool kInterleaved>
 __global__ void clamped_swiglu_scaled_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                                       const float* __restrict__ scale, T* __restrict__ dx,
-                                                      float* __restrict__ dscale, int64_t rows, int64_t F, Params p) {
+                                                      float* __restrict__ dscale, int64_t rows, int64_t F, Activation p) {
   for (int64_t first = blockIdx.x * int64_t(blockDim.y); first < rows; first += int64_t(gridDim.x) * blockDim.y) {
     const int64_t r = first + threadIdx.y;
     float partial = 0.0f;

@@ -9,7 +9,7 @@
 
 namespace fused_rl_ops::clamped_swiglu {
 
-struct Params {
+struct Activation {
   float alpha;
   float limit;   // L; +inf for no clamp
   float offset;  // beta, added to the linear half
@@ -29,7 +29,7 @@ struct Terms {
 };
 
 template <typename T, typename M = Math<T>>
-FRL_HD Terms<T> clamped_swiglu_terms(T g, T u, const Params& p) {
+FRL_HD Terms<T> clamped_swiglu_terms(T g, T u, const Activation& p) {
   const T lim(p.limit), neg(-p.limit);
   g = M::select(g > lim, lim, g);  // NaN stays NaN, as torch.clamp
   u = M::select(u > lim, lim, M::select(u < neg, neg, u));
@@ -37,14 +37,14 @@ FRL_HD Terms<T> clamped_swiglu_terms(T g, T u, const Params& p) {
 }
 
 template <typename T, typename M = Math<T>>
-FRL_HD T clamped_swiglu_forward(T g, T u, const Params& p) {
+FRL_HD T clamped_swiglu_forward(T g, T u, const Activation& p) {
   const Terms<T> t = clamped_swiglu_terms<T, M>(g, u, p);
   return t.gate * t.sig * t.lin;
 }
 
 // d/dg and d/du for upstream gradient dy, from the terms of (g, u).
 template <typename T, typename M = Math<T>>
-FRL_HD void clamped_swiglu_input_grads(const Terms<T>& t, T g, T u, T dy, const Params& p, T& dg, T& du) {
+FRL_HD void clamped_swiglu_input_grads(const Terms<T>& t, T g, T u, T dy, const Activation& p, T& dg, T& du) {
   const T lim(p.limit), neg(-p.limit), zero(0), alpha(p.alpha);
   dg = dy * t.lin * (t.sig + alpha * t.gate * t.sig * (T(1) - t.sig));
   du = dy * t.gate * t.sig;
@@ -54,7 +54,7 @@ FRL_HD void clamped_swiglu_input_grads(const Terms<T>& t, T g, T u, T dy, const 
 
 // Writes d/dg and d/du of clamped_swiglu_forward for upstream gradient dy.
 template <typename T, typename M = Math<T>>
-FRL_HD void clamped_swiglu_backward(T g, T u, T dy, const Params& p, T& dg, T& du) {
+FRL_HD void clamped_swiglu_backward(T g, T u, T dy, const Activation& p, T& dg, T& du) {
   clamped_swiglu_input_grads<T, M>(clamped_swiglu_terms<T, M>(g, u, p), g, u, dy, p, dg, du);
 }
 
@@ -62,7 +62,7 @@ FRL_HD void clamped_swiglu_backward(T g, T u, T dy, const Params& p, T& dg, T& d
 // d/dg and d/du, and returns this element's term dy * clamped_swiglu_forward(g, u) of d/dscale (the
 // kernels sum it over the row).
 template <typename T, typename M = Math<T>>
-FRL_HD T clamped_swiglu_scaled_backward(T g, T u, T dy, T scale, const Params& p, T& dg, T& du) {
+FRL_HD T clamped_swiglu_scaled_backward(T g, T u, T dy, T scale, const Activation& p, T& dg, T& du) {
   const Terms<T> t = clamped_swiglu_terms<T, M>(g, u, p);
   clamped_swiglu_input_grads<T, M>(t, g, u, dy * scale, p, dg, du);
   return dy * (t.gate * t.sig * t.lin);

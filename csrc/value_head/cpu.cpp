@@ -6,8 +6,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
-#include "common/torch_utils.h"
-#include "value_head/args.h"
+#include "value_head/entry.h"
 
 namespace fused_rl_ops::value_head {
 namespace {
@@ -118,89 +117,72 @@ void sum_partials(const acc* partials, int64_t blocks, int64_t cols, acc* out) {
   });
 }
 
-at::Tensor value_head_cpu(const at::Tensor& hidden_in, const at::Tensor& weight_in,
-                          const std::optional<at::Tensor>& bias) {
-  check_value_head_args(hidden_in, weight_in, bias);
-  const at::Tensor hidden = hidden_in.contiguous();
-  const at::ScalarType acc_type = acc_dtype(hidden.scalar_type());
-  const at::Tensor weight = value_head_weight(weight_in, acc_type);
-  at::Tensor out = at::empty(value_head_out_shape(hidden.sizes()), hidden.options().dtype(acc_type));
-  const int64_t H = hidden.size(-1), rows = out.numel();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "value_head_cpu", [&] {
-    using acc = acc_t<scalar_t>;
-    const acc b = bias ? bias->to(acc_type).item<acc>() : acc(0);
-    const auto* h = hidden.const_data_ptr<scalar_t>();
-    const auto* w = weight.const_data_ptr<acc>();
-    auto* v = out.mutable_data_ptr<acc>();
-    at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
-      int64_t r = r0;
-      for (; r + kRowsAtOnce <= r1; r += kRowsAtOnce) dot_rows<kRowsAtOnce>(h + r * H, H, w, v + r);
-      for (; r < r1; ++r) dot_rows<1>(h + r * H, H, w, v + r);
-      for (r = r0; r < r1; ++r) v[r] += b;
-    });
-  });
-  return out;
-}
-
-at::Tensor value_head_backward_hidden_cpu(const at::Tensor& grad_out_in, const at::Tensor& weight_in,
-                                          at::ScalarType dtype) {
-  const auto hidden_shape = backward_hidden_shape(grad_out_in, weight_in, dtype);
-  const int64_t H = hidden_shape.back();
-  const at::ScalarType acc_type = acc_dtype(dtype);
-  const at::Tensor grad_out = grad_out_in.contiguous(), weight = value_head_weight(weight_in, acc_type);
-  at::Tensor grad_hidden = at::empty(hidden_shape, grad_out.options().dtype(dtype));
-  const int64_t rows = grad_out.numel();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "value_head_backward_hidden_cpu", [&] {
-    using acc = acc_t<scalar_t>;
-    const auto* g = grad_out.const_data_ptr<acc>();
-    const auto* w = weight.const_data_ptr<acc>();
-    auto* dh = grad_hidden.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) scale_row(g[r], w, dh + r * H, H);
-    });
-  });
-  return grad_hidden;
-}
-
-std::tuple<at::Tensor, at::Tensor> value_head_backward_params_cpu(const at::Tensor& grad_out_in,
-                                                                  const at::Tensor& hidden_in) {
-  check_backward_params_args(grad_out_in, hidden_in);
-  const at::Tensor hidden = hidden_in.contiguous(), grad_out = grad_out_in.contiguous();
-  const at::ScalarType acc_type = acc_dtype(hidden.scalar_type());
-  const int64_t H = hidden.size(-1), rows = grad_out.numel(), blocks = value_head_row_blocks(rows);
-  const auto opts = grad_out.options().dtype(acc_type);
-  at::Tensor weight_partials = at::zeros({blocks, H}, opts), bias_partials = at::empty({blocks}, opts);
-  at::Tensor grad_weight = at::empty({H}, opts), grad_bias = at::empty({}, opts);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "value_head_params_cpu", [&] {
-    using acc = acc_t<scalar_t>;
-    const auto* g = grad_out.const_data_ptr<acc>();
-    const auto* h = hidden.const_data_ptr<scalar_t>();
-    auto* wp = weight_partials.mutable_data_ptr<acc>();
-    auto* bp = bias_partials.mutable_data_ptr<acc>();
-    // Stage 1: one task per fixed block of rows, so the partials do not depend on the thread count.
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const auto [r0, r1] = value_head_block_rows(b, rows);
+// Runs the kernels above for the given tensor's dtype (float64 too, for gradcheck).
+struct CpuKernels {
+  static void forward(const Params& p, const at::Tensor& hidden) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "value_head_cpu", [&] {
+      using acc = acc_t<scalar_t>;
+      const int64_t H = p.H;
+      const acc b = p.bias != nullptr ? *static_cast<const acc*>(p.bias) : acc(0);
+      const auto* h = static_cast<const scalar_t*>(p.hidden);
+      const auto* w = static_cast<const acc*>(p.weight);
+      auto* v = static_cast<acc*>(p.out);
+      at::parallel_for(0, p.rows, row_grain(H), [&](int64_t r0, int64_t r1) {
         int64_t r = r0;
-        for (; r + kRowsAtOnce <= r1; r += kRowsAtOnce) accumulate_rows<kRowsAtOnce>(g + r, h + r * H, H, wp + b * H);
-        for (; r < r1; ++r) accumulate_rows<1>(g + r, h + r * H, H, wp + b * H);
-        acc g_sum = 0;
-        for (r = r0; r < r1; ++r) g_sum += g[r];
-        bp[b] = g_sum;
-      }
+        for (; r + kRowsAtOnce <= r1; r += kRowsAtOnce) dot_rows<kRowsAtOnce>(h + r * H, H, w, v + r);
+        for (; r < r1; ++r) dot_rows<1>(h + r * H, H, w, v + r);
+        for (r = r0; r < r1; ++r) v[r] += b;
+      });
     });
-    sum_partials(wp, blocks, H, grad_weight.mutable_data_ptr<acc>());
-    sum_partials(bp, blocks, 1, grad_bias.mutable_data_ptr<acc>());
-  });
-  return {grad_weight, grad_bias};
-}
+  }
+
+  static void backward_hidden(const Params& p, const at::Tensor& grad_hidden) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_hidden.scalar_type(),
+                                    "value_head_backward_hidden_cpu", [&] {
+      using acc = acc_t<scalar_t>;
+      const int64_t H = p.H;
+      const auto* g = static_cast<const acc*>(p.grad_out);
+      const auto* w = static_cast<const acc*>(p.weight);
+      auto* dh = static_cast<scalar_t*>(p.grad_hidden);
+      at::parallel_for(0, p.rows, row_grain(H), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) scale_row(g[r], w, dh + r * H, H);
+      });
+    });
+  }
+
+  static void backward_params(const Params& p, const at::Tensor& hidden) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "value_head_params_cpu", [&] {
+      using acc = acc_t<scalar_t>;
+      const int64_t H = p.H, rows = p.rows, blocks = value_head_row_blocks(rows);
+      const auto* g = static_cast<const acc*>(p.grad_out);
+      const auto* h = static_cast<const scalar_t*>(p.hidden);
+      auto* wp = static_cast<acc*>(p.weight_partials);
+      auto* bp = static_cast<acc*>(p.bias_partials);
+      // Stage 1: one task per fixed block of rows, so the partials do not depend on the thread count.
+      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          const auto [r0, r1] = value_head_block_rows(b, rows);
+          std::fill(wp + b * H, wp + (b + 1) * H, acc(0));
+          int64_t r = r0;
+          for (; r + kRowsAtOnce <= r1; r += kRowsAtOnce) accumulate_rows<kRowsAtOnce>(g + r, h + r * H, H, wp + b * H);
+          for (; r < r1; ++r) accumulate_rows<1>(g + r, h + r * H, H, wp + b * H);
+          acc g_sum = 0;
+          for (r = r0; r < r1; ++r) g_sum += g[r];
+          bp[b] = g_sum;
+        }
+      });
+      sum_partials(wp, blocks, H, static_cast<acc*>(p.grad_weight));
+      sum_partials(bp, blocks, 1, static_cast<acc*>(p.grad_bias));
+    });
+  }
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_rl_ops, CPU, m) {
-  m.impl("value_head", &value_head_cpu);
-  m.impl("value_head_backward_hidden", &value_head_backward_hidden_cpu);
-  m.impl("value_head_backward_params", &value_head_backward_params_cpu);
+  m.impl("value_head", &forward<CpuKernels>);
+  m.impl("value_head_backward_hidden", &backward_hidden<CpuKernels>);
+  m.impl("value_head_backward_params", &backward_params<CpuKernels>);
 }
 
 }  // namespace fused_rl_ops::value_head

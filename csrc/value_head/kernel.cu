@@ -14,51 +14,54 @@ void sum_partials(const float* partials, float* out, int64_t blocks, int64_t col
 
 }  // namespace
 
-cudaError_t launch_value_head_forward(const void* hidden, const float* weight, const float* bias, float* out,
-                                      int64_t rows, int64_t H, DType dtype, cudaStream_t stream) {
+cudaError_t launch_value_head_forward(const Params& p, DType dtype, cudaStream_t stream) {
+  const int64_t rows = p.rows;
   if (rows == 0) return cudaSuccess;
   DeviceSize dev;
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
-  return launch_with_width<16>(dtype, H, {hidden, weight}, [&](auto* type_tag, auto width) {
+  return launch_with_width<16>(dtype, p.H, {p.hidden, p.weight}, [&](auto* type_tag, auto width) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     constexpr int N = decltype(width)::value;
     const unsigned grid = grid_for((rows + kForwardWarps - 1) / kForwardWarps, kWarp * kForwardWarps, dev);
     launch_kernel(value_head_forward_kernel<T, N>, grid, dim3(kWarp, kForwardWarps), 0, stream,
-                  static_cast<const T*>(hidden), weight, bias, out, rows, H);
+                  static_cast<const T*>(p.hidden), static_cast<const float*>(p.weight),
+                  static_cast<const float*>(p.bias), static_cast<float*>(p.out), rows, p.H);
   });
 }
 
-cudaError_t launch_value_head_backward_hidden(const float* grad_out, const float* weight, void* grad_hidden,
-                                              int64_t rows, int64_t H, DType dtype, cudaStream_t stream) {
-  if (rows == 0) return cudaSuccess;
+cudaError_t launch_value_head_backward_hidden(const Params& p, DType dtype, cudaStream_t stream) {
+  if (p.rows == 0) return cudaSuccess;
   DeviceSize dev;
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
-  return launch_with_width<16>(dtype, H, {weight, grad_hidden}, [&](auto* type_tag, auto width) {
+  return launch_with_width<16>(dtype, p.H, {p.weight, p.grad_hidden}, [&](auto* type_tag, auto width) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     constexpr int N = decltype(width)::value;
-    const RowLaunch cfg = row_launch(rows, H / N, kBroadcastThreads, dev);
-    launch_kernel(value_head_backward_hidden_kernel<T, N>, cfg.grid, cfg.block, 0, stream, grad_out, weight,
-                  static_cast<T*>(grad_hidden), rows, H);
+    const RowLaunch cfg = row_launch(p.rows, p.H / N, kBroadcastThreads, dev);
+    launch_kernel(value_head_backward_hidden_kernel<T, N>, cfg.grid, cfg.block, 0, stream,
+                  static_cast<const float*>(p.grad_out), static_cast<const float*>(p.weight),
+                  static_cast<T*>(p.grad_hidden), p.rows, p.H);
   });
 }
 
-cudaError_t launch_value_head_backward_params(const float* grad_out, const void* hidden, float* weight_partials,
-                                              float* bias_partials, float* grad_weight, float* grad_bias,
-                                              int64_t rows, int64_t H, DType dtype, cudaStream_t stream) {
-  const int64_t blocks = value_head_row_blocks(rows);
+cudaError_t launch_value_head_backward_params(const Params& p, DType dtype, cudaStream_t stream) {
+  const int64_t H = p.H, blocks = value_head_row_blocks(p.rows);
+  auto* weight_partials = static_cast<float*>(p.weight_partials);
+  auto* bias_partials = static_cast<float*>(p.bias_partials);
   if (blocks > 0) {
-    const cudaError_t err = launch_with_width<16>(dtype, H, {hidden, weight_partials}, [&](auto* type_tag, auto width) {
+    const cudaError_t err = launch_with_width<16>(dtype, H, {p.hidden, weight_partials}, [&](auto* type_tag,
+                                                                                           auto width) {
       using T = std::remove_pointer_t<decltype(type_tag)>;
       constexpr int N = decltype(width)::value;
       const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>((H / N + kWarp - 1) / kWarp));
-      launch_kernel(value_head_partials_kernel<T, N>, grid, dim3(kWarp, kStage1Warps), 0, stream, grad_out,
-                    static_cast<const T*>(hidden), weight_partials, bias_partials, rows, H);
+      launch_kernel(value_head_partials_kernel<T, N>, grid, dim3(kWarp, kStage1Warps), 0, stream,
+                    static_cast<const float*>(p.grad_out), static_cast<const T*>(p.hidden), weight_partials,
+                    bias_partials, p.rows, H);
     });
     if (err != cudaSuccess) return err;
   }
-  sum_partials(weight_partials, grad_weight, blocks, H, stream);
+  sum_partials(weight_partials, static_cast<float*>(p.grad_weight), blocks, H, stream);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  sum_partials(bias_partials, grad_bias, blocks, 1, stream);
+  sum_partials(bias_partials, static_cast<float*>(p.grad_bias), blocks, 1, stream);
   return cudaGetLastError();
 }
 

@@ -8,19 +8,23 @@ using namespace fused_rl_ops::clamped_swiglu;
 
 int main(int argc, char** argv) {
   return driver::main(argc, argv, [](driver::Case& c) {
-    const int64_t rows = c.i("rows"), F = c.i("F");
-    const Params p{c.f("alpha"), c.f("limit"), c.f("offset")};
-    const bool interleaved = c.i("interleaved");
+    Params p;
+    p.rows = c.i("rows");
+    p.F = c.i("F");
+    p.interleaved = c.i("interleaved");
+    p.act = Activation{c.f("alpha"), c.f("limit"), c.f("offset")};
+    p.x = c.raw("x");
     if (c.kernel == "forward") {
-      const float* scale = c.i("has_scale") ? c.buf<float>("scale") : nullptr;
-      return launch_clamped_swiglu_forward(c.raw("x"), scale, c.raw("y"), rows, F, c.dtype(), interleaved, p, nullptr);
+      p.scale = c.i("has_scale") ? c.buf<float>("scale") : nullptr;
+      p.y = c.raw("y");
+      return launch_clamped_swiglu_forward(p, c.dtype(), nullptr);
     }
-    if (c.kernel == "backward") {
-      return launch_clamped_swiglu_backward(c.raw("y"), c.raw("x"), c.raw("x_grad"), rows, F, c.dtype(), interleaved,
-                                            p, nullptr);
-    }
+    p.dy = c.raw("y");
+    p.dx = c.raw("x_grad");
+    if (c.kernel == "backward") return launch_clamped_swiglu_backward(p, c.dtype(), nullptr);
     if (c.kernel != "scaled_backward") cuda_on_host::fail("unknown kernel " + c.kernel);
-    return launch_clamped_swiglu_scaled_backward(c.raw("y"), c.raw("x"), c.buf<float>("scale"), c.raw("x_grad"),
-                                                 c.buf<float>("dscale"), rows, F, c.dtype(), interleaved, p, nullptr);
+    p.scale = c.buf<float>("scale");
+    p.dscale = c.buf<float>("dscale");
+    return launch_clamped_swiglu_scaled_backward(p, c.dtype(), nullptr);
   });
 }

@@ -7,19 +7,28 @@ using namespace fused_rl_ops::value_head;
 
 int main(int argc, char** argv) {
   return driver::main(argc, argv, [](driver::Case& c) {
-    const int64_t rows = c.i("rows"), H = c.i("H");
+    Params p;
+    p.rows = c.i("rows");
+    p.H = c.i("H");
     if (c.kernel == "forward") {
-      const float* bias = c.i("has_bias") ? c.buf<float>("bias") : nullptr;
-      return launch_value_head_forward(c.raw("hidden"), c.buf<float>("weight"), bias, c.buf<float>("out"), rows, H,
-                                       c.dtype(), nullptr);
+      p.hidden = c.raw("hidden");
+      p.weight = c.buf<float>("weight");
+      p.bias = c.i("has_bias") ? c.buf<float>("bias") : nullptr;
+      p.out = c.buf<float>("out");
+      return launch_value_head_forward(p, c.dtype(), nullptr);
     }
+    p.grad_out = c.buf<float>("grad_out");
     if (c.kernel == "backward_hidden") {
-      return launch_value_head_backward_hidden(c.buf<float>("grad_out"), c.buf<float>("weight"),
-                                               c.raw("grad_hidden"), rows, H, c.dtype(), nullptr);
+      p.weight = c.buf<float>("weight");
+      p.grad_hidden = c.raw("grad_hidden");
+      return launch_value_head_backward_hidden(p, c.dtype(), nullptr);
     }
     if (c.kernel != "backward_params") cuda_on_host::fail("unknown kernel " + c.kernel);
-    return launch_value_head_backward_params(c.buf<float>("grad_out"), c.raw("hidden"), c.buf<float>("weight_partials"),
-                                             c.buf<float>("bias_partials"), c.buf<float>("grad_weight"),
-                                             c.buf<float>("grad_bias"), rows, H, c.dtype(), nullptr);
+    p.hidden = c.raw("hidden");
+    p.weight_partials = c.buf<float>("weight_partials");
+    p.bias_partials = c.buf<float>("bias_partials");
+    p.grad_weight = c.buf<float>("grad_weight");
+    p.grad_bias = c.buf<float>("grad_bias");
+    return launch_value_head_backward_params(p, c.dtype(), nullptr);
   });
 }
