@@ -1,5 +1,5 @@
 """chosen_logprob's CUDA row kernels with a softcap, executed on the CPU by the kernels-on-CPU
-harness (tests/test_kernels_on_cpu.py: its drivers, builds and sanitizers): the stats and grad
+harness (tests/kernels_on_cpu_harness.py: its drivers, builds and sanitizers): the stats and grad
 kernels on raw logits x, z = c tanh(x / c) / T, against float64, with several grid-stride passes
 and one, column tails, saturated and non-finite logits; and softcap 0 launches the kernels without
 tanh. The row kernels read the fp32 logits the GEMMs write for every input dtype, so fp32 is their
@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from test_kernels_on_cpu import (FP32_EPS, Buf, assert_within, combined_stats64, drivers,  # noqa: F401
-                                 logit_grads64, lse_entropy64, pytestmark, run_case, run_grad_rows,
-                                 run_stats_rows, running_stats, stats_tolerance)
+from kernels_on_cpu_harness import (FP32_EPS, Buf, assert_within, combined_stats64, drivers,  # noqa: F401
+                                    logit_grads64, lse_entropy64, pytestmark, run_case, run_grad_rows,
+                                    run_stats_rows, running_stats, stats_tolerance)
 
 COL0 = 100  # the chunk holds global ids [COL0, COL0 + C)
 STATS_SHAPES = [
