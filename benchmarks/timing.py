@@ -1,8 +1,10 @@
 """Timing (time_paths): each path runs a few warm-up calls, then interleaved rounds (each round calls
 every path once), and reports the median and inter-quartile range over the rounds. On CUDA a call
 is timed with CUDA events, after writing a buffer larger than the L2 cache so that no call finds
-its inputs left in L2 by the previous one; on the CPU with perf_counter. A CPU row whose paths
-disagree between rounds is measured again (see time_paths)."""
+its inputs left in L2 by the previous one; on the CPU with perf_counter, with freed heap memory kept
+(keep_freed_heap). A CPU row whose paths disagree between rounds is measured again (see
+time_paths)."""
+import ctypes
 import statistics
 import time
 
@@ -14,6 +16,25 @@ DISAGREEMENT = 1.3  # a row is measured again when a path's time relative to the
 RETRIES = 2  # ... at most this many more times,
 RETRY_BUDGET_S = 60  # ... and only while its rounds so far took less than this
 MEASUREMENT_COLUMNS = ("load_before", "load_after", "other_cores", "busy", "attempts", "disagreement")
+
+
+# glibc's mallopt parameters, and its largest mmap threshold on 64-bit systems.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def keep_freed_heap():
+    """Makes glibc's malloc keep the memory CPU tensors free for reuse, as PyTorch's CUDA caching
+    allocator keeps freed blocks: the heap is never trimmed, and blocks under 32 MiB come from it
+    (larger ones are mapped afresh, for every path alike). By default glibc's thresholds move with
+    what was freed last, so a path's buffers may come back as fresh pages, each faulted in and zeroed
+    on first touch, depending on which path ran before it (docs/benchmarks.md). Peak-memory probes
+    release free memory first (fused_rl_ops.testing.peak_memory), so they see the same growth
+    either way."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallopt"):
+        libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
 
 
 def synchronize(device: str):
@@ -89,6 +110,8 @@ def time_paths(fns: dict, device: str, warmup: int = 1, reps: int = 5) -> Timing
     while the row has taken less than RETRY_BUDGET_S, and the most consistent attempt is kept."""
     if device == "cuda":
         warmup = max(warmup, 3)
+    else:
+        keep_freed_heap()
     for fn in fns.values():
         for _ in range(warmup):
             fn()

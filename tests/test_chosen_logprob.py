@@ -205,6 +205,27 @@ def test_opcheck(device):
                                                  main_grad))
 
 
+def test_ops_called_directly_reject_what_the_kernels_cannot_read(device):
+    """The ops check only what their memory accesses need (the user-facing checks are
+    chosen_logprob's): each case below would read past a buffer, or loop forever on chunk_size 0."""
+    hidden, weight, tokens = make_inputs(9, 12, 200, torch.float32, device)
+    ops = torch.ops.fused_rl_ops
+    inputs = "expected hidden \\[N, H\\], weight \\[V, H\\] and int64 tokens \\[N\\] on one device"
+    for args in [(hidden, weight, tokens[:8], 1.0, 0, 128), (hidden, weight, tokens.int(), 1.0, 0, 128),
+                 (hidden, weight[:, :11], tokens, 1.0, 0, 128), (hidden, weight, tokens, 1.0, 0, 0)]:
+        with pytest.raises(RuntimeError, match=inputs):
+            ops.chosen_logprob_stats(*args)
+    stats = ops.chosen_logprob_stats(hidden, weight, tokens, 1.0, 0, 128)
+    with pytest.raises(RuntimeError, match="partials must be \\[ranks, N, 4\\]"):
+        ops.chosen_logprob_combine(stats)
+    row_max, log_sum, ent, _ = ops.chosen_logprob_combine(stats[None]).unbind(1)
+    per_token = [row_max.contiguous(), log_sum.contiguous(), (log_sum - ent).contiguous(),
+                 torch.randn(9, device=device), torch.randn(9, device=device)]
+    for bad in (torch.randn(8, device=device), torch.randn(9, device=device).bfloat16()):
+        with pytest.raises(RuntimeError, match="must be \\[N\\] in the accumulation dtype"):
+            ops.chosen_logprob_backward(hidden, weight, tokens, *per_token[:4], bad, 1.0, 0, 200, 128)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_weight_gradient_added_into_main_grad(device, dtype, batch_invariant):

@@ -226,8 +226,6 @@ def test_opcheck_and_gradcheck(device):
     ops = torch.ops.fused_rl_ops
     torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, 0, 128), dict(softcap=2.0))
     stats = ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, 0, 128, softcap=2.0)
-    with pytest.raises(RuntimeError, match="softcap must be None or a positive finite number"):
-        ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, 0, 128, softcap=math.nan)  # the op checks it too
     row_max, log_sum, ent, _ = ops.chosen_logprob_combine(stats[None]).unbind(1)
     per_token = [row_max.contiguous(), log_sum.contiguous(), (log_sum - ent).contiguous(),
                  torch.randn(9, device=device), torch.randn(9, device=device)]

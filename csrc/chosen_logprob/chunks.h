@@ -1,10 +1,10 @@
 // The vocab-chunk loop of chosen_logprob, written once for every device. A Backend supplies the
-// GEMMs and the hand-written row kernels:
+// GEMMs and the hand-written row kernels (each of these runs one Params of chosen_logprob/params.h
+// whose buffers are in the accumulation dtype acc):
 //   gemm_operand(t, acc)                 t as the GEMMs take it (CPU: converted to acc dtype)
 //   logits(h, w, out)                    out = h w^T, accumulated and stored in acc dtype
-//   stats_rows(logits, tokens, col0, temperature, softcap, stats)   merge a chunk into the row stats
-//   grad_rows(logits, tokens, col0, row_max, lse, mean, gl, ge, temperature, softcap)
-//                                        logits -> d(loss)/d(logits) in place
+//   stats_rows(params, acc)              merge a chunk into the row stats
+//   grad_rows(params, acc)               logits -> d(loss)/d(logits) in place
 //   grad_operand(dlogits, dtype)         the logit gradients as the gradient GEMMs take them
 //   add_mm(out, a, b)                    out += a b, out in acc dtype
 //   mm(out, a, b)                        out = a b, accumulated in acc dtype, stored in out's dtype
@@ -14,10 +14,23 @@
 
 #include <ATen/ATen.h>
 
-#include "chosen_logprob/args.h"
+#include "chosen_logprob/params.h"
 #include "common/torch_utils.h"
 
 namespace fused_rl_ops::chosen_logprob {
+
+// The non-tensor arguments of the stats and backward ops (softcap 0: no cap); chunk_size,
+// row_block and pass_rows as RowTiling below takes them.
+struct Options {
+  double temperature = 1.0, softcap = 0.0;
+  int64_t vocab_start = 0, chunk_size = 0, row_block = 0, pass_rows = 0;
+};
+
+// The backward's per-token inputs, [N] each in the accumulation dtype: the global row max, lse and
+// mean (= lse - entropy) relative to it, and the upstream gradients of logprob and entropy.
+struct TokenGrads {
+  at::Tensor row_max, lse, mean, grad_logprob, grad_entropy;
+};
 
 // How the token rows meet the GEMMs. Every GEMM takes exactly `block` rows (a last, shorter block
 // runs on a zero-padded copy), and the rows are walked in passes of `pass` rows (a multiple of
@@ -87,27 +100,40 @@ void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_
   }
 }
 
+// The Params of a row kernel over rows [r0, r0 + rows) of one chunk's logits (the workspace's
+// first `rows` rows), whose column 0 is vocabulary row c0 of this shard.
+inline Params row_params(const at::Tensor& logits, int64_t rows, const at::Tensor& tokens, const Options& opts,
+                         int64_t c0, int64_t r0) {
+  Params p;
+  p.logits = logits.data_ptr();
+  p.tokens = tokens.const_data_ptr<int64_t>() + r0;
+  p.rows = rows;
+  p.cols = logits.size(1);
+  p.col0 = opts.vocab_start + c0;
+  p.temperature = opts.temperature;
+  p.softcap = opts.softcap;
+  return p;
+}
+
 // [N, 4] per-token partials (max, sum, ent, chosen) of this shard's logits; chosen is 0 where the
 // token is not in [vocab_start, vocab_start + V). The row kernels take raw logits and apply the
-// temperature and the softcap (softcap 0 below: none) themselves, with chosen_logprob/math.h's maps.
+// temperature and the softcap themselves, with chosen_logprob/math.h's maps.
 template <class Backend>
 at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                      double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
-                      int64_t pass_rows, std::optional<double> softcap) {
-  check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows, softcap);
+                      const Options& opts) {
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0);
   at::Tensor stats = at::zeros({N, 4}, hidden.options().dtype(acc));
   stats.select(1, 0).fill_(-INFINITY);
   if (N == 0 || V == 0) return stats;
   const at::Tensor tok = tokens.contiguous();
-  const RowTiling tiling(N, row_block, pass_rows);
+  const RowTiling tiling(N, opts.row_block, opts.pass_rows);
   for_each_logits_chunk<Backend>(
-      aligned_rows(Backend::gemm_operand(hidden.contiguous(), acc), tiling), weight, chunk_size, tiling,
+      aligned_rows(Backend::gemm_operand(hidden.contiguous(), acc), tiling), weight, opts.chunk_size, tiling,
       [&](const at::Tensor& logits, int64_t rows, const at::Tensor&, int64_t c0, int64_t r0) {
-        at::Tensor z = logits.narrow(0, 0, rows), stats_rows = stats.narrow(0, r0, rows);
-        Backend::stats_rows(z, tok.narrow(0, r0, rows), vocab_start + c0, temperature, softcap.value_or(0.0),
-                            stats_rows);
+        Params p = row_params(logits, rows, tok, opts, c0, r0);
+        p.stats = stats.narrow(0, r0, rows).mutable_data_ptr();
+        Backend::stats_rows(p, acc);
       });
   return stats;
 }
@@ -118,52 +144,44 @@ at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const 
 // weight's dtype, one [V, H] tensor whose padded rows alone are zeroed). With main_grad ([V, H],
 // Megatron's gradient-accumulation buffer) each chunk's weight gradient, in weight's dtype as an
 // unfused backward hands it over, is added into main_grad's rows instead, through a [chunk, H]
-// buffer, and the returned weight gradient is empty [0, H]. row_max, lse and mean (= lse - entropy)
-// are the global per-token values, lse and mean relative to row_max (chosen_logprob/math.h).
-// The hidden gradient takes one GEMM per row block and chunk, summed over chunks in vocab order;
+// buffer, and the returned weight gradient is empty [0, H]. The hidden gradient takes one GEMM per row block and chunk, summed over chunks in vocab order;
 // the weight gradient sums over all tokens (over passes in order, in the accumulation dtype).
 template <class Backend>
 std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
-                                                 const at::Tensor& tokens, const at::Tensor& row_max,
-                                                 const at::Tensor& lse, const at::Tensor& mean,
-                                                 const at::Tensor& grad_logprob,
-                                                 const at::Tensor& grad_entropy, double temperature,
-                                                 int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
-                                                 int64_t row_block, int64_t pass_rows,
-                                                 const std::optional<at::Tensor>& main_grad,
-                                                 std::optional<double> softcap) {
-  check_inputs(hidden, weight, tokens, temperature, chunk_size, row_block, pass_rows, softcap);
-  check_backward_args(weight, valid_rows, main_grad);
+                                                 const at::Tensor& tokens, const TokenGrads& token_grads,
+                                                 int64_t valid_rows, const std::optional<at::Tensor>& main_grad,
+                                                 const Options& opts) {
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0), H = weight.size(1);
-  for (const at::Tensor* t : {&row_max, &lse, &mean, &grad_logprob, &grad_entropy}) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == acc && t->device() == hidden.device(),
-                "chosen_logprob backward: per-token tensors must be [N] in the accumulation dtype");
-  }
   at::Tensor grad_h = at::zeros({N, H}, hidden.options().dtype(acc));
   at::Tensor grad_w = main_grad ? at::empty({0, H}, weight.options()) : at::empty(weight.sizes(), weight.options());
   const bool any_chunk = N > 0 && valid_rows > 0;
   if (!main_grad) grad_w.narrow(0, any_chunk ? valid_rows : 0, any_chunk ? V - valid_rows : V).zero_();
   if (!any_chunk) return {grad_h, grad_w};
-  const RowTiling tiling(N, row_block, pass_rows);
+  const RowTiling tiling(N, opts.row_block, opts.pass_rows);
   const bool one_pass = tiling.pass >= N;
   const at::Tensor h = aligned_rows(Backend::gemm_operand(hidden.contiguous(), acc), tiling);
   const at::Tensor tok = tokens.contiguous();
-  const at::Tensor max_c = row_max.contiguous(), lse_c = lse.contiguous(), mean_c = mean.contiguous();
-  const at::Tensor gl = grad_logprob.contiguous(), ge = grad_entropy.contiguous();
+  const at::Tensor row_max = token_grads.row_max.contiguous(), lse = token_grads.lse.contiguous();
+  const at::Tensor mean = token_grads.mean.contiguous(), gl = token_grads.grad_logprob.contiguous();
+  const at::Tensor ge = token_grads.grad_entropy.contiguous();
   at::Tensor grad_h_tail = tiling.tail_rows() > 0 ? at::zeros({tiling.block, H}, grad_h.options()) : at::Tensor();
-  const int64_t chunk_rows = std::min(chunk_size, valid_rows);
+  const int64_t chunk_rows = std::min(opts.chunk_size, valid_rows);
   // The weight-chunk gradient summed over passes (several passes only), one buffer for every chunk.
   const at::Tensor grad_w_acc = one_pass ? at::Tensor() : at::empty({chunk_rows, H}, grad_h.options());
   const at::Tensor chunk_grad = main_grad ? at::empty({chunk_rows, H}, weight.options()) : at::Tensor();
-  for_each_logits_chunk<Backend>(h, weight.narrow(0, 0, valid_rows), chunk_size, tiling,
+  for_each_logits_chunk<Backend>(h, weight.narrow(0, 0, valid_rows), opts.chunk_size, tiling,
                                  [&](const at::Tensor& logits, int64_t rows, const at::Tensor& w_chunk, int64_t c0,
                                      int64_t r0) {
     const int64_t n = logits.size(1);
-    at::Tensor z = logits.narrow(0, 0, rows);
-    Backend::grad_rows(z, tok.narrow(0, r0, rows), vocab_start + c0, max_c.narrow(0, r0, rows),
-                       lse_c.narrow(0, r0, rows), mean_c.narrow(0, r0, rows), gl.narrow(0, r0, rows),
-                       ge.narrow(0, r0, rows), temperature, softcap.value_or(0.0));
+    Params p = row_params(logits, rows, tok, opts, c0, r0);
+    const auto row_ptr = [&](const at::Tensor& t) { return t.narrow(0, r0, rows).const_data_ptr(); };
+    p.row_max = row_ptr(row_max);
+    p.lse = row_ptr(lse);
+    p.mean = row_ptr(mean);
+    p.grad_logprob = row_ptr(gl);
+    p.grad_entropy = row_ptr(ge);
+    Backend::grad_rows(p, acc);
     // The padding rows of a last block hold the logits of zero rows (zeros) and reach only
     // grad_h_tail's padding.
     const at::Tensor d = Backend::grad_operand(logits, hidden.scalar_type());

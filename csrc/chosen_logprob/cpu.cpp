@@ -4,7 +4,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "chosen_logprob/chunks.h"
+#include "chosen_logprob/entry.h"
 #include "chosen_logprob/math.h"
 #include "common/vec_math.h"
 
@@ -31,9 +31,12 @@ acc horizontal_sum(const at::vec::Vectorized<acc>& v) {
 
 // Logit: the PlainLogit or SoftcappedLogit of chosen_logprob/math.h, in acc.
 template <typename acc, class Logit>
-void stats_rows_cpu(const acc* logits, int64_t N, int64_t C, int64_t col0, const int64_t* tokens,
-                    const Logit& logit, acc* stats) {
+void stats_rows_cpu(const Params& p, const Logit& logit) {
   using Vec = at::vec::Vectorized<acc>;
+  const auto* logits = static_cast<const acc*>(p.logits);
+  auto* stats = static_cast<acc*>(p.stats);
+  const int64_t N = p.rows, C = p.cols, col0 = p.col0;
+  const int64_t* tokens = p.tokens;
   const int64_t C_vec = C - C % Vec::size();
   const auto vlogit = logit.template as<Vec>();
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
@@ -55,9 +58,14 @@ void stats_rows_cpu(const acc* logits, int64_t N, int64_t C, int64_t col0, const
 }
 
 template <typename acc, class Logit>
-void grad_rows_cpu(acc* logits, int64_t N, int64_t C, int64_t col0, const int64_t* tokens, const acc* row_max,
-                   const acc* lse, const acc* mean, const acc* gl, const acc* ge, const Logit& logit) {
+void grad_rows_cpu(const Params& p, const Logit& logit) {
   using Vec = at::vec::Vectorized<acc>;
+  auto* logits = static_cast<acc*>(p.logits);
+  const auto *row_max = static_cast<const acc*>(p.row_max), *lse = static_cast<const acc*>(p.lse);
+  const auto *mean = static_cast<const acc*>(p.mean), *gl = static_cast<const acc*>(p.grad_logprob);
+  const auto* ge = static_cast<const acc*>(p.grad_entropy);
+  const int64_t N = p.rows, C = p.cols, col0 = p.col0;
+  const int64_t* tokens = p.tokens;
   const int64_t C_vec = C - C % Vec::size();
   const auto vlogit = logit.template as<Vec>();
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
@@ -84,26 +92,17 @@ struct CpuBackend {
 
   static void logits(const at::Tensor& h, const at::Tensor& w, at::Tensor& out) { at::mm_out(out, h, w.t()); }
 
-  static void stats_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, double temperature,
-                         double softcap, at::Tensor& stats) {
-    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "chosen_logprob_stats_cpu", [&] {
-      with_logit_map<scalar_t>(temperature, softcap, [&](const auto& logit) {
-        stats_rows_cpu<scalar_t>(logits.const_data_ptr<scalar_t>(), logits.size(0), logits.size(1), col0,
-                                 tokens.const_data_ptr<int64_t>(), logit, stats.mutable_data_ptr<scalar_t>());
-      });
+  static void stats_rows(const Params& p, at::ScalarType acc) {
+    AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_stats_cpu", [&] {
+      with_logit_map<scalar_t>(p.temperature, p.softcap,
+                               [&](const auto& logit) { stats_rows_cpu<scalar_t>(p, logit); });
     });
   }
 
-  static void grad_rows(at::Tensor& logits, const at::Tensor& tokens, int64_t col0, const at::Tensor& row_max,
-                        const at::Tensor& lse, const at::Tensor& mean, const at::Tensor& gl, const at::Tensor& ge,
-                        double temperature, double softcap) {
-    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "chosen_logprob_grad_cpu", [&] {
-      with_logit_map<scalar_t>(temperature, softcap, [&](const auto& logit) {
-        grad_rows_cpu<scalar_t>(logits.mutable_data_ptr<scalar_t>(), logits.size(0), logits.size(1), col0,
-                                tokens.const_data_ptr<int64_t>(), row_max.const_data_ptr<scalar_t>(),
-                                lse.const_data_ptr<scalar_t>(), mean.const_data_ptr<scalar_t>(),
-                                gl.const_data_ptr<scalar_t>(), ge.const_data_ptr<scalar_t>(), logit);
-      });
+  static void grad_rows(const Params& p, at::ScalarType acc) {
+    AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_grad_cpu", [&] {
+      with_logit_map<scalar_t>(p.temperature, p.softcap,
+                               [&](const auto& logit) { grad_rows_cpu<scalar_t>(p, logit); });
     });
   }
 
@@ -115,50 +114,24 @@ struct CpuBackend {
     if (out.scalar_type() == a.scalar_type()) at::mm_out(out, a, b);
     else out.copy_(at::mm(a, b));
   }
-};
 
-at::Tensor stats_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                     double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
-                     int64_t pass_rows, std::optional<double> softcap) {
-  return stats_impl<CpuBackend>(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block,
-                                pass_rows, softcap);
-}
-
-std::tuple<at::Tensor, at::Tensor> backward_cpu(const at::Tensor& hidden, const at::Tensor& weight,
-                                                const at::Tensor& tokens, const at::Tensor& row_max,
-                                                const at::Tensor& lse, const at::Tensor& mean,
-                                                const at::Tensor& grad_logprob,
-                                                const at::Tensor& grad_entropy, double temperature,
-                                                int64_t vocab_start, int64_t valid_rows, int64_t chunk_size,
-                                                int64_t row_block, int64_t pass_rows,
-                                                const std::optional<at::Tensor>& main_grad,
-                                                std::optional<double> softcap) {
-  return backward_impl<CpuBackend>(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy,
-                                   temperature, vocab_start, valid_rows, chunk_size, row_block, pass_rows,
-                                   main_grad, softcap);
-}
-
-at::Tensor combine_cpu(const at::Tensor& partials_in) {
-  check_combine_input(partials_in);
-  const at::Tensor partials = partials_in.contiguous();
-  const int64_t ranks = partials.size(0), N = partials.size(1);
-  at::Tensor out = at::empty({N, 4}, partials.options());
-  AT_DISPATCH_FLOATING_TYPES(partials.scalar_type(), "chosen_logprob_combine_cpu", [&] {
-    const scalar_t* p = partials.const_data_ptr<scalar_t>();
-    scalar_t* o = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) combine_row(p, ranks, N, r, o);
+  static void combine(const Params& p, at::ScalarType acc) {
+    AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_combine_cpu", [&] {
+      const auto* partials = static_cast<const scalar_t*>(p.partials);
+      auto* out = static_cast<scalar_t*>(p.out);
+      at::parallel_for(0, p.rows, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) combine_row(partials, p.ranks, p.rows, r, out);
+      });
     });
-  });
-  return out;
-}
+  }
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_rl_ops, CPU, m) {
-  m.impl("chosen_logprob_stats", &stats_cpu);
-  m.impl("chosen_logprob_backward", &backward_cpu);
-  m.impl("chosen_logprob_combine", &combine_cpu);
+  m.impl("chosen_logprob_stats", &stats<CpuBackend>);
+  m.impl("chosen_logprob_backward", &backward<CpuBackend>);
+  m.impl("chosen_logprob_combine", &combine<CpuBackend>);
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

@@ -6,43 +6,44 @@
 
 namespace fused_rl_ops::chosen_logprob {
 
-cudaError_t launch_chosen_logprob_stats_rows(const float* logits, int64_t N, int64_t C, int64_t col0,
-                                             const int64_t* tokens, double temperature, double softcap, float* stats,
-                                             cudaStream_t stream) {
-  if (N == 0 || C == 0) return cudaSuccess;
+cudaError_t launch_chosen_logprob_stats_rows(const Params& p, cudaStream_t stream) {
+  const int64_t N = p.rows;
+  if (N == 0 || p.cols == 0) return cudaSuccess;
   DeviceSize dev;
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   const int threads = kStatsRowsPerBlock * kWarp;
   const unsigned grid = grid_for((N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock, threads, dev);
-  with_logit_map<float>(temperature, softcap, [&](auto logit) {
-    launch_kernel(chosen_logprob_stats_rows_kernel<decltype(logit)>, grid, threads, 0, stream, logits, N, C, col0,
-                  tokens, logit, stats);
+  with_logit_map<float>(p.temperature, p.softcap, [&](auto logit) {
+    launch_kernel(chosen_logprob_stats_rows_kernel<decltype(logit)>, grid, threads, 0, stream,
+                  static_cast<const float*>(p.logits), N, p.cols, p.col0, p.tokens, logit,
+                  static_cast<float*>(p.stats));
   });
   return cudaGetLastError();
 }
 
-cudaError_t launch_chosen_logprob_grad_rows(float* logits, int64_t N, int64_t C, int64_t col0, const int64_t* tokens,
-                                            const float* row_max, const float* lse, const float* mean,
-                                            const float* gl, const float* ge, double temperature, double softcap,
-                                            cudaStream_t stream) {
-  if (N == 0 || C == 0) return cudaSuccess;
+cudaError_t launch_chosen_logprob_grad_rows(const Params& p, cudaStream_t stream) {
+  if (p.rows == 0 || p.cols == 0) return cudaSuccess;
   DeviceSize dev;
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
-  const RowLaunch cfg = row_launch(N, C, kGradThreads, dev);
-  with_logit_map<float>(temperature, softcap, [&](auto logit) {
-    launch_kernel(chosen_logprob_grad_rows_kernel<decltype(logit)>, cfg.grid, cfg.block, 0, stream, logits, N, C,
-                  col0, tokens, row_max, lse, mean, gl, ge, logit);
+  const RowLaunch cfg = row_launch(p.rows, p.cols, kGradThreads, dev);
+  with_logit_map<float>(p.temperature, p.softcap, [&](auto logit) {
+    launch_kernel(chosen_logprob_grad_rows_kernel<decltype(logit)>, cfg.grid, cfg.block, 0, stream,
+                  static_cast<float*>(p.logits), p.rows, p.cols, p.col0, p.tokens,
+                  static_cast<const float*>(p.row_max), static_cast<const float*>(p.lse),
+                  static_cast<const float*>(p.mean), static_cast<const float*>(p.grad_logprob),
+                  static_cast<const float*>(p.grad_entropy), logit);
   });
   return cudaGetLastError();
 }
 
-cudaError_t launch_chosen_logprob_combine(const float* partials, int64_t ranks, int64_t N, float* out,
-                                          cudaStream_t stream) {
+cudaError_t launch_chosen_logprob_combine(const Params& p, cudaStream_t stream) {
+  const int64_t N = p.rows;
   if (N == 0) return cudaSuccess;
   DeviceSize dev;
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   const unsigned grid = grid_for((N + kCombineThreads - 1) / kCombineThreads, kCombineThreads, dev);
-  launch_kernel(chosen_logprob_combine_kernel, grid, kCombineThreads, 0, stream, partials, ranks, N, out);
+  launch_kernel(chosen_logprob_combine_kernel, grid, kCombineThreads, 0, stream, static_cast<const float*>(p.partials),
+                p.ranks, N, static_cast<float*>(p.out));
   return cudaGetLastError();
 }
 

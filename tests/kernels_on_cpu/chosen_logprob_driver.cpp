@@ -7,19 +7,30 @@ using namespace fused_rl_ops::chosen_logprob;
 
 int main(int argc, char** argv) {
   return driver::main(argc, argv, [](driver::Case& c) {
-    const int64_t N = c.i("N");
+    Params p;
+    p.rows = c.i("N");
+    if (c.kernel == "combine") {
+      p.partials = c.buf<float>("partials");
+      p.out = c.buf<float>("out");
+      p.ranks = c.i("ranks");
+      return launch_chosen_logprob_combine(p, nullptr);
+    }
+    p.logits = c.buf<float>("logits");
+    p.tokens = c.buf<int64_t>("tokens");
+    p.cols = c.i("C");
+    p.col0 = c.i("col0");
+    p.temperature = c.d("temperature");
+    p.softcap = c.d("softcap");
     if (c.kernel == "stats_rows") {
-      return launch_chosen_logprob_stats_rows(c.buf<float>("logits"), N, c.i("C"), c.i("col0"),
-                                              c.buf<int64_t>("tokens"), c.d("temperature"), c.d("softcap"),
-                                              c.buf<float>("stats"), nullptr);
+      p.stats = c.buf<float>("stats");
+      return launch_chosen_logprob_stats_rows(p, nullptr);
     }
-    if (c.kernel == "grad_rows") {
-      return launch_chosen_logprob_grad_rows(c.buf<float>("logits"), N, c.i("C"), c.i("col0"),
-                                             c.buf<int64_t>("tokens"), c.buf<float>("row_max"), c.buf<float>("lse"),
-                                             c.buf<float>("mean"), c.buf<float>("gl"), c.buf<float>("ge"),
-                                             c.d("temperature"), c.d("softcap"), nullptr);
-    }
-    if (c.kernel != "combine") cuda_on_host::fail("unknown kernel " + c.kernel);
-    return launch_chosen_logprob_combine(c.buf<float>("partials"), c.i("ranks"), N, c.buf<float>("out"), nullptr);
+    if (c.kernel != "grad_rows") cuda_on_host::fail("unknown kernel " + c.kernel);
+    p.row_max = c.buf<float>("row_max");
+    p.lse = c.buf<float>("lse");
+    p.mean = c.buf<float>("mean");
+    p.grad_logprob = c.buf<float>("gl");
+    p.grad_entropy = c.buf<float>("ge");
+    return launch_chosen_logprob_grad_rows(p, nullptr);
   });
 }
