@@ -12,10 +12,10 @@ def _entry(rank, world_size, port, fn, args):
     os.environ["OMP_NUM_THREADS"] = "1"
     store = dist.TCPStore(_HOST, port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.barrier()
+    # No barrier on an exception: the rank leaves at once with its traceback, and the parent then
+    # stops the others, which may be waiting for it in a collective.
+    fn(rank, world_size, *args)
+    dist.barrier()
     exit_rank()
 
 
@@ -41,7 +41,8 @@ def exit_rank():
 def run_distributed(fn, world_size: int, *args):
     """Calls fn(rank, world_size, *args) in world_size processes with the default group on gloo.
 
-    fn must be a module-level function; an exception in any rank fails the caller with its traceback.
+    fn must be a module-level function; an exception in any rank fails the caller with its traceback
+    as soon as that rank raises (the other ranks are stopped, even inside a collective).
     The ranks meet at a store this process serves on a port the system picks as it binds (picking a
     free port first and binding it later lets a concurrent run take it in between)."""
     server = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
