@@ -184,15 +184,19 @@ def _check_token_range(tokens, vocab_size, ignore_index):
                          f"({ignore_index}); found {bad}")
 
 
-def _main_grad_placeholder(weight):
-    """What megatron-core's linear layers (LinearWithGradAccumulationAndAsyncCommunication) return as
-    the gradient of a weight whose gradient they added into main_grad: under Megatron's DDP (the
-    weight carries grad_added_to_main_grad) a placeholder of the weight's shape, zeros when
-    weight.zero_out_wgrad, which DDP's hook then drops without adding; otherwise nothing."""
-    if not hasattr(weight, "grad_added_to_main_grad"):
+def _main_grad_placeholder(weight, main_grad):
+    """What the backward returns as the weight's gradient when it adds that gradient into main_grad,
+    as megatron-core's linear layers (LinearWithGradAccumulationAndAsyncCommunication) do: under
+    Megatron's DDP (the weight carries grad_added_to_main_grad) a placeholder of the weight's shape,
+    "zeros" when weight.zero_out_wgrad else "empty", which DDP's hook then drops without adding;
+    otherwise None (no gradient). Sets grad_added_to_main_grad here, when the call is recorded for
+    a backward, rather than in the backward, which dynamo traces without attribute side effects;
+    DDP's hook reads the flag only after the backward."""
+    if main_grad is None or not hasattr(weight, "grad_added_to_main_grad"):
         return None
-    weight.grad_added_to_main_grad = True
-    return torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
+    if torch.is_grad_enabled() and weight.requires_grad:
+        weight.grad_added_to_main_grad = True
+    return "zeros" if getattr(weight, "zero_out_wgrad", False) else "empty"
 
 
 @dataclass(frozen=True)
@@ -205,6 +209,7 @@ class _Options:
     tiling: tuple  # (chunk_size, row_block, pass_rows), as tiling_for gives
     tp_group: Optional[dist.ProcessGroup]
     reduce_hidden_grad: bool
+    weight_placeholder: Optional[str]  # with main_grad: as _main_grad_placeholder gives
 
     @property
     def distributed(self) -> bool:
@@ -231,9 +236,8 @@ class _ChosenLogprob(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, tokens, ignore, row_max, log_sum, entropy)
         ctx.opts = opts
         # main_grad is the backward's output buffer, not an input of its math: kept on ctx, not saved
-        # (autograd's version check would trip on its in-place updates). The placeholder needs the
-        # parameter object itself (its attributes), as Megatron's layers do.
-        ctx.main_grad, ctx.weight_param = main_grad, (weight if main_grad is not None else None)
+        # (autograd's version check would trip on its in-place updates).
+        ctx.main_grad = main_grad
         return logprob, entropy, is_max
 
     @staticmethod
@@ -248,7 +252,11 @@ class _ChosenLogprob(torch.autograd.Function):
             grad_entropy.to(entropy.dtype).contiguous(), opts.temperature, opts.vocab_start, opts.valid_rows,
             *opts.tiling, ctx.main_grad, softcap=opts.softcap)
         if ctx.main_grad is not None:
-            grad_weight = _main_grad_placeholder(ctx.weight_param)
+            grad_weight = None
+            if opts.weight_placeholder == "zeros":
+                grad_weight = torch.zeros_like(weight)
+            elif opts.weight_placeholder == "empty":
+                grad_weight = torch.empty_like(weight)
         if opts.reduce_hidden_grad and opts.distributed:
             dist.all_reduce(grad_hidden, group=opts.tp_group)  # fp32: the sum is taken before rounding
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
@@ -356,7 +364,7 @@ def chosen_logprob(
                         batch_invariant)
     ignored = tokens1d == ignore_index
     opts = _Options(float(temperature), None if softcap is None else float(softcap), int(vocab_start), n_valid, tiling,
-                    tp_group, bool(reduce_hidden_grad))
+                    tp_group, bool(reduce_hidden_grad), _main_grad_placeholder(weight, main_grad))
     logprob, entropy, is_max = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, main_grad, opts)
     if not check_tokens:
         # An unchecked id outside [0, vocab_size) matches no row and would get a finite -lse: NaN

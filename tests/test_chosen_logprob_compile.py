@@ -73,6 +73,37 @@ def test_ppo_loss_compiles_with_defaults_and_matches_eager(dtype):
     assert (compiled[1][batch[2] == -100] == 0).all()
 
 
+@pytest.mark.parametrize("zero_out_wgrad", [False, True])
+def test_main_grad_accumulation_compiles(zero_out_wgrad):
+    """Megatron's gradient-accumulation fusion under fullgraph: over two micro-batches the compiled
+    step adds the weight gradient into main_grad as eager does (and as float64 gives), sets
+    grad_added_to_main_grad and hands the weight the placeholder DDP's hook drops."""
+    batches = [make_batch(2, 12, torch.float32, seed=seed) for seed in (0, 1)]
+    weight = batches[0][1]  # one weight, two micro-batches
+    batches = [(hidden, weight, *rest) for hidden, _, *rest in batches]
+
+    def step(h, w, main_grad, labels, old_logprobs, advantages):
+        logprob, entropy = fused_rl_ops.chosen_logprob(h, w, labels, temperature=TEMPERATURE, return_entropy=True,
+                                                       main_grad=main_grad)
+        return ppo_loss(logprob, entropy, labels, old_logprobs, advantages)
+
+    main_grads = []
+    for fn in (torch.compile(step, fullgraph=True), step):
+        w = torch.nn.Parameter(weight.clone())
+        w.main_grad, w.grad_added_to_main_grad, w.zero_out_wgrad = torch.zeros_like(weight), False, zero_out_wgrad
+        for hidden, _, labels, old_logprobs, advantages in batches:
+            fn(hidden, w, w.main_grad, labels, old_logprobs, advantages).backward()
+            assert w.grad_added_to_main_grad and w.grad.shape == w.shape
+            if zero_out_wgrad:
+                assert not w.grad.any()
+            w.grad = None  # what DDP's hook does with the placeholder
+        main_grads.append(w.main_grad)
+    want = sum(run_with_grads(reference_step, batch)[4] for batch in batches)
+    assert main_grads[0].abs().sum() > 0
+    assert_close(main_grads[0], main_grads[1])
+    assert_close(main_grads[0], want, rtol=1e-5, atol=1e-5)  # float64 math, rounded to the weight's fp32
+
+
 def test_out_of_range_id_under_compile_gives_nan():
     """Eager (default) raises; compiled, the id gets a NaN logprob and NaN gradients (its hidden
     row, and every weight row, which sums over tokens), as with check_tokens=False, the rest exact."""
