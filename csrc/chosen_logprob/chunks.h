@@ -144,8 +144,9 @@ at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const 
 // weight's dtype, one [V, H] tensor whose padded rows alone are zeroed). With main_grad ([V, H],
 // Megatron's gradient-accumulation buffer) each chunk's weight gradient, in weight's dtype as an
 // unfused backward hands it over, is added into main_grad's rows instead, through a [chunk, H]
-// buffer, and the returned weight gradient is empty [0, H]. The hidden gradient takes one GEMM per row block and chunk, summed over chunks in vocab order;
-// the weight gradient sums over all tokens (over passes in order, in the accumulation dtype).
+// buffer, and the returned weight gradient is empty [0, H]. The hidden gradient takes one GEMM per
+// row block and chunk, summed over chunks in vocab order; the weight gradient sums over all tokens
+// (over passes in order, in the accumulation dtype).
 template <class Backend>
 std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
                                                  const at::Tensor& tokens, const TokenGrads& token_grads,

@@ -32,7 +32,9 @@ struct CudaBackend {
     C10_CUDA_CHECK(launch_chosen_logprob_stats_rows(p, stream()));
   }
 
-  static void grad_rows(const Params& p, at::ScalarType) { C10_CUDA_CHECK(launch_chosen_logprob_grad_rows(p, stream())); }
+  static void grad_rows(const Params& p, at::ScalarType) {
+    C10_CUDA_CHECK(launch_chosen_logprob_grad_rows(p, stream()));
+  }
 
   // Tensor cores take the logit gradients in the inputs' dtype; the hidden gradient still
   // accumulates over chunks in fp32.

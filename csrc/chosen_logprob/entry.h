@@ -48,7 +48,6 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
                                             int64_t pass_rows, const std::optional<at::Tensor>& main_grad,
                                             std::optional<double> softcap) {
   check_inputs(hidden, weight, tokens, chunk_size);
-  const TokenGrads token_grads{row_max, lse, mean, grad_logprob, grad_entropy};
   for (const at::Tensor* t : {&row_max, &lse, &mean, &grad_logprob, &grad_entropy}) {
     TORCH_CHECK(t->dim() == 1 && t->size(0) == hidden.size(0) &&
                     t->scalar_type() == acc_dtype(hidden.scalar_type()) && t->device() == hidden.device(),
@@ -56,6 +55,7 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
                 "accumulation dtype, on hidden's device");
   }
   const at::DeviceGuard guard(hidden.device());
+  const TokenGrads token_grads{row_max, lse, mean, grad_logprob, grad_entropy};
   return backward_impl<Backend>(hidden, weight, tokens, token_grads, valid_rows, main_grad,
                                 options(temperature, vocab_start, chunk_size, row_block, pass_rows, softcap));
 }
