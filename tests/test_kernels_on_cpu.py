@@ -42,9 +42,11 @@ def test_harness_selftest(drivers, scenario, error):
 
 # ---------------------------------------------------------------------------------------------
 # Proof that the harness catches bugs: known defects planted in a copy of the sources, one at a
-# time, each reported by a case above. Each entry: (file, line, defective line, the op whose driver
-# runs the case, case, the report expected, the one build that gives it); only that build is
-# compiled and run, which keeps the rebuilds inside CI's time budget.
+# time, each reported by a case above. Each entry: (file, the code the defect changes, the
+# defective code, the op whose driver runs the case, case, the report expected, the one build that
+# gives it); only that build is compiled and run, which keeps the rebuilds inside CI's time budget.
+# The code is found by its tokens in order, whatever the whitespace and line breaks between them
+# (code_pattern), so reformatting the sources moves no defect.
 
 DEFECTS = {
     # value_head stage 1 without the barrier between writing and reading the group sums.
@@ -79,16 +81,14 @@ DEFECTS = {
         "clamped_swiglu/kernel.cuh", "  __syncthreads();  // the previous call's totals are read\n", "",
         "clamped_swiglu",
         lambda d, tmp: clamped_swiglu_cases.test_clamped_swiglu_weighted_forward_and_backward(
-            d, tmp, 2, 2080, "several", 0, "vector",
-                                                                         False, torch.float32),
+            d, tmp, 2, 2080, "several", 0, "vector", False, torch.float32),
         "ThreadSanitizer: data race", "tsan"),
     # row_sum's warp_sum over the whole warp when a row has fewer threads (8 here): rows mix.
     "row_sum_width_ignored": (
         "clamped_swiglu/kernel.cuh", "const int width = blockDim.x < kWarp ? blockDim.x : kWarp;",
         "const int width = kWarp;", "clamped_swiglu",
         lambda d, tmp: clamped_swiglu_cases.test_clamped_swiglu_weighted_forward_and_backward(
-            d, tmp, 40, 64, "one", 0, "vector", False,
-                                                                         torch.bfloat16),
+            d, tmp, 40, 64, "one", 0, "vector", False, torch.bfloat16),
         "dscale: ", "plain"),
     # The launchers' grid arithmetic, each ceil-division turned into a floor division. Grid-stride
     # kernels still cover every row with too few blocks, so the launch shape itself is checked: on
@@ -130,15 +130,41 @@ DEFECTS = {
 }
 
 
+def code_pattern(code):
+    """A regex of code's tokens (words, and each other character but whitespace) in order, with any
+    whitespace between them (at least some between two words)."""
+    tokens = re.findall(r"\w+|[^\w\s]", code)
+    pattern = re.escape(tokens[0])
+    for before, token in zip(tokens, tokens[1:]):
+        two_words = re.fullmatch(r"\w+", before) and re.fullmatch(r"\w+", token)
+        pattern += (r"\s+" if two_words else r"\s*") + re.escape(token)
+    return pattern
+
+
+def plant(text, good, bad, path):
+    """text with the one place that holds the code good replaced by bad."""
+    planted, count = re.subn(code_pattern(good), lambda _: bad, text)
+    assert count == 1, f"{path} holds the code this defect changes {count} times, not once"
+    return planted
+
+
 @pytest.mark.parametrize("defect", list(DEFECTS))
 def test_planted_defect_is_caught(tmp_path, defect):
     path, good, bad, op, case, report, variant = DEFECTS[defect]
     csrc = tmp_path / "csrc"
     shutil.copytree(CSRC, csrc)
-    text = (csrc / path).read_text()
-    assert text.count(good) == 1, f"{path} no longer holds the line this defect changes"
-    (csrc / path).write_text(text.replace(good, bad))
+    (csrc / path).write_text(plant((csrc / path).read_text(), good, bad, path))
     drivers = build_drivers(csrc, tmp_path / "build", drivers=(op,), variants=(variant,))
     (tmp_path / "run").mkdir()
     with pytest.raises(AssertionError, match=re.escape(report)):
         case(drivers, tmp_path / "run")
+
+
+@pytest.mark.parametrize("defect", list(DEFECTS))
+def test_planted_defects_survive_a_reformat(defect):
+    """The code of each defect is still found, once, in its file laid out otherwise: all on one line,
+    or broken after every bracket and comma."""
+    path, good, bad, *_ = DEFECTS[defect]
+    text = (CSRC / path).read_text()
+    for reformatted in (re.sub(r"\s+", " ", text), re.sub(r"([(\[{,])\s*", "\\1\n      ", text)):
+        assert bad in plant(reformatted, good, bad, path)
