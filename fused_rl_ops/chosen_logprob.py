@@ -8,15 +8,18 @@ fixed order; the backward recomputes each chunk's logits and turns them into log
 place. Memory beyond inputs, outputs and gradients: the workspace (`workspace_bytes`, by default
 default_workspace_bytes(hidden)) plus O(tokens) state, independent of the vocabulary size.
 """
+import math
 import struct
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from ._library import acc_dtype, check_device, check_float_dtype, ops
-from ._checks import check_hidden_size, check_softcap, check_temperature, values_readable
+from ._checks import check_hidden_size, values_readable
+from ._options import (NON_NEGATIVE_INTEGER, POSITIVE_FINITE, POSITIVE_INTEGER, check_options, op_arguments, option,
+                       options_dataclass)
 
 DEFAULT_WORKSPACE_BYTES = 64 * 2**20  # the largest default workspace
 _MIN_DEFAULT_WORKSPACE_BYTES = 2**20
@@ -25,6 +28,53 @@ _MIN_CHUNK = 128
 # GEMM has one shape whatever the batch (see RowTiling in csrc/chosen_logprob/chunks.h). Row blocks are
 # multiples of 128, so every block of an aligned hidden starts aligned (aligned_rows there).
 INVARIANT_TILING = {"cpu": (512, 2048), "cuda": (512, 4096)}
+
+
+@options_dataclass
+class ChosenLogprobOptions:
+    """The options of the ops chosen_logprob_stats and chosen_logprob_backward, after their tensors,
+    in the ops' order (declared for C++ in csrc/chosen_logprob/options.h). Constructing it checks
+    them (the only check of these arguments); chosen_logprob builds one per call.
+
+    temperature: the softmax takes the logits divided by it.
+    vocab_start: the global id of weight's row 0.
+    chunk_size, row_block, pass_rows: vocab rows per chunk; token rows per GEMM and per workspace
+        pass, 0: all rows (tiling_for).
+    softcap: the logits are capped as softcap * tanh(logits / softcap) first; None: no cap.
+    valid_rows: weight's first rows that are vocabulary, the rest padding; None: all of them.
+    The ranks of a tensor-parallel group must agree on the options marked agreed (temperature,
+    softcap); chosen_logprob's group check compares them.
+    """
+    temperature: float = option(POSITIVE_FINITE, agreed=True)
+    vocab_start: int = option(NON_NEGATIVE_INTEGER)
+    chunk_size: int = option(POSITIVE_INTEGER)
+    row_block: int = option(NON_NEGATIVE_INTEGER, default=0)
+    pass_rows: int = option(NON_NEGATIVE_INTEGER, default=0)
+    softcap: Optional[float] = option(POSITIVE_FINITE, default=None, agreed=True)
+    valid_rows: Optional[int] = option(NON_NEGATIVE_INTEGER, default=None)
+
+    def __post_init__(self):
+        check_options("chosen_logprob", self)
+
+
+class StatsColumns(NamedTuple):
+    """The columns of chosen_logprob_stats' [N, 4] output: a vocab shard's partials of each token's
+    row (csrc/chosen_logprob/math.h, stats_column): the max m of its logits, s = sum exp(z - m),
+    t = sum exp(z - m) (z - m), and the chosen logit (0 when another shard holds the token)."""
+    max: torch.Tensor
+    sum: torch.Tensor
+    ent: torch.Tensor
+    chosen: torch.Tensor
+
+
+class CombinedColumns(NamedTuple):
+    """The columns of chosen_logprob_combine's [N, 4] output: the shards' partials merged
+    (combined_column): the row max, the log-sum relative to it (lse = row_max + log_sum), the
+    entropy and the chosen logit."""
+    row_max: torch.Tensor
+    log_sum: torch.Tensor
+    entropy: torch.Tensor
+    chosen: torch.Tensor
 
 
 def default_workspace_bytes(hidden: torch.Tensor) -> int:
@@ -58,7 +108,7 @@ def tiling_for(num_tokens: int, hidden_size: int, element_size: int, workspace_b
     return chunk, row_block, max(row_block, fitting_rows // row_block * row_block)
 
 
-def _check_args(hidden, weight, tokens, temperature, softcap):
+def _check_args(hidden, weight, tokens):
     op = "chosen_logprob"
     for name, t in (("hidden", hidden), ("weight", weight), ("tokens", tokens)):
         if not isinstance(t, torch.Tensor):
@@ -77,27 +127,18 @@ def _check_args(hidden, weight, tokens, temperature, softcap):
         raise ValueError(f"{op}: tokens must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
                          f"got {tuple(tokens.shape)}")
     check_hidden_size(op, hidden)
-    check_temperature(op, temperature)
-    check_softcap(op, softcap)
     check_device(op, hidden=hidden, weight=weight, tokens=tokens)
 
 
-def _resolve_vocab(weight, world, rank, vocab_start, vocab_size):
-    """(vocab_start, vocab_size) with their defaults, checked as far as this rank can see."""
-    local_vocab = weight.shape[0]
-    if vocab_start is None:
-        vocab_start = rank * local_vocab
-    if vocab_size is None:
-        vocab_size = world * local_vocab
+def _check_vocab(local_vocab, world, vocab_start, vocab_size):
+    """vocab_size, and vocab_start (checked alone by ChosenLogprobOptions) against it, as far as
+    this rank can see."""
     if vocab_size < 1:
         raise ValueError(f"chosen_logprob: vocab_size must be >= 1, got {vocab_size}")
-    if vocab_start < 0:
-        raise ValueError(f"chosen_logprob: vocab_start must be >= 0, got {vocab_start}")
     if world == 1 and (vocab_start != 0 or vocab_size > local_vocab):
         raise ValueError(f"chosen_logprob: without a tensor-parallel group the weight holds the whole vocabulary: "
                          f"vocab_start must be 0 and vocab_size <= {local_vocab} (its rows), got vocab_start "
                          f"{vocab_start} and vocab_size {vocab_size}")
-    return vocab_start, vocab_size
 
 
 def _check_main_grad(main_grad, weight):
@@ -111,9 +152,11 @@ def _check_main_grad(main_grad, weight):
                          f"{tuple(weight.shape)} on {weight.device}, got {got}")
 
 
-# What every rank of tp_group must agree on, in the order _check_group gathers it.
-_GROUP_FIELDS = ("token count", "hidden size", "dtype", "temperature", "softcap", "ignore_index", "vocab_size",
-                 "reduce_hidden_grad", "token ids")
+# What every rank of tp_group must agree on, in the order _check_group gathers it: the call's own
+# fields, then the agreed options of ChosenLogprobOptions.
+_AGREED_OPTIONS = {o.name: o for o in ChosenLogprobOptions.OPTIONS if o.agreed}
+_GROUP_FIELDS = ("token count", "hidden size", "dtype", "ignore_index", "vocab_size", "reduce_hidden_grad",
+                 "token ids", *_AGREED_OPTIONS)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -125,13 +168,18 @@ def _bits_float(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
-def _group_fields(hidden, tokens, temperature, softcap, ignore_index, vocab_size, reduce_hidden_grad):
+def _option_bits(value) -> int:
+    """An option's value as one int64: the bits of float(value), None as those of NaN, which no
+    option takes."""
+    return _float_bits(math.nan if value is None else float(value))
+
+
+def _group_fields(hidden, tokens, ignore_index, vocab_size, reduce_hidden_grad, options):
     flat = tokens.reshape(-1).long()
     # A cheap fingerprint of the ids and their order (distinct weights per position).
     fingerprint = int((flat * (torch.arange(flat.numel(), device=flat.device) % 8191 + 1)).sum())
-    softcap_bits = 0 if softcap is None else _float_bits(float(softcap))  # 0.0's bits: no valid softcap
-    return [flat.numel(), hidden.shape[-1], _DTYPES.index(hidden.dtype), _float_bits(float(temperature)), softcap_bits,
-            ignore_index, vocab_size, int(reduce_hidden_grad), fingerprint]
+    return [flat.numel(), hidden.shape[-1], _DTYPES.index(hidden.dtype), ignore_index, vocab_size,
+            int(reduce_hidden_grad), fingerprint] + [_option_bits(getattr(options, name)) for name in _AGREED_OPTIONS]
 
 
 def _check_group(tp_group, error, shard_and_fields):
@@ -158,10 +206,9 @@ def _check_group(tp_group, error, shard_and_fields):
         if len(set(values)) > 1:
             if name == "dtype":
                 values = [_DTYPES[v] for v in values]
-            elif name == "temperature":
-                values = [_bits_float(v) for v in values]
-            elif name == "softcap":
-                values = [_bits_float(v) if v else None for v in values]
+            elif name in _AGREED_OPTIONS:
+                kind = _AGREED_OPTIONS[name].kind
+                values = [None if math.isnan(_bits_float(v)) else kind(_bits_float(v)) for v in values]
             shown = "differ" if name == "token ids" else f"per rank: {values}"
             raise ValueError(f"chosen_logprob: the ranks of tp_group disagree on the {name} ({shown})")
     total = 0
@@ -200,13 +247,8 @@ def _main_grad_placeholder(weight, main_grad):
 
 
 @dataclass(frozen=True)
-class _Options:
-    """The non-tensor arguments of _ChosenLogprob, resolved and checked by chosen_logprob."""
-    temperature: float
-    softcap: Optional[float]  # None: no cap, a kernel path without tanh
-    vocab_start: int
-    valid_rows: int  # this shard's rows of weight that are vocabulary, the rest padding
-    tiling: tuple  # (chunk_size, row_block, pass_rows), as tiling_for gives
+class _Autograd:
+    """What _ChosenLogprob needs besides the tensors and the ops' options, resolved by chosen_logprob."""
     tp_group: Optional[dist.ProcessGroup]
     reduce_hidden_grad: bool
     weight_placeholder: Optional[str]  # with main_grad: as _main_grad_placeholder gives
@@ -218,48 +260,46 @@ class _Options:
 
 class _ChosenLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, ignore, main_grad, opts):
-        stats = ops.chosen_logprob_stats(hidden, weight[:opts.valid_rows], tokens, opts.temperature, opts.vocab_start,
-                                         *opts.tiling, softcap=opts.softcap)
-        if opts.distributed:
-            gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(opts.tp_group))]
-            dist.all_gather(gathered, stats, group=opts.tp_group)
+    def forward(ctx, hidden, weight, tokens, ignore, main_grad, options, call):
+        stats = ops.chosen_logprob_stats(hidden, weight, tokens, *op_arguments(options))
+        if call.distributed:
+            gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(call.tp_group))]
+            dist.all_gather(gathered, stats, group=call.tp_group)
             partials = torch.stack(gathered)
         else:
             partials = stats.unsqueeze(0)
         # lse = row_max + log_sum, kept apart: z - row_max is exact near the top of the row.
-        row_max, log_sum, entropy, chosen = ops.chosen_logprob_combine(partials).unbind(1)
-        logprob = torch.where(ignore, 0.0, (chosen - row_max) - log_sum)
+        row = CombinedColumns(*ops.chosen_logprob_combine(partials).unbind(1))
+        logprob = torch.where(ignore, 0.0, (row.chosen - row.row_max) - row.log_sum)
         # Both come from the same fp32 logit buffer, so a chosen maximum compares equal exactly.
-        is_max = (chosen == row_max) & ~ignore
+        is_max = (row.chosen == row.row_max) & ~ignore
         ctx.mark_non_differentiable(is_max)
-        ctx.save_for_backward(hidden, weight, tokens, ignore, row_max, log_sum, entropy)
-        ctx.opts = opts
+        ctx.save_for_backward(hidden, weight, tokens, ignore, row.row_max, row.log_sum, row.entropy)
+        ctx.options, ctx.call = options, call
         # main_grad is the backward's output buffer, not an input of its math: kept on ctx, not saved
         # (autograd's version check would trip on its in-place updates).
         ctx.main_grad = main_grad
-        return logprob, entropy, is_max
+        return logprob, row.entropy, is_max
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, grad_is_max):
         hidden, weight, tokens, ignore, row_max, log_sum, entropy = ctx.saved_tensors
-        opts = ctx.opts
+        call = ctx.call
         grad_logprob = torch.zeros_like(entropy) if grad_logprob is None else torch.where(ignore, 0.0, grad_logprob)
         grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy
         # One [V_local, H] weight gradient, padded rows zeroed by the op; or none, added into main_grad.
         grad_hidden, grad_weight = ops.chosen_logprob_backward(
             hidden, weight, tokens, row_max, log_sum, log_sum - entropy, grad_logprob.to(entropy.dtype).contiguous(),
-            grad_entropy.to(entropy.dtype).contiguous(), opts.temperature, opts.vocab_start, opts.valid_rows,
-            *opts.tiling, ctx.main_grad, softcap=opts.softcap)
+            grad_entropy.to(entropy.dtype).contiguous(), ctx.main_grad, *op_arguments(ctx.options))
         if ctx.main_grad is not None:
             grad_weight = None
-            if opts.weight_placeholder == "zeros":
+            if call.weight_placeholder == "zeros":
                 grad_weight = torch.zeros_like(weight)
-            elif opts.weight_placeholder == "empty":
+            elif call.weight_placeholder == "empty":
                 grad_weight = torch.empty_like(weight)
-        if opts.reduce_hidden_grad and opts.distributed:
-            dist.all_reduce(grad_hidden, group=opts.tp_group)  # fp32: the sum is taken before rounding
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
+        if call.reduce_hidden_grad and call.distributed:
+            dist.all_reduce(grad_hidden, group=call.tp_group)  # fp32: the sum is taken before rounding
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
 
 
 def chosen_logprob(
@@ -339,33 +379,36 @@ def chosen_logprob(
     check_group = check_group and values_readable(hidden, weight, tokens)
     error = None
     try:
-        _check_args(hidden, weight, tokens, temperature, softcap)
-        vocab_start, vocab_size = _resolve_vocab(weight, world, rank, vocab_start, vocab_size)
+        _check_args(hidden, weight, tokens)
+        local_vocab = weight.shape[0]
+        vocab_start = rank * local_vocab if vocab_start is None else vocab_start
+        vocab_size = world * local_vocab if vocab_size is None else vocab_size
+        if workspace_bytes is None:
+            workspace_bytes = default_workspace_bytes(hidden)
+        chunk_size, row_block, pass_rows = tiling_for(tokens.numel(), hidden.shape[-1], hidden.element_size(),
+                                                      workspace_bytes, hidden.device, batch_invariant)
+        # The weight's rows before vocab_size are vocabulary, the rest padding.
+        valid_rows = min(max(vocab_size - vocab_start, 0), local_vocab)
+        options = ChosenLogprobOptions(temperature, vocab_start, chunk_size, row_block, pass_rows, softcap, valid_rows)
+        _check_vocab(local_vocab, world, options.vocab_start, vocab_size)
         _check_main_grad(main_grad, weight)
         if check_tokens:
             _check_token_range(tokens, vocab_size, ignore_index)
     except (TypeError, ValueError) as exc:
         error = exc
     if world > 1 and check_group:
-        shard_and_fields = None if error is not None else [vocab_start, weight.shape[0]] + _group_fields(
-            hidden, tokens, temperature, softcap, ignore_index, vocab_size, reduce_hidden_grad)
+        shard_and_fields = None if error is not None else [options.vocab_start, weight.shape[0]] + _group_fields(
+            hidden, tokens, ignore_index, vocab_size, reduce_hidden_grad, options)
         _check_group(tp_group, error, shard_and_fields)
     elif error is not None:
         raise error
-    local_vocab, hidden_size = weight.shape
-    n_valid = min(max(vocab_size - vocab_start, 0), local_vocab)
 
     lead = tokens.shape
-    hidden2d = hidden.reshape(-1, hidden_size)
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
     tokens1d = tokens.reshape(-1).to(torch.int64)
-    if workspace_bytes is None:
-        workspace_bytes = default_workspace_bytes(hidden)
-    tiling = tiling_for(hidden2d.shape[0], hidden_size, hidden.element_size(), workspace_bytes, hidden.device,
-                        batch_invariant)
     ignored = tokens1d == ignore_index
-    opts = _Options(float(temperature), None if softcap is None else float(softcap), int(vocab_start), n_valid, tiling,
-                    tp_group, bool(reduce_hidden_grad), _main_grad_placeholder(weight, main_grad))
-    logprob, entropy, is_max = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, main_grad, opts)
+    call = _Autograd(tp_group, bool(reduce_hidden_grad), _main_grad_placeholder(weight, main_grad))
+    logprob, entropy, is_max = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, main_grad, options, call)
     if not check_tokens:
         # An unchecked id outside [0, vocab_size) matches no row and would get a finite -lse: NaN
         # marks it instead (and, through the product, its gradients), with no host synchronisation.
@@ -377,18 +420,23 @@ def chosen_logprob(
     return outputs if len(outputs) > 1 else outputs[0]
 
 
+# The fake kernels check the options and the devices as the ops do.
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_stats")
-def _(hidden, weight, tokens, temperature, vocab_start, chunk_size, row_block=0, pass_rows=0, softcap=None):
-    return hidden.new_empty(hidden.shape[0], 4, dtype=acc_dtype(hidden.dtype))
+def _(hidden, weight, tokens, *options, **named_options):
+    ChosenLogprobOptions(*options, **named_options)
+    check_device("chosen_logprob", hidden=hidden, weight=weight, tokens=tokens)
+    return hidden.new_empty(hidden.shape[0], len(StatsColumns._fields), dtype=acc_dtype(hidden.dtype))
 
 
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_combine")
 def _(partials):
-    return partials.new_empty(partials.shape[1], 4)
+    return partials.new_empty(partials.shape[1], len(CombinedColumns._fields))
 
 
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_backward")
-def _(hidden, weight, tokens, row_max, lse, mean, grad_logprob, grad_entropy, temperature, vocab_start, valid_rows,
-      chunk_size, row_block=0, pass_rows=0, main_grad=None, softcap=None):
+def _(hidden, weight, tokens, row_max, log_sum, log_sum_minus_entropy, grad_logprob, grad_entropy, main_grad,
+      *options, **named_options):
+    ChosenLogprobOptions(*options, **named_options)
+    check_device("chosen_logprob", hidden=hidden, weight=weight, tokens=tokens, main_grad=main_grad)
     grad_weight = weight.new_empty(0, weight.shape[1]) if main_grad is not None else torch.empty_like(weight)
     return hidden.new_empty(hidden.shape, dtype=acc_dtype(hidden.dtype)), grad_weight

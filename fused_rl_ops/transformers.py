@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._checks import check_temperature, is_positive_finite
-from .chosen_logprob import chosen_logprob
+from ._options import check_option, is_positive_finite
+from .chosen_logprob import ChosenLogprobOptions, chosen_logprob
 
 IGNORE_INDEX = -100
 
@@ -98,7 +98,7 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
         got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise ValueError(f"causal_lm_logprobs: labels must have input_ids' shape {tuple(input_ids.shape)} "
                          f"(unshifted), got {got}")
-    check_temperature("causal_lm_logprobs", temperature)
+    check_option("causal_lm_logprobs", ChosenLogprobOptions, "temperature", temperature)
     scale, softcap = _logit_transform(model, step)
 
     forward_kwargs.setdefault("use_cache", False)

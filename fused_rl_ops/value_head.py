@@ -10,6 +10,7 @@ _OP = "value_head"
 
 
 def _check_args(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    """The op's arguments, as csrc/value_head/entry.h checks them (the op has no options)."""
     for name, t in (("hidden", hidden), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{_OP}: {name} must be a tensor, got {type(t).__name__}")
@@ -18,14 +19,15 @@ def _check_args(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         raise ValueError(f"{_OP}: hidden must be [..., H] with H >= 1, got shape {tuple(hidden.shape)}")
     H = hidden.shape[-1]
     if tuple(weight.shape) not in ((H,), (1, H)):
-        raise ValueError(f"{_OP}: weight must be [{H}] or [1, {H}] (H = hidden's last dimension), "
-                         f"got shape {tuple(weight.shape)}")
+        raise ValueError(f"{_OP}: weight must be [H] or [1, H] (H = hidden's last dimension), "
+                         f"got shape {tuple(weight.shape)} for H = {H}")
     params = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
     for name, t in params.items():
         if t.dtype not in (torch.float32, hidden.dtype):
-            raise TypeError(f"{_OP}: {name} must be float32 or hidden's dtype {hidden.dtype}, got {t.dtype}")
+            raise TypeError(f"{_OP}: {name} must be float32 or hidden's dtype, got {t.dtype} (hidden: {hidden.dtype})")
     if bias is not None and (bias.dim() > 1 or bias.numel() != 1):
         raise ValueError(f"{_OP}: bias must be a scalar tensor or [1], got shape {tuple(bias.shape)}")
+    check_device(_OP, hidden=hidden, weight=weight, bias=bias)
 
 
 def value_head(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -38,7 +40,6 @@ def value_head(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     their own, all accumulated in fp32; weight and bias gradients are bitwise reproducible.
     """
     _check_args(hidden, weight, bias)
-    check_device(_OP, hidden=hidden, weight=weight, bias=bias)
     return ops.value_head(hidden, weight, bias)
 
 

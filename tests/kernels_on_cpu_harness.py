@@ -266,35 +266,38 @@ def combined_stats64(z):
     return m, lse - m, ent
 
 
-def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl, ge, col0, temperature, passes,
-                  softcap=0.0):
+def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0,
+                  temperature, passes, softcap=0.0):
     """chosen_logprob_grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32; softcap 0:
     none); returns the gradients it wrote in place."""
     N, C = logits.shape
     out, [launch] = run_case(drivers, "chosen_logprob", "grad_rows",
                              {"logits": Buf(logits), "tokens": Buf(tokens), "row_max": Buf(row_max.float()),
-                              "lse": Buf(log_sum.float()), "mean": Buf(mean.float()), "gl": Buf(gl), "ge": Buf(ge)},
+                              "log_sum": Buf(log_sum.float()),
+                              "log_sum_minus_entropy": Buf(log_sum_minus_entropy.float()),
+                              "gl": Buf(gl), "ge": Buf(ge)},
                              {"N": N, "C": C, "col0": col0, "temperature": temperature, "softcap": softcap},
                              passes=passes, tmp_dir=tmp_path)
     assert_passes(launch, N, passes)
     return out["logits"]
 
 
-def grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp):
+def grad_rows_reference(logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0, inv_temp):
     """float64 gradients d(gl logprob + ge entropy)/d(logits) from the fp32 per-row values the
     kernel gets, and their tolerance."""
-    d, scale = logit_grads64((logits * inv_temp).double(), tokens, row_max, log_sum, mean, gl, ge, col0)
+    d, scale = logit_grads64((logits * inv_temp).double(), tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge,
+                             col0)
     return d * inv_temp, 8 * FP32_EPS * scale * inv_temp + 1e-30
 
 
-def logit_grads64(z, tokens, row_max, log_sum, mean, gl, ge, col0, z_error=0.0):
+def logit_grads64(z, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0, z_error=0.0):
     """float64 d(gl logprob + ge entropy)/dz of float64 logits z from the fp32 per-row values the
     kernel gets, and the scale of its fp32 error (in eps; z_error: the absolute error of the
-    kernel's own z). A logit of probability 0 (-inf) gets none (the limit of p (z - mean) as
+    kernel's own z). A logit of probability 0 (-inf) gets none (the limit of p (z - sum p z) as
     p -> 0; float64 would say 0 * inf = NaN); NaN anywhere stays NaN."""
     N, C = z.shape
     zr = z - row_max.float().double()[:, None]  # z - m
-    l, mu = log_sum.float().double()[:, None], mean.float().double()[:, None]
+    l, mu = log_sum.float().double()[:, None], log_sum_minus_entropy.float().double()[:, None]
     g, e = gl.double()[:, None], ge.double()[:, None]
     p = (zr - l).exp()
     d = torch.where(p == 0, 0.0, -p * (g + e * (zr - mu)))

@@ -1,8 +1,11 @@
+import math
+
 import pytest
 import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
+from fused_rl_ops.chosen_logprob import CombinedColumns
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
              torch.float16: dict(atol=5e-3, rtol=5e-3)}
@@ -188,42 +191,93 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(fn, (hidden, weight))
 
 
+def per_token_inputs(stats):
+    """The backward's per-token inputs for the stats of one shard: row max, log-sum, log-sum minus
+    entropy, and upstream gradients."""
+    row = CombinedColumns(*torch.ops.fused_rl_ops.chosen_logprob_combine(stats[None]).unbind(1))
+    device = stats.device
+    return [row.row_max.contiguous(), row.log_sum.contiguous(), (row.log_sum - row.entropy).contiguous(),
+            torch.randn(len(stats), device=device), torch.randn(len(stats), device=device)]
+
+
 def test_opcheck(device):
     hidden, weight, tokens = make_inputs(9, 12, 200, torch.float32, device)
     ops = torch.ops.fused_rl_ops
     torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, 100, 128))
     torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, 100, 128, 4, 8))  # blocks of 4, passes of 8
+    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, 100, 128), dict(valid_rows=150))
     stats = ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, 0, 128)
     torch.library.opcheck(ops.chosen_logprob_combine, (torch.stack([stats, stats]),))
-    row_max, log_sum, ent, _ = ops.chosen_logprob_combine(stats[None]).unbind(1)
-    per_token = [row_max.contiguous(), log_sum.contiguous(), (log_sum - ent).contiguous(),
-                 torch.randn(9, device=device), torch.randn(9, device=device)]
-    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128))
-    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128, 4, 8))
+    per_token = per_token_inputs(stats)
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, None, 0.9, 0, 128),
+                          dict(valid_rows=150))
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, None, 0.9, 0, 128, 4, 8),
+                          dict(valid_rows=150))
     main_grad = torch.randn(weight.shape, device=device)
-    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128, 4, 8,
-                                                 main_grad))
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, main_grad, 0.9, 0, 128, 4,
+                                                        8), dict(valid_rows=150))
 
 
-def test_ops_called_directly_reject_what_the_kernels_cannot_read(device):
-    """The ops check only what their memory accesses need (the user-facing checks are
-    chosen_logprob's): each case below would read past a buffer, or loop forever on chunk_size 0."""
+def test_valid_rows_are_the_first_rows_of_weight(device):
+    """The ops take the whole weight and valid_rows (padding after them): the same as the valid rows
+    alone, and the backward's padded rows get zero gradient."""
+    hidden, weight, tokens = make_inputs(9, 12, 200, torch.float32, device, vocab_size=150)
+    ops = torch.ops.fused_rl_ops
+    stats = ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, 0, 128, valid_rows=150)
+    assert torch.equal(stats, ops.chosen_logprob_stats(hidden, weight[:150], tokens, 0.9, 0, 128))
+    per_token = per_token_inputs(stats)
+    grad_h, grad_w = ops.chosen_logprob_backward(hidden, weight, tokens, *per_token, None, 0.9, 0, 128, valid_rows=150)
+    grad_h_valid, grad_w_valid = ops.chosen_logprob_backward(hidden, weight[:150], tokens, *per_token, None, 0.9, 0,
+                                                             128)
+    assert torch.equal(grad_h, grad_h_valid) and torch.equal(grad_w[:150], grad_w_valid)
+    assert grad_w[150:].eq(0).all()
+    with pytest.raises(ValueError, match="valid_rows must be None or at most weight's rows 200, got 201"):
+        ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, 0, 128, valid_rows=201)
+
+
+def test_ops_called_directly_refuse_what_the_kernels_cannot_read(device):
+    """The ops check the shapes, dtypes and devices their kernels rely on (the options:
+    tests/test_op_contract.py), with chosen_logprob's words."""
     hidden, weight, tokens = make_inputs(9, 12, 200, torch.float32, device)
     ops = torch.ops.fused_rl_ops
-    inputs = "expected hidden \\[N, H\\], weight \\[V, H\\] and int64 tokens \\[N\\] on one device"
-    for args in [(hidden, weight, tokens[:8], 1.0, 0, 128), (hidden, weight, tokens.int(), 1.0, 0, 128),
-                 (hidden, weight[:, :11], tokens, 1.0, 0, 128), (hidden, weight, tokens, 1.0, 0, 0)]:
-        with pytest.raises(RuntimeError, match=inputs):
-            ops.chosen_logprob_stats(*args)
+    for args, error, message in [
+            ((hidden, weight, tokens[:8]), ValueError, r"tokens must be \[N\] \(hidden's rows\)"),
+            ((hidden, weight, tokens.int()), TypeError, "tokens must be int64"),
+            ((hidden, weight[:, :11], tokens), ValueError, r"expected hidden \[N, H\] with H >= 1 and weight \[V, H"),
+            ((hidden[:, :0], weight[:, :0], tokens), ValueError, r"expected hidden \[N, H\] with H >= 1"),
+            ((hidden.int(), weight.int(), tokens), TypeError, "hidden must be float32, bfloat16 or float16"),
+            ((hidden, weight.double(), tokens), TypeError, "weight must have hidden's dtype"),
+            ((hidden, weight.to("meta"), tokens), ValueError, "all tensors must be on one device")]:
+        with pytest.raises(error, match=message):
+            ops.chosen_logprob_stats(*args, 1.0, 0, 128)
     stats = ops.chosen_logprob_stats(hidden, weight, tokens, 1.0, 0, 128)
-    with pytest.raises(RuntimeError, match="partials must be \\[ranks, N, 4\\]"):
+    with pytest.raises(ValueError, match="partials must be \\[ranks, N, 4\\]"):
         ops.chosen_logprob_combine(stats)
-    row_max, log_sum, ent, _ = ops.chosen_logprob_combine(stats[None]).unbind(1)
-    per_token = [row_max.contiguous(), log_sum.contiguous(), (log_sum - ent).contiguous(),
-                 torch.randn(9, device=device), torch.randn(9, device=device)]
+    with pytest.raises(TypeError, match="partials must be float32"):
+        ops.chosen_logprob_combine(stats[None].bfloat16())
+    per_token = per_token_inputs(stats)
     for bad in (torch.randn(8, device=device), torch.randn(9, device=device).bfloat16()):
-        with pytest.raises(RuntimeError, match="must be \\[N\\] in the accumulation dtype"):
-            ops.chosen_logprob_backward(hidden, weight, tokens, *per_token[:4], bad, 1.0, 0, 200, 128)
+        with pytest.raises(ValueError, match="must be \\[N\\] in the accumulation dtype"):
+            ops.chosen_logprob_backward(hidden, weight, tokens, *per_token[:4], bad, None, 1.0, 0, 128)
+    for main_grad in (torch.zeros(200, 11, device=device), torch.zeros(200, 12, device=device, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="main_grad must be a float32 \\(or weight-dtype\\) tensor"):
+            ops.chosen_logprob_backward(hidden, weight, tokens, *per_token, main_grad, 1.0, 0, 128)
+
+
+@pytest.mark.parametrize("op", ["chosen_logprob_stats", "chosen_logprob_backward"])
+@pytest.mark.parametrize("temperature, softcap", [(0.0, None), (-1.0, None), (math.nan, None), (math.inf, None),
+                                                  (1.0, 0.0), (1.0, -1.0), (1.0, math.nan), (1.0, math.inf)])
+def test_ops_called_directly_refuse_a_bad_temperature_or_softcap(device, op, temperature, softcap):
+    """As chosen_logprob does: a softcap of -1 is not "no cap", and a temperature of 0 does not run."""
+    hidden, weight, tokens = make_inputs(9, 12, 200, torch.float32, device)
+    stats = torch.ops.fused_rl_ops.chosen_logprob_stats(hidden, weight, tokens, 1.0, 0, 128)
+    tensors = (hidden, weight, tokens) + ((*per_token_inputs(stats), None) if op == "chosen_logprob_backward" else ())
+    name, value = ("temperature", temperature) if softcap is None else ("softcap", softcap)
+    optional = "None or " if name == "softcap" else ""
+    with pytest.raises(ValueError, match=f"chosen_logprob: {name} must be {optional}a positive finite number, got"):
+        getattr(torch.ops.fused_rl_ops, op)(*tensors, temperature, 0, 128, softcap=softcap)
+    with pytest.raises(ValueError, match=f"chosen_logprob: {name} must be {optional}a positive finite number, got"):
+        fused_rl_ops.chosen_logprob(hidden, weight, tokens, temperature=temperature, softcap=softcap)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -9,6 +9,7 @@ import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
+from fused_rl_ops.chosen_logprob import CombinedColumns
 from fused_rl_ops.testing.distributed import run_distributed
 
 TOLERANCE = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=2e-5, rtol=2e-5),
@@ -226,11 +227,11 @@ def test_opcheck_and_gradcheck(device):
     ops = torch.ops.fused_rl_ops
     torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, 0, 128), dict(softcap=2.0))
     stats = ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, 0, 128, softcap=2.0)
-    row_max, log_sum, ent, _ = ops.chosen_logprob_combine(stats[None]).unbind(1)
-    per_token = [row_max.contiguous(), log_sum.contiguous(), (log_sum - ent).contiguous(),
+    row = CombinedColumns(*ops.chosen_logprob_combine(stats[None]).unbind(1))
+    per_token = [row.row_max.contiguous(), row.log_sum.contiguous(), (row.log_sum - row.entropy).contiguous(),
                  torch.randn(9, device=device), torch.randn(9, device=device)]
-    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, 0.9, 0, 150, 128, 4, 8),
-                          dict(softcap=2.0))
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, None, 0.9, 0, 128, 4, 8),
+                          dict(softcap=2.0, valid_rows=150))
     h, w = hidden[:4].double().cpu().requires_grad_(True), weight[:40].double().cpu().requires_grad_(True)
     ids = torch.tensor([0, 39, 17, -100])
 

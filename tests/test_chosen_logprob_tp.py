@@ -118,7 +118,8 @@ BAD_GROUP_CALLS = [
      {0: r"other ranks.*rank 1: ValueError: chosen_logprob: token ids", 1: "token ids must lie"}),
     ({1: lambda c: c.update(weight=c["weight"].double())},
      {0: r"other ranks.*rank 1: TypeError: chosen_logprob: weight must have", 1: "weight must have hidden's dtype"}),
-    ({1: lambda c: c.update(vocab_start=-5)}, {0: "rank 1: ValueError", 1: "vocab_start must be >= 0"}),
+    ({1: lambda c: c.update(vocab_start=-5)},
+     {0: "rank 1: ValueError", 1: "vocab_start must be a non-negative integer"}),
 ]
 
 

@@ -135,25 +135,32 @@ def test_bad_inputs(device):
         fused_rl_ops.clamped_swiglu(torch.randn(3, 7, device=device))
     with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
         fused_rl_ops.clamped_swiglu(torch.ones(3, 8, dtype=torch.int32, device=device))
-    with pytest.raises(ValueError, match="limit must be > 0"):
-        fused_rl_ops.clamped_swiglu(torch.randn(3, 8, device=device), 0.0)
-    with pytest.raises(ValueError, match="limit must be > 0"):
-        fused_rl_ops.clamped_swiglu(torch.randn(3, 8, device=device), -1.0)
+    for limit in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="limit must be None or a positive number, got"):
+            fused_rl_ops.clamped_swiglu(torch.randn(3, 8, device=device), limit)
+    for bad in (dict(alpha=0.0), dict(alpha=-1.702), dict(alpha=math.inf), dict(alpha=math.nan)):
+        with pytest.raises(ValueError, match="alpha must be a positive finite number, got"):
+            fused_rl_ops.clamped_swiglu(torch.randn(3, 8, device=device), **bad)
+    for bad in (math.inf, -math.inf, math.nan):
+        with pytest.raises(ValueError, match="linear_offset must be a finite number, got"):
+            fused_rl_ops.clamped_swiglu(torch.randn(3, 8, device=device), linear_offset=bad)
     with pytest.raises(TypeError, match="x must be a tensor"):
         fused_rl_ops.clamped_swiglu([1.0, 2.0])
 
 
 def test_mismatched_devices_in_backward_are_rejected():
     x = torch.randn(3, 8)
-    with pytest.raises(RuntimeError, match="grad_out must match"):
+    with pytest.raises(ValueError, match="grad_out must match"):
         torch.ops.fused_rl_ops.clamped_swiglu_backward(torch.randn(3, 5), x, 7.0, 1.702, 1.0, False)
 
 
 def test_ops_called_directly_reject_what_the_kernels_cannot_read():
     x = torch.randn(3, 8)
-    with pytest.raises(RuntimeError, match=r"x must be \[\.\.\., 2F\]"):
+    with pytest.raises(ValueError, match="x's last dimension must be even"):
         torch.ops.fused_rl_ops.clamped_swiglu(torch.randn(3, 7), 7.0, 1.702, 1.0, False)
-    with pytest.raises(RuntimeError, match="grad_out must match"):
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
+        torch.ops.fused_rl_ops.clamped_swiglu(torch.ones(3, 8, dtype=torch.int32), 7.0, 1.702, 1.0, False)
+    with pytest.raises(ValueError, match="grad_out must match"):
         torch.ops.fused_rl_ops.clamped_swiglu_backward(torch.randn(3, 4).bfloat16(), x, 7.0, 1.702, 1.0, False)
 
 
@@ -306,9 +313,9 @@ def test_bad_scale(device):
     with pytest.raises(ValueError, match="all tensors must be on one device"):
         fused_rl_ops.clamped_swiglu(x, scale=torch.rand(4, 3, device="meta"))
     # The C++ entry points check too (the op called directly).
-    with pytest.raises(RuntimeError, match="scale must be float32 or x's dtype"):
+    with pytest.raises(TypeError, match="scale must be float32 or x's dtype"):
         torch.ops.fused_rl_ops.clamped_swiglu(x, 7.0, 1.702, 1.0, False, torch.rand(4, 3, device=device).double())
-    with pytest.raises(RuntimeError, match="scale must have shape"):
+    with pytest.raises(ValueError, match="scale must have shape"):
         torch.ops.fused_rl_ops.clamped_swiglu_scaled_backward(
             torch.randn(4, 3, 4, device=device), x, torch.rand(3, device=device), 7.0, 1.702, 1.0, False
         )

@@ -66,12 +66,13 @@ def test_chosen_logprob_grad_rows(drivers, tmp_path, N, C, passes, temperature):
     tokens[:5] = torch.tensor([col0, col0 + C - 1, col0 - 1, col0 + C, -100])
     z = (logits * inv_temp).double()
     # The row max and log-sum (relative to it) over a vocabulary larger than the chunk (other chunks
-    # and ranks), and mean = log_sum - entropy, as chosen_logprob's backward passes them.
+    # and ranks), and log_sum - entropy, as chosen_logprob's backward passes them.
     row_max, log_sum, ent = combined_stats64(torch.cat([z, torch.randn(N, 50, dtype=torch.float64)], 1))
-    mean = log_sum - ent
+    log_sum_minus_entropy = log_sum - ent
     gl, ge = torch.randn(N), torch.randn(N)
-    out = run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, mean, gl, ge, col0, temperature, passes)
-    expected, tol = grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp)
+    out = run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0,
+                        temperature, passes)
+    expected, tol = grad_rows_reference(logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0, inv_temp)
     assert_within(out, expected, tol, "logit gradients")
 
 
@@ -159,12 +160,12 @@ def test_chosen_logprob_grad_rows_nonfinite(drivers, tmp_path, passes):
     z = (logits * inv_temp).double()
     # Per-row values over this chunk and other (finite) chunks: NaN for rows 0-3.
     row_max, log_sum, ent = combined_stats64(torch.cat([z, torch.randn(N, 50, dtype=torch.float64)], 1))
-    mean = log_sum - ent
+    log_sum_minus_entropy = log_sum - ent
     assert row_max[:4].isnan().all() and row_max[4:].isfinite().all()
     gl, ge = torch.randn(N), torch.randn(N)
-    got = run_grad_rows(drivers, tmp_path, logits.clone(), tokens, row_max, log_sum, mean, gl, ge, col0, 1.3,
-                        passes)
-    expected, tol = grad_rows_reference(logits, tokens, row_max, log_sum, mean, gl, ge, col0, inv_temp)
+    got = run_grad_rows(drivers, tmp_path, logits.clone(), tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge,
+                        col0, 1.3, passes)
+    expected, tol = grad_rows_reference(logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0, inv_temp)
     assert expected[:4].isnan().all() and expected[4:].isfinite().all()
     assert_within(got, expected, tol, "logit gradients")
     # -inf logits pass no gradient (but gl where chosen).

@@ -88,13 +88,13 @@ def test_stats_rows_with_softcap(drivers, tmp_path, N, C, passes, softcap, tempe
         assert got[0].isnan()[:3].all() and got[1:4, :3].isfinite().all()  # a capped +-inf is finite
 
 
-def grad_reference(x, tokens, row_max, log_sum, mean, gl, ge, softcap, temperature):
+def grad_reference(x, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, softcap, temperature):
     """float64 d(gl logprob + ge entropy)/dx from the fp32 per-row values, through z = c tanh(x / c) / T
     (dz/dx = 1 / (T cosh^2(x / c))), and its tolerance: logit_grads64's fp32 roundings with the
     kernel's z off by a few ulps of c / T, and the slope's exp (relative 2 |x / c| + 8 ulps,
     above fp32's normals: 1e-36 absolute)."""
-    d, scale = logit_grads64(capped64(x, softcap, temperature), tokens, row_max, log_sum, mean, gl, ge, COL0,
-                             z_error=4 * softcap / temperature)
+    d, scale = logit_grads64(capped64(x, softcap, temperature), tokens, row_max, log_sum, log_sum_minus_entropy, gl,
+                             ge, COL0, z_error=4 * softcap / temperature)
     u = x.double() / softcap
     slope = 1 / (temperature * torch.cosh(u) ** 2)
     u_f = torch.where(u.isfinite(), u, 0.0)
@@ -111,11 +111,11 @@ def test_grad_rows_with_softcap(drivers, tmp_path, N, C, passes, softcap, temper
     z = capped64(x, softcap, temperature)
     # Per-row values over this chunk and others (z - m computed against a larger vocabulary).
     row_max, log_sum, ent = combined_stats64(torch.cat([z, torch.randn(N, 50, dtype=torch.float64)], 1))
-    mean = log_sum - ent
+    log_sum_minus_entropy = log_sum - ent
     gl, ge = torch.randn(N), torch.randn(N)
-    got = run_grad_rows(drivers, tmp_path, x.clone(), tokens, row_max, log_sum, mean, gl, ge, COL0, temperature,
-                        passes, softcap=softcap)
-    expected, tol = grad_reference(x, tokens, row_max, log_sum, mean, gl, ge, softcap, temperature)
+    got = run_grad_rows(drivers, tmp_path, x.clone(), tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, COL0,
+                        temperature, passes, softcap=softcap)
+    expected, tol = grad_reference(x, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, softcap, temperature)
     assert_within(got, expected, tol, "raw-logit gradients")
     saturated = (x.double() / softcap).abs() > 15
     saturated &= x.isfinite() & row_max.isfinite()[:, None]  # rows with a NaN logit are NaN throughout
@@ -130,7 +130,7 @@ def test_softcap_zero_launches_the_kernel_without_tanh(drivers, tmp_path, kernel
     x = torch.randn(N, C) * 3
     tokens = tokens_for(N, C, x)
     per_row = {"stats": Buf(torch.zeros(N, 4))} if kernel == "stats_rows" else {
-        name: Buf(torch.zeros(N)) for name in ("row_max", "lse", "mean", "gl", "ge")}
+        name: Buf(torch.zeros(N)) for name in ("row_max", "log_sum", "log_sum_minus_entropy", "gl", "ge")}
     names = []
     for softcap in (0.0, 2.0):
         case_dir = tmp_path / f"softcap{softcap}"

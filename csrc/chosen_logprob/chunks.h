@@ -1,6 +1,6 @@
-// The vocab-chunk loop of chosen_logprob, written once for every device. A Backend supplies the
-// GEMMs and the hand-written row kernels (each of these runs one Params of chosen_logprob/params.h
-// whose buffers are in the accumulation dtype acc):
+// The vocab-chunk loop of chosen_logprob, written once for every device. A device's Kernels supply
+// the GEMMs and the hand-written row kernels (each of these runs one Params of
+// chosen_logprob/params.h whose buffers are in the accumulation dtype acc):
 //   gemm_operand(t, acc)                 t as the GEMMs take it (CPU: converted to acc dtype)
 //   logits(h, w, out)                    out = h w^T, accumulated and stored in acc dtype
 //   stats_rows(params, acc)              merge a chunk into the row stats
@@ -14,22 +14,17 @@
 
 #include <ATen/ATen.h>
 
+#include "chosen_logprob/math.h"
 #include "chosen_logprob/params.h"
 #include "common/torch_utils.h"
 
 namespace fused_rl_ops::chosen_logprob {
 
-// The non-tensor arguments of the stats and backward ops (softcap 0: no cap); chunk_size,
-// row_block and pass_rows as RowTiling below takes them.
-struct Options {
-  double temperature = 1.0, softcap = 0.0;
-  int64_t vocab_start = 0, chunk_size = 0, row_block = 0, pass_rows = 0;
-};
-
-// The backward's per-token inputs, [N] each in the accumulation dtype: the global row max, lse and
-// mean (= lse - entropy) relative to it, and the upstream gradients of logprob and entropy.
+// The backward's per-token inputs, [N] each in the accumulation dtype: the global row max, the
+// log-sum relative to it (lse - row_max) and the log-sum minus the entropy, and the upstream
+// gradients of logprob and entropy.
 struct TokenGrads {
-  at::Tensor row_max, lse, mean, grad_logprob, grad_entropy;
+  at::Tensor row_max, log_sum, log_sum_minus_entropy, grad_logprob, grad_entropy;
 };
 
 // How the token rows meet the GEMMs. Every GEMM takes exactly `block` rows (a last, shorter block
@@ -73,7 +68,7 @@ inline at::Tensor block_rows(const at::Tensor& t, const at::Tensor& tail, const 
 // accumulation dtype (then the padding of a last block, up to a multiple of the block), in one
 // workspace reused by every chunk and pass. Chunks come in vocab order, so each row merges them in
 // one order.
-template <class Backend, class Fn>
+template <class Kernels, class Fn>
 void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_t chunk_size,
                            const RowTiling& tiling, const Fn& fn) {
   const int64_t N = h.size(0), V = weight.size(0), chunk = std::min(chunk_size, V);
@@ -87,13 +82,13 @@ void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_
   at::Tensor workspace = at::empty({tiling.pass * chunk}, h.options().dtype(acc));
   for (int64_t c0 = 0; c0 < V; c0 += chunk) {
     const int64_t n = std::min(chunk, V - c0);
-    const at::Tensor w_chunk = Backend::gemm_operand(w.narrow(0, c0, n), acc);
+    const at::Tensor w_chunk = Kernels::gemm_operand(w.narrow(0, c0, n), acc);
     for (int64_t r0 = 0; r0 < N; r0 += tiling.pass) {
       const int64_t rows = std::min(tiling.pass, N - r0);
       at::Tensor logits = workspace.narrow(0, 0, tiling.padded(rows) * n).view({-1, n});
       for (int64_t b0 = 0; b0 < rows; b0 += tiling.block) {
         at::Tensor out = logits.narrow(0, b0, tiling.block);
-        Backend::logits(block_rows(h, h_tail, tiling, r0 + b0), w_chunk, out);
+        Kernels::logits(block_rows(h, h_tail, tiling, r0 + b0), w_chunk, out);
       }
       fn(logits, rows, w_chunk, c0, r0);
     }
@@ -110,50 +105,49 @@ inline Params row_params(const at::Tensor& logits, int64_t rows, const at::Tenso
   p.rows = rows;
   p.cols = logits.size(1);
   p.col0 = opts.vocab_start + c0;
-  p.temperature = opts.temperature;
-  p.softcap = opts.softcap;
+  p.options = opts;
   return p;
 }
 
-// [N, 4] per-token partials (max, sum, ent, chosen) of this shard's logits; chosen is 0 where the
-// token is not in [vocab_start, vocab_start + V). The row kernels take raw logits and apply the
-// temperature and the softcap themselves, with chosen_logprob/math.h's maps.
-template <class Backend>
+// The per-token partials (stats_column in chosen_logprob/math.h) of this shard's logits, over the
+// valid rows of weight (valid_rows; all without it). The row kernels take raw logits and apply the
+// logit map themselves.
+template <class Kernels>
 at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
                       const Options& opts) {
   const auto acc = acc_dtype(hidden.scalar_type());
-  const int64_t N = hidden.size(0), V = weight.size(0);
-  at::Tensor stats = at::zeros({N, 4}, hidden.options().dtype(acc));
-  stats.select(1, 0).fill_(-INFINITY);
+  const int64_t N = hidden.size(0), V = opts.valid_rows.value_or(weight.size(0));
+  at::Tensor stats = at::zeros({N, stats_column::count}, hidden.options().dtype(acc));
+  stats.select(1, stats_column::max).fill_(-INFINITY);
   if (N == 0 || V == 0) return stats;
   const at::Tensor tok = tokens.contiguous();
   const RowTiling tiling(N, opts.row_block, opts.pass_rows);
-  for_each_logits_chunk<Backend>(
-      aligned_rows(Backend::gemm_operand(hidden.contiguous(), acc), tiling), weight, opts.chunk_size, tiling,
+  for_each_logits_chunk<Kernels>(
+      aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling), weight.narrow(0, 0, V), opts.chunk_size,
+      tiling,
       [&](const at::Tensor& logits, int64_t rows, const at::Tensor&, int64_t c0, int64_t r0) {
         Params p = row_params(logits, rows, tok, opts, c0, r0);
         p.stats = stats.narrow(0, r0, rows).mutable_data_ptr();
-        Backend::stats_rows(p, acc);
+        Kernels::stats_rows(p, acc);
       });
   return stats;
 }
 
 // Gradients of sum(grad_logprob * logprob + grad_entropy * entropy) for this shard, whose first
-// valid_rows rows of weight are vocabulary (the rest padding): the hidden gradient (in the
-// accumulation dtype, a partial sum over this shard's vocabulary) and the weight gradient (in
-// weight's dtype, one [V, H] tensor whose padded rows alone are zeroed). With main_grad ([V, H],
-// Megatron's gradient-accumulation buffer) each chunk's weight gradient, in weight's dtype as an
-// unfused backward hands it over, is added into main_grad's rows instead, through a [chunk, H]
-// buffer, and the returned weight gradient is empty [0, H]. The hidden gradient takes one GEMM per
-// row block and chunk, summed over chunks in vocab order; the weight gradient sums over all tokens
-// (over passes in order, in the accumulation dtype).
-template <class Backend>
+// valid_rows rows of weight are vocabulary (the rest padding; all without valid_rows): the hidden
+// gradient (in the accumulation dtype, a partial sum over this shard's vocabulary) and the weight
+// gradient (in weight's dtype, one [V, H] tensor whose padded rows alone are zeroed). With
+// main_grad ([V, H], Megatron's gradient-accumulation buffer) each chunk's weight gradient, in
+// weight's dtype as an unfused backward hands it over, is added into main_grad's rows instead,
+// through a [chunk, H] buffer, and the returned weight gradient is empty [0, H]. The hidden
+// gradient takes one GEMM per row block and chunk, summed over chunks in vocab order; the weight
+// gradient sums over all tokens (over passes in order, in the accumulation dtype).
+template <class Kernels>
 std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
                                                  const at::Tensor& tokens, const TokenGrads& token_grads,
-                                                 int64_t valid_rows, const std::optional<at::Tensor>& main_grad,
-                                                 const Options& opts) {
+                                                 const std::optional<at::Tensor>& main_grad, const Options& opts) {
   const auto acc = acc_dtype(hidden.scalar_type());
-  const int64_t N = hidden.size(0), V = weight.size(0), H = weight.size(1);
+  const int64_t N = hidden.size(0), V = weight.size(0), H = weight.size(1), valid_rows = opts.valid_rows.value_or(V);
   at::Tensor grad_h = at::zeros({N, H}, hidden.options().dtype(acc));
   at::Tensor grad_w = main_grad ? at::empty({0, H}, weight.options()) : at::empty(weight.sizes(), weight.options());
   const bool any_chunk = N > 0 && valid_rows > 0;
@@ -161,43 +155,43 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
   if (!any_chunk) return {grad_h, grad_w};
   const RowTiling tiling(N, opts.row_block, opts.pass_rows);
   const bool one_pass = tiling.pass >= N;
-  const at::Tensor h = aligned_rows(Backend::gemm_operand(hidden.contiguous(), acc), tiling);
+  const at::Tensor h = aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling);
   const at::Tensor tok = tokens.contiguous();
-  const at::Tensor row_max = token_grads.row_max.contiguous(), lse = token_grads.lse.contiguous();
-  const at::Tensor mean = token_grads.mean.contiguous(), gl = token_grads.grad_logprob.contiguous();
-  const at::Tensor ge = token_grads.grad_entropy.contiguous();
+  const at::Tensor row_max = token_grads.row_max.contiguous(), log_sum = token_grads.log_sum.contiguous();
+  const at::Tensor log_sum_minus_entropy = token_grads.log_sum_minus_entropy.contiguous();
+  const at::Tensor gl = token_grads.grad_logprob.contiguous(), ge = token_grads.grad_entropy.contiguous();
   at::Tensor grad_h_tail = tiling.tail_rows() > 0 ? at::zeros({tiling.block, H}, grad_h.options()) : at::Tensor();
   const int64_t chunk_rows = std::min(opts.chunk_size, valid_rows);
   // The weight-chunk gradient summed over passes (several passes only), one buffer for every chunk.
   const at::Tensor grad_w_acc = one_pass ? at::Tensor() : at::empty({chunk_rows, H}, grad_h.options());
   const at::Tensor chunk_grad = main_grad ? at::empty({chunk_rows, H}, weight.options()) : at::Tensor();
-  for_each_logits_chunk<Backend>(h, weight.narrow(0, 0, valid_rows), opts.chunk_size, tiling,
+  for_each_logits_chunk<Kernels>(h, weight.narrow(0, 0, valid_rows), opts.chunk_size, tiling,
                                  [&](const at::Tensor& logits, int64_t rows, const at::Tensor& w_chunk, int64_t c0,
                                      int64_t r0) {
     const int64_t n = logits.size(1);
     Params p = row_params(logits, rows, tok, opts, c0, r0);
     const auto row_ptr = [&](const at::Tensor& t) { return t.narrow(0, r0, rows).const_data_ptr(); };
     p.row_max = row_ptr(row_max);
-    p.lse = row_ptr(lse);
-    p.mean = row_ptr(mean);
+    p.log_sum = row_ptr(log_sum);
+    p.log_sum_minus_entropy = row_ptr(log_sum_minus_entropy);
     p.grad_logprob = row_ptr(gl);
     p.grad_entropy = row_ptr(ge);
-    Backend::grad_rows(p, acc);
+    Kernels::grad_rows(p, acc);
     // The padding rows of a last block hold the logits of zero rows (zeros) and reach only
     // grad_h_tail's padding.
-    const at::Tensor d = Backend::grad_operand(logits, hidden.scalar_type());
+    const at::Tensor d = Kernels::grad_operand(logits, hidden.scalar_type());
     for (int64_t b0 = 0; b0 < rows; b0 += tiling.block) {
       at::Tensor out = block_rows(grad_h, grad_h_tail, tiling, r0 + b0);
-      Backend::add_mm(out, d.narrow(0, b0, tiling.block), w_chunk);
+      Kernels::add_mm(out, d.narrow(0, b0, tiling.block), w_chunk);
     }
     at::Tensor grad_w_chunk = main_grad ? chunk_grad.narrow(0, 0, n) : grad_w.narrow(0, c0, n);
     const at::Tensor d_rows = d.narrow(0, 0, rows).t(), h_rows = h.narrow(0, r0, rows);
     if (one_pass) {
-      Backend::mm(grad_w_chunk, d_rows, h_rows);
+      Kernels::mm(grad_w_chunk, d_rows, h_rows);
     } else {
       at::Tensor summed = grad_w_acc.narrow(0, 0, n);
       if (r0 == 0) summed.zero_();
-      Backend::add_mm(summed, d_rows, h_rows);
+      Kernels::add_mm(summed, d_rows, h_rows);
       if (r0 + rows < N) return;
       grad_w_chunk.copy_(summed);
     }

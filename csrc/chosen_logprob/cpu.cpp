@@ -52,7 +52,7 @@ void stats_rows_cpu(const Params& p, const Logit& logit) {
       for (int64_t k = 0; k < C_vec; k += Vec::size()) stats_add(vlogit(Vec::loadu(x + k)), vm, vs, vt);
       acc s = horizontal_sum(vs), t = horizontal_sum(vt);
       for (int64_t k = C_vec; k < C; ++k) stats_add(logit(x[k]), m, s, t);
-      stats_update_row(stats + 4 * r, RowStats<acc>{m, s, t}, x, tokens[r] - col0, C, logit);
+      stats_update_row(stats + stats_column::count * r, RowStats<acc>{m, s, t}, x, tokens[r] - col0, C, logit);
     }
   });
 }
@@ -61,9 +61,10 @@ template <typename acc, class Logit>
 void grad_rows_cpu(const Params& p, const Logit& logit) {
   using Vec = at::vec::Vectorized<acc>;
   auto* logits = static_cast<acc*>(p.logits);
-  const auto *row_max = static_cast<const acc*>(p.row_max), *lse = static_cast<const acc*>(p.lse);
-  const auto *mean = static_cast<const acc*>(p.mean), *gl = static_cast<const acc*>(p.grad_logprob);
-  const auto* ge = static_cast<const acc*>(p.grad_entropy);
+  const auto* row_max = static_cast<const acc*>(p.row_max);
+  const auto* log_sum = static_cast<const acc*>(p.log_sum);
+  const auto* log_sum_minus_entropy = static_cast<const acc*>(p.log_sum_minus_entropy);
+  const auto *gl = static_cast<const acc*>(p.grad_logprob), *ge = static_cast<const acc*>(p.grad_entropy);
   const int64_t N = p.rows, C = p.cols, col0 = p.col0;
   const int64_t* tokens = p.tokens;
   const int64_t C_vec = C - C % Vec::size();
@@ -74,35 +75,34 @@ void grad_rows_cpu(const Params& p, const Logit& logit) {
       const int64_t target = tokens[r] - col0;
       const bool has_target = target >= 0 && target < C;
       const acc x_target = has_target ? x[target] : acc(0);  // read before x is overwritten
-      const Vec vmax(row_max[r]), vlse(lse[r]), vmean(mean[r]), vgl(gl[r]), vge(ge[r]);
+      const acc m = row_max[r], l = log_sum[r], l_minus_ent = log_sum_minus_entropy[r];
+      const Vec vm(m), vl(l), vl_minus_ent(l_minus_ent), vgl(gl[r]), vge(ge[r]);
       for (int64_t k = 0; k < C_vec; k += Vec::size()) {
         const Vec xk = Vec::loadu(x + k);
-        (logit_grad(vlogit(xk) - vmax, vlse, vmean, vgl, vge) * vlogit.slope(xk)).store(x + k);
+        (logit_grad(vlogit(xk) - vm, vl, vl_minus_ent, vgl, vge) * vlogit.slope(xk)).store(x + k);
       }
       for (int64_t k = C_vec; k < C; ++k) {
-        x[k] = logit_grad(logit(x[k]) - row_max[r], lse[r], mean[r], gl[r], ge[r]) * logit.slope(x[k]);
+        x[k] = logit_grad(logit(x[k]) - m, l, l_minus_ent, gl[r], ge[r]) * logit.slope(x[k]);
       }
       if (has_target) x[target] += gl[r] * logit.slope(x_target);
     }
   });
 }
 
-struct CpuBackend {
+struct CpuKernels {
   static at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
 
   static void logits(const at::Tensor& h, const at::Tensor& w, at::Tensor& out) { at::mm_out(out, h, w.t()); }
 
   static void stats_rows(const Params& p, at::ScalarType acc) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_stats_cpu", [&] {
-      with_logit_map<scalar_t>(p.temperature, p.softcap,
-                               [&](const auto& logit) { stats_rows_cpu<scalar_t>(p, logit); });
+      with_logit_map<scalar_t>(p.options, [&](const auto& logit) { stats_rows_cpu<scalar_t>(p, logit); });
     });
   }
 
   static void grad_rows(const Params& p, at::ScalarType acc) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_grad_cpu", [&] {
-      with_logit_map<scalar_t>(p.temperature, p.softcap,
-                               [&](const auto& logit) { grad_rows_cpu<scalar_t>(p, logit); });
+      with_logit_map<scalar_t>(p.options, [&](const auto& logit) { grad_rows_cpu<scalar_t>(p, logit); });
     });
   }
 
@@ -129,9 +129,9 @@ struct CpuBackend {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_rl_ops, CPU, m) {
-  m.impl("chosen_logprob_stats", &stats<CpuBackend>);
-  m.impl("chosen_logprob_backward", &backward<CpuBackend>);
-  m.impl("chosen_logprob_combine", &combine<CpuBackend>);
+  m.impl("chosen_logprob_stats", &stats<CpuKernels>);
+  m.impl("chosen_logprob_backward", &backward<CpuKernels>);
+  m.impl("chosen_logprob_combine", &combine<CpuKernels>);
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

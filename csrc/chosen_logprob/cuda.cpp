@@ -13,15 +13,9 @@ namespace {
 
 cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
 
-void check_float32(at::ScalarType acc) {
-  TORCH_CHECK(acc == at::kFloat, "chosen_logprob: float64 is supported on CPU only");
-}
-
-struct CudaBackend {
-  static at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType acc) {
-    check_float32(acc);
-    return t;
-  }
+// The ops' checks (entry.h) leave fp32 the only accumulation dtype on CUDA.
+struct CudaKernels {
+  static at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType) { return t; }
 
   static void logits(const at::Tensor& h, const at::Tensor& w, at::Tensor& out) {
     if (h.scalar_type() == at::kFloat) at::mm_out(out, h, w.t());
@@ -49,18 +43,15 @@ struct CudaBackend {
 
   static void mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) { at::mm_out(out, a, b); }
 
-  static void combine(const Params& p, at::ScalarType acc) {
-    check_float32(acc);
-    C10_CUDA_CHECK(launch_chosen_logprob_combine(p, stream()));
-  }
+  static void combine(const Params& p, at::ScalarType) { C10_CUDA_CHECK(launch_chosen_logprob_combine(p, stream())); }
 };
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_rl_ops, CUDA, m) {
-  m.impl("chosen_logprob_stats", &stats<CudaBackend>);
-  m.impl("chosen_logprob_backward", &backward<CudaBackend>);
-  m.impl("chosen_logprob_combine", &combine<CudaBackend>);
+  m.impl("chosen_logprob_stats", &stats<CudaKernels>);
+  m.impl("chosen_logprob_backward", &backward<CudaKernels>);
+  m.impl("chosen_logprob_combine", &combine<CudaKernels>);
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

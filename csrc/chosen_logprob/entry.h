@@ -1,8 +1,7 @@
-// chosen_logprob's ops, one implementation for the CPU and CUDA backends (cpu.cpp's, cuda.cpp's),
-// each device file registering these templates with its own Backend: the schema's arguments
-// gathered into Options and TokenGrads (chosen_logprob/chunks.h) and Params. The user-facing
-// argument checks are fused_rl_ops/chosen_logprob.py's; these check only what the kernels' memory
-// accesses rely on, and that the chunk loop advances.
+// chosen_logprob's ops, one implementation for the CPU and CUDA kernels (cpu.cpp's, cuda.cpp's),
+// each device file registering these templates with its own Kernels. Each op checks its contract
+// first: the options as chosen_logprob/options.h declares them, and the shapes, dtypes and devices
+// its kernels rely on, in the words of fused_rl_ops/chosen_logprob.py's checks.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,65 +13,79 @@
 
 namespace fused_rl_ops::chosen_logprob {
 
+constexpr const char* kOp = "chosen_logprob";
+
+// hidden [N, H] (H >= 1), weight [V, H] in hidden's floating dtype, int64 tokens [N], on one
+// device, and the options, valid_rows at most V.
 inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                         int64_t chunk_size) {
-  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1) && tokens.dim() == 1 &&
-                  tokens.size(0) == hidden.size(0) && tokens.scalar_type() == at::kLong &&
-                  weight.device() == hidden.device() && tokens.device() == hidden.device() && chunk_size > 0,
-              "chosen_logprob ops: expected hidden [N, H], weight [V, H] and int64 tokens [N] on one device, and "
-              "chunk_size > 0; got ", hidden.sizes(), ", ", weight.sizes(), ", ", tokens.scalar_type(), " ",
-              tokens.sizes(), " and ", chunk_size);
+                         const Options& options) {
+  check_options(kOp, options);
+  check_float_dtype(kOp, "hidden", hidden);
+  TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(), kOp, ": weight must have hidden's dtype ",
+                   hidden.scalar_type(), ", got ", weight.scalar_type());
+  TORCH_CHECK_TYPE(tokens.scalar_type() == at::kLong, kOp, ": tokens must be int64, got ", tokens.scalar_type());
+  TORCH_CHECK_VALUE(hidden.dim() == 2 && hidden.size(1) >= 1 && weight.dim() == 2 && weight.size(1) == hidden.size(1),
+                    kOp, ": expected hidden [N, H] with H >= 1 and weight [V, H], got ", hidden.sizes(), " and ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(tokens.dim() == 1 && tokens.size(0) == hidden.size(0), kOp,
+                    ": tokens must be [N] (hidden's rows), got ", tokens.sizes());
+  TORCH_CHECK_VALUE(weight.device() == hidden.device() && tokens.device() == hidden.device(), kOp,
+                    ": all tensors must be on one device, got hidden on ", hidden.device(), ", weight on ",
+                    weight.device(), ", tokens on ", tokens.device());
+  TORCH_CHECK_VALUE(options.valid_rows.value_or(0) <= weight.size(0), kOp, ": valid_rows must be None or at most ",
+                    "weight's rows ", weight.size(0), ", got ", *options.valid_rows);
 }
 
-inline Options options(double temperature, int64_t vocab_start, int64_t chunk_size, int64_t row_block,
-                       int64_t pass_rows, std::optional<double> softcap) {
-  return {temperature, softcap.value_or(0.0), vocab_start, chunk_size, row_block, pass_rows};
-}
-
-template <class Backend>
-at::Tensor stats(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens, double temperature,
-                 int64_t vocab_start, int64_t chunk_size, int64_t row_block, int64_t pass_rows,
-                 std::optional<double> softcap) {
-  check_inputs(hidden, weight, tokens, chunk_size);
+template <class Kernels>
+at::Tensor stats(const at::Tensor& hidden, const at::Tensor& weight,
+                 const at::Tensor& tokens FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_PARAM)) {
+  const Options options{FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VALUE)};
+  check_inputs(hidden, weight, tokens, options);
   const at::DeviceGuard guard(hidden.device());
-  return stats_impl<Backend>(hidden, weight, tokens,
-                             options(temperature, vocab_start, chunk_size, row_block, pass_rows, softcap));
+  return stats_impl<Kernels>(hidden, weight, tokens, options);
 }
 
-template <class Backend>
+template <class Kernels>
 std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::Tensor& weight,
-                                            const at::Tensor& tokens, const at::Tensor& row_max, const at::Tensor& lse,
-                                            const at::Tensor& mean, const at::Tensor& grad_logprob,
-                                            const at::Tensor& grad_entropy, double temperature, int64_t vocab_start,
-                                            int64_t valid_rows, int64_t chunk_size, int64_t row_block,
-                                            int64_t pass_rows, const std::optional<at::Tensor>& main_grad,
-                                            std::optional<double> softcap) {
-  check_inputs(hidden, weight, tokens, chunk_size);
-  for (const at::Tensor* t : {&row_max, &lse, &mean, &grad_logprob, &grad_entropy}) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == hidden.size(0) &&
-                    t->scalar_type() == acc_dtype(hidden.scalar_type()) && t->device() == hidden.device(),
-                "chosen_logprob_backward: row_max, lse, mean, grad_logprob and grad_entropy must be [N] in the "
-                "accumulation dtype, on hidden's device");
+                                            const at::Tensor& tokens, const at::Tensor& row_max,
+                                            const at::Tensor& log_sum, const at::Tensor& log_sum_minus_entropy,
+                                            const at::Tensor& grad_logprob, const at::Tensor& grad_entropy,
+                                            const std::optional<at::Tensor>& main_grad
+                                                FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_PARAM)) {
+  const Options options{FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VALUE)};
+  check_inputs(hidden, weight, tokens, options);
+  const TokenGrads token_grads{row_max, log_sum, log_sum_minus_entropy, grad_logprob, grad_entropy};
+  for (const at::Tensor* t : {&row_max, &log_sum, &log_sum_minus_entropy, &grad_logprob, &grad_entropy}) {
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == hidden.size(0) &&
+                          t->scalar_type() == acc_dtype(hidden.scalar_type()) && t->device() == hidden.device(),
+                      kOp, ": row_max, log_sum, log_sum_minus_entropy, grad_logprob and grad_entropy must be [N] in ",
+                      "the accumulation dtype, on hidden's device");
   }
+  TORCH_CHECK_VALUE(!main_grad || (main_grad->sizes() == weight.sizes() && main_grad->device() == weight.device() &&
+                                   (main_grad->scalar_type() == at::kFloat ||
+                                    main_grad->scalar_type() == weight.scalar_type())),
+                    kOp, ": main_grad must be a float32 (or weight-dtype) tensor of weight's shape ", weight.sizes(),
+                    " on ", weight.device());
   const at::DeviceGuard guard(hidden.device());
-  const TokenGrads token_grads{row_max, lse, mean, grad_logprob, grad_entropy};
-  return backward_impl<Backend>(hidden, weight, tokens, token_grads, valid_rows, main_grad,
-                                options(temperature, vocab_start, chunk_size, row_block, pass_rows, softcap));
+  return backward_impl<Kernels>(hidden, weight, tokens, token_grads, main_grad, options);
 }
 
-template <class Backend>
+template <class Kernels>
 at::Tensor combine(const at::Tensor& partials_in) {
-  TORCH_CHECK(partials_in.dim() == 3 && partials_in.size(2) == 4,
-              "chosen_logprob_combine: partials must be [ranks, N, 4], got ", partials_in.sizes());
+  TORCH_CHECK_VALUE(partials_in.dim() == 3 && partials_in.size(2) == stats_column::count, kOp,
+                    ": partials must be [ranks, N, ", int(stats_column::count), "], got ", partials_in.sizes());
+  TORCH_CHECK_TYPE(partials_in.scalar_type() == at::kFloat || (partials_in.scalar_type() == at::kDouble &&
+                                                                partials_in.is_cpu()),
+                   kOp, ": partials must be float32 (float64 only on CPU), got ", partials_in.scalar_type());
   const at::DeviceGuard guard(partials_in.device());
   const at::Tensor partials = partials_in.contiguous();
-  at::Tensor out = at::empty({partials.size(1), 4}, partials.options());
+  at::Tensor out = at::empty({partials.size(1), stats_column::count}, partials.options());
   Params p;
   p.partials = partials.const_data_ptr();
   p.out = out.mutable_data_ptr();
   p.ranks = partials.size(0);
   p.rows = partials.size(1);
-  Backend::combine(p, partials.scalar_type());
+  Kernels::combine(p, partials.scalar_type());
   return out;
 }
 

@@ -13,7 +13,7 @@ cudaError_t launch_chosen_logprob_stats_rows(const Params& p, cudaStream_t strea
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   const int threads = kStatsRowsPerBlock * kWarp;
   const unsigned grid = grid_for((N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock, threads, dev);
-  with_logit_map<float>(p.temperature, p.softcap, [&](auto logit) {
+  with_logit_map<float>(p.options, [&](auto logit) {
     launch_kernel(chosen_logprob_stats_rows_kernel<decltype(logit)>, grid, threads, 0, stream,
                   static_cast<const float*>(p.logits), N, p.cols, p.col0, p.tokens, logit,
                   static_cast<float*>(p.stats));
@@ -26,11 +26,11 @@ cudaError_t launch_chosen_logprob_grad_rows(const Params& p, cudaStream_t stream
   DeviceSize dev;
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   const RowLaunch cfg = row_launch(p.rows, p.cols, kGradThreads, dev);
-  with_logit_map<float>(p.temperature, p.softcap, [&](auto logit) {
+  with_logit_map<float>(p.options, [&](auto logit) {
     launch_kernel(chosen_logprob_grad_rows_kernel<decltype(logit)>, cfg.grid, cfg.block, 0, stream,
                   static_cast<float*>(p.logits), p.rows, p.cols, p.col0, p.tokens,
-                  static_cast<const float*>(p.row_max), static_cast<const float*>(p.lse),
-                  static_cast<const float*>(p.mean), static_cast<const float*>(p.grad_logprob),
+                  static_cast<const float*>(p.row_max), static_cast<const float*>(p.log_sum),
+                  static_cast<const float*>(p.log_sum_minus_entropy), static_cast<const float*>(p.grad_logprob),
                   static_cast<const float*>(p.grad_entropy), logit);
   });
   return cudaGetLastError();

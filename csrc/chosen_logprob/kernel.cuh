@@ -35,23 +35,26 @@ __global__ void chosen_logprob_stats_rows_kernel(const float* __restrict__ logit
     for (int64_t k = lane; k < C; k += kWarp) stats_add(logit(x[k]), m, s, t);
     s = warp_sum(s);
     t = warp_sum(t);
-    if (lane == 0) stats_update_row(stats + 4 * r, RowStats<float>{m, s, t}, x, tokens[r] - col0, C, logit);
+    if (lane == 0) {
+      stats_update_row(stats + stats_column::count * r, RowStats<float>{m, s, t}, x, tokens[r] - col0, C, logit);
+    }
   }
 }
 
 template <class Logit>
 __global__ void chosen_logprob_grad_rows_kernel(float* __restrict__ logits, int64_t N, int64_t C, int64_t col0,
                                                 const int64_t* __restrict__ tokens, const float* __restrict__ row_max,
-                                                const float* __restrict__ lse, const float* __restrict__ mean,
+                                                const float* __restrict__ log_sum,
+                                                const float* __restrict__ log_sum_minus_entropy,
                                                 const float* __restrict__ gl, const float* __restrict__ ge,
                                                 Logit logit) {
   for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < N; r += int64_t(gridDim.x) * blockDim.y) {
     float* x = logits + r * C;
-    const float m = row_max[r], l = lse[r], mu = mean[r], g = gl[r], e = ge[r];
+    const float m = row_max[r], l = log_sum[r], l_minus_ent = log_sum_minus_entropy[r], g = gl[r], e = ge[r];
     const int64_t target = tokens[r] - col0;
     for (int64_t k = threadIdx.x; k < C; k += blockDim.x) {
       const float xk = x[k];
-      float d = logit_grad(logit(xk) - m, l, mu, g, e);
+      float d = logit_grad(logit(xk) - m, l, l_minus_ent, g, e);
       if (k == target) d += g;
       x[k] = d * logit.slope(xk);
     }

@@ -1,6 +1,6 @@
 // Torch-free launchers of the chosen_logprob CUDA row kernels (math in chosen_logprob/math.h), one
-// Params each (chosen_logprob/params.h; fp32 buffers). The softmax takes z = x / temperature, or
-// with softcap > 0 z = softcap tanh(x / softcap) / temperature (softcap 0: a kernel without tanh).
+// Params each (chosen_logprob/params.h; fp32 buffers). The kernels map the raw logits with the
+// logit map of Params::options (with_logit_map, chosen_logprob/math.h), one kernel per map.
 // Return the launch's cudaError_t.
 #pragma once
 

@@ -21,9 +21,20 @@
 // NaN stays NaN.
 #pragma once
 
+#include "chosen_logprob/options.h"
 #include "common/math.h"
 
 namespace fused_rl_ops::chosen_logprob {
+
+// The columns of a token's row of stats, [N, stats_column::count]: a vocab shard's partials (m, s,
+// t and the chosen logit z[token], 0 when another shard holds the token; stats_update_row), and
+// what combine_row makes of the shards' partials (m, log s, entropy, the chosen logit).
+namespace stats_column {
+enum : int { max, sum, ent, chosen, count };
+}
+namespace combined_column {
+enum : int { row_max, log_sum, entropy, chosen };
+}
 
 // z = x / T. Without a softcap the kernels run this map, which has no tanh.
 // T may be a scalar or an at::vec::Vectorized; as<V>() broadcasts a scalar map to V.
@@ -60,12 +71,16 @@ struct SoftcappedLogit {
   }
 };
 
-// Calls fn with the logit map of (temperature, softcap), in T: PlainLogit without a softcap
-// (softcap <= 0), else SoftcappedLogit. Its constants are taken in double and rounded once.
+// Calls fn with the logit map of the options, in T: PlainLogit without a softcap, else
+// SoftcappedLogit. Its constants are taken in double and rounded once.
 template <typename T, class Fn>
-void with_logit_map(double temperature, double softcap, const Fn& fn) {
-  if (softcap > 0) fn(SoftcappedLogit<T>{T(1.0 / softcap), T(softcap / temperature), T(1.0 / temperature)});
-  else fn(PlainLogit<T>{T(1.0 / temperature)});
+void with_logit_map(const Options& options, const Fn& fn) {
+  const double temperature = options.temperature;
+  if (const std::optional<double> cap = options.softcap) {
+    fn(SoftcappedLogit<T>{T(1.0 / *cap), T(*cap / temperature), T(1.0 / temperature)});
+  } else {
+    fn(PlainLogit<T>{T(1.0 / temperature)});
+  }
 }
 
 template <typename T>
@@ -113,48 +128,47 @@ FRL_HD T stats_entropy(const RowStats<T>& r) {
   return Math<T>::log(r.sum) - r.ent / r.sum;
 }
 
-// Merges one vocab chunk's sums into a token's row of the [N, 4] stats (max, sum, ent, chosen),
-// taking the chosen logit logit(x[target]) from x (the chunk's raw logits) when target falls
-// inside the chunk.
+// Merges one vocab chunk's sums into a token's row of stats, taking the chosen logit
+// logit(x[target]) from x (the chunk's raw logits) when target falls inside the chunk.
 template <typename T, class Logit>
 FRL_HD void stats_update_row(T* row, const RowStats<T>& chunk, const T* x, int64_t target, int64_t C,
                              const Logit& logit) {
-  RowStats<T> running{row[0], row[1], row[2]};
+  RowStats<T> running{row[stats_column::max], row[stats_column::sum], row[stats_column::ent]};
   stats_merge(running, chunk);
-  row[0] = running.max;
-  row[1] = running.sum;
-  row[2] = running.ent;
-  if (target >= 0 && target < C) row[3] = logit(x[target]);
+  row[stats_column::max] = running.max;
+  row[stats_column::sum] = running.sum;
+  row[stats_column::ent] = running.ent;
+  if (target >= 0 && target < C) row[stats_column::chosen] = logit(x[target]);
 }
 
-// Token r of partials [ranks, N, 4] (one row of stats per shard) -> out[r] = (m, log s, entropy,
-// chosen): lse = m + log s.
+// Token r of partials [ranks, N, stats_column::count] (one row of stats per shard) -> row r of out
+// (combined_column): lse = m + log s.
 template <typename T>
 FRL_HD void combine_row(const T* partials, int64_t ranks, int64_t N, int64_t r, T* out) {
   RowStats<T> row = stats_empty<T>();
   T chosen = 0;  // only the owning shard's is nonzero
   for (int64_t k = 0; k < ranks; ++k) {
-    const T* q = partials + (k * N + r) * 4;
-    stats_merge(row, RowStats<T>{q[0], q[1], q[2]});
-    chosen += q[3];
+    const T* q = partials + (k * N + r) * stats_column::count;
+    stats_merge(row, RowStats<T>{q[stats_column::max], q[stats_column::sum], q[stats_column::ent]});
+    chosen += q[stats_column::chosen];
   }
-  out[4 * r] = row.max;
-  out[4 * r + 1] = Math<T>::log(row.sum);
-  out[4 * r + 2] = stats_entropy(row);
-  out[4 * r + 3] = chosen;
+  T* o = out + r * stats_column::count;
+  o[combined_column::row_max] = row.max;
+  o[combined_column::log_sum] = Math<T>::log(row.sum);
+  o[combined_column::entropy] = stats_entropy(row);
+  o[combined_column::chosen] = chosen;
 }
 
 // d(grad_logprob * logprob + grad_entropy * entropy) / dz for a column that is not the chosen
-// token, with p = exp(z - lse) and mean = sum p z = lse - entropy:
-//   -p (gl + ge (z - mean)).  The chosen column adds gl.
-// z, lse and mean may all be taken relative to one shift (the kernels pass z - m, log s, and
-// log s - entropy).
-// p = 0 (a -inf logit, or one far below the rest) passes no gradient: written out, ge (z - mean)
+// token, from the logit relative to the row max, z - m, the row's log-sum l = lse - m = log s, and
+// l - entropy = sum p (z - m): with p = exp(z - m - l),
+//   -p (gl + ge (z - m - (l - entropy))) = -p (gl + ge (z - sum p z)).  The chosen column adds gl.
+// p = 0 (a -inf logit, or one far below the rest) passes no gradient: written out, the entropy term
 // is inf for a -inf logit and 0 * inf NaN. A NaN p (a NaN row) stays NaN.
 template <typename T>
-FRL_HD T logit_grad(T z, T lse, T mean, T gl, T ge) {
-  const T p = Math<T>::exp(z - lse);
-  return Math<T>::select(p == T(0), T(0), T(0) - p * (gl + ge * (z - mean)));
+FRL_HD T logit_grad(T z_minus_max, T log_sum, T log_sum_minus_entropy, T gl, T ge) {
+  const T p = Math<T>::exp(z_minus_max - log_sum);
+  return Math<T>::select(p == T(0), T(0), T(0) - p * (gl + ge * (z_minus_max - log_sum_minus_entropy)));
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

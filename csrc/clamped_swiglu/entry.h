@@ -1,7 +1,8 @@
-// The clamped SwiGLU ops, one implementation for the CPU and CUDA kernels: output allocation and the
-// launch's Params. Kernels (cpu.cpp's, cuda.cpp's) runs a Params for x's dtype; each device file
-// registers these templates with its own Kernels. The user-facing argument checks are
-// fused_rl_ops/clamped_swiglu.py's; these check only what the kernels' memory accesses rely on.
+// The clamped SwiGLU ops, one implementation for the CPU and CUDA kernels: the checks of the op's
+// contract, output allocation and the launch's Params. Kernels (cpu.cpp's, cuda.cpp's) runs a
+// Params for x's dtype; each device file registers these templates with its own Kernels. The checks
+// are fused_rl_ops/clamped_swiglu.py's, with the same rules and words: the options as
+// clamped_swiglu/options.h declares them, and x and scale as the kernels read them.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,26 +15,34 @@
 
 namespace fused_rl_ops::clamped_swiglu {
 
-// Checks x; returns Params with the sizes and constants of x viewed as [rows, 2F].
-inline Params shape_params(const at::Tensor& x, std::optional<double> limit, double alpha, double linear_offset,
-                           bool interleaved) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "clamped_swiglu: x must be [..., 2F]");
+constexpr const char* kOp = "clamped_swiglu";
+
+// Checks x and the options; returns Params with the sizes and constants of x viewed as [rows, 2F].
+inline Params shape_params(const at::Tensor& x, const Options& options) {
+  check_options(kOp, options);
+  check_float_dtype(kOp, "x", x);
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) % 2 == 0, kOp,
+                    ": x's last dimension must be even (gate and linear halves), got shape ", x.sizes());
   Params p;
   p.F = x.size(-1) / 2;
   p.rows = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
-  p.interleaved = interleaved;
-  p.act = Activation{static_cast<float>(alpha), static_cast<float>(limit.value_or(INFINITY)),
-                     static_cast<float>(linear_offset)};
+  p.interleaved = options.interleaved;
+  p.act = activation(options);
   return p;
 }
 
-// The weighted form's scale, one value per row of x, as a contiguous [rows] tensor in x's accumulation
-// dtype (the widening is exact).
-inline at::Tensor scale_rows(const at::Tensor& scale, const at::Tensor& x, const Params& p) {
-  TORCH_CHECK(scale.numel() == p.rows && scale.device() == x.device(),
-              "clamped_swiglu: scale must have shape x.shape[:-1], on x's device");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat || scale.scalar_type() == x.scalar_type(),
-              "clamped_swiglu: scale must be float32 or x's dtype");
+// The weighted form's scale, one value per row of x (shape x.shape[:-1], or that and 1), as a
+// contiguous [rows] tensor in x's accumulation dtype (the widening is exact).
+inline at::Tensor scale_rows(const at::Tensor& scale, const at::Tensor& x) {
+  const at::IntArrayRef lead = x.sizes().slice(0, x.dim() - 1), shape = scale.sizes();
+  TORCH_CHECK_VALUE(shape == lead || (shape.size() == lead.size() + 1 && shape.slice(0, lead.size()) == lead &&
+                                      shape.back() == 1),
+                    kOp, ": scale must have shape x.shape[:-1] or x.shape[:-1] + (1,), got ", shape,
+                    " for x of shape ", x.sizes());
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat || scale.scalar_type() == x.scalar_type(), kOp,
+                   ": scale must be float32 or x's dtype, got ", scale.scalar_type(), " (x: ", x.scalar_type(), ")");
+  TORCH_CHECK_VALUE(scale.device() == x.device(), kOp, ": all tensors must be on one device, got x on ", x.device(),
+                    ", scale on ", scale.device());
   return scale.to(acc_dtype(x.scalar_type())).contiguous();
 }
 
@@ -44,17 +53,17 @@ inline std::vector<int64_t> out_shape(const at::Tensor& x) {
 }
 
 inline void check_grad_out(const at::Tensor& grad_out, const at::Tensor& x) {
-  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(out_shape(x)) && grad_out.scalar_type() == x.scalar_type() &&
-                  grad_out.device() == x.device(),
-              "clamped_swiglu_backward: grad_out must match the output's shape, dtype and device");
+  TORCH_CHECK_VALUE(grad_out.sizes() == at::IntArrayRef(out_shape(x)) && grad_out.scalar_type() == x.scalar_type() &&
+                        grad_out.device() == x.device(),
+                    kOp, "_backward: grad_out must match the output's shape, dtype and device");
 }
 
 template <class Kernels>
-at::Tensor forward(const at::Tensor& x_in, std::optional<double> limit, double alpha, double linear_offset,
-                   bool interleaved, const std::optional<at::Tensor>& scale_in) {
-  Params p = shape_params(x_in, limit, alpha, linear_offset, interleaved);
+at::Tensor forward(const at::Tensor& x_in FRL_CLAMPED_SWIGLU_OPTIONS(FRL_OPTION_PARAM),
+                   const std::optional<at::Tensor>& scale_in) {
+  Params p = shape_params(x_in, Options{FRL_CLAMPED_SWIGLU_OPTIONS(FRL_OPTION_VALUE)});
   const at::DeviceGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous(), scale = scale_in ? scale_rows(*scale_in, x_in, p) : at::Tensor();
+  const at::Tensor x = x_in.contiguous(), scale = scale_in ? scale_rows(*scale_in, x_in) : at::Tensor();
   at::Tensor y = at::empty(out_shape(x_in), x.options());
   p.x = x.const_data_ptr();
   p.scale = scale.defined() ? scale.const_data_ptr() : nullptr;
@@ -64,9 +73,8 @@ at::Tensor forward(const at::Tensor& x_in, std::optional<double> limit, double a
 }
 
 template <class Kernels>
-at::Tensor backward(const at::Tensor& grad_out, const at::Tensor& x_in, std::optional<double> limit, double alpha,
-                    double linear_offset, bool interleaved) {
-  Params p = shape_params(x_in, limit, alpha, linear_offset, interleaved);
+at::Tensor backward(const at::Tensor& grad_out, const at::Tensor& x_in FRL_CLAMPED_SWIGLU_OPTIONS(FRL_OPTION_PARAM)) {
+  Params p = shape_params(x_in, Options{FRL_CLAMPED_SWIGLU_OPTIONS(FRL_OPTION_VALUE)});
   check_grad_out(grad_out, x_in);
   const at::DeviceGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), dy = grad_out.contiguous();
@@ -81,12 +89,12 @@ at::Tensor backward(const at::Tensor& grad_out, const at::Tensor& x_in, std::opt
 // The weighted form's backward: x's gradient and the scale's, in the scale's shape and dtype.
 template <class Kernels>
 std::tuple<at::Tensor, at::Tensor> scaled_backward(const at::Tensor& grad_out, const at::Tensor& x_in,
-                                                   const at::Tensor& scale_in, std::optional<double> limit,
-                                                   double alpha, double linear_offset, bool interleaved) {
-  Params p = shape_params(x_in, limit, alpha, linear_offset, interleaved);
+                                                   const at::Tensor& scale_in
+                                                       FRL_CLAMPED_SWIGLU_OPTIONS(FRL_OPTION_PARAM)) {
+  Params p = shape_params(x_in, Options{FRL_CLAMPED_SWIGLU_OPTIONS(FRL_OPTION_VALUE)});
   check_grad_out(grad_out, x_in);
   const at::DeviceGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous(), dy = grad_out.contiguous(), scale = scale_rows(scale_in, x_in, p);
+  const at::Tensor x = x_in.contiguous(), dy = grad_out.contiguous(), scale = scale_rows(scale_in, x_in);
   at::Tensor dx = at::empty(x.sizes(), x.options());
   // The kernels write every row's sum; with no element to sum they do not run.
   at::Tensor dscale = p.rows * p.F == 0 ? at::zeros_like(scale) : at::empty_like(scale);

@@ -5,6 +5,7 @@
 // NaN gradients rather than a silent zero. L = +inf means no clamp.
 #pragma once
 
+#include "clamped_swiglu/options.h"
 #include "common/math.h"
 
 namespace fused_rl_ops::clamped_swiglu {
@@ -14,6 +15,12 @@ struct Activation {
   float limit;   // L; +inf for no clamp
   float offset;  // beta, added to the linear half
 };
+
+// The formula's constants for the op's options.
+inline Activation activation(const Options& options) {
+  return {static_cast<float>(options.alpha), static_cast<float>(options.limit.value_or(INFINITY)),
+          static_cast<float>(options.linear_offset)};
+}
 
 // M supplies the primitives: Math<T> by default; the CPU kernels for bf16 / fp16 pass one with a
 // faster exp (common/vec_math.h).

@@ -1,9 +1,15 @@
-// Helpers for the torch-side glue of the CPU and CUDA kernels (not for .cu files).
+// Helpers for the torch-side glue of the CPU and CUDA kernels (not for .cu files): dtype mappings,
+// and the checks each op makes of its arguments, worded as fused_rl_ops' Python checks word them
+// (fused_rl_ops/_options.py, _library.py): ValueError for a bad value or shape, TypeError for a bad
+// dtype.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <optional>
+
 #include "common/math.h"
+#include "common/options.h"
 
 namespace fused_rl_ops {
 
@@ -17,6 +23,38 @@ inline DType to_dtype(const at::Tensor& t) {
     case at::kHalf: return DType::kFloat16;
     default: TORCH_CHECK(false, "fused_rl_ops: unsupported dtype ", t.scalar_type(), " on CUDA");
   }
+}
+
+// "op: name must be <the rule's requirement>, got value"; an optional option may also be none.
+template <class T, class Rule>
+void check_option(const char* op, const char* name, const T& value, Rule) {
+  TORCH_CHECK_VALUE(Rule::holds(value), op, ": ", name, " must be ", Rule::requirement, ", got ", value);
+}
+
+template <class T, class Rule>
+void check_option(const char* op, const char* name, const std::optional<T>& value, Rule) {
+  TORCH_CHECK_VALUE(!value || Rule::holds(*value), op, ": ", name, " must be None or ", Rule::requirement, ", got ",
+                    *value);
+}
+
+// Every option of an op's Options (declared as common/options.h says), in its declared order.
+template <class Options>
+void check_options(const char* op, const Options& options) {
+  visit_options(options, [op](const char* name, const auto& value, auto rule) { check_option(op, name, value, rule); });
+}
+
+// The floating dtypes the kernels read: float32, bfloat16, float16, and float64 on the CPU.
+inline void check_float_dtype(const char* op, const char* name, const at::Tensor& t) {
+  const at::ScalarType dtype = t.scalar_type();
+  const bool ok = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ||
+                  (dtype == at::kDouble && t.is_cpu());
+  TORCH_CHECK_TYPE(ok, op, ": ", name, " must be float32, bfloat16 or float16",
+                   dtype == at::kDouble ? " (float64 only on CPU)" : "", ", got ", dtype);
+}
+
+inline void check_same_device(const char* op, const at::Tensor& first, const at::Tensor& other, const char* names) {
+  TORCH_CHECK_VALUE(other.device() == first.device(), op, ": all tensors must be on one device, got ", names, " on ",
+                    first.device(), " and ", other.device());
 }
 
 }  // namespace fused_rl_ops

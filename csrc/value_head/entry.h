@@ -1,7 +1,8 @@
-// The value-head ops, one implementation for the CPU and CUDA kernels: output allocation and the
-// launch's Params. Kernels (cpu.cpp's, cuda.cpp's) runs a Params for the dtype of the tensor it is
-// given; each device file registers these templates with its own Kernels. The user-facing argument
-// checks are fused_rl_ops/value_head.py's; these check only what the kernels' memory accesses rely on.
+// The value-head ops, one implementation for the CPU and CUDA kernels: the checks of the op's
+// contract, output allocation and the launch's Params. Kernels (cpu.cpp's, cuda.cpp's) runs a
+// Params for the dtype of the tensor it is given; each device file registers these templates with
+// its own Kernels. The value_head op checks its arguments as fused_rl_ops/value_head.py does, with
+// the same rules and words (the op has no options); its backward ops check what their kernels read.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,16 +15,43 @@
 
 namespace fused_rl_ops::value_head {
 
+constexpr const char* kOp = "value_head";
+
 inline void check_hidden(const at::Tensor& hidden) {
-  TORCH_CHECK(hidden.dim() >= 1 && hidden.size(-1) >= 1, "value_head: hidden must be [..., H] with H >= 1");
+  TORCH_CHECK_VALUE(hidden.dim() >= 1 && hidden.size(-1) >= 1, kOp, ": hidden must be [..., H] with H >= 1, got shape ",
+                    hidden.sizes());
+}
+
+// The value_head op's arguments: hidden [..., H] in a floating dtype; weight [H] or [1, H] and bias
+// (one value: a scalar or [1]) in float32 or hidden's dtype; all on one device.
+inline void check_forward(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  check_float_dtype(kOp, "hidden", hidden);
+  check_hidden(hidden);
+  const int64_t H = hidden.size(-1);
+  const bool weight_shape_ok = weight.sizes() == at::IntArrayRef({H}) || weight.sizes() == at::IntArrayRef({1, H});
+  TORCH_CHECK_VALUE(weight_shape_ok, kOp,
+                    ": weight must be [H] or [1, H] (H = hidden's last dimension), got shape ", weight.sizes(),
+                    " for H = ", H);
+  const auto check_dtype = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == hidden.scalar_type(), kOp, ": ", name,
+                     " must be float32 or hidden's dtype, got ", t.scalar_type(), " (hidden: ", hidden.scalar_type(),
+                     ")");
+  };
+  check_dtype("weight", weight);
+  if (bias) check_dtype("bias", *bias);
+  TORCH_CHECK_VALUE(!bias || (bias->dim() <= 1 && bias->numel() == 1), kOp,
+                    ": bias must be a scalar tensor or [1], got shape ", bias->sizes());
+  TORCH_CHECK_VALUE(weight.device() == hidden.device() && (!bias || bias->device() == hidden.device()), kOp,
+                    ": all tensors must be on one device, got hidden on ", hidden.device(), ", weight on ",
+                    weight.device(), bias ? c10::str(", bias on ", bias->device()) : std::string());
 }
 
 // The weight's H values as a contiguous [H] vector in the accumulation type (no copy for a
 // contiguous one of that type); `other` is a tensor of the call, whose device the weight must share.
 inline at::Tensor value_head_weight(const at::Tensor& weight, int64_t H, at::ScalarType acc_type,
                                     const at::Tensor& other) {
-  TORCH_CHECK(H >= 1 && weight.numel() == H && weight.device() == other.device(),
-              "value_head: weight must be H >= 1 values (hidden's last dimension), on hidden's device");
+  TORCH_CHECK_VALUE(H >= 1 && weight.numel() == H && weight.device() == other.device(), kOp,
+                    ": weight must be H >= 1 values (hidden's last dimension), on hidden's device");
   return weight.reshape({-1}).to(acc_type).contiguous();
 }
 
@@ -35,15 +63,13 @@ inline std::vector<int64_t> value_head_out_shape(at::IntArrayRef hidden_shape) {
 // shape_ok: grad_out has the values' shape (the hidden gradient takes grad_out's, so any is).
 inline void check_grad_out(bool shape_ok, const at::Tensor& grad_out, at::ScalarType acc_type,
                            const at::Tensor& other) {
-  TORCH_CHECK(shape_ok && grad_out.scalar_type() == acc_type && grad_out.device() == other.device(),
-              "value_head backward: grad_out must match the values' shape, dtype and device");
+  TORCH_CHECK_VALUE(shape_ok && grad_out.scalar_type() == acc_type && grad_out.device() == other.device(), kOp,
+                    " backward: grad_out must match the values' shape, dtype and device");
 }
 
 template <class Kernels>
 at::Tensor forward(const at::Tensor& hidden_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in) {
-  check_hidden(hidden_in);
-  TORCH_CHECK(!bias_in || (bias_in->numel() == 1 && bias_in->device() == hidden_in.device()),
-              "value_head: bias must be one value, on hidden's device");
+  check_forward(hidden_in, weight_in, bias_in);
   const at::DeviceGuard guard(hidden_in.device());
   const at::ScalarType acc_type = acc_dtype(hidden_in.scalar_type());
   const at::Tensor hidden = hidden_in.contiguous();

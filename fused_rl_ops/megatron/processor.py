@@ -22,7 +22,8 @@ import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 import fused_rl_ops
-from fused_rl_ops._checks import check_softcap, check_temperature
+from fused_rl_ops._options import check_option
+from fused_rl_ops.chosen_logprob import ChosenLogprobOptions
 
 __all__ = ["RLOutputProcessor", "rl_output_processor"]
 
@@ -58,7 +59,7 @@ class RLOutputProcessor:
 
     def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
                  vocab_size=None, softcap=None, batch_invariant=False, host_checks=True):
-        check_softcap(type(self).__name__, softcap)
+        check_option(type(self).__name__, ChosenLogprobOptions, "softcap", softcap)
         self.temperature = temperature
         self.softcap = softcap
         self.return_entropy = return_entropy
@@ -79,7 +80,7 @@ class RLOutputProcessor:
 
     @temperature.setter
     def temperature(self, temperature):
-        check_temperature(type(self).__name__, temperature)
+        check_option(type(self).__name__, ChosenLogprobOptions, "temperature", temperature)
         self._temperature = temperature
 
     def __call__(self, *, hidden_states, output_layer, output_weight=None, labels=None, loss_mask=None,

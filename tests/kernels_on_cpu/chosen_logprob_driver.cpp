@@ -19,16 +19,16 @@ int main(int argc, char** argv) {
     p.tokens = c.buf<int64_t>("tokens");
     p.cols = c.i("C");
     p.col0 = c.i("col0");
-    p.temperature = c.d("temperature");
-    p.softcap = c.d("softcap");
+    p.options.temperature = c.d("temperature");
+    if (c.d("softcap") > 0) p.options.softcap = c.d("softcap");  // 0: none
     if (c.kernel == "stats_rows") {
       p.stats = c.buf<float>("stats");
       return launch_chosen_logprob_stats_rows(p, nullptr);
     }
     if (c.kernel != "grad_rows") cuda_on_host::fail("unknown kernel " + c.kernel);
     p.row_max = c.buf<float>("row_max");
-    p.lse = c.buf<float>("lse");
-    p.mean = c.buf<float>("mean");
+    p.log_sum = c.buf<float>("log_sum");
+    p.log_sum_minus_entropy = c.buf<float>("log_sum_minus_entropy");
     p.grad_logprob = c.buf<float>("gl");
     p.grad_entropy = c.buf<float>("ge");
     return launch_chosen_logprob_grad_rows(p, nullptr);

@@ -1,0 +1,36 @@
+// chosen_logprob's options: the non-tensor arguments of chosen_logprob_stats and
+// chosen_logprob_backward, after their tensors, declared once (how: common/options.h). Python
+// declares them as ChosenLogprobOptions (fused_rl_ops/chosen_logprob.py). The row kernels take
+// them in Params and read the logit map's constants (with_logit_map in chosen_logprob/math.h). A
+// new option comes last, with a default: code outside the package calls the stats op by position.
+//   temperature: the softmax takes the logits divided by it.
+//   vocab_start: the global id of weight's row 0.
+//   chunk_size, row_block, pass_rows: vocab rows per chunk; token rows per GEMM and per workspace
+//     pass, 0: all rows (RowTiling in chosen_logprob/chunks.h).
+//   softcap: the logits are capped as softcap * tanh(logits / softcap) first; none: no cap.
+//   valid_rows: weight's first rows that are vocabulary, the rest padding; none: all of them.
+#pragma once
+
+#include "common/options.h"
+
+#define FRL_CHOSEN_LOGPROB_OPTIONS(X)                                  \
+  X(double, temperature, "float", "", PositiveFinite)                  \
+  X(int64_t, vocab_start, "int", "", NonNegativeInteger)               \
+  X(int64_t, chunk_size, "int", "", PositiveInteger)                   \
+  X(int64_t, row_block, "int", "=0", NonNegativeInteger)               \
+  X(int64_t, pass_rows, "int", "=0", NonNegativeInteger)               \
+  X(std::optional<double>, softcap, "float?", "=None", PositiveFinite) \
+  X(std::optional<int64_t>, valid_rows, "int?", "=None", NonNegativeInteger)
+
+namespace fused_rl_ops::chosen_logprob {
+
+struct Options {
+  FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_FIELD)
+};
+
+template <class Fn>
+void visit_options(const Options& options, const Fn& fn) {
+  FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VISIT)
+}
+
+}  // namespace fused_rl_ops::chosen_logprob
