@@ -6,12 +6,13 @@ real and on meta tensors, where the fake kernels check), accepts and refuses exa
 Python declaration accepts and refuses, with the same error."""
 import dataclasses
 import math
+import re
 import typing
+from pathlib import Path
 
 import pytest
 import torch
 
-import fused_rl_ops
 from fused_rl_ops.chosen_logprob import ChosenLogprobOptions
 from fused_rl_ops.clamped_swiglu import ClampedSwigluOptions
 
@@ -102,3 +103,14 @@ def test_ops_accept_and_refuse_what_the_declaration_does(declaration, device):
             for op, (before, after) in tensors(device).items():
                 got = outcome(lambda: getattr(ops, op)(*before, *args.values(), *after))
                 assert got == expected, f"{op}({declared.name}={value!r}) on {device}"
+
+
+def test_the_docs_name_every_declared_option():
+    """docs/chosen_logprob.md's section on the ops lists the stats and backward ops' options;
+    docs/clamped_swiglu.md names its op's."""
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    ops_section = (docs / "chosen_logprob.md").read_text().split("## The ops underneath")[1].split("\n## ")[0]
+    for declared in ChosenLogprobOptions.OPTIONS:
+        assert re.search(rf"`{declared.name}\b", ops_section), declared.name
+    for declared in ClampedSwigluOptions.OPTIONS:
+        assert re.search(rf"\b{declared.name}\b", (docs / "clamped_swiglu.md").read_text()), declared.name
