@@ -2,9 +2,10 @@
 
 Ownership: attached, a value head is its model's submodule. Attached to a second model too (a
 reference model given the policy's processor), it would be shared, and the second model's
-`requires_grad_(False)` would freeze the policy's critic without a word. So `claim` refuses a head
-whose parameters another live model owns; `detach` releases them. The owners are kept by weak
-references here, not on the parameters (an attribute would travel into pickles and copies).
+`requires_grad_(False)` would freeze the policy's critic without a word. So `attach` claims the
+head's parameters for its model, refuses a head whose parameters another live model owns, and
+`detach` releases them. The owners are kept by weak references here, not on the parameters (an
+attribute would travel into pickles and copies).
 
 Training: an optimizer built from `model.parameters()` before `attach` does not hold the head, and
 the head silently keeps its initial weights. `TrainingCheck` notices it: torch.optim's global step
