@@ -67,9 +67,15 @@ def load_liger(device):
     return lambda h, w, t: -liger_fused_linear_cross_entropy(h, w, t, reduction="none")
 
 
+def naive_logprob(hidden, weight, tokens):
+    """The naive path as trainers run it: every row computed (the logprob of ignored tokens then
+    zeroed); fused_rl_ops.reference.chosen_logprob's default leaves those rows out instead."""
+    return reference.chosen_logprob(hidden, weight, tokens, skip_ignored=False)
+
+
 def load_compile(device):
     torch._dynamo.config.recompile_limit = 64  # one graph per mode; dynamic shapes cover the sweeps
-    return torch.compile(reference.chosen_logprob, dynamic=True)
+    return torch.compile(naive_logprob, dynamic=True)
 
 
 PEERS = {  # name -> (distribution, None for torch itself; loader(device) -> fn(hidden, weight, tokens))
@@ -94,7 +100,7 @@ def path_fn(path, entropy, peers):
         return lambda h, w, t: fused_rl_ops.chosen_logprob(h, w, t, return_entropy=True, **kw) if entropy else (
             fused_rl_ops.chosen_logprob(h, w, t, **kw),)
     if path in ("naive", "compile"):
-        fn = reference.chosen_logprob if path == "naive" else peers["compile"]
+        fn = naive_logprob if path == "naive" else peers["compile"]
         return lambda h, w, t: fn(h, w, t) if entropy else fn(h, w, t)[:1]
     fn = peers[path]
     return lambda h, w, t: (fn(h, w, t),)

@@ -6,7 +6,9 @@ folds the chunk into per-token partials: max, sum of exp, sum of exp-weighted sh
 the chosen logit). Ranks exchange those [N, 4] partials with one all-gather and merge them in a
 fixed order; the backward recomputes each chunk's logits and turns them into logit gradients in
 place. Memory beyond inputs, outputs and gradients: the workspace (`workspace_bytes`, by default
-default_workspace_bytes(hidden)) plus O(tokens) state, independent of the vocabulary size.
+default_workspace_bytes(hidden)) plus O(tokens) state, independent of the vocabulary size. Rows whose
+token is ignore_index are left out before the kernels (skip_ignored): the work, and the workspace's
+size, follow the scored rows.
 """
 import math
 import struct
@@ -18,8 +20,8 @@ import torch.distributed as dist
 
 from ._library import acc_dtype, check_device, check_float_dtype, ops
 from ._checks import check_hidden_size, values_readable
-from ._options import (NON_NEGATIVE_INTEGER, POSITIVE_FINITE, POSITIVE_INTEGER, check_options, op_arguments, option,
-                       options_dataclass)
+from ._options import (NON_NEGATIVE_INTEGER, POSITIVE_FINITE, POSITIVE_INTEGER, check_option, check_options,
+                       op_arguments, option, options_dataclass)
 
 DEFAULT_WORKSPACE_BYTES = 64 * 2**20  # the largest default workspace
 _MIN_DEFAULT_WORKSPACE_BYTES = 2**20
@@ -77,12 +79,14 @@ class CombinedColumns(NamedTuple):
     chosen: torch.Tensor
 
 
-def default_workspace_bytes(hidden: torch.Tensor) -> int:
-    """The workspace when workspace_bytes is None: hidden's own size, within [1 MiB,
-    DEFAULT_WORKSPACE_BYTES]. The extra memory then stays below the input's size at small shapes (as
-    torch's chunked linear_cross_entropy sizes its chunks), while training-sized inputs (8192 tokens
-    x 4096 in bf16 is 64 MiB) get the largest workspace and so the widest GEMMs."""
-    return min(DEFAULT_WORKSPACE_BYTES, max(_MIN_DEFAULT_WORKSPACE_BYTES, hidden.numel() * hidden.element_size()))
+def default_workspace_bytes(hidden: torch.Tensor, rows: Optional[int] = None) -> int:
+    """The workspace when workspace_bytes is None: the size of the rows of hidden the kernels get
+    (rows of them; None: all), within [1 MiB, DEFAULT_WORKSPACE_BYTES]. The extra memory then stays
+    below the input's size at small shapes (as torch's chunked linear_cross_entropy sizes its
+    chunks), while training-sized inputs (8192 tokens x 4096 in bf16 is 64 MiB) get the largest
+    workspace and so the widest GEMMs."""
+    elements = hidden.numel() if rows is None else rows * hidden.shape[-1]
+    return min(DEFAULT_WORKSPACE_BYTES, max(_MIN_DEFAULT_WORKSPACE_BYTES, elements * hidden.element_size()))
 
 
 def chunk_size_for(num_tokens: int, hidden_size: int, element_size: int, workspace_bytes: int) -> int:
@@ -153,10 +157,12 @@ def _check_main_grad(main_grad, weight):
 
 
 # What every rank of tp_group must agree on, in the order _check_group gathers it: the call's own
-# fields, then the agreed options of ChosenLogprobOptions.
+# fields (the wrapper's arguments, skip_ignored as it takes effect), then the agreed options of
+# ChosenLogprobOptions (the ops' arguments).
 _AGREED_OPTIONS = {o.name: o for o in ChosenLogprobOptions.OPTIONS if o.agreed}
+_SKIPPING = "skipping of ignored rows (skip_ignored and check_tokens)"
 _GROUP_FIELDS = ("token count", "hidden size", "dtype", "ignore_index", "vocab_size", "reduce_hidden_grad",
-                 "token ids", *_AGREED_OPTIONS)
+                 _SKIPPING, "token ids", *_AGREED_OPTIONS)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -174,12 +180,13 @@ def _option_bits(value) -> int:
     return _float_bits(math.nan if value is None else float(value))
 
 
-def _group_fields(hidden, tokens, ignore_index, vocab_size, reduce_hidden_grad, options):
+def _group_fields(hidden, tokens, ignore_index, vocab_size, reduce_hidden_grad, skipping, options):
     flat = tokens.reshape(-1).long()
     # A cheap fingerprint of the ids and their order (distinct weights per position).
     fingerprint = int((flat * (torch.arange(flat.numel(), device=flat.device) % 8191 + 1)).sum())
     return [flat.numel(), hidden.shape[-1], _DTYPES.index(hidden.dtype), ignore_index, vocab_size,
-            int(reduce_hidden_grad), fingerprint] + [_option_bits(getattr(options, name)) for name in _AGREED_OPTIONS]
+            int(reduce_hidden_grad), int(skipping), fingerprint] + [
+                _option_bits(getattr(options, name)) for name in _AGREED_OPTIONS]
 
 
 def _check_group(tp_group, error, shard_and_fields):
@@ -223,12 +230,17 @@ def _check_group(tp_group, error, shard_and_fields):
         raise ValueError(f"chosen_logprob: vocab_size {vocab_size} is beyond the {total} rows the ranks hold")
 
 
-def _check_token_range(tokens, vocab_size, ignore_index):
-    valid = (tokens == ignore_index) | ((tokens >= 0) & (tokens < vocab_size))
-    if not bool(valid.all()):
-        bad = tokens[~valid][:5].tolist()
+def _check_token_range(tokens, vocab_size, ignore_index) -> int:
+    """Raises when an id is neither in [0, vocab_size) nor ignore_index; returns the number of
+    scored ids (the others). One host read of two integers (a synchronisation on CUDA)."""
+    ignored = tokens == ignore_index
+    invalid = ~ignored & ((tokens < 0) | (tokens >= vocab_size))
+    num_invalid, num_scored = torch.stack([invalid.sum(), (~ignored).sum()]).tolist()
+    if num_invalid:
+        bad = tokens[invalid][:5].tolist()
         raise ValueError(f"chosen_logprob: token ids must lie in [0, {vocab_size}) or equal ignore_index "
                          f"({ignore_index}); found {bad}")
+    return num_scored
 
 
 def _main_grad_placeholder(weight, main_grad):
@@ -258,9 +270,24 @@ class _Autograd:
         return self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
 
 
+def _gather(t, rows):
+    """t's entries at rows (an index), or t itself when rows (or t) is None."""
+    return t if rows is None or t is None else t.index_select(0, rows)
+
+
+def _scatter(t, rows, num_rows):
+    """A [num_rows, ...] tensor holding t's entries at rows and zeros elsewhere (copied, not added:
+    every bit of t kept); t itself when rows is None."""
+    return t if rows is None else t.new_zeros((num_rows, *t.shape[1:])).index_copy_(0, rows, t)
+
+
 class _ChosenLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, ignore, main_grad, options, call):
+    def forward(ctx, hidden, weight, tokens, ignore, scored_rows, main_grad, options, call):
+        """scored_rows: the rows of hidden the ops get (an index; the other rows' results are zeros
+        and their gradient rows too), or None: all of them."""
+        num_rows = hidden.shape[0]
+        hidden, tokens, ignore = (_gather(t, scored_rows) for t in (hidden, tokens, ignore))
         stats = ops.chosen_logprob_stats(hidden, weight, tokens, *op_arguments(options))
         if call.distributed:
             gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(call.tp_group))]
@@ -272,19 +299,20 @@ class _ChosenLogprob(torch.autograd.Function):
         row = CombinedColumns(*ops.chosen_logprob_combine(partials).unbind(1))
         logprob = torch.where(ignore, 0.0, (row.chosen - row.row_max) - row.log_sum)
         # Both come from the same fp32 logit buffer, so a chosen maximum compares equal exactly.
-        is_max = (row.chosen == row.row_max) & ~ignore
+        is_max = _scatter((row.chosen == row.row_max) & ~ignore, scored_rows, num_rows)
         ctx.mark_non_differentiable(is_max)
-        ctx.save_for_backward(hidden, weight, tokens, ignore, row.row_max, row.log_sum, row.entropy)
-        ctx.options, ctx.call = options, call
+        ctx.save_for_backward(hidden, weight, tokens, ignore, scored_rows, row.row_max, row.log_sum, row.entropy)
+        ctx.options, ctx.call, ctx.num_rows = options, call, num_rows
         # main_grad is the backward's output buffer, not an input of its math: kept on ctx, not saved
         # (autograd's version check would trip on its in-place updates).
         ctx.main_grad = main_grad
-        return logprob, row.entropy, is_max
+        return _scatter(logprob, scored_rows, num_rows), _scatter(row.entropy, scored_rows, num_rows), is_max
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, grad_is_max):
-        hidden, weight, tokens, ignore, row_max, log_sum, entropy = ctx.saved_tensors
+        hidden, weight, tokens, ignore, scored_rows, row_max, log_sum, entropy = ctx.saved_tensors
         call = ctx.call
+        grad_logprob, grad_entropy = _gather(grad_logprob, scored_rows), _gather(grad_entropy, scored_rows)
         grad_logprob = torch.zeros_like(entropy) if grad_logprob is None else torch.where(ignore, 0.0, grad_logprob)
         grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy
         # One [V_local, H] weight gradient, padded rows zeroed by the op; or none, added into main_grad.
@@ -299,7 +327,8 @@ class _ChosenLogprob(torch.autograd.Function):
                 grad_weight = torch.empty_like(weight)
         if call.reduce_hidden_grad and call.distributed:
             dist.all_reduce(grad_hidden, group=call.tp_group)  # fp32: the sum is taken before rounding
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
+        grad_hidden = _scatter(grad_hidden.to(hidden.dtype), scored_rows, ctx.num_rows)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def chosen_logprob(
@@ -310,6 +339,7 @@ def chosen_logprob(
     temperature: float = 1.0,
     softcap: Optional[float] = None,
     ignore_index: int = -100,
+    skip_ignored: bool = True,
     vocab_size: Optional[int] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
     vocab_start: Optional[int] = None,
@@ -337,8 +367,16 @@ def chosen_logprob(
     True; ignored positions, out-of-range ids and rows with a NaN logit are False). vocab_size is
     the real vocabulary size: rows with global id >= vocab_size are padding and take no part in the
     softmax or entropy (default: every row of every rank).
-    Positions whose token is ignore_index get logprob 0 and pass no logprob gradient; their entropy
-    is still computed. Differentiable in hidden and weight for any upstream gradients. With
+    Positions whose token is ignore_index get logprob 0, entropy 0 and zero gradient rows, and never
+    reach the kernels (skip_ignored=True, the default): their rows are left out of hidden before the
+    kernels and the results put back, so the work, forward and backward, and the default workspace
+    follow the scored rows. This needs the number of scored rows on the host: it is read with
+    check_tokens' read (one synchronisation on CUDA, no more). Where no value may be read (with
+    check_tokens=False, while torch.compile traces the call or a CUDA graph is captured, on meta
+    tensors) every row is computed instead, the ignored ones on zeroed hidden rows, with the same
+    results (bitwise with batch_invariant=True), at the full cost. skip_ignored=False computes every
+    row as it is: ignored positions get logprob 0 and no logprob gradient, but their entropy (and
+    its gradient). Differentiable in hidden and weight for any upstream gradients. With
     tp_group the hidden gradient is summed over the group, unless reduce_hidden_grad=False (for a
     sequence-parallel gather whose backward reduce-scatters it).
 
@@ -353,52 +391,59 @@ def chosen_logprob(
     False skips it: an out-of-range id then matches no row, never an out-of-bounds read, and its
     logprob and gradients are NaN). check_group (with a tp_group of more than one rank) makes every
     rank raise the same clear error when any rank's arguments are invalid, or when the ranks
-    disagree on the tokens, hidden size, dtype, temperature, softcap, ignore_index, vocab_size or
-    reduce_hidden_grad, or hold vocab shards that do not tile [0, total rows): one all-gather of a
+    disagree on the tokens, hidden size, dtype, temperature, softcap, ignore_index, vocab_size,
+    reduce_hidden_grad or skipping (skip_ignored and check_tokens), or hold vocab shards that do not
+    tile [0, total rows): one all-gather of a
     few integers per call and a host synchronisation; False skips it (a rank with invalid arguments
     then raises alone while the others wait in the collective). Both checks read tensor values on the
     host, so they are skipped while torch.compile or torch.export traces the call (fullgraph works
-    with the defaults) and for meta tensors: an out-of-range id then gets the NaN logprob and
-    gradients of check_tokens=False, and the ranks of tp_group are not compared. main_grad ([V_local, H], float32 or weight's dtype: Megatron's
+    with the defaults), while a CUDA graph is captured and for meta tensors: an out-of-range id then
+    gets the NaN logprob and gradients of check_tokens=False, and the ranks of tp_group are not
+    compared. main_grad ([V_local, H], float32 or weight's dtype: Megatron's
     gradient-accumulation buffer) makes the backward add the weight gradient into it, chunk by
     chunk, instead of returning one (see _main_grad_placeholder for what the weight receives).
     workspace_bytes bounds the per-chunk buffers (see chunk_size_for; with main_grad add a
-    [chunk, H] gradient buffer); None: default_workspace_bytes(hidden).
+    [chunk, H] gradient buffer); None: default_workspace_bytes(hidden, rows the kernels get).
 
     batch_invariant=True makes each token's logprob, entropy and hidden gradient bitwise
     independent of the other tokens of the call (their number, order, leading shape, ignored
-    positions) and of workspace_bytes, on one machine with one library build and thread count:
+    positions, whether they are skipped) and of workspace_bytes, on one machine with one library build and thread count:
     GEMMs of fixed shape (INVARIANT_TILING) over vocab chunks merged in vocab order. The weight
     gradient, a sum over tokens, stays deterministic but not batch-invariant. The workspace then
     holds at least one [row_block, chunk] block.
     """
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    # Traced or meta tensors: both host checks are skipped and out-of-range ids get NaN (below).
+    # Traced, captured or meta tensors: both host checks are skipped and out-of-range ids get NaN (below).
     check_tokens = check_tokens and values_readable(hidden, weight, tokens)
     check_group = check_group and values_readable(hidden, weight, tokens)
+    # Skipping needs the number of scored rows on the host, which the token check reads with the ids.
+    skipping = bool(skip_ignored) and check_tokens
     error = None
     try:
         _check_args(hidden, weight, tokens)
         local_vocab = weight.shape[0]
         vocab_start = rank * local_vocab if vocab_start is None else vocab_start
         vocab_size = world * local_vocab if vocab_size is None else vocab_size
+        check_option("chosen_logprob", ChosenLogprobOptions, "vocab_start", vocab_start)  # _check_vocab reads it
+        _check_vocab(local_vocab, world, vocab_start, vocab_size)
+        _check_main_grad(main_grad, weight)
+        kernel_rows = tokens.numel()  # the rows the kernels get
+        if check_tokens:
+            scored_count = _check_token_range(tokens, vocab_size, ignore_index)
+            kernel_rows = scored_count if skipping else kernel_rows
         if workspace_bytes is None:
-            workspace_bytes = default_workspace_bytes(hidden)
-        chunk_size, row_block, pass_rows = tiling_for(tokens.numel(), hidden.shape[-1], hidden.element_size(),
+            workspace_bytes = default_workspace_bytes(hidden, kernel_rows)
+        chunk_size, row_block, pass_rows = tiling_for(kernel_rows, hidden.shape[-1], hidden.element_size(),
                                                       workspace_bytes, hidden.device, batch_invariant)
         # The weight's rows before vocab_size are vocabulary, the rest padding.
         valid_rows = min(max(vocab_size - vocab_start, 0), local_vocab)
         options = ChosenLogprobOptions(temperature, vocab_start, chunk_size, row_block, pass_rows, softcap, valid_rows)
-        _check_vocab(local_vocab, world, options.vocab_start, vocab_size)
-        _check_main_grad(main_grad, weight)
-        if check_tokens:
-            _check_token_range(tokens, vocab_size, ignore_index)
     except (TypeError, ValueError) as exc:
         error = exc
     if world > 1 and check_group:
         shard_and_fields = None if error is not None else [options.vocab_start, weight.shape[0]] + _group_fields(
-            hidden, tokens, ignore_index, vocab_size, reduce_hidden_grad, options)
+            hidden, tokens, ignore_index, vocab_size, reduce_hidden_grad, skipping, options)
         _check_group(tp_group, error, shard_and_fields)
     elif error is not None:
         raise error
@@ -407,8 +452,18 @@ def chosen_logprob(
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     tokens1d = tokens.reshape(-1).to(torch.int64)
     ignored = tokens1d == ignore_index
+    scored_rows = None
+    if skipping and kernel_rows < tokens1d.numel():
+        scored_rows = torch.nonzero_static(~ignored, size=kernel_rows).squeeze(1)  # no second host read
+    elif skip_ignored and not skipping:
+        # Every row is computed: the ignored ones on zeros, so that nothing in them (a NaN in a padding
+        # position's hidden state) reaches the weight gradient; their results are dropped below.
+        hidden2d = hidden2d.masked_fill(ignored[:, None], 0)
     call = _Autograd(tp_group, bool(reduce_hidden_grad), _main_grad_placeholder(weight, main_grad))
-    logprob, entropy, is_max = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, main_grad, options, call)
+    logprob, entropy, is_max = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, scored_rows, main_grad,
+                                                    options, call)
+    if skip_ignored:
+        entropy = torch.where(ignored, 0.0, entropy)  # and no entropy gradient into the rows computed anyway
     if not check_tokens:
         # An unchecked id outside [0, vocab_size) matches no row and would get a finite -lse: NaN
         # marks it instead (and, through the product, its gradients), with no host synchronisation.

@@ -96,14 +96,16 @@ def test_leading_shape_int32_tokens_and_non_contiguous(device):
     torch.testing.assert_close(lp.double().cpu(), ref, **TOLERANCE[torch.float32])
 
 
-def test_ignore_index_passes_no_logprob_gradient_but_keeps_entropy(device):
+def test_skip_ignored_false_passes_no_logprob_gradient_but_keeps_entropy(device):
     hidden, weight, tokens = make_inputs(6, 8, 130, torch.float32, device)
     tokens[:] = -100
     h = hidden.clone().requires_grad_(True)
-    lp, ent = fused_rl_ops.chosen_logprob(h, weight, tokens, return_entropy=True)
+    lp, ent = fused_rl_ops.chosen_logprob(h, weight, tokens, return_entropy=True, skip_ignored=False)
     assert lp.eq(0).all() and (ent > 0).all()
-    lp.sum().backward()
+    lp.sum().backward(retain_graph=True)
     assert h.grad.eq(0).all()
+    ent.sum().backward()
+    assert h.grad.ne(0).all()
 
 
 def test_unchecked_out_of_range_ids_give_nan_not_a_wrong_number(device):
@@ -118,11 +120,14 @@ def test_unchecked_out_of_range_ids_give_nan_not_a_wrong_number(device):
     good[bad] = False
     ref_lp, ref_ent, ref_grad_h, _ = reference_outputs_and_grads(
         hidden, weight, torch.where(good, tokens, -100), grad_lp, grad_ent, vocab_size=120)
+    _, bad_ent = reference.chosen_logprob(hidden.double().cpu(), weight.double().cpu(), tokens.cpu().clamp(0, 119),
+                                          vocab_size=120)  # the entropy of the bad ids' rows
     tol = TOLERANCE[torch.float32]
     assert lp[~good].isnan().all() and grad_h[~good].isnan().all()
     torch.testing.assert_close(lp[good].double().cpu(), ref_lp[good.cpu()], **tol)
     torch.testing.assert_close(grad_h[good].double().cpu(), ref_grad_h[good.cpu()], **tol)
-    torch.testing.assert_close(ent.double().cpu(), ref_ent, **tol)
+    torch.testing.assert_close(ent[good].double().cpu(), ref_ent[good.cpu()], **tol)
+    torch.testing.assert_close(ent[~good].double().cpu(), bad_ent[~good.cpu()], **tol)
     assert grad_w[:120].isnan().all() and grad_w[120:].eq(0).all()
     with pytest.raises(ValueError, match="token ids must lie in"):
         fused_rl_ops.chosen_logprob(hidden, weight, tokens, vocab_size=120)
