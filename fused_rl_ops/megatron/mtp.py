@@ -13,8 +13,9 @@ steps, with the cross entropy taken as -chosen_logprob on the same weight (detac
 `mtp_detach_heads`), Megatron's own `roll_tensor` (context parallel, packed sequences), scaling and
 `MTPLossAutoScaler`. Every path that reaches `_postprocess` (forward, schedule plan, pipeline last
 stage) takes it. Differences from Megatron, all at positions Megatron weights by loss_mask: a
-position with loss_mask 0 or label ignore_index adds exactly 0 (Megatron adds loss_mask times its
-cross entropy: NaN where that is not finite, the whole log-sum-exp for an ignore_index label); a
+position with loss_mask 0 or label ignore_index adds exactly 0 and is not computed (chosen_logprob
+skips it; Megatron adds loss_mask times its cross entropy: NaN where that is not finite, the whole
+log-sum-exp for an ignore_index label); a
 label is accepted when its logit equals the row's maximum, so every label tied for the maximum
 counts (Megatron's argmax counts only the lowest tied id). Like Megatron's, the loss covers every
 row of the output weight, padding included.

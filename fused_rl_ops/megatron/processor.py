@@ -6,7 +6,8 @@ Megatron calls the processor in place of its output layer with keywords only (`h
 keys in `output_names` order: "logprobs", then "entropy" and "values" when asked for.
 
 Tokens come from `labels` or `context["tokens"]` (exactly one), [b, s] like `loss_mask`. Positions
-with loss_mask 0 or ignore_index get logprob 0 and no gradient; entropy is computed everywhere. The
+with loss_mask 0 or ignore_index get logprob 0, entropy 0 and no gradient, and are not computed
+(chosen_logprob's skip_ignored; with host_checks=False every position is, with the same results). The
 weight is the local vocab shard (tied embedding or output_layer.weight) over the output layer's TP
 group. With sequence parallel the hidden states are gathered with Megatron's gather, whose backward
 reduce-scatters, so chosen_logprob leaves its hidden gradient unreduced (summed exactly once). The
@@ -52,9 +53,10 @@ class RLOutputProcessor:
     batch_invariant: passed on to chosen_logprob (a token's outputs bitwise independent of the rest
     of the batch); the naive reference processor has no such option.
     host_checks: chosen_logprob's token-range and TP group checks, the processor's only host
-    synchronisations on CUDA; False skips both (for CUDA graphs): an out-of-range token then gets a
-    NaN logprob and NaN gradients, and a rank with invalid arguments raises alone. Under torch.compile
-    both are skipped whatever host_checks says (see chosen_logprob's check_tokens).
+    synchronisations on CUDA (the first also reads how many positions are scored, so that only those
+    are computed); False skips both (for CUDA graphs): an out-of-range token then gets a NaN logprob
+    and NaN gradients, a rank with invalid arguments raises alone, and every position is computed.
+    Under torch.compile both are skipped whatever host_checks says (see chosen_logprob's check_tokens).
     """
 
     def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
