@@ -375,8 +375,8 @@ def chosen_logprob(
     check_tokens=False, while torch.compile traces the call or a CUDA graph is captured, on meta
     tensors) every row is computed instead, the ignored ones on zeroed hidden rows, with the same
     results (bitwise with batch_invariant=True), at the full cost. skip_ignored=False computes every
-    row as it is: ignored positions get logprob 0 and no logprob gradient, but their entropy (and
-    its gradient). Differentiable in hidden and weight for any upstream gradients. With
+    row as it is: ignored positions get logprob 0 and no logprob gradient, and keep their entropy
+    and its gradient. Differentiable in hidden and weight for any upstream gradients. With
     tp_group the hidden gradient is summed over the group, unless reduce_hidden_grad=False (for a
     sequence-parallel gather whose backward reduce-scatters it).
 
@@ -393,28 +393,29 @@ def chosen_logprob(
     rank raise the same clear error when any rank's arguments are invalid, or when the ranks
     disagree on the tokens, hidden size, dtype, temperature, softcap, ignore_index, vocab_size,
     reduce_hidden_grad or skipping (skip_ignored and check_tokens), or hold vocab shards that do not
-    tile [0, total rows): one all-gather of a
-    few integers per call and a host synchronisation; False skips it (a rank with invalid arguments
-    then raises alone while the others wait in the collective). Both checks read tensor values on the
-    host, so they are skipped while torch.compile or torch.export traces the call (fullgraph works
-    with the defaults), while a CUDA graph is captured and for meta tensors: an out-of-range id then
-    gets the NaN logprob and gradients of check_tokens=False, and the ranks of tp_group are not
-    compared. main_grad ([V_local, H], float32 or weight's dtype: Megatron's
-    gradient-accumulation buffer) makes the backward add the weight gradient into it, chunk by
-    chunk, instead of returning one (see _main_grad_placeholder for what the weight receives).
+    tile [0, total rows): one all-gather of a few integers per call and a host synchronisation;
+    False skips it (a rank with invalid arguments then raises alone while the others wait in the
+    collective). Both checks read tensor values on the host, so they are skipped while
+    torch.compile or torch.export traces the call (fullgraph works with the defaults), while a CUDA
+    graph is captured and for meta tensors: an out-of-range id then gets the NaN logprob and
+    gradients of check_tokens=False, and the ranks of tp_group are not compared. main_grad
+    ([V_local, H], float32 or weight's dtype: Megatron's gradient-accumulation buffer) makes the
+    backward add the weight gradient into it, chunk by chunk, instead of returning one (see
+    _main_grad_placeholder for what the weight receives).
     workspace_bytes bounds the per-chunk buffers (see chunk_size_for; with main_grad add a
     [chunk, H] gradient buffer); None: default_workspace_bytes(hidden, rows the kernels get).
 
     batch_invariant=True makes each token's logprob, entropy and hidden gradient bitwise
     independent of the other tokens of the call (their number, order, leading shape, ignored
-    positions, whether they are skipped) and of workspace_bytes, on one machine with one library build and thread count:
-    GEMMs of fixed shape (INVARIANT_TILING) over vocab chunks merged in vocab order. The weight
+    positions, whether they are skipped) and of workspace_bytes, on one machine with one library
+    build and thread count: GEMMs of fixed shape (INVARIANT_TILING) over vocab chunks merged in
+    vocab order. The weight
     gradient, a sum over tokens, stays deterministic but not batch-invariant. The workspace then
     holds at least one [row_block, chunk] block.
     """
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    # Traced, captured or meta tensors: both host checks are skipped and out-of-range ids get NaN (below).
+    # Traced, captured or meta tensors: both host checks are skipped, out-of-range ids get NaN (below).
     check_tokens = check_tokens and values_readable(hidden, weight, tokens)
     check_group = check_group and values_readable(hidden, weight, tokens)
     # Skipping needs the number of scored rows on the host, which the token check reads with the ids.
