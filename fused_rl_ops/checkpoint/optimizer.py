@@ -24,7 +24,8 @@ from .integrity import ChecksummedReader
 from .ranks import Entry
 from .sharding import ShardSpec, global_shape
 
-__all__ = ["OptimizerRestore", "check_optimizer_type", "entries_to_save", "is_optimizer_item"]
+__all__ = ["OptimizerLoad", "check_optimizer_type", "entries_to_save", "install_optimizer_state", "is_optimizer_item",
+           "optimizer_items_to_load", "read_optimizer_objects"]
 
 _MARK = "/optimizer/"
 _REPLICATED = ShardSpec(None)
@@ -127,95 +128,97 @@ def entries_to_save(optimizer, state: dict, entries: dict) -> dict:
     return items
 
 
-class OptimizerRestore:
-    """A load of the optimizer's items, in the phases load_sharded runs: entries() (from the
-    checkpoint's metadata), read_objects() (the small objects, read and checked before anything is
-    written), install() (after the tensors are read)."""
+class OptimizerLoad(NamedTuple):
+    """What a load of the optimizer's items reads, from the checkpoint's metadata: its parameters
+    (_Held, in its order), the state keys stored for each (by stored name), and the Entries of its
+    tensor items to read."""
 
-    def __init__(self, optimizer, state: dict, path: str):
-        self._optimizer, self._state, self._path = optimizer, state, path
-        self._held, self._keys, self._objects = [], {}, {}
+    held: list
+    keys: dict
+    tensors: dict
 
-    def entries(self, entries: dict, layout, metadata) -> dict:
-        """stored name -> Entry of the optimizer's tensor items to read, after checking that the
-        checkpoint holds state for exactly the optimizer's parameters (of this rank's experts)."""
-        stored = metadata.state_dict_metadata
-        self._held = _held_parameters(self._optimizer, self._state, entries)
-        names = {held.stored for held in self._held}
-        missing = sorted(h.entry.module_name for h in self._held if _group_item(h.stored) not in stored)
-        if missing:
-            raise ValueError(f"checkpoint {self._path!r} holds no optimizer state for {missing} (saved without "
-                             "optimizer=?)")
-        mine = {n.split(_MARK)[0] for n in stored
-                if is_optimizer_item(n) and layout.experts.holds(n) and layout.stage.holds(n)}
-        foreign = sorted(mine - names)
-        if foreign:
-            raise ValueError(f"checkpoint {self._path!r} holds optimizer state for {foreign}, which the optimizer "
-                             "does not hold")
-        tensors = {}
-        for held in self._held:
-            prefix = _state_item(held.stored, "")
-            self._keys[held.stored] = [n[len(prefix):] for n in stored if n.startswith(prefix)]
-            current = self._optimizer.state.get(held.param, {})
-            for key in self._keys[held.stored]:
-                md = stored[_state_item(held.stored, key)]
-                if not isinstance(md, BytesStorageMetadata):
-                    tensors[_state_item(held.stored, key)] = self._target(held, key, md, current.get(key))
-        return tensors
 
-    def _target(self, held: _Held, key: str, md, current) -> Entry:
-        """The Entry to read state `key` of held into: its current tensor where it fits, else a new one."""
-        entry = held.entry
-        param_shape = global_shape(entry.local.shape, entry.spec, entry.tp.size)
-        if tuple(md.size) == param_shape:
-            shape, device = entry.local.shape, held.param.device
-        elif len(md.size) == 0:
-            shape, device = (), current.device if isinstance(current, torch.Tensor) else "cpu"
-        else:
+def optimizer_items_to_load(optimizer, state: dict, entries: dict, layout, metadata, path: str) -> OptimizerLoad:
+    """The optimizer's items to read, after checking that the checkpoint holds state for exactly
+    the optimizer's parameters (of this rank's experts and stage)."""
+    stored = metadata.state_dict_metadata
+    held = _held_parameters(optimizer, state, entries)
+    names = {h.stored for h in held}
+    missing = sorted(h.entry.module_name for h in held if _group_item(h.stored) not in stored)
+    if missing:
+        raise ValueError(f"checkpoint {path!r} holds no optimizer state for {missing} (saved without optimizer=?)")
+    mine = {n.split(_MARK)[0] for n in stored if is_optimizer_item(n) and layout.experts.holds(n) and layout.stage.holds(n)}
+    foreign = sorted(mine - names)
+    if foreign:
+        raise ValueError(f"checkpoint {path!r} holds optimizer state for {foreign}, which the optimizer does not hold")
+    keys, tensors = {}, {}
+    for h in held:
+        prefix = _state_item(h.stored, "")
+        keys[h.stored] = [n[len(prefix):] for n in stored if n.startswith(prefix)]
+        current = optimizer.state.get(h.param, {})
+        for key in keys[h.stored]:
+            md = stored[_state_item(h.stored, key)]
+            if not isinstance(md, BytesStorageMetadata):
+                tensors[_state_item(h.stored, key)] = _target(h, key, md, current.get(key), path)
+    return OptimizerLoad(held, keys, tensors)
+
+
+def _target(held: _Held, key: str, md, current, path: str) -> Entry:
+    """The Entry to read state `key` of held into: its current tensor where it fits, else a new one."""
+    entry = held.entry
+    param_shape = global_shape(entry.local.shape, entry.spec, entry.tp.size)
+    if tuple(md.size) == param_shape:
+        shape, device = entry.local.shape, held.param.device
+    elif len(md.size) == 0:
+        shape, device = (), current.device if isinstance(current, torch.Tensor) else "cpu"
+    else:
+        raise ValueError(
+            f"{entry.module_name}: checkpoint {path!r} holds optimizer state {key!r} of shape {tuple(md.size)}, "
+            f"neither the parameter's global shape {param_shape} nor a scalar")
+    fits = (isinstance(current, torch.Tensor) and not isinstance(current, DTensor) and current.shape == shape
+            and current.dtype == md.properties.dtype)
+    local = current if fits else torch.empty(shape, dtype=md.properties.dtype, device=device)
+    return _state_entry(held, key, local)
+
+
+def read_optimizer_objects(optimizer, load: OptimizerLoad, metadata, path: str) -> dict:
+    """This rank's object items (read and verified against their checksums), once checked: the
+    optimizer's class, and one set of hyperparameters for each of its param groups."""
+    stored = metadata.state_dict_metadata
+    names = [_group_item(h.stored) for h in load.held]
+    names += [_state_item(h.stored, k) for h in load.held for k in load.keys[h.stored]
+              if isinstance(stored[_state_item(h.stored, k)], BytesStorageMetadata)]
+    objects = dict.fromkeys(names)
+    planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    try:
+        dcp.load(objects, storage_reader=ChecksummedReader(path, metadata), planner=planner, no_dist=True)
+    except dcp.CheckpointException as exc:
+        raise ValueError(f"reading the optimizer's objects from checkpoint {path!r} failed: {exc}") from exc
+    groups = {}
+    for h in load.held:
+        saved = objects[_group_item(h.stored)]
+        if saved["optimizer"] != _class_name(optimizer):
+            raise ValueError(f"{h.entry.module_name}: checkpoint {path!r} holds the state of {saved['optimizer']}, "
+                             f"the optimizer is {_class_name(optimizer)}")
+        first = groups.setdefault(h.group, (h.entry.module_name, saved["hyperparameters"]))
+        if first[1] != saved["hyperparameters"]:
             raise ValueError(
-                f"{entry.module_name}: checkpoint {self._path!r} holds optimizer state {key!r} of shape "
-                f"{tuple(md.size)}, neither the parameter's global shape {param_shape} nor a scalar")
-        fits = (isinstance(current, torch.Tensor) and not isinstance(current, DTensor) and current.shape == shape
-                and current.dtype == md.properties.dtype)
-        local = current if fits else torch.empty(shape, dtype=md.properties.dtype, device=device)
-        return _state_entry(held, key, local)
+                f"optimizer param_groups[{h.group}] holds {first[0]} and {h.entry.module_name}, whose hyperparameters "
+                f"in checkpoint {path!r} differ: {first[1]} and {saved['hyperparameters']}")
+    return objects
 
-    def read_objects(self, metadata):
-        """Reads this rank's object items (verified against their checksums) and checks them: the
-        optimizer's class, and one set of hyperparameters for each of its param groups."""
-        stored = metadata.state_dict_metadata
-        names = [_group_item(h.stored) for h in self._held]
-        names += [_state_item(h.stored, k) for h in self._held for k in self._keys[h.stored]
-                  if isinstance(stored[_state_item(h.stored, k)], BytesStorageMetadata)]
-        objects = dict.fromkeys(names)
-        planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-        try:
-            dcp.load(objects, storage_reader=ChecksummedReader(self._path, metadata), planner=planner, no_dist=True)
-        except dcp.CheckpointException as exc:
-            raise ValueError(f"reading the optimizer's objects from checkpoint {self._path!r} failed: {exc}") from exc
-        groups = {}
-        for held in self._held:
-            saved = objects[_group_item(held.stored)]
-            if saved["optimizer"] != _class_name(self._optimizer):
-                raise ValueError(f"{held.entry.module_name}: checkpoint {self._path!r} holds the state of "
-                                 f"{saved['optimizer']}, the optimizer is {_class_name(self._optimizer)}")
-            first = groups.setdefault(held.group, (held.entry.module_name, saved["hyperparameters"]))
-            if first[1] != saved["hyperparameters"]:
-                raise ValueError(
-                    f"optimizer param_groups[{held.group}] holds {first[0]} and {held.entry.module_name}, whose "
-                    f"hyperparameters in checkpoint {self._path!r} differ: {first[1]} and {saved['hyperparameters']}")
-        self._objects = objects
 
-    def install(self, entries: dict):
-        """Hands the read state and hyperparameters to the optimizer (its load_state_dict), by position."""
-        state = {}
-        param_groups = [{**_hyperparameters(group), "params": []} for group in self._optimizer.param_groups]
-        for index, held in enumerate(self._held):
-            group = param_groups[held.group]
-            group.update(self._objects[_group_item(held.stored)]["hyperparameters"])
-            group["params"].append(index)
-            names = [_state_item(held.stored, key) for key in self._keys[held.stored]]
-            if names:
-                state[index] = {key: entries[n].local if n in entries else self._objects[n]
-                                for key, n in zip(self._keys[held.stored], names)}
-        self._optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+def install_optimizer_state(optimizer, load: OptimizerLoad, objects: dict):
+    """Hands the read state (load.tensors, read into by now) and hyperparameters to the optimizer
+    (its load_state_dict), by position."""
+    state = {}
+    param_groups = [{**_hyperparameters(group), "params": []} for group in optimizer.param_groups]
+    for index, h in enumerate(load.held):
+        group = param_groups[h.group]
+        group.update(objects[_group_item(h.stored)]["hyperparameters"])
+        group["params"].append(index)
+        names = [_state_item(h.stored, key) for key in load.keys[h.stored]]
+        if names:
+            state[index] = {key: load.tensors[n].local if n in load.tensors else objects[n]
+                            for key, n in zip(load.keys[h.stored], names)}
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})

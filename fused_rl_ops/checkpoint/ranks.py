@@ -12,6 +12,7 @@ name) must hold the same bytes: the checkpoint keeps one copy (a second collecti
 checksums of such shards). A load then checks the checkpoint against every rank's entries, so every
 rank raises together.
 """
+import contextlib
 import pickle
 import sys
 from typing import NamedTuple, Optional
@@ -24,7 +25,7 @@ from .experts import ExpertLayout, expert_prefix, is_extra_state
 from .sharding import ShardingMetadataError, ShardSpec, check_stride_divides, read_sharding
 from .stages import StageLayout
 
-__all__ = ["Entry", "Group", "Layout", "entries_agreed"]
+__all__ = ["Entry", "Group", "Layout", "check_ranks_agree", "layout_of", "local_entries", "raised_together"]
 
 
 class Group(NamedTuple):
@@ -90,10 +91,10 @@ def _default_groups(state: dict, tp_group, ep_group, expert_tp_group, pp_group) 
     return tp_group, ep_group, expert_tp_group, pp_group
 
 
-def _layout(state: dict, tp_group, ep_group, expert_tp_group, pp_group=None, module=None) -> Layout:
-    """module: the module whose state this is (None: a plain state dict)."""
-    tp_group, ep_group, expert_tp_group, pp_group = _default_groups(state, tp_group, ep_group, expert_tp_group,
-                                                                    pp_group)
+def layout_of(state: dict, groups: tuple, module=None) -> Layout:
+    """This rank's layout. groups: (tp, ep, expert_tp, pp), None where not given; module: the module
+    whose state this is (its layers' global numbers come from it), None for a plain state dict."""
+    tp_group, ep_group, expert_tp_group, pp_group = _default_groups(state, *groups)
     tp = Group.of(dist.group.WORLD if tp_group is None else tp_group)
     expert_tp = tp if expert_tp_group is None else Group.of(expert_tp_group)
     # Without expert (pipeline) parallelism every rank holds every expert (layer): a group of its own.
@@ -105,7 +106,7 @@ def _layout(state: dict, tp_group, ep_group, expert_tp_group, pp_group=None, mod
     return Layout(tp, expert_tp, ep, ExpertLayout.of(in_global_layers, ep.size, ep.rank), stage)
 
 
-def _local_entries(state: dict, layout: Layout) -> dict:
+def local_entries(state: dict, layout: Layout) -> dict:
     """stored name -> Entry (layers under their global number, expert tensors under their global expert index)."""
     entries = {}
     for name, value in state.items():
@@ -223,7 +224,7 @@ def _holders(gathered: list) -> dict:
     """(stored name, TP rank of a shard or None for a whole tensor or object) -> the ranks holding
     that piece, in rank order."""
     holders = {}
-    for rank, (_, held, layout) in enumerate(gathered):
+    for rank, (held, layout) in enumerate(gathered):
         for name, mine in held.items():
             tp = layout.tp if expert_prefix(name) is None else layout.expert_tp
             holders.setdefault((name, tp.rank if isinstance(mine.layout, tuple) else None), []).append(rank)
@@ -234,9 +235,9 @@ def _check_replicas_agree(gathered: list):
     """Ranks that hold the same piece of an entry hold the same layout, shape, dtype and (where
     computed) bytes."""
     for (name, tp_rank), ranks in _holders(gathered).items():
-        first = gathered[ranks[0]][1][name]
+        first = gathered[ranks[0]][0][name]
         for rank in ranks[1:]:
-            mine = gathered[rank][1][name]
+            mine = gathered[rank][0][name]
             if mine != first:
                 piece = "it" if tp_rank is None else f"its tensor-parallel shard {tp_rank}"
                 differ = "bytes" if first._replace(checksum=None) == mine._replace(checksum=None) else (
@@ -257,57 +258,46 @@ def _with_shard_checksums(gathered: list, entries: dict) -> list:
     own_rank = dist.get_rank()
     mine = {name: _replica_checksum(entries[name].local) for (name, _), ranks in shared.items() if own_rank in ranks}
     checksums = _gather_from_all_ranks(mine)
-    return [(error, {name: h._replace(checksum=checksums[rank].get(name, h.checksum)) for name, h in held.items()},
-             layout) for rank, (error, held, layout) in enumerate(gathered)]
+    return [({name: h._replace(checksum=checksums[rank].get(name, h.checksum)) for name, h in held.items()}, layout)
+            for rank, (held, layout) in enumerate(gathered)]
 
 
 def _check_layouts_agree(gathered: list):
     """Dense entries agree within each TP group, expert entries within each expert TP group (ranks
     of one TP group at different EP ranks hold different experts), and the ranks of each EP group
     hold as many experts in each experts module."""
-    held = [h for _, h, _ in gathered]
+    held = [h for h, _ in gathered]
     dense = [{n: v for n, v in h.items() if expert_prefix(n) is None} for h in held]
     expert = [{n: v for n, v in h.items() if expert_prefix(n) is not None} for h in held]
-    for ranks in sorted({layout.tp.ranks for _, _, layout in gathered}):
+    for ranks in sorted({layout.tp.ranks for _, layout in gathered}):
         _check_ranks_agree(dense, ranks, "tensor-parallel")
-    for ranks in sorted({layout.expert_tp.ranks for _, _, layout in gathered}):
+    for ranks in sorted({layout.expert_tp.ranks for _, layout in gathered}):
         _check_ranks_agree(expert, ranks, "expert tensor-parallel")
-    for ranks in sorted({layout.ep.ranks for _, _, layout in gathered}):
-        counts = [gathered[r][2].experts.local_counts for r in ranks]
+    for ranks in sorted({layout.ep.ranks for _, layout in gathered}):
+        counts = [gathered[r][1].experts.local_counts for r in ranks]
         if any(c != counts[0] for c in counts):
             raise ValueError(f"expert-parallel ranks {ranks} hold different numbers of local experts: {counts}")
 
 
-def entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None, extend=None, module=None) -> tuple:
-    """(stored name -> Entry, what check returned) once every rank has read its specs, added the
-    entries extend(entries) returns (an optimizer's state, stored with its parameters'), and agrees
-    with the ranks of its groups (_check_layouts_agree) and with those holding the same pieces
-    (_check_replicas_agree; when saving, their bytes too), and then passed check(entries, layout,
-    held_anywhere) (the stored names some rank holds; check raises ValueError or OSError when this
-    rank cannot go on). groups: (tp, ep, expert_tp[, pp]); module: the module whose state this is
-    (its layers' global numbers come from it), None for a plain state dict. Each step's errors are
-    exchanged in one collective and every rank checks every group, so all raise together and none is
-    left waiting in a later collective."""
-    entries, held, layout, error = None, None, None, None
+@contextlib.contextmanager
+def raised_together():
+    """Runs the block, then exchanges the ValueError or OSError it raised on any rank (one
+    collective on every rank), so every rank raises this rank's error, else the first other rank's:
+    none is left waiting in a later collective."""
+    error = None
     try:
-        layout = _layout(state, *groups, module=module)
-        entries = _local_entries(state, layout)
-        if extend:
-            entries.update(extend(entries))
-        held = _held(entries, with_checksums)
-    except (ValueError, OSError) as exc:
-        error = exc
-    gathered = _gather_from_all_ranks((error, held, layout))
-    if all(h is not None for _, h, _ in gathered):
-        _check_layouts_agree(gathered)
-    _raise_first_error(error, [e for e, _, _ in gathered])
-    _check_replicas_agree(_with_shard_checksums(gathered, entries) if with_checksums else gathered)
-    if check is None:
-        return entries, None
-    checked, error = None, None
-    try:
-        checked = check(entries, layout, set().union(*(h.keys() for _, h, _ in gathered)))
+        yield
     except (ValueError, OSError) as exc:
         error = exc
     _raise_first_error(error, _gather_from_all_ranks(error))
-    return entries, checked
+
+
+def check_ranks_agree(entries: dict, layout: Layout, with_checksums: bool) -> set:
+    """The stored names some rank holds, once every rank is found to agree with the ranks of its
+    groups (_check_layouts_agree) and with those holding the same pieces (_check_replicas_agree;
+    when saving, with_checksums, their bytes too). Every rank checks every group from the same
+    gathered data, so all raise together."""
+    gathered = _gather_from_all_ranks((_held(entries, with_checksums), layout))
+    _check_layouts_agree(gathered)
+    _check_replicas_agree(_with_shard_checksums(gathered, entries) if with_checksums else gathered)
+    return set().union(*(held.keys() for held, _ in gathered))

@@ -31,8 +31,9 @@ from ._torch_private import EXTRA_STATE_KEY_SUFFIX
 from .experts import check_expert_counts, check_grouped_glu_not_interleaved, is_extra_state
 from .integrity import ChecksummedReader, ChecksummedWriter, require_xxhash
 from .metadata import check_data_files, read_metadata
-from .optimizer import OptimizerRestore, check_optimizer_type, entries_to_save, is_optimizer_item
-from .ranks import Layout, entries_agreed
+from .optimizer import (check_optimizer_type, entries_to_save, install_optimizer_state, is_optimizer_item,
+                        optimizer_items_to_load, read_optimizer_objects)
+from .ranks import Layout, check_ranks_agree, layout_of, local_entries, raised_together
 from .sharding import ShardSpec, global_shape
 
 __all__ = ["load_sharded", "save_sharded"]
@@ -120,9 +121,12 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
     if module is not None:
         check_grouped_glu_not_interleaved(module)
     state = _state_of(module_or_state_dict)
-    extend = None if optimizer is None else (lambda entries: entries_to_save(optimizer, state, entries))
-    entries, _ = entries_agreed(state, (tp_group, ep_group, expert_tp_group, pp_group), with_checksums=True,
-                                extend=extend, module=module)
+    with raised_together():
+        layout = layout_of(state, (tp_group, ep_group, expert_tp_group, pp_group), module)
+        entries = local_entries(state, layout)
+        if optimizer is not None:
+            entries.update(entries_to_save(optimizer, state, entries))
+    check_ranks_agree(entries, layout, with_checksums=True)
     entries = {name: entry for name, entry in entries.items() if not entry.optional}
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
@@ -137,7 +141,7 @@ def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata,
         del entries[name]
     missing = sorted(entries[n].module_name + ("" if n == entries[n].module_name else f" (stored as {n})")
                      for n in entries.keys() - stored.keys())
-    # Optimizer items are checked by OptimizerRestore, and ignored by a load without optimizer=.
+    # Optimizer items are checked by optimizer_items_to_load, and ignored by a load without optimizer=.
     unexpected = sorted(n for n in stored.keys() - held_anywhere if not is_optimizer_item(n))
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match the module: missing {missing}, unexpected {unexpected}")
@@ -165,43 +169,18 @@ def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata,
                 f"{expected} (local {tuple(local.shape)} at tensor-parallel degree {tp.size})")
 
 
-def _loadable_metadata(entries: dict, layout: Layout, held_anywhere: set, path: str,
-                       optimizer_restore=None) -> Metadata:
-    """The checkpoint's metadata, once the checkpoint at path is found loadable into entries (with the
-    optimizer's tensors added to them and its objects read, where there is an optimizer)."""
-    metadata = read_metadata(path)
-    if optimizer_restore is not None:
-        entries.update(optimizer_restore.entries(entries, layout, metadata))
-    _check_against_checkpoint(entries, layout, metadata, path, held_anywhere)
-    check_data_files(metadata, path)
-    if optimizer_restore is not None:
-        optimizer_restore.read_objects(metadata)
-    return metadata
-
-
 def _failures(exc: dcp.CheckpointException) -> str:
     return "; ".join(f"rank {rank}: {error!r}" for rank, (error, _) in sorted(exc.failures.items()))
 
 
-def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
-                 pp_group=None, staged: bool = False, optimizer=None) -> None:
-    """Loads a save_sharded checkpoint into module at its (TP, EP, PP) layout, in place or staged, and
-    into optimizer its state and hyperparameters (module docstring); every data-parallel replica reads
-    its own copy."""
-    _require_dependencies()
-    check_optimizer_type(optimizer)
-    check_grouped_glu_not_interleaved(module)
-    state = module.state_dict(keep_vars=True)
-    restore = None if optimizer is None else OptimizerRestore(optimizer, state, path)
-    entries, metadata = entries_agreed(state, (tp_group, ep_group, expert_tp_group, pp_group), with_checksums=False,
-                                        check=lambda *mine: _loadable_metadata(*mine, path, restore), module=module)
-
+def _read(entries: dict, metadata: Metadata, path: str, staged: bool) -> dict:
+    """stored name -> what DCP read for it: straight into the entries' tensors, or staged into
+    temporaries; an extra state's tensor at its stored length."""
     loaded = _dcp_state(entries, torch.empty_like if staged else _alias)
     for name, entry in entries.items():
         if entry.spec is not None and is_extra_state(entry.module_name):
             # get_extra_state() made a new tensor: read into one of the stored size, then hand it over.
-            stored = metadata.state_dict_metadata[name]
-            loaded[name] = entry.local.new_empty(stored.size)
+            loaded[name] = entry.local.new_empty(metadata.state_dict_metadata[name].size)
     # No flattening: DCP would otherwise put loaded objects (extra state) into a copy of `loaded`.
     planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
@@ -213,7 +192,11 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
         raise RuntimeError(
             f"reading checkpoint {path!r} failed part-way; the module may be partially loaded (pass staged=True "
             f"to read into temporaries first and leave it unchanged on such a failure): {_failures(exc)}") from exc
+    return loaded
 
+
+def _install(module: torch.nn.Module, entries: dict, loaded: dict, staged: bool):
+    """Hands extra states to their modules and, staged, copies the temporaries into the entries' tensors."""
     with torch.no_grad():
         for name, entry in entries.items():
             if is_extra_state(entry.module_name):
@@ -221,5 +204,31 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
                 module.get_submodule(owner).set_extra_state(loaded[name])
             elif staged:
                 entry.local.copy_(loaded[name])
-    if restore is not None:
-        restore.install(entries)
+
+
+def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
+                 pp_group=None, staged: bool = False, optimizer=None) -> None:
+    """Loads a save_sharded checkpoint into module at its (TP, EP, PP) layout, in place or staged, and
+    into optimizer its state and hyperparameters (module docstring); every data-parallel replica reads
+    its own copy."""
+    _require_dependencies()
+    check_optimizer_type(optimizer)
+    check_grouped_glu_not_interleaved(module)
+    state = module.state_dict(keep_vars=True)
+    with raised_together():
+        layout = layout_of(state, (tp_group, ep_group, expert_tp_group, pp_group), module)
+        entries = local_entries(state, layout)
+    held_anywhere = check_ranks_agree(entries, layout, with_checksums=False)
+    with raised_together():
+        metadata = read_metadata(path)
+        if optimizer is not None:
+            optimizer_load = optimizer_items_to_load(optimizer, state, entries, layout, metadata, path)
+            entries.update(optimizer_load.tensors)
+        _check_against_checkpoint(entries, layout, metadata, path, held_anywhere)
+        check_data_files(metadata, path)
+        if optimizer is not None:
+            optimizer_objects = read_optimizer_objects(optimizer, optimizer_load, metadata, path)
+    loaded = _read(entries, metadata, path, staged)
+    _install(module, entries, loaded, staged)
+    if optimizer is not None:
+        install_optimizer_state(optimizer, optimizer_load, optimizer_objects)
