@@ -43,7 +43,8 @@ _HASH_IN_PLACE_MIN = 1 << 16
 
 def require_xxhash():
     if xxhash is None:
-        raise RuntimeError("save_sharded/load_sharded need the xxhash package (pip install xxhash, or the fused_rl_ops[checkpoint] extra)")
+        raise RuntimeError("save_sharded/load_sharded need the xxhash package (pip install xxhash; it is the "
+                           "fused_rl_ops[checkpoint] extra)")
 
 
 def seal_of(pickled: bytes) -> bytes:

@@ -28,13 +28,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ._torch_private import EXTRA_STATE_KEY_SUFFIX
+from .chunks import dcp_tensor, piece_of
 from .experts import check_expert_counts, check_grouped_glu_not_interleaved, is_extra_state
 from .integrity import ChecksummedReader, ChecksummedWriter, require_xxhash
 from .metadata import check_data_files, read_metadata
 from .optimizer import (check_optimizer_type, entries_to_save, install_optimizer_state, is_optimizer_item,
                         optimizer_items_to_load, read_optimizer_objects)
 from .ranks import Layout, check_ranks_agree, layout_of, local_entries, raised_together
-from .sharding import ShardSpec, global_shape
+from .sharding import global_shape
 
 __all__ = ["load_sharded", "save_sharded"]
 
@@ -49,27 +50,6 @@ def _require_dependencies():
     require_xxhash()
 
 
-def _as_checkpoint_chunks(tensor: torch.Tensor, spec: ShardSpec, tp_size: int, tp_rank: int) -> torch.Tensor:
-    """Marks tensor (this rank's shard) with where its stride blocks sit in the logical global
-    tensor (DCP's CheckpointableTensor fields), so DCP stores and reads the global layout."""
-    dim, stride = spec.dim, spec.stride
-    block = tensor.shape[dim] // stride
-    shape = global_shape(tensor.shape, spec, tp_size)
-    global_block = shape[dim] // stride
-
-    def along_dim(value, base):
-        coords = list(base)
-        coords[dim] = value
-        return tuple(coords)
-
-    zeros = (0,) * tensor.dim()
-    tensor.global_shape = shape
-    tensor.global_offsets = tuple(along_dim(b * global_block + tp_rank * block, zeros) for b in range(stride))
-    tensor.local_offsets = tuple(along_dim(b * block, zeros) for b in range(stride))
-    tensor.local_sizes = tuple(along_dim(block, tensor.shape) for _ in range(stride))
-    return tensor
-
-
 def _alias(local: torch.Tensor) -> torch.Tensor:
     """local's storage under a new tensor object, so the chunk fields DCP reads stay off the
     parameter, and the parameter keeps its storage (Megatron's DDP holds it as a view of a buffer)."""
@@ -77,17 +57,10 @@ def _alias(local: torch.Tensor) -> torch.Tensor:
 
 
 def _dcp_state(entries: dict, make_buffer) -> dict:
-    """The state dict handed to DCP: make_buffer(local) for each tensor (marked with its chunks if
-    sharded), other objects as they are."""
-    state = {}
-    for name, entry in entries.items():
-        if entry.spec is None:
-            state[name] = entry.local
-        elif entry.spec.sharded:
-            state[name] = _as_checkpoint_chunks(make_buffer(entry.local), entry.spec, entry.tp.size, entry.tp.rank)
-        else:
-            state[name] = make_buffer(entry.local)
-    return state
+    """The state dict handed to DCP: each tensor as chunks.dcp_tensor makes it (make_buffer(local),
+    or a slab for a Piece), other objects as they are."""
+    return {name: entry.local if entry.spec is None else dcp_tensor(entry, make_buffer)
+            for name, entry in entries.items()}
 
 
 def _state_of(module_or_state_dict) -> dict:
@@ -145,7 +118,8 @@ def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata,
     unexpected = sorted(n for n in stored.keys() - held_anywhere if not is_optimizer_item(n))
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match the module: missing {missing}, unexpected {unexpected}")
-    for name, (module_name, local, spec, tp, _) in entries.items():
+    for name, entry in entries.items():
+        module_name, local, spec, tp = entry[:4]
         md = stored[name]
         if (spec is None) != isinstance(md, BytesStorageMetadata):
             kinds = ("an object", "a tensor") if spec is None else ("a tensor", "an object")
@@ -157,16 +131,16 @@ def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata,
         if is_extra_state(module_name):
             continue  # a serialised state (Transformer Engine's): its length is the checkpoint's
         saved_shape = tuple(md.size)
-        if spec.sharded and len(saved_shape) == local.dim() and saved_shape[spec.dim] % (spec.stride * tp.size):
+        if spec.sharded and len(saved_shape) == len(entry.shape) and saved_shape[spec.dim] % (spec.stride * tp.size):
             raise ValueError(
                 f"{module_name}: cannot be split across tensor-parallel degree {tp.size}: dim {spec.dim} has "
                 f"{saved_shape[spec.dim]} entries in the checkpoint, not a multiple of {tp.size} ranks x "
                 f"stride {spec.stride}")
-        expected = global_shape(local.shape, spec, tp.size)
+        expected = global_shape(entry.shape, spec, tp.size)
         if saved_shape != expected:
             raise ValueError(
                 f"{module_name}: the checkpoint holds global shape {saved_shape} (as {name}), the module expects "
-                f"{expected} (local {tuple(local.shape)} at tensor-parallel degree {tp.size})")
+                f"{expected} (local {entry.shape} at tensor-parallel degree {tp.size})")
 
 
 def _failures(exc: dcp.CheckpointException) -> str:
@@ -196,14 +170,15 @@ def _read(entries: dict, metadata: Metadata, path: str, staged: bool) -> dict:
 
 
 def _install(module: torch.nn.Module, entries: dict, loaded: dict, staged: bool):
-    """Hands extra states to their modules and, staged, copies the temporaries into the entries' tensors."""
+    """Hands extra states to their modules and copies what was read into temporaries (staged, and
+    the slabs of Pieces) into the entries' tensors."""
     with torch.no_grad():
         for name, entry in entries.items():
             if is_extra_state(entry.module_name):
                 owner = entry.module_name[: -len(EXTRA_STATE_KEY_SUFFIX)].rstrip(".")
                 module.get_submodule(owner).set_extra_state(loaded[name])
-            elif staged:
-                entry.local.copy_(loaded[name])
+            elif staged or entry.piece is not None:
+                entry.local.copy_(piece_of(loaded[name], entry))
 
 
 def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
@@ -222,13 +197,13 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
     with raised_together():
         metadata = read_metadata(path)
         if optimizer is not None:
-            optimizer_load = optimizer_items_to_load(optimizer, state, entries, layout, metadata, path)
+            optimizer_load = optimizer_items_to_load(optimizer, state, entries, metadata, path)
             entries.update(optimizer_load.tensors)
         _check_against_checkpoint(entries, layout, metadata, path, held_anywhere)
         check_data_files(metadata, path)
         if optimizer is not None:
-            optimizer_objects = read_optimizer_objects(optimizer, optimizer_load, metadata, path)
+            optimizer_objects = read_optimizer_objects(optimizer_load, metadata, path)
     loaded = _read(entries, metadata, path, staged)
     _install(module, entries, loaded, staged)
     if optimizer is not None:
-        install_optimizer_state(optimizer, optimizer_load, optimizer_objects)
+        install_optimizer_state(optimizer_load, optimizer_objects)
