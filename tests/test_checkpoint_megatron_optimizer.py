@@ -24,20 +24,27 @@ from megatron.core import parallel_state  # noqa: E402
 pytestmark = pytest.mark.usefixtures("checkpoint_dependencies")
 
 VOCAB = 256
-# What save_sharded is given: the optimizer get_megatron_optimizer builds (a ChainedOptimizer), or
-# the one optimizer inside it; with the data-parallel sharded DistributedOptimizer or not.
+# What save_sharded is given: the optimizer get_megatron_optimizer builds (a ChainedOptimizer: for a
+# model whose experts have their own groups, expert TP 1 under TP 2, of one optimizer for the dense
+# parameters and one for the experts), or the one optimizer inside it for a dense model; with the
+# data-parallel sharded DistributedOptimizer or not.
 KINDS = {"distributed": (True, False), "float16": (False, False), "chained": (True, True)}
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=[0, 1],
+           moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", add_bias_linear=False)
 
 
 def build(kind, seed, lr=1e-2):
-    """A bf16 tiny GPT (SwiGLU: fc1 and its bias are stride-2 shards) at the current parallel state
-    in Float16Module and DDP, and the optimizer of kind: (model, ddp_model, the optimizer to step,
-    the optimizer to save and load)."""
+    """A bf16 tiny GPT (SwiGLU: fc1 and its bias are stride-2 shards; for "chained", its second layer
+    MoE, sequence parallel at TP > 1 as MoE training needs) at the current parallel state in
+    Float16Module and DDP, and the optimizer of kind: (model, ddp_model, the optimizer to step, the
+    optimizer to save and load)."""
     from fused_rl_ops.testing.megatron_cpu import megatron_bf16_training, tiny_config, tiny_model
 
     distributed, chained = KINDS[kind]
-    config = tiny_config(bf16=True, pipeline_dtype=torch.bfloat16, gated_linear_unit=True, activation_func=F.silu)
-    model = tiny_model("gpt", config, seed=seed, vocab_size=VOCAB)
+    settings = dict(bf16=True, pipeline_dtype=torch.bfloat16, gated_linear_unit=True, activation_func=F.silu)
+    if chained:
+        settings.update(MOE, sequence_parallel=parallel_state.get_tensor_model_parallel_world_size() > 1)
+    model = tiny_model("gpt", tiny_config(**settings), seed=seed, vocab_size=VOCAB)
     ddp_model, optimizer = megatron_bf16_training(model, distributed_optimizer=distributed, lr=lr, clip_grad=1.0)
     return model, ddp_model, optimizer, optimizer if chained else optimizer.chained_optimizers[0]
 
@@ -59,6 +66,10 @@ def train(ddp_model, optimizer, steps):
         assert optimizer.step()[0]
 
 
+def lr_after_schedule(group):
+    return 3e-3 if group["weight_decay"] else 2e-3
+
+
 def layer_offset():
     return parallel_state.get_pipeline_model_parallel_rank() * 2 // parallel_state.get_pipeline_model_parallel_world_size()
 
@@ -77,12 +88,14 @@ def assert_same_state(state, expected, keys=None):
 def _reshard(rank, world_size, root):
     from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees
 
-    set_parallel_degrees(tp=2)  # TP 2 x DP 2
+    set_parallel_degrees(tp=2, expert_tp=1)  # TP 2 x DP 2, the experts' data-parallel degree 4
     saved = {}
     for kind in KINDS:
         model, ddp_model, optimizer, to_save = build(kind, seed=1)
+        assert len(optimizer.chained_optimizers) == (2 if kind == "chained" else 1)
         train(ddp_model, optimizer, range(2))
-        to_save.param_groups[0]["lr"] = 3e-3  # as a schedule moves it
+        for group in to_save.param_groups:  # as a schedule moves them
+            group["lr"] = lr_after_schedule(group)
         save_sharded(model, f"{root}/{kind}", optimizer=to_save)
         saved[kind] = megatron_training_state(model, optimizer)
         assert {"param", "main_param", "exp_avg", "exp_avg_sq", "step"} == saved[kind]["output_layer.weight"].keys()
@@ -94,7 +107,7 @@ def _reshard(rank, world_size, root):
         for name in saved[kind]:
             assert all(same_bits(plain[f"{name}/{item}"], saved[kind][name][key]) for key, item in items.items()), name
 
-    for degrees in (dict(tp=1), dict(tp=4), dict(tp=1, pp=2)):
+    for degrees in (dict(tp=1), dict(tp=4, expert_tp=1), dict(tp=1, pp=2)):
         set_parallel_degrees(**degrees)
         for kind in KINDS:
             model, _, optimizer, to_load = build(kind, seed=2, lr=0.5)
@@ -102,7 +115,7 @@ def _reshard(rank, world_size, root):
             assert not any(same_bits(before[n]["main_param"], saved[kind][n]["main_param"]) for n in before)
             load_sharded(model, f"{root}/{kind}", optimizer=to_load)
             assert_same_state(megatron_training_state(model, optimizer, layer_offset()), saved[kind])
-            assert [group["lr"] for group in to_load.param_groups] == [3e-3, 1e-2], (kind, degrees)
+            assert all(group["lr"] == lr_after_schedule(group) for group in to_load.param_groups), (kind, degrees)
     # The format does not depend on the optimizer: a DistributedOptimizer's checkpoint loads into
     # Float16OptimizerWithFloat16Params, and the other way round.
     for kind, other in (("distributed", "float16"), ("float16", "distributed")):
@@ -147,7 +160,7 @@ def test_megatron_optimizer_state_reshards_bit_for_bit(tmp_path):
 def _resume(rank, world_size, root):
     from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees
 
-    set_parallel_degrees(tp=2)
+    set_parallel_degrees(tp=2, expert_tp=1)
     for kind in KINDS:
         straight_model, straight_ddp, straight_optimizer, _ = build(kind, seed=1)
         train(straight_ddp, straight_optimizer, range(5))

@@ -220,8 +220,13 @@ def _main_entry(held: _Held) -> Entry:
                                local=held.slot.main, piece=held.slot.piece)
 
 
+# Keys of a param group that are not hyperparameters: its parameters, and megatron-core's
+# is_expert_parallel, which says whether the experts have their own groups at this layout.
+_NOT_HYPERPARAMETERS = ("params", "param_names", "is_expert_parallel")
+
+
 def _hyperparameters(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    return {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
 
 
 def entries_to_save(optimizer, state: dict, entries: dict) -> dict:
@@ -362,8 +367,7 @@ def install_optimizer_state(load: OptimizerLoad, objects: dict):
         by_inner.setdefault(id(h.slot.inner), (h.slot.inner, []))[1].append(h)
     for inner, held in by_inner.values():
         position = {id(p): i for i, p in enumerate(p for group in inner.param_groups for p in group["params"])}
-        param_groups = [{**_hyperparameters(group), "params": [position[id(p)] for p in group["params"]]}
-                        for group in inner.param_groups]
+        param_groups = [{**group, "params": [position[id(p)] for p in group["params"]]} for group in inner.param_groups]
         for g, hyperparameters in _hyperparameters_of_groups(held, objects).items():
             param_groups[g].update(hyperparameters)
         state = {}

@@ -118,37 +118,50 @@ def megatron_training_state(model, optimizer, layer_offset=0) -> dict:
     parameter, or the parameter itself where it steps that; exp_avg, exp_avg_sq, step), assembled
     by the tests' own rule: the ranges the data-parallel ranks step (_megatron_optimizer_pieces)
     put in order, checked to tile each TP shard (replicas: bit for bit the same), then the TP
-    shards joined by reference_unshard. layer_offset: the pipeline stage's first layer. Collective over the model's
-    data-parallel and tensor-parallel groups."""
+    shards joined by reference_unshard. layer_offset: the pipeline stage's first layer; experts at
+    expert-parallel degree 1 (their local index is the global one). Collective over the model's
+    (expert) data-parallel and tensor-parallel groups."""
     from megatron.core import parallel_state
 
-    dp_group, tp_group = parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group()
     mine = {name: (start, stop, {key: value.detach().clone() for key, value in tensors.items()})
             for name, (start, stop, tensors) in _megatron_optimizer_pieces(model, optimizer).items()}
-    everyone = [None] * dist.get_world_size(dp_group)
-    dist.all_gather_object(everyone, mine, group=dp_group)
     state = {}
-    for name, param in model.named_parameters():
-        held = [pieces[name] for pieces in everyone if name in pieces]
-        keys = held[0][2].keys()
-        assert all(tensors.keys() == keys for _, _, tensors in held), name
-        whole = {"param": param}
-        for key in keys:
-            if held[0][2][key].dim() == 0:  # step: the same on every rank
-                assert all(same_bits(tensors[key], held[0][2][key]) for _, _, tensors in held), (name, key)
-                whole[key] = held[0][2][key]
-                continue
-            by_range = {}  # (start, stop) -> the elements; ranks holding the same range hold the same bits
-            for start, stop, tensors in held:
-                assert same_bits(by_range.setdefault((start, stop), tensors[key]), tensors[key]), (name, key)
-            ranges = sorted(by_range)
-            assert [start for start, _ in ranges] == [0] + [stop for _, stop in ranges[:-1]], (name, key, ranges)
-            assert ranges[-1][1] == param.numel(), (name, key, ranges)
-            whole[key] = torch.cat([by_range[r].reshape(-1) for r in ranges]).view(param.shape)
-        state[global_layer_name(name, layer_offset)] = {
-            key: value if value.dim() == 0 else gathered(value, partition_of(param), tp_group)
-            for key, value in whole.items()}
+    for expert in (False, True):  # dense parameters, then experts (allreduce=False), over their own groups
+        if expert:
+            dp_group = parallel_state.get_expert_data_parallel_group()
+            tp_group = parallel_state.get_expert_tensor_parallel_group()
+        else:
+            dp_group = parallel_state.get_data_parallel_group()
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+        params = {name: p for name, p in model.named_parameters() if getattr(p, "allreduce", True) != expert}
+        everyone = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(everyone, {n: piece for n, piece in mine.items() if n in params}, group=dp_group)
+        for name, param in params.items():
+            whole = {"param": param, **_assembled([pieces[name] for pieces in everyone if name in pieces], param, name)}
+            state[global_layer_name(name, layer_offset)] = {
+                key: value if value.dim() == 0 else gathered(value, partition_of(param), tp_group)
+                for key, value in whole.items()}
     return state
+
+
+def _assembled(held: list, param, name) -> dict:
+    """key -> the TP shard of param's main parameter and state from the ranges the ranks hold."""
+    keys = held[0][2].keys()
+    assert all(tensors.keys() == keys for _, _, tensors in held), name
+    whole = {}
+    for key in keys:
+        if held[0][2][key].dim() == 0:  # step: the same on every rank
+            assert all(same_bits(tensors[key], held[0][2][key]) for _, _, tensors in held), (name, key)
+            whole[key] = held[0][2][key]
+            continue
+        by_range = {}  # (start, stop) -> the elements; ranks holding the same range hold the same bits
+        for start, stop, tensors in held:
+            assert same_bits(by_range.setdefault((start, stop), tensors[key]), tensors[key]), (name, key)
+        ranges = sorted(by_range)
+        assert [start for start, _ in ranges] == [0] + [stop for _, stop in ranges[:-1]], (name, key, ranges)
+        assert ranges[-1][1] == param.numel(), (name, key, ranges)
+        whole[key] = torch.cat([by_range[r].reshape(-1) for r in ranges]).view(param.shape)
+    return whole
 
 
 def legacy(dim, stride=1):
