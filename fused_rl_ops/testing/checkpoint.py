@@ -279,6 +279,13 @@ def stored_items(path):
                   for index, info in metadata.storage_data.items())
 
 
+def data_file(path, rank):
+    """The name of the data file rank wrote into the checkpoint at path (`__<rank>_...`), from its
+    .metadata."""
+    (name,) = {file for file, *_ in stored_items(path) if file.startswith(f"__{rank}_")}
+    return name
+
+
 def flip_bits(path, position, mask):
     """XORs the byte at position of the file at path with mask."""
     with open(path, "r+b") as f:
