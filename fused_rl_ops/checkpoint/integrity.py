@@ -31,8 +31,8 @@ try:
 except ImportError:  # the ops work without it; save_sharded / load_sharded call require_xxhash()
     xxhash = None
 
-__all__ = ["METADATA", "SEAL_LENGTH", "SEAL_PREFIX", "ChecksummedReader", "ChecksummedWriter", "require_xxhash",
-           "seal_of"]
+__all__ = ["METADATA", "SEAL_LENGTH", "SEAL_PREFIX", "ChecksummedReader", "ChecksummedWriter", "read_objects",
+           "require_xxhash", "seal_of"]
 
 METADATA = ".metadata"
 # `.metadata` is DCP's pickle followed by this prefix and the pickle's XXH3-64 in 16 hex digits.
@@ -346,3 +346,19 @@ class ChecksummedReader(dcp.FileSystemReader):
                                                             stored.shape, stored.stride())
             target.copy_(narrow_tensor_by_index(whole, request.storage_offsets, request.lengths))
         planner.commit_tensor(request, target)
+
+
+def read_objects(path: str, metadata: Metadata, names) -> dict:
+    """name -> the object stored under it in the checkpoint at path (metadata: its checked
+    metadata), read and verified by this rank alone: DCP's steps of a load on one rank, without the
+    collectives of dcp.load (which would wait for the other ranks, or with no_dist=True warn that
+    torch.distributed is off)."""
+    objects = dict.fromkeys(names)
+    planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    reader = ChecksummedReader(path, metadata)
+    planner.set_up_planner(objects, metadata, True)
+    reader.set_up_storage_reader(metadata, True)
+    plan = reader.prepare_local_plan(planner.create_local_plan())
+    (plan,) = reader.prepare_global_plan(planner.create_global_plan([plan]))
+    reader.read_data(planner.finish_plan(plan), planner).wait()
+    return objects

@@ -31,11 +31,10 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from .integrity import ChecksummedReader
+from .integrity import read_objects
 from .ranks import Entry, Piece
 from .sharding import ShardSpec, global_shape
 
@@ -326,11 +325,9 @@ def read_optimizer_objects(load: OptimizerLoad, metadata, path: str) -> dict:
     names = [_group_item(h.stored) for h in held]
     names += [_state_item(h.stored, k) for h in held for k in load.keys[h.stored]
               if isinstance(stored[_state_item(h.stored, k)], BytesStorageMetadata)]
-    objects = dict.fromkeys(names)
-    planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
-        dcp.load(objects, storage_reader=ChecksummedReader(path, metadata), planner=planner, no_dist=True)
-    except dcp.CheckpointException as exc:
+        objects = read_objects(path, metadata, names)
+    except Exception as exc:  # damage (a checksum mismatch, an unreadable pickle) or an I/O error
         raise ValueError(f"reading the optimizer's objects from checkpoint {path!r} failed: {exc}") from exc
     groups = {}
     for h in held:

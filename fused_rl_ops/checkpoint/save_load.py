@@ -9,21 +9,27 @@ number (stages.py), so it also loads at any pipeline degree. Groups: `tp_group` 
 from megatron-core's parallel_state when it is initialised, else: the world for tp_group where it is
 one rank (more ranks need a tp_group), no expert or pipeline parallelism, `expert_tp_group` =
 `tp_group`. Data-parallel replicas must hold the same bytes (checked) and are stored once.
-`optimizer=` (a torch.optim optimizer over the module's parameters) saves and loads its state with
-the module, each state tensor stored and resharded as its parameter (optimizer.py).
+`optimizer=` (a torch.optim optimizer over the module's parameters, or one of megatron-core's with
+fp32 main copies, distributed over the data-parallel ranks or not) saves and loads its state with
+the module, each state tensor stored and resharded as its parameter (optimizer.py; a
+DistributedOptimizer's ranges as chunks, chunks.py).
 
 Both check first, collectively (ranks.py); a load checks the checkpoint's metadata (its checksum and
 structure, metadata.py) and the checkpoint against the module (names, global shapes, dtypes,
-divisibility, expert counts, data files), so such errors leave the module untouched on every rank.
-Loading then reads straight into the module's tensors (parameters keep their storage: views into
-Megatron's DDP buffers stay views), verifying each item's checksum (integrity.py); `staged=True`
-reads into temporaries first, so that a checksum mismatch or an I/O error mid-read also leaves the
-module unchanged. Both are collective over the default group and need DCP's CheckpointableTensor
-(torch >= 2.14) and the xxhash package.
+divisibility, expert counts, data files), so such errors leave the module untouched on every rank;
+strict=False loads what the two share and returns the rest. Loading then reads straight into the
+module's tensors (parameters keep their storage: views into Megatron's DDP buffers stay views),
+verifying each item's checksum (integrity.py); `staged=True` reads into temporaries first, so that
+a checksum mismatch or an I/O error mid-read also leaves the module unchanged. A save commits
+atomically over the checkpoint it replaces (integrity.py). Both are collective over the default
+group and need DCP's CheckpointableTensor (torch >= 2.14) and the xxhash package.
 """
-from typing import Union
+import contextlib
+import warnings
+from typing import NamedTuple, Union
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
@@ -37,7 +43,7 @@ from .optimizer import (check_optimizer_type, entries_to_save, install_optimizer
 from .ranks import Layout, check_ranks_agree, layout_of, local_entries, raised_together
 from .sharding import global_shape
 
-__all__ = ["load_sharded", "save_sharded"]
+__all__ = ["IncompatibleKeys", "load_sharded", "save_sharded"]
 
 
 def _require_dependencies():
@@ -61,6 +67,17 @@ def _dcp_state(entries: dict, make_buffer) -> dict:
     or a slab for a Piece), other objects as they are."""
     return {name: entry.local if entry.spec is None else dcp_tensor(entry, make_buffer)
             for name, entry in entries.items()}
+
+
+@contextlib.contextmanager
+def _quiet_if_one_process():
+    """DCP warns at each save and load without torch.distributed that it assumes one process: that
+    is the use documented here (one rank needs no process group), so, then, that warning alone is
+    silenced."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _state_of(module_or_state_dict) -> dict:
@@ -102,22 +119,36 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
     check_ranks_agree(entries, layout, with_checksums=True)
     entries = {name: entry for name, entry in entries.items() if not entry.optional}
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
+    with _quiet_if_one_process():
+        dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
 
 
-def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata, path: str, held_anywhere: set):
-    """Raises where the checkpoint does not fit entries (held_anywhere: what all ranks hold); removes
-    the optional entries it lacks."""
+class IncompatibleKeys(NamedTuple):
+    """What a load left out, as nn.Module.load_state_dict reports it: the module's entries the
+    checkpoint lacks (this rank's, by their names in the module), and the checkpoint's entries that
+    no rank's module holds (by their stored names)."""
+
+    missing_keys: list
+    unexpected_keys: list
+
+
+def _unmatched(entries: dict, layout: Layout, metadata: Metadata, path: str, held_anywhere: set) -> tuple:
+    """(the stored names of entries the checkpoint lacks, the checkpoint's names no rank holds:
+    held_anywhere), once the optional entries it lacks are removed from entries and its experts are
+    found to fit the module's."""
     stored = metadata.state_dict_metadata
     check_expert_counts([n for n in stored.keys() if layout.stage.holds(n)], layout.experts, path)
     for name in [n for n, entry in entries.items() if entry.optional and n not in stored]:
         del entries[name]
-    missing = sorted(entries[n].module_name + ("" if n == entries[n].module_name else f" (stored as {n})")
-                     for n in entries.keys() - stored.keys())
     # Optimizer items are checked by optimizer_items_to_load, and ignored by a load without optimizer=.
     unexpected = sorted(n for n in stored.keys() - held_anywhere if not is_optimizer_item(n))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path!r} does not match the module: missing {missing}, unexpected {unexpected}")
+    return sorted(entries.keys() - stored.keys()), unexpected
+
+
+def _check_fits(entries: dict, metadata: Metadata):
+    """Raises where an entry of the checkpoint does not fit the module's: an object for a tensor or
+    the other way round, another dtype, a global shape other than the module's at its TP degree."""
+    stored = metadata.state_dict_metadata
     for name, entry in entries.items():
         module_name, local, spec, tp = entry[:4]
         md = stored[name]
@@ -158,7 +189,8 @@ def _read(entries: dict, metadata: Metadata, path: str, staged: bool) -> dict:
     # No flattening: DCP would otherwise put loaded objects (extra state) into a copy of `loaded`.
     planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
-        dcp.load(loaded, storage_reader=ChecksummedReader(path, metadata), planner=planner)
+        with _quiet_if_one_process():
+            dcp.load(loaded, storage_reader=ChecksummedReader(path, metadata), planner=planner)
     except dcp.CheckpointException as exc:
         if staged:
             raise RuntimeError(
@@ -182,10 +214,12 @@ def _install(module: torch.nn.Module, entries: dict, loaded: dict, staged: bool)
 
 
 def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
-                 pp_group=None, staged: bool = False, optimizer=None) -> None:
+                 pp_group=None, staged: bool = False, optimizer=None, strict: bool = True) -> IncompatibleKeys:
     """Loads a save_sharded checkpoint into module at its (TP, EP, PP) layout, in place or staged, and
     into optimizer its state and hyperparameters (module docstring); every data-parallel replica reads
-    its own copy."""
+    its own copy. strict=False loads the entries the module and the checkpoint share, leaving the
+    module's others as they are; the entries either lacks are returned (strict=True raises naming
+    them). An optimizer= needs state for all its parameters either way."""
     _require_dependencies()
     check_optimizer_type(optimizer)
     check_grouped_glu_not_interleaved(module)
@@ -199,7 +233,14 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
         if optimizer is not None:
             optimizer_load = optimizer_items_to_load(optimizer, state, entries, metadata, path)
             entries.update(optimizer_load.tensors)
-        _check_against_checkpoint(entries, layout, metadata, path, held_anywhere)
+        missing, unexpected = _unmatched(entries, layout, metadata, path, held_anywhere)
+        if strict and (missing or unexpected):
+            described = [entries[n].module_name + ("" if n == entries[n].module_name else f" (stored as {n})")
+                         for n in missing]
+            raise ValueError(f"checkpoint {path!r} does not match the module: missing {sorted(described)}, unexpected "
+                             f"{unexpected} (strict=False loads what matches)")
+        missing = sorted(entries.pop(n).module_name for n in missing)
+        _check_fits(entries, metadata)
         check_data_files(metadata, path)
         if optimizer is not None:
             optimizer_objects = read_optimizer_objects(optimizer_load, metadata, path)
@@ -207,3 +248,4 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
     _install(module, entries, loaded, staged)
     if optimizer is not None:
         install_optimizer_state(optimizer_load, optimizer_objects)
+    return IncompatibleKeys(missing, unexpected)
