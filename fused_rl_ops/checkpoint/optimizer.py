@@ -74,6 +74,24 @@ def _megatron_class(optimizer) -> Optional[str]:
     return cls.__name__ if cls.__module__.startswith(_MEGATRON) and cls.__name__ in _MEGATRON_SUPPORTED else None
 
 
+def _unsupported(optimizer) -> Optional[str]:
+    """What in one of megatron-core's mixed-precision or FP32 optimizers keeps state that would not be
+    stored, or None."""
+    inner, scaler = optimizer.optimizer, getattr(optimizer, "grad_scaler", None)
+    ddp_config = getattr(optimizer, "ddp_config", None)  # DistributedOptimizer's
+    if optimizer.config.use_precision_aware_optimizer:
+        return ("use_precision_aware_optimizer (Transformer Engine's FusedAdam keeps the main parameters and state in "
+                "other dtypes, inside itself)")
+    if not isinstance(inner, torch.optim.Optimizer) or type(inner).__name__ == "HybridDeviceOptimizer":
+        return f"its optimizer {type(inner).__name__} (CPU offloading: the state is split over devices)"
+    if scaler is not None and type(scaler).__name__ != "ConstantGradScaler":
+        return f"{type(scaler).__name__} (fp16 with dynamic loss scaling: the scaler's state would not be stored)"
+    if ddp_config is not None and (ddp_config.use_megatron_fsdp or getattr(ddp_config, "fp8_param_gather", False)
+                                   or getattr(ddp_config, "fp4_param_gather", False)):
+        return "Megatron FSDP or FP8 / FP4 parameters (the main parameters are not ranges of plain tensors)"
+    return None
+
+
 def check_optimizer_type(optimizer):
     """Raises TypeError unless optimizer is None, a torch.optim.Optimizer or one of megatron-core's
     optimizers in a configuration whose state is all in its main tensors and torch.optim state."""
@@ -88,25 +106,8 @@ def check_optimizer_type(optimizer):
     if kind == "ChainedOptimizer":
         for member in optimizer.chained_optimizers:
             check_optimizer_type(member)
-        return
-    if optimizer.is_stub_optimizer:
-        return
-    refused = None
-    config, inner = optimizer.config, optimizer.optimizer
-    scaler = getattr(optimizer, "grad_scaler", None)
-    ddp_config = getattr(optimizer, "ddp_config", None)
-    if config.use_precision_aware_optimizer:
-        refused = ("use_precision_aware_optimizer (Transformer Engine's FusedAdam keeps the main parameters and "
-                   "state in other dtypes, inside itself)")
-    elif not isinstance(inner, torch.optim.Optimizer) or type(inner).__name__ == "HybridDeviceOptimizer":
-        refused = f"its optimizer {type(inner).__name__} (CPU offloading: the state is split over devices)"
-    elif scaler is not None and type(scaler).__name__ != "ConstantGradScaler":
-        refused = f"{type(scaler).__name__} (fp16 with dynamic loss scaling: the scaler's state would not be stored)"
-    elif ddp_config is not None and (ddp_config.use_megatron_fsdp or getattr(ddp_config, "fp8_param_gather", False)
-                                     or getattr(ddp_config, "fp4_param_gather", False)):
-        refused = "Megatron FSDP or FP8 / FP4 parameters (the main parameters are not ranges of plain tensors)"
-    if refused:
-        raise TypeError(f"optimizer: {kind} with {refused} is not supported")
+    elif not optimizer.is_stub_optimizer and (reason := _unsupported(optimizer)):
+        raise TypeError(f"optimizer: {kind} with {reason} is not supported")
 
 
 class _Slot(NamedTuple):

@@ -2,7 +2,8 @@
 
 Shards come from the tests' own reference split (Megatron's rule: chunks of N / (stride * tp), rank
 r takes chunks r, r + tp, ...), not from the code under test; data is random bit patterns (NaN
-payloads, -0.0 and infinities included) compared through integer views.
+payloads, -0.0 and infinities included) compared through integer views. megatron_training_state
+assembles what megatron-core's optimizers hold through megatron-core's own accessors.
 """
 import pickle
 import re
