@@ -4,17 +4,17 @@ A TP shard (ShardSpec: dim, stride) holds the rank's part of each of the `stride
 of the global tensor along `dim`: one chunk per block. A Piece (elements [start, stop) of the
 flattened TP shard: a DistributedOptimizer's range) is cut into boxes, each contiguous in
 row-major order (the end of a row, whole rows, the start of a row, dimension by dimension), and
-those at the stride blocks; it travels in a slab, the rows of the TP shard it touches, so that
-every box is a slice of one tensor. dcp_tensor is the one place that sets DCP's
-CheckpointableTensor fields.
+those at the stride blocks; each chunk's elements are a strided view of the Piece's, so nothing is
+copied. dcp_tensor is the one place that sets DCP's CheckpointableTensor fields.
 """
 import math
+from typing import Optional
 
 import torch
 
 from .sharding import global_shape
 
-__all__ = ["dcp_tensor", "piece_of"]
+__all__ = ["dcp_tensor", "piece_chunk", "piece_data"]
 
 
 def _at(coords: tuple, dim: int, value: int) -> tuple:
@@ -63,40 +63,47 @@ def _chunks(shape: tuple, spec, tp_size: int, tp_rank: int, boxes: list) -> list
     return chunks
 
 
-def _slab_rows(piece) -> tuple:
-    """(first row, rows, elements per row) of the TP shard that a Piece of a tensor with dims touches."""
-    row = math.prod(piece.shape[1:])
-    first = piece.start // row
-    return first, -(-piece.stop // row) - first, row
+def _piece_chunk(data: torch.Tensor, piece, in_shard: tuple, size: tuple) -> torch.Tensor:
+    """The elements of a chunk (at in_shard, of size, in the TP shard) as a view of data, a Piece's
+    elements: strided as the TP shard is."""
+    strides = torch.empty(piece.shape, device="meta").stride()
+    first = sum(offset * stride for offset, stride in zip(in_shard, strides)) - piece.start
+    return data.as_strided(size, strides, data.storage_offset() + first)
 
 
-def piece_of(buffer: torch.Tensor, entry) -> torch.Tensor:
-    """The elements of entry's Piece in buffer, its dcp_tensor (buffer itself where the entry is
-    a whole TP shard or a 0-d tensor)."""
-    if entry.piece is None or not entry.piece.shape:
-        return buffer
-    first, _, row = _slab_rows(entry.piece)
-    return buffer.view(-1)[entry.piece.start - first * row:entry.piece.stop - first * row]
+def piece_chunk(placed, offset) -> Optional[torch.Tensor]:
+    """What DCP writes or reads as the chunk at global offset of a tensor dcp_tensor made for a Piece
+    (a view of the Piece's elements), None for any other tensor (DCP slices those itself)."""
+    chunks = getattr(placed, "piece_chunks", None)
+    return None if chunks is None else chunks[tuple(offset)]
+
+
+def piece_data(placed, entry) -> torch.Tensor:
+    """The tensor dcp_tensor made for entry holds (make_buffer(entry.local))."""
+    return placed.piece_data if entry.piece is not None and entry.piece.shape else placed
 
 
 def dcp_tensor(entry, make_buffer) -> torch.Tensor:
-    """The tensor handed to DCP for a tensor entry (ranks.Entry): make_buffer(entry.local) for a
-    whole TP shard, a new slab holding the elements of a Piece (filled with entry.local); marked
-    with where its chunks lie in the global tensor where that is not the tensor's own shape."""
+    """The tensor handed to DCP for a tensor entry (ranks.Entry), over make_buffer(entry.local) and
+    marked with where its chunks lie in the global tensor where that is not its own shape. For a
+    Piece it is a tensor of the TP shard's shape over a single element, which holds nothing: the
+    planners take each chunk's elements from piece_chunk, views of the Piece's flat elements, so a
+    Piece is written and read in place."""
     piece, spec = entry.piece, entry.spec
     if piece is not None and piece.shape:
-        first, rows, _ = _slab_rows(piece)
-        buffer = entry.local.new_empty((rows, *piece.shape[1:]))
-        piece_of(buffer, entry).copy_(entry.local)
-        boxes = _boxes(piece.shape, piece.start, piece.stop)
+        data = make_buffer(entry.local)
+        placed = data.new_empty(()).expand(piece.shape)  # one element: DCP would fill a meta tensor
+        chunks = _chunks(piece.shape, spec, entry.tp.size, entry.tp.rank, _boxes(piece.shape, piece.start, piece.stop))
+        placed.piece_data = data
+        placed.piece_chunks = {at_global: _piece_chunk(data, piece, in_shard, size)
+                               for at_global, in_shard, size in chunks}
     elif spec.sharded:
-        buffer = make_buffer(entry.local)
-        boxes, first = [((0,) * buffer.dim(), tuple(buffer.shape))], 0
+        placed = make_buffer(entry.local)
+        chunks = _chunks(entry.shape, spec, entry.tp.size, entry.tp.rank, [((0,) * placed.dim(), entry.shape)])
     else:
         return make_buffer(entry.local)
-    chunks = _chunks(entry.shape, spec, entry.tp.size, entry.tp.rank, boxes)
-    buffer.global_shape = global_shape(entry.shape, spec, entry.tp.size)
-    buffer.global_offsets = tuple(at_global for at_global, _, _ in chunks)
-    buffer.local_offsets = tuple(_at(in_shard, 0, in_shard[0] - first) for _, in_shard, _ in chunks)
-    buffer.local_sizes = tuple(size for _, _, size in chunks)
-    return buffer
+    placed.global_shape = global_shape(entry.shape, spec, entry.tp.size)
+    placed.global_offsets = tuple(at_global for at_global, _, _ in chunks)
+    placed.local_offsets = tuple(in_shard for _, in_shard, _ in chunks)
+    placed.local_sizes = tuple(size for _, _, size in chunks)
+    return placed

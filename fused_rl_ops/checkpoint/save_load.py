@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ._torch_private import EXTRA_STATE_KEY_SUFFIX
-from .chunks import dcp_tensor, piece_of
+from .chunks import dcp_tensor, piece_chunk, piece_data
 from .experts import check_expert_counts, check_grouped_glu_not_interleaved, is_extra_state
 from .integrity import ChecksummedReader, ChecksummedWriter, require_xxhash
 from .metadata import check_data_files, read_metadata
@@ -63,8 +63,8 @@ def _alias(local: torch.Tensor) -> torch.Tensor:
 
 
 def _dcp_state(entries: dict, make_buffer) -> dict:
-    """The state dict handed to DCP: each tensor as chunks.dcp_tensor makes it (make_buffer(local),
-    or a slab for a Piece), other objects as they are."""
+    """The state dict handed to DCP: each tensor as chunks.dcp_tensor makes it over
+    make_buffer(local), other objects as they are."""
     return {name: entry.local if entry.spec is None else dcp_tensor(entry, make_buffer)
             for name, entry in entries.items()}
 
@@ -87,9 +87,14 @@ def _state_of(module_or_state_dict) -> dict:
 
 
 class _SavePlanner(dcp.DefaultSavePlanner):
-    """DCP clones every tensor whose storage is larger than the tensor (else torch.save would write
-    the whole storage), which would copy each stride block of a stride > 1 shard. A contiguous
-    block is handed over instead as a tensor over exactly its bytes: an alias, not a copy."""
+    """DCP's planner, taking a Piece's chunks from chunks.piece_chunk. DCP clones every tensor whose
+    storage is larger than the tensor (else torch.save would write the whole storage), which would
+    copy each stride block of a stride > 1 shard. A contiguous block is handed over instead as a
+    tensor over exactly its bytes: an alias, not a copy."""
+
+    def lookup_object(self, index):
+        chunk = piece_chunk(self.state_dict.get(index.fqn), index.offset)
+        return super().lookup_object(index) if chunk is None else chunk
 
     def resolve_data(self, write_item):
         data = super().resolve_data(write_item)
@@ -174,6 +179,14 @@ def _check_fits(entries: dict, metadata: Metadata):
                 f"{expected} (local {entry.shape} at tensor-parallel degree {tp.size})")
 
 
+class _LoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's planner, reading a Piece's chunks into chunks.piece_chunk's views."""
+
+    def lookup_tensor(self, index):
+        chunk = piece_chunk(self.state_dict.get(index.fqn), index.offset)
+        return super().lookup_tensor(index) if chunk is None else chunk
+
+
 def _failures(exc: dcp.CheckpointException) -> str:
     return "; ".join(f"rank {rank}: {error!r}" for rank, (error, _) in sorted(exc.failures.items()))
 
@@ -187,7 +200,7 @@ def _read(entries: dict, metadata: Metadata, path: str, staged: bool) -> dict:
             # get_extra_state() made a new tensor: read into one of the stored size, then hand it over.
             loaded[name] = entry.local.new_empty(metadata.state_dict_metadata[name].size)
     # No flattening: DCP would otherwise put loaded objects (extra state) into a copy of `loaded`.
-    planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    planner = _LoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
         with _quiet_if_one_process():
             dcp.load(loaded, storage_reader=ChecksummedReader(path, metadata), planner=planner)
@@ -202,15 +215,14 @@ def _read(entries: dict, metadata: Metadata, path: str, staged: bool) -> dict:
 
 
 def _install(module: torch.nn.Module, entries: dict, loaded: dict, staged: bool):
-    """Hands extra states to their modules and copies what was read into temporaries (staged, and
-    the slabs of Pieces) into the entries' tensors."""
+    """Hands extra states to their modules and, staged, copies the temporaries into the entries' tensors."""
     with torch.no_grad():
         for name, entry in entries.items():
             if is_extra_state(entry.module_name):
                 owner = entry.module_name[: -len(EXTRA_STATE_KEY_SUFFIX)].rstrip(".")
                 module.get_submodule(owner).set_extra_state(loaded[name])
-            elif staged or entry.piece is not None:
-                entry.local.copy_(piece_of(loaded[name], entry))
+            elif staged:
+                entry.local.copy_(piece_data(loaded[name], entry))
 
 
 def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
