@@ -8,19 +8,21 @@ and the shims in fused_rl_ops/testing/megatron_cpu.py do that (on GPUs you would
 Both policies have the same weights. The fused one uses ClampedSwiGLUMLP and rl_output_processor
 (chosen-token logprobs, entropy and values straight from the hidden states); the naive one uses
 Megatron's unfused MLP and materialises the logits (NaiveRLOutputProcessor). attach makes each
-value head part of its model, so each Adam optimizer is built from model.parameters() alone. Each
-runs a clipped PPO loss with an entropy bonus and a value loss, backward and an Adam step. Rank 0
-prints the logprob / entropy / value statistics of both and the peak memory of the tensors each
-step allocated (torch's MemTracker). The rollout, loss and forward-backward are in
-fused_rl_ops/testing/ppo.py; tests/test_megatron.py runs them and checks fused against naive
-(outputs, every gradient, the updated parameters) to fp32 tolerance.
+value head part of its model, so each Adam optimizer is built from model.parameters() alone. As a
+trainer scores a rollout, each position is scored on the token that follows it (labels shifted by
+one, the last position ignored). Each runs a clipped PPO loss with an entropy bonus and a value
+loss, backward and an Adam step. Rank 0 prints the logprob / entropy / value statistics of both and
+the peak memory of the tensors each step allocated (torch's MemTracker). The rollout, loss and
+forward-backward are in fused_rl_ops/testing/ppo.py; tests/test_megatron.py runs them and checks
+fused against naive (outputs, every gradient, the updated parameters) to fp32 tolerance, and the
+scoring against float64 logprobs of the next tokens.
 """
 import logging
 import warnings
 
 import torch
 
-from fused_rl_ops.testing.ppo import forward_backward, make_rollout, model_inputs
+from fused_rl_ops.testing.ppo import forward_backward, make_rollout, score
 
 # Third-party messages this example cannot act on, filtered here only (not in the package). This
 # runs in every rank: the spawned ranks import this file again.
@@ -80,9 +82,8 @@ def _main(rank, world_size, vocab_size, seq_length):
     attach(naive, NaiveRLOutputProcessor(value_head=naive_value_head, vocab_size=vocab_size))
 
     tokens = torch.randint(0, vocab_size, (2, seq_length), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        position_ids, attention_mask = model_inputs(tokens)
-        old_logprobs = fused(tokens, position_ids, attention_mask, labels=tokens)["logprobs"]
+    with torch.no_grad():  # the old logprobs: each position scored on the token that follows it
+        old_logprobs = score(fused, tokens)["logprobs"]
     rollout = make_rollout(tokens, old_logprobs, seed=1)
 
     report = {}

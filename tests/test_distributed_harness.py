@@ -1,7 +1,13 @@
 """The multi-process test harness (fused_rl_ops.testing.distributed): a rank leaving while gloo still
-holds a finished collective's tensors exits cleanly (this once aborted the rank, see exit_rank), and
-a rank that raises fails the run at once."""
+holds a finished collective's tensors exits cleanly (this once aborted the rank, see exit_rank), a
+rank that raises fails the run at once, and a rank ends the processes it started before it leaves."""
 import datetime
+import multiprocessing
+import os
+import pathlib
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -52,3 +58,60 @@ def test_a_rank_that_raises_fails_the_run_at_once():
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 rejects its arguments"):
         run_distributed(_raise_while_the_other_rank_waits, 2)
     assert time.monotonic() - start < 120
+
+
+def _sleep_with_a_child(pids):
+    """A rank's child, which starts a process of its own; both inherit the rank's stdout and sleep."""
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    pids.put(grandchild.pid)
+    time.sleep(600)
+
+
+def _start_processes_that_hold_stdout(rank, world_size, pid_dir, raising_rank):
+    """Starts a non-daemonic multiprocessing child, as megatron-core's checkpoint writers are, which
+    starts a child of its own; writes their pids to pid_dir; raises on raising_rank."""
+    context = multiprocessing.get_context("spawn")
+    pids = context.Queue()
+    child = context.Process(target=_sleep_with_a_child, args=(pids,))
+    child.start()
+    for pid in (child.pid, pids.get(timeout=120)):
+        (pathlib.Path(pid_dir) / f"{pid}.pid").write_text(str(pid))
+    if rank == raising_rank:
+        raise ValueError(f"rank {rank} fails after starting its processes")
+
+
+def _running(pid):
+    """Whether the process exists and is not a zombie (a zombie has ended and holds no files)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="run_distributed finds a rank's processes in /proc (Linux)")
+@pytest.mark.parametrize("raising_rank", [None, 1])
+def test_a_rank_ends_the_processes_it_started(tmp_path, raising_rank):
+    """The run's output read through a pipe, as `pytest ... | tee log` reads it, ends when the run does:
+    each rank's child and grandchild (inheriting its stdout) are gone, whether the rank leaves through
+    exit_rank or raises. A hang check, not a timing: before, the read waited for the 600-second
+    sleepers (the timeout ends it)."""
+    program = (
+        f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r}); "
+        "import test_distributed_harness as t; from fused_rl_ops.testing.distributed import run_distributed; "
+        f"run_distributed(t._start_processes_that_hold_stdout, 2, {str(tmp_path)!r}, {raising_rank})"
+    )
+    try:
+        run = subprocess.run([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             timeout=120)
+    finally:
+        pids = [int(path.read_text()) for path in tmp_path.glob("*.pid")]
+        running = [pid for pid in pids if _running(pid)]
+        for pid in running:  # a failing run leaves no sleepers behind
+            os.kill(pid, signal.SIGKILL)
+    output = run.stdout.decode(errors="replace")
+    if raising_rank is None:
+        assert run.returncode == 0, output
+    else:
+        assert run.returncode != 0 and f"rank {raising_rank} fails after starting its processes" in output, output
+    assert len(pids) == 4 and running == []

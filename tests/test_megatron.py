@@ -42,8 +42,8 @@ from fused_rl_ops.megatron import (  # noqa: E402
     with_clamped_swiglu_mlp,
 )
 from fused_rl_ops.reference.megatron import NaiveRLOutputProcessor  # noqa: E402
-from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
-from fused_rl_ops.testing.ppo import forward_backward, make_rollout, model_inputs, ppo_loss  # noqa: E402
+from fused_rl_ops.testing.megatron_cpu import full_vocab_logits, set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
+from fused_rl_ops.testing.ppo import forward_backward, make_rollout, model_inputs, ppo_loss, score  # noqa: E402
 
 B, S = 2, 8  # b != s, so a [b, s] / [s, b] mix-up cannot pass
 VOCAB = 256  # the model's (padded) vocabulary
@@ -514,20 +514,39 @@ def assert_same_step(policies):
     assert_close_by_name(dict(fused.named_parameters()), dict(naive.named_parameters()))
 
 
+def next_token_logprobs(logits, tokens, temperature, vocab_size):
+    """float64 [b, s] from full-vocab logits [b, s, V]: position t's logprob of token t + 1, and 0 at
+    each sequence's last position (nothing follows it)."""
+    log_probs = torch.log_softmax(logits[..., :vocab_size].double() / temperature, dim=-1)
+    chosen = log_probs[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return torch.cat([chosen, chosen.new_zeros(len(tokens), 1)], dim=1)
+
+
 def _check_ppo_step(sequence_parallel):
+    """The PPO step of fused_rl_ops.testing.ppo (what examples/ppo_step.py runs): the old logprobs
+    (score) and the step's logprobs (make_rollout's labels) are each position's logprob of the next
+    token, as float64 has it; fused and naive agree on every output, gradient and updated parameter."""
     config = ppo_config(sequence_parallel=sequence_parallel)
     policies = build_policy_pair(config, vocab_size=REAL_VOCAB, temperature=0.9)
+    (fused, _), _ = policies
+    tokens = make_batch(REAL_VOCAB, seed=8)[0]
+    with torch.no_grad():
+        expected_logprobs = next_token_logprobs(full_vocab_logits(fused, tokens), tokens, 0.9, REAL_VOCAB).float()
     for model, processor in policies:
         attach(model, processor)
-    tokens = make_batch(REAL_VOCAB, seed=8)[0]
-    rollout = make_rollout(tokens, torch.full((B, S), -math.log(REAL_VOCAB)), seed=9)
+    with torch.no_grad():
+        old_logprobs = score(fused, tokens)["logprobs"]
+    assert_close(old_logprobs, expected_logprobs)
+    rollout = make_rollout(tokens, old_logprobs, seed=9)
+    assert torch.all(rollout["mask"][:, -1] == 0)  # the last position has no next token
     (fused_outputs, fused_loss), (naive_outputs, naive_loss) = [forward_backward(m, rollout) for m, _ in policies]
     assert list(fused_outputs) == ["logprobs", "entropy", "values"]
+    assert_close(fused_outputs["logprobs"], expected_logprobs)
     assert_same_outputs(fused_outputs, naive_outputs)
     assert_close(fused_loss, naive_loss)
     assert_same_step(policies)
     with torch.no_grad():
-        fused_after, naive_after = [m(tokens, *model_inputs(tokens), labels=tokens)["logprobs"] for m, _ in policies]
+        fused_after, naive_after = [score(m, tokens)["logprobs"] for m, _ in policies]
     assert_close(fused_after, naive_after)
     assert not torch.allclose(fused_after, fused_outputs["logprobs"])  # the step moved the policy
 
@@ -547,7 +566,7 @@ def run_schedule(model, rollouts, loss_func, forward_only=False):
     def forward_step(data_iterator, model):
         rollout = next(data_iterator)
         tokens = rollout["tokens"]
-        output = model(tokens, *model_inputs(tokens), labels=tokens)
+        output = model(tokens, *model_inputs(tokens), labels=rollout["labels"])
         return output, functools.partial(loss_func, rollout=rollout)
 
     return get_forward_backward_func()(
@@ -589,7 +608,9 @@ def _pipeline_parallel(rank, world_size):
     for recorded, expected in zip(recorder.hidden_states, hidden_states):
         assert_close(recorded, expected, rtol=0, atol=0)
     for fused_outputs, naive_outputs, megatron_outputs in zip(fused_results, naive_results, megatron_results):
-        assert_close(fused_outputs["logprobs"], megatron_outputs["logprobs"])
+        # The last position's label is ignore_index: logprob 0 here, Megatron's cross entropy has no such label.
+        assert_close(fused_outputs["logprobs"][:, :-1], megatron_outputs["logprobs"][:, :-1])
+        assert torch.all(fused_outputs["logprobs"][:, -1] == 0)
         assert_same_outputs(fused_outputs, naive_outputs)
     assert_same_step(policies)
 

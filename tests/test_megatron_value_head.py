@@ -7,9 +7,16 @@ optimizer over `model.parameters()` only and a PPO loss train it for a few steps
 values and gradient are equal on the TP ranks, every gradient equals (to fp32 rounding) the naive
 reference's at the same weights (materialised logits, value head and data-parallel reduction done
 by hand, no attach), the replicas stay identical, and at the last step the temperature changes.
-Then the head is saved and loaded with the model (at TP 2 and at TP 1) and detach removes it."""
+Then the head is saved and loaded with the model (at TP 2 and at TP 1) and detach removes it.
+
+A value head belongs to one model: attaching it to a second one (a reference model given the
+policy's processor) is refused until detach releases it, and an optimizer that misses it (built
+before attach) is reported by a warning after its first step, on a model trained for a few steps."""
+import gc
 import math
+import re
 import types
+import warnings
 
 import pytest
 import torch
@@ -219,3 +226,122 @@ def _tp2_dp2(rank, world_size, path):
 
 def test_value_head_trains_with_the_model_at_tp2_dp2_and_is_checkpointed(tmp_path):
     run_distributed(_tp2_dp2, 4, str(tmp_path / "checkpoint"))
+
+
+# ------------------------------------------- one model per value head, and an optimizer that trains it
+
+
+def ppo_steps(step, steps):
+    """steps PPO steps through step(rollout); returns the messages of the value-head warnings raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(steps):
+            tokens = torch.randint(0, REAL_VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
+            step(make_rollout(tokens, torch.full((B, S), -math.log(REAL_VOCAB)), seed=seed))
+    return [str(warning.message) for warning in caught if "value head" in str(warning.message)]
+
+
+def optimizer_steps(model, optimizers):
+    """A step function: forward-backward through model, then each optimizer steps."""
+    def step(rollout):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        forward_backward(model, rollout)
+        for optimizer in optimizers:
+            optimizer.step()
+    return step
+
+
+def clones(module):
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def assert_every_entry_moved(module, before):
+    for name, initial in before.items():
+        assert torch.all(module.get_parameter(name) != initial), f"{name} did not train"
+
+
+def _check_one_model_per_value_head():
+    """The mistake of a policy and a reference attached to one processor with a value head is refused
+    (the reference's requires_grad_(False) would freeze the policy's critic); the reference given its
+    own processor, the policy's critic trains. detach releases the head."""
+    config = tiny_config()
+    policy, reference = [tiny_model("gpt", config, vocab_size=VOCAB, seed=1) for _ in range(2)]
+    head = value_head_like(seed=2)
+    processor = rl_output_processor(value_head=head, vocab_size=REAL_VOCAB)
+    attach(policy, processor)
+    refusal = ("this value head is already attached to another model; give the reference model its own "
+               "rl_output_processor without value_head")
+    for shared in (processor, rl_output_processor(value_head=head.weight)):  # the module, or its bare weight
+        with pytest.raises(ValueError, match=refusal):
+            attach(reference, shared)
+        assert not hasattr(reference, "value_head")
+    attach(reference, rl_output_processor(return_entropy=False, vocab_size=REAL_VOCAB))  # the refusal's advice
+    reference.requires_grad_(False)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    initial = clones(head)
+    assert ppo_steps(optimizer_steps(policy, [optimizer]), steps=3) == []
+    assert_every_entry_moved(head, initial)
+
+    other = tiny_model("gpt", config, vocab_size=VOCAB, seed=3)
+    with pytest.raises(ValueError, match=refusal):
+        attach(other, processor)
+    detach(policy)
+    attach(other, processor)
+    assert other.value_head is head and not hasattr(policy, "value_head")
+    with pytest.raises(ValueError, match=refusal):
+        attach(policy, processor)
+    del other  # dropped without detach: the head is free again
+    gc.collect()
+    attach(policy, processor)
+    assert policy.value_head is head
+
+
+def _check_an_optimizer_trains_the_value_head():
+    """An optimizer built before attach does not hold the head: one warning, at the forward after the
+    first step (under Megatron's DDP, as a trainer runs it). No warning when the head trains: by the
+    optimizer built after attach, or by an optimizer of its own beside the trunk's; nor for a frozen
+    head, nor after an optimizer that stepped before attach (supervised training) and no more."""
+    config = tiny_config()
+    untrained = r"value head's parameters \(value_head\.weight, value_head\.bias\) are in no optimizer"
+
+    model, head = tiny_model("gpt", config, vocab_size=VOCAB, seed=1), value_head_like(seed=2)
+    early_optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    attach(model, rl_output_processor(value_head=head, vocab_size=REAL_VOCAB))
+    ddp_model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    initial = clones(head)
+    [message] = ppo_steps(lambda rollout: ddp_train_step(ddp_model, early_optimizer, rollout), steps=3)
+    assert re.search(untrained, message) and "optimizer.add_param_group" in message
+    assert all(torch.equal(head.get_parameter(name), p) for name, p in initial.items())  # what it reports
+
+    model, head = tiny_model("gpt", config, vocab_size=VOCAB, seed=1), value_head_like(seed=2)
+    trunk_optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    attach(model, rl_output_processor(value_head=head, vocab_size=REAL_VOCAB))
+    head_optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
+    initial = clones(head)
+    assert ppo_steps(optimizer_steps(model, [trunk_optimizer, head_optimizer]), steps=3) == []
+    assert_every_entry_moved(head, initial)
+
+    model, head = tiny_model("gpt", config, vocab_size=VOCAB, seed=1), value_head_like(seed=2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    attach(model, rl_output_processor(value_head=head.requires_grad_(False), vocab_size=REAL_VOCAB))
+    assert ppo_steps(optimizer_steps(model, [optimizer]), steps=2) == []
+
+    model = tiny_model("gpt", config, vocab_size=VOCAB, seed=1)
+    supervised_optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, REAL_VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
+    model(tokens, *model_inputs(tokens), labels=tokens).mean().backward()  # Megatron's cross entropy
+    supervised_optimizer.step()
+    attach(model, rl_output_processor(value_head=value_head_like(seed=2), vocab_size=REAL_VOCAB))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    assert ppo_steps(optimizer_steps(model, [optimizer]), steps=2) == []
+
+
+def _ownership_and_training(rank, world_size):
+    set_parallel_degrees(tp=1)
+    _check_one_model_per_value_head()
+    _check_an_optimizer_trains_the_value_head()
+
+
+def test_a_value_head_has_one_model_and_an_optimizer_that_trains_it():
+    run_distributed(_ownership_and_training, 1)

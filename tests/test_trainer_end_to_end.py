@@ -66,7 +66,7 @@ def train(ddp_model, optimizer, steps):
             old_logprobs = ddp_model(tokens, *model_inputs(tokens), labels=labels)["logprobs"]
         # The ignored end of each sequence scores 0; every sampled token a negative logprob.
         assert torch.all(old_logprobs[:, -1] == 0) and torch.all(old_logprobs[:, :-1] < 0)
-        ddp_train_step(ddp_model, optimizer, make_rollout(tokens, old_logprobs, seed=seed, labels=labels))
+        ddp_train_step(ddp_model, optimizer, make_rollout(tokens, old_logprobs, seed=seed))
 
 
 def training_state(model, optimizer):

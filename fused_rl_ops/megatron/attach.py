@@ -19,7 +19,9 @@ the language model's submodule `value_head` on the stage that holds the output l
 `parameters()`, `state_dict()`, optimizers, Megatron's DDP and checkpoints see it; its parameters
 are marked replicated over TP (each TP rank computes the values of the whole sequence, so their
 gradients are complete and equal there). Hence attach before wrapping the model in Megatron's
-DistributedDataParallel (attach refuses a wrapped one).
+DistributedDataParallel (attach refuses a wrapped one). A value head has one model at a time: attach
+refuses one that another model owns, detach releases it; and a forward after an optimizer step warns
+once if the head is in no optimizer that stepped (value_head_owner).
 
 Hooks run on `model(...)` calls, as Megatron's schedules make them; `model.forward(...)` bypasses them.
 """
@@ -33,6 +35,7 @@ from megatron.core.utils import unwrap_model
 
 from .mlp import check_clamp_not_dropped
 from .mtp import route_mtp_loss
+from .value_head_owner import TrainingCheck, claim, refuse_if_owned
 
 __all__ = ["attach", "detach"]
 
@@ -52,7 +55,7 @@ def attach(model, processor):
     else:
         undo = _attach_by_substituting_output_layer(language_model, processor)
     if value_head is not None:
-        undo.append(_register_value_head(language_model, value_head))
+        undo += _register_value_head(language_model, value_head)
     setattr(language_model, _ATTACHMENT, undo)
 
 
@@ -69,8 +72,8 @@ def detach(model):
 
 def _value_head_to_register(model, language_model, processor):
     """The processor's value head as a module if this stage computes values, else None; refuses a
-    value head given as a plain tensor (not a parameter) and a model whose parameters a data-parallel wrapper has already
-    bucketed (the head would get no gradient reduction)."""
+    value head given as a plain tensor (not a parameter), one another model owns, and a model whose
+    parameters a data-parallel wrapper has already bucketed (the head would get no gradient reduction)."""
     value_head = getattr(processor, "value_head", None)
     if value_head is None or not getattr(language_model, "post_process", True):
         return None
@@ -82,6 +85,7 @@ def _value_head_to_register(model, language_model, processor):
             "parameters(), state_dict() and optimizer would miss it); pass a module such as "
             "fused_rl_ops.ValueHead(hidden_size), or an nn.Parameter"
         )
+    refuse_if_owned(value_head)
     if _wrapped_for_data_parallel(model, language_model):
         raise RuntimeError(
             "attach: the model is already wrapped in a data-parallel wrapper (Megatron's "
@@ -94,15 +98,17 @@ def _value_head_to_register(model, language_model, processor):
 
 
 def _register_value_head(language_model, value_head):
-    """Adds value_head as the submodule `value_head`, its parameters marked replicated over TP;
-    returns the undo step."""
+    """Adds value_head as the submodule `value_head`, its parameters marked replicated over TP and
+    owned by this model, with the check that an optimizer trains it; returns the undo steps."""
     for param in value_head.parameters():
         param.tensor_model_parallel = False
         # Complete on every TP rank, unlike sequence-parallel norms' partial sums: no TP all-reduce.
         param.sequence_parallel = False
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     language_model.add_module(_VALUE_HEAD, value_head)
-    return functools.partial(delattr, language_model, _VALUE_HEAD)
+    release = claim(language_model, value_head)
+    training_check = TrainingCheck(language_model, value_head)
+    return [functools.partial(delattr, language_model, _VALUE_HEAD), release, training_check.remove]
 
 
 class _ValueHeadWeight(torch.nn.Module):

@@ -1,21 +1,30 @@
 """Runs a test body in several real processes on gloo (CPU), as tensor-parallel ranks."""
+import collections
 import os
+import signal
 import sys
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _HOST = "127.0.0.1"
+# After a rank fails, how long the others get to leave by themselves (their collectives with it fail
+# once it is gone), ending their processes on the way, before the parent stops them with SIGTERM.
+_GRACE_PERIOD_S = 10
 
 
 def _entry(rank, world_size, port, fn, args):
     os.environ["OMP_NUM_THREADS"] = "1"
     store = dist.TCPStore(_HOST, port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    # No barrier on an exception: the rank leaves at once with its traceback, and the parent then
-    # stops the others, which may be waiting for it in a collective.
-    fn(rank, world_size, *args)
-    dist.barrier()
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    except BaseException:
+        # No barrier on an exception: the rank leaves at once with its traceback; the others' waits
+        # for it fail, or the parent stops them.
+        _end_child_processes()
+        raise
     exit_rank()
 
 
@@ -32,18 +41,59 @@ def exit_rank():
     only when nothing else holds the group, and torch itself holds groups past it (the default
     arguments of torch.distributed.nn.functional, DTensor's redistribute caches; megatron-core's
     destroy_model_parallel leaves two group globals set). After the barrier no peer waits on this
-    rank, so leaving at once loses nothing."""
+    rank, so leaving at once loses nothing. The processes the rank started are ended first
+    (_end_child_processes)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    _end_child_processes()
     os._exit(0)
+
+
+def _end_child_processes():
+    """Kills the processes this rank started and the ones they started.
+
+    Why: os._exit skips multiprocessing's exit handler, and megatron-core's dist_checkpointing leaves
+    processes running (a multiprocessing Manager for its write results, an async writer). They
+    inherit the rank's stdout and would outlive it holding it open, so a pipeline reading the run's
+    output (`pytest ... | tee log`) would never end. The processes are found in /proc (Linux; elsewhere
+    none are). A rank that the parent stops with SIGTERM (still running a grace period after another
+    rank failed) does not get here."""
+    if not os.path.isdir("/proc"):
+        return
+    children_of = collections.defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    # "pid (command) state ppid ...": the command may hold spaces and parentheses.
+                    parent = int(stat.read().rpartition(")")[2].split()[1])
+            except OSError:
+                continue  # it ended meanwhile
+            children_of[parent].append(int(entry))
+    descendants, unvisited = [], list(children_of[os.getpid()])
+    while unvisited:
+        pid = unvisited.pop()
+        descendants.append(pid)
+        unvisited += children_of[pid]
+    # Not reaped here: multiprocessing reaps its own when a rank that raised finalizes.
+    for pid in descendants:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def run_distributed(fn, world_size: int, *args):
     """Calls fn(rank, world_size, *args) in world_size processes with the default group on gloo.
 
     fn must be a module-level function; an exception in any rank fails the caller with its traceback
-    as soon as that rank raises (the other ranks are stopped, even inside a collective).
+    as soon as that rank raises (the other ranks leave, or are stopped, even inside a collective).
+    Each rank ends the processes it started before it leaves (_end_child_processes).
     The ranks meet at a store this process serves on a port the system picks as it binds (picking a
     free port first and binding it later lets a concurrent run take it in between)."""
     server = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
-    mp.start_processes(_entry, args=(world_size, server.port, fn, args), nprocs=world_size, start_method="spawn")
+    ranks = mp.start_processes(
+        _entry, args=(world_size, server.port, fn, args), nprocs=world_size, start_method="spawn", join=False
+    )
+    while not ranks.join(grace_period=_GRACE_PERIOD_S):
+        pass

@@ -1,5 +1,6 @@
 """The pieces of a tiny PPO step that examples/ppo_step.py runs and the Megatron tests check: a
-rollout as a sampler and critic would hand it over, a clipped PPO loss with an entropy bonus and a
+rollout as a sampler and critic would hand it over, scored as a trainer scores it (position t on
+token t + 1: shifted_labels, score), a clipped PPO loss with an entropy bonus and a
 value loss, one forward-backward through a model with an attached output processor, and a training
 step of a model inside Megatron's DistributedDataParallel with a torch optimizer."""
 import torch
@@ -30,14 +31,13 @@ def shifted_labels(tokens, ignore_index=-100):
     return labels
 
 
-def make_rollout(tokens, old_logprobs, seed, labels=None):
-    """What a sampler and a critic would hand the trainer; identical on every rank. labels: the
-    token each position is scored on (default: tokens, each token at its own position, as the tests
-    against a naive reference score them; shifted_labels(tokens) as a trainer does); positions
-    labelled -100 are left out of the mask."""
+def make_rollout(tokens, old_logprobs, seed):
+    """What a sampler and a critic would hand the trainer; identical on every rank. Each position is
+    scored on the token that follows it (shifted_labels(tokens)); the response part of each sequence
+    is in the mask, except its last position, which has no label."""
     generator = torch.Generator().manual_seed(seed)
     batch, seq = tokens.shape
-    labels = tokens if labels is None else labels
+    labels = shifted_labels(tokens)
     mask = torch.zeros(batch, seq)
     mask[:, seq // 4 :] = 1.0  # the response part of each sequence
     mask[labels == -100] = 0.0
@@ -49,6 +49,12 @@ def make_rollout(tokens, old_logprobs, seed, labels=None):
         "returns": torch.randn(batch, seq, generator=generator),
         "mask": mask,
     }
+
+
+def score(model, tokens):
+    """The attached processor's outputs for [b, s] tokens as a trainer scores a rollout: each
+    position on the token that follows it (shifted_labels)."""
+    return model(tokens, *model_inputs(tokens), labels=shifted_labels(tokens))
 
 
 def model_inputs(tokens):
