@@ -3,16 +3,18 @@
 Multi-process checks run in real processes on gloo (fused_rl_ops.testing.distributed); each spawned
 run groups several checks because starting processes dominates the time.
 """
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from fused_rl_ops.checkpoint import ShardingMetadataError, load_sharded, save_sharded
-from fused_rl_ops.testing.checkpoint import (LAYOUT, SerialisedState, Toy, annotated, assert_all_differ,
-                                             assert_all_same, gathered_logical, legacy, logical_state, partition_of,
-                                             perturb, random_bits, reference_shard, same_bits, storage_of,
-                                             tp_group_of_size)
+from fused_rl_ops.testing.checkpoint import (LAYOUT, SerialisedState, Toy, add_parameter, annotated,
+                                             assert_all_differ, assert_all_same, gathered_logical, legacy,
+                                             logical_state, partition_of, perturb, random_bits, reference_shard,
+                                             same_bits, storage_of, tp_group_of_size)
 from fused_rl_ops.testing.distributed import run_distributed
 
 pytestmark = pytest.mark.usefixtures("checkpoint_dependencies")
@@ -156,3 +158,38 @@ def test_tensor_extra_state_reaches_the_module(tmp_path, staged):
         target = SerialisedState(before)
         load_sharded(target, str(tmp_path / "ckpt"), staged=staged)
         assert target.state == saved.state
+
+
+# --- strict=False, and no warnings in one process ------------------------------------------------
+
+def test_strict_false_loads_what_matches_and_returns_the_rest(tmp_path):
+    """A policy's checkpoint (with a value head) into a reference model without it, which has an
+    entry of its own: the strict load names both and changes nothing; strict=False loads the shared
+    entries bit for bit, leaves the module's own as it was and returns what it left out, as
+    nn.Module.load_state_dict does. Saving, overwriting and loading in one process warn nothing."""
+    path = str(tmp_path / "policy")
+    policy = Toy(logical_state(seed=1), 1, 0, step=7)
+    add_parameter(policy, "value_head.weight", random_bits((1, 6), torch.float32, seed=11), {})
+    add_parameter(policy, "value_head.bias", random_bits((1,), torch.float32, seed=12), {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        save_sharded(Toy(logical_state(seed=3), 1, 0, step=3), path)
+        save_sharded(policy, path)  # over the older save
+        assert load_sharded(Toy(logical_state(seed=2), 1, 0, step=0), path, strict=False) == (
+            [], ["value_head.bias", "value_head.weight"])
+
+    reference = Toy(logical_state(seed=2), 1, 0, step=0)
+    add_parameter(reference, "extra.weight", random_bits((3,), torch.float32, seed=13), {})
+    before = {name: t.clone() for name, t in reference.state_dict().items() if isinstance(t, torch.Tensor)}
+    with pytest.raises(ValueError, match=r"missing \['extra.weight'\], unexpected \['value_head.bias', "
+                                         r"'value_head.weight'\] \(strict=False loads what matches\)"):
+        load_sharded(reference, path)
+    assert all(same_bits(t, before[name]) for name, t in reference.state_dict().items() if name in before)
+    result = load_sharded(reference, path, strict=False)
+    assert result.missing_keys == ["extra.weight"]
+    assert result.unexpected_keys == ["value_head.bias", "value_head.weight"]
+    saved = policy.state_dict()
+    for name, t in reference.state_dict().items():
+        if isinstance(t, torch.Tensor):
+            assert same_bits(t, before[name] if name == "extra.weight" else saved[name]), name
+    assert reference.step == 7
