@@ -77,7 +77,7 @@ def test_only_scored_rows_reach_the_kernels(device, dtype, batch_invariant):
     for op in KERNELS:
         [tokens] = calls.tokens(op)
         assert torch.equal(tokens, want), op
-    assert all(call.args[0].shape == (len(want), H) for call in calls.calls if call.op in KERNELS)
+    assert all(call.args["hidden"].shape == (len(want), H) for call in calls.calls if call.op in KERNELS)
     assert_close_to(results, float64(*batch), TOLERANCE[dtype])
     assert_ignored_rows_give_nothing(results, labels)
     assert results[3][VOCAB:].eq(0).all()
@@ -94,7 +94,7 @@ def test_the_default_workspace_follows_the_scored_rows(device):
     assert chunk_size != tiling_for(labels.numel(), H, 4, default_workspace_bytes(hidden), hidden.device, False)[0]
     for call in calls.calls:
         if call.op in KERNELS:
-            assert call.args[0].shape[0] == count and call.args[-5] == chunk_size  # after it: row_block .. valid_rows
+            assert call.args["hidden"].shape[0] == count and call.args["chunk_size"] == chunk_size
 
 
 @pytest.mark.parametrize("megatron_ddp", [False, True])
@@ -105,7 +105,7 @@ def test_every_row_ignored(device, megatron_ddp):
     hidden, weight, labels, grad_lp, grad_ent = rl_batch(device)
     labels[:] = -100
     _, calls = run(hidden, weight, labels, grad_lp, grad_ent)
-    assert {call.args[0].shape[0] for call in calls.calls if call.op in KERNELS} == {0}
+    assert {call.args["hidden"].shape[0] for call in calls.calls if call.op in KERNELS} == {0}
     (lp, ent, grad_h, grad_w), _ = run(hidden, weight, labels, grad_lp, grad_ent)
     assert lp.eq(0).all() and ent.eq(0).all() and grad_h.eq(0).all() and grad_w.eq(0).all()
 

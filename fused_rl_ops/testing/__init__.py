@@ -8,4 +8,5 @@
 - ppo: the pieces of a tiny PPO step (rollout, loss, forward-backward) the example runs and the
   tests check.
 - peak_memory: peak resident memory growth of a call, in this process or a fresh one.
+- kernel_calls: a record of the torch.ops.fused_rl_ops calls (and what they got) of a piece of code.
 """

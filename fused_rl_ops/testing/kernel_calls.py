@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 class KernelCall(NamedTuple):
     op: str  # the operator's name in the fused_rl_ops namespace, e.g. "chosen_logprob_stats"
-    args: tuple  # what it got, tensors as they were passed
+    args: dict  # what it got, by the schema's argument names ("hidden", "tokens", "chunk_size", ...)
 
 
 class KernelCalls(TorchDispatchMode):
@@ -22,13 +22,14 @@ class KernelCalls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "fused_rl_ops":
-            self.calls.append(KernelCall(func._schema.name.split("::")[1], tuple(args)))
+            by_name = dict(zip((argument.name for argument in func._schema.arguments), args), **(kwargs or {}))
+            self.calls.append(KernelCall(func._schema.name.split("::")[1], by_name))
         return func(*args, **(kwargs or {}))
 
     def tokens(self, op: str) -> list:
-        """The token ids (the third argument) of each call of a chosen_logprob operator (op:
-        "chosen_logprob_stats" or "chosen_logprob_backward"), on the CPU."""
-        return [call.args[2].cpu() for call in self.calls if call.op == op]
+        """The token ids of each call of a chosen_logprob operator (op: "chosen_logprob_stats" or
+        "chosen_logprob_backward"), on the CPU."""
+        return [call.args["tokens"].cpu() for call in self.calls if call.op == op]
 
 
 def scored(tokens: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
