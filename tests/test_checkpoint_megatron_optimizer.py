@@ -165,7 +165,7 @@ def _resume(rank, world_size, root):
         load_sharded(resumed, f"{root}/{kind}", optimizer=to_load)
         train(resumed_ddp, resumed_optimizer, range(2, 5))
         assert_same_megatron_state(megatron_training_state(resumed, resumed_optimizer),
-                          megatron_training_state(straight_model, straight_optimizer))
+                                   megatron_training_state(straight_model, straight_optimizer))
 
 
 def test_megatron_optimizer_resumes_bit_for_bit(tmp_path):

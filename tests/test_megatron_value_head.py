@@ -11,7 +11,9 @@ Then the head is saved and loaded with the model (at TP 2 and at TP 1) and detac
 
 A value head belongs to one model: attaching it to a second one (a reference model given the
 policy's processor) is refused until detach releases it, and an optimizer that misses it (built
-before attach) is reported by a warning after its first step, on a model trained for a few steps."""
+before attach) is reported by a warning after its first step, on a model trained for a few steps.
+Megatron's own optimizers (Float16OptimizerWithFloat16Params, DistributedOptimizer) train a bf16
+policy's fp32 head, set up as docs/rl_recipe.md does, with no such warning."""
 import gc
 import math
 import re

@@ -109,7 +109,7 @@ def _megatron_optimizer_pieces(model, optimizer) -> dict:
         for name, param in model.named_parameters():
             if ranges is not None and param not in ranges:
                 continue
-            start, stop = (0, param.numel())
+            start, stop = 0, param.numel()
             if ranges is not None:
                 owned = member._get_model_param_range_map(param)["param"]
                 start, stop = owned.start, owned.end
