@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 from fused_rl_ops.checkpoint import load_sharded, save_sharded
-from fused_rl_ops.testing.checkpoint import megatron_training_state, same_bits
+from fused_rl_ops.testing.checkpoint import assert_same_megatron_state, megatron_training_state, same_bits
 from fused_rl_ops.testing.distributed import run_distributed
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
@@ -76,15 +76,6 @@ def layer_offset():
     return parallel_state.get_pipeline_model_parallel_rank() * 2 // stages
 
 
-def assert_same_state(state, expected):
-    """state (megatron_training_state's, this stage's names) is bitwise expected's, every tensor."""
-    assert state and state.keys() <= expected.keys()
-    for name, tensors in state.items():
-        assert tensors.keys() == expected[name].keys(), (name, tensors.keys())
-        for key, value in tensors.items():
-            assert same_bits(value, expected[name][key]), (name, key)
-
-
 # --- TP 2 x DP 2 -> TP 1 x DP 4, TP 4 and PP 2 x DP 2 (4 processes) ------------------------------
 
 def _reshard(rank, world_size, root):
@@ -116,14 +107,14 @@ def _reshard(rank, world_size, root):
             before = megatron_training_state(model, optimizer, layer_offset())
             assert not any(same_bits(before[n]["main_param"], saved[kind][n]["main_param"]) for n in before)
             load_sharded(model, f"{root}/{kind}", optimizer=to_load)
-            assert_same_state(megatron_training_state(model, optimizer, layer_offset()), saved[kind])
+            assert_same_megatron_state(megatron_training_state(model, optimizer, layer_offset()), saved[kind])
             assert all(group["lr"] == lr_after_schedule(group) for group in to_load.param_groups), (kind, degrees)
     # The format does not depend on the optimizer: a DistributedOptimizer's checkpoint loads into
     # Float16OptimizerWithFloat16Params, and the other way round (here through temporaries).
     for kind, other in (("distributed", "float16"), ("float16", "distributed")):
         model, _, optimizer, to_load = build(other, seed=2, lr=0.5)
         load_sharded(model, f"{root}/{kind}", optimizer=to_load, staged=True)
-        assert_same_state(megatron_training_state(model, optimizer, layer_offset()), saved[kind])
+        assert_same_megatron_state(megatron_training_state(model, optimizer, layer_offset()), saved[kind])
     _refusals(root)
 
 
@@ -173,8 +164,8 @@ def _resume(rank, world_size, root):
         resumed, resumed_ddp, resumed_optimizer, to_load = build(kind, seed=3, lr=0.5)
         load_sharded(resumed, f"{root}/{kind}", optimizer=to_load)
         train(resumed_ddp, resumed_optimizer, range(2, 5))
-        assert_same_state(megatron_training_state(resumed, resumed_optimizer),
-                          megatron_training_state(straight_model, straight_optimizer))
+        assert_same_megatron_state(megatron_training_state(resumed, resumed_optimizer),
+                                   megatron_training_state(straight_model, straight_optimizer))
 
 
 def test_megatron_optimizer_resumes_bit_for_bit(tmp_path):

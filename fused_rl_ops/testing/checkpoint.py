@@ -95,21 +95,33 @@ def gathered_logical(model, group):
 
 def _megatron_optimizer_pieces(model, optimizer) -> dict:
     """name -> (start, stop, {"main_param": ..., state key: ...}) for each parameter of model that
-    optimizer (one of megatron-core's) steps elements [start, stop) of here, read through
-    megatron-core's own accessors: a DistributedOptimizer's _get_model_param_range_map and
-    _get_main_param_and_optimizer_states, else param.main_param (the parameter itself where it is
-    fp32) and its torch.optim state."""
+    optimizer (one of megatron-core's) steps elements [start, stop) of here: a DistributedOptimizer's
+    range (its _get_model_param_range_map), else the whole parameter. The main parameter is the fp32
+    copy megatron-core hands the parameter as param.main_param, or where the parameter is fp32, the
+    stepped tensor at the range's address (the parameter itself, or a DistributedOptimizer's view of
+    its range); the state is its torch.optim state. (Not megatron-core's
+    _get_main_param_and_optimizer_states: in 0.19.2 it picks another parameter's main copy in a param
+    group that mixes fp32 and bf16 parameters, such as a bf16 model's fp32 value head.)"""
     pieces = {}
     for member in getattr(optimizer, "chained_optimizers", [optimizer]):
         ranges = getattr(member, "model_param_group_index_map", None)  # a DistributedOptimizer's
-        stepped = {id(p) for group in member.optimizer.param_groups for p in group["params"]}
+        stepped = [p for group in member.optimizer.param_groups for p in group["params"]]
         for name, param in model.named_parameters():
-            if ranges is not None and param in ranges:
+            if ranges is not None and param not in ranges:
+                continue
+            start, stop = 0, param.numel()
+            if ranges is not None:
                 owned = member._get_model_param_range_map(param)["param"]
-                tensors = member._get_main_param_and_optimizer_states(param)
-                pieces[name] = (owned.start, owned.end, {"main_param": tensors.pop("param"), **tensors})
-            elif ranges is None and id(main := getattr(param, "main_param", param)) in stepped:
-                pieces[name] = (0, param.numel(), {"main_param": main, **member.optimizer.state.get(main, {})})
+                start, stop = owned.start, owned.end
+            main = getattr(param, "main_param", None)
+            if main is None:
+                address = param.view(-1)[start:stop].data_ptr()
+                main = next((p for p in stepped if p.data_ptr() == address and p.numel() == stop - start), None)
+            if main is None or not any(main is p for p in stepped):
+                continue  # another optimizer of the chain steps it
+            state = {key: value for key, value in member.optimizer.state.get(main, {}).items()
+                     if isinstance(value, torch.Tensor)}
+            pieces[name] = (start, stop, {"main_param": main, **state})
     return pieces
 
 
@@ -143,6 +155,15 @@ def megatron_training_state(model, optimizer, layer_offset=0) -> dict:
                 key: value if value.dim() == 0 else gathered(value, partition_of(param), tp_group)
                 for key, value in whole.items()}
     return state
+
+
+def assert_same_megatron_state(state, expected):
+    """state (megatron_training_state's; a pipeline stage's names) is bitwise expected's, every tensor."""
+    assert state and state.keys() <= expected.keys()
+    for name, tensors in state.items():
+        assert tensors.keys() == expected[name].keys(), (name, tensors.keys())
+        for key, value in tensors.items():
+            assert same_bits(value, expected[name][key]), (name, key)
 
 
 def _assembled(held: list, param, name) -> dict:
