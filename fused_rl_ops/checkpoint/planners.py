@@ -22,12 +22,23 @@ __all__ = ["LoadPlanner", "SavePlanner"]
 
 
 def _write_items(name: str, placement) -> list:
+    """A write item per chunk of a placed tensor: where the chunk lies in the global tensor."""
     return [WriteItem(index=MetadataIndex(name, torch.Size(at_global), i), type=WriteItemType.SHARD,
                       tensor_data=TensorWriteData(
                           chunk=ChunkStorageMetadata(offsets=torch.Size(at_global), sizes=chunk.shape),
                           properties=TensorProperties.create_from_tensor(chunk),
                           size=torch.Size(placement.global_shape)))
             for i, (at_global, chunk) in enumerate(placement.chunks.items())]
+
+
+def _plan_items(state_dict: dict, placements: dict, default, placed) -> list:
+    """A plan's items in the state dict's order: placed(name, placement) for a placed tensor,
+    default(name, value) (DCP's own planning) for everything else."""
+    items = []
+    for name, value in state_dict.items():
+        placement = placements.get(name)
+        items += default(name, value) if placement is None else placed(name, placement)
+    return items
 
 
 class SavePlanner(dcp.DefaultSavePlanner):
@@ -41,14 +52,9 @@ class SavePlanner(dcp.DefaultSavePlanner):
         self._placements = placements
 
     def create_local_plan(self) -> SavePlan:
-        items = []
-        for name, value in self.state_dict.items():
-            placement = self._placements.get(name)
-            if placement is None:
-                items += create_default_local_save_plan({name: value}, self.is_coordinator).items
-            else:
-                items += _write_items(name, placement)
-        self.plan = SavePlan(items)
+        self.plan = SavePlan(_plan_items(
+            self.state_dict, self._placements,
+            lambda name, value: create_default_local_save_plan({name: value}, self.is_coordinator).items, _write_items))
         return self.plan
 
     def lookup_object(self, index: MetadataIndex):
@@ -73,16 +79,14 @@ class LoadPlanner(dcp.DefaultLoadPlanner):
         self._placements = placements
 
     def create_local_plan(self) -> LoadPlan:
-        items = []
-        for name, value in self.state_dict.items():
-            placement = self._placements.get(name)
-            if placement is None:
-                items += create_default_local_load_plan({name: value}, self.metadata).items
-            else:
-                mine = [ChunkStorageMetadata(offsets=torch.Size(at_global), sizes=chunk.shape)
-                        for at_global, chunk in placement.chunks.items()]
-                items += create_read_items_for_chunk_list(name, self.metadata.state_dict_metadata[name], mine)
-        return LoadPlan(items)
+        return LoadPlan(_plan_items(
+            self.state_dict, self._placements,
+            lambda name, value: create_default_local_load_plan({name: value}, self.metadata).items, self._read_items))
+
+    def _read_items(self, name: str, placement) -> list:
+        mine = [ChunkStorageMetadata(offsets=torch.Size(at_global), sizes=chunk.shape)
+                for at_global, chunk in placement.chunks.items()]
+        return create_read_items_for_chunk_list(name, self.metadata.state_dict_metadata[name], mine)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         placement = self._placements.get(index.fqn)
