@@ -3,16 +3,16 @@ its flattened elements, as megatron-core's DistributedOptimizer steps) lies in t
 
 Property test (hypothesis): random shapes, sharded dims, strides, TP degrees and ranges. The
 global tensor holds each element's own index; the rank's shard comes from the tests' own reference
-split, its piece from flat slicing. Every chunk must show, in what is handed to DCP (a slice of the
-shard, or a view of the piece's own elements), exactly the global tensor's elements at the chunk's
-global place, and the chunks must cover the piece's elements once each.
+split, its piece from flat slicing. Every chunk must show, in what is handed to DCP (a view of the
+shard's or the piece's own elements), exactly the global tensor's elements at the chunk's global
+place, and the chunks must cover the piece's elements once each.
 """
 import math
 
 import pytest
 import torch
 
-from fused_rl_ops.checkpoint.chunks import dcp_tensor, piece_chunk, piece_data
+from fused_rl_ops.checkpoint.chunks import placement
 from fused_rl_ops.checkpoint.ranks import Entry, Group, Piece
 from fused_rl_ops.checkpoint.sharding import ShardSpec
 from fused_rl_ops.testing.checkpoint import reference_shard
@@ -39,8 +39,8 @@ def placements(draw):
 
 @settings(max_examples=300)
 @given(placements())
-def test_chunks_hold_the_global_elements_of_a_shard_or_a_piece(placement):
-    shape, spec, tp, tp_rank, piece = placement
+def test_chunks_hold_the_global_elements_of_a_shard_or_a_piece(case):
+    shape, spec, tp, tp_rank, piece = case
     everything = torch.arange(math.prod(shape), dtype=torch.float64).view(shape)
     shard = reference_shard(everything, spec.dim, spec.stride, tp, tp_rank) if spec.sharded else everything
     if piece is None:
@@ -48,20 +48,15 @@ def test_chunks_hold_the_global_elements_of_a_shard_or_a_piece(placement):
     else:
         wanted = shard.reshape(-1)[piece[0]:piece[1]].clone()
         entry = Entry("w", wanted, spec, Group(tp, tp_rank, tuple(range(tp))), piece=Piece(*piece, tuple(shard.shape)))
-    handed = dcp_tensor(entry, lambda local: local.detach())
-    assert piece_data(handed, entry).data_ptr() == entry.local.data_ptr()  # nothing copied
+    placed = placement(entry, entry.local)
     if piece is None and not spec.sharded:
-        assert not hasattr(handed, "global_offsets") and torch.equal(handed, shard)  # a plain tensor
+        assert placed is None  # a plain tensor: DCP's own handling
         return
-    assert tuple(handed.global_shape) == shape
+    assert tuple(placed.global_shape) == shape
     seen = []
-    for at_global, at_local, size in zip(handed.global_offsets, handed.local_offsets, handed.local_sizes):
-        in_global = everything[tuple(slice(o, o + n) for o, n in zip(at_global, size))]
-        in_handed = piece_chunk(handed, at_global)
-        if in_handed is None:  # a whole shard: DCP slices it at the local offsets
-            in_handed = handed[tuple(slice(o, o + n) for o, n in zip(at_local, size))]
-        else:
-            assert in_handed.untyped_storage().data_ptr() == entry.local.untyped_storage().data_ptr()
-        assert torch.equal(in_global, in_handed), (at_global, at_local, size)
+    for at_global, in_handed in placed.chunks.items():
+        in_global = everything[tuple(slice(o, o + n) for o, n in zip(at_global, in_handed.shape))]
+        assert in_handed.untyped_storage().data_ptr() == entry.local.untyped_storage().data_ptr()  # nothing copied
+        assert torch.equal(in_global, in_handed), (at_global, tuple(in_handed.shape))
         seen.append(in_global.reshape(-1))
     assert torch.equal(torch.cat(seen).sort().values, wanted.sort().values)

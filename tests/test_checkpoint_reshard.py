@@ -146,6 +146,100 @@ def test_round_trips_across_tp_degrees_and_tiny_gpt(tmp_path):
     run_distributed(_four_rank_checks, 4, str(tmp_path))
 
 
+# --- the checkpoint DCP's own sharded tensors give ------------------------------------------------
+
+def _blocks(shape, split, tp, rank):
+    """(global offset, offset in the shard, size) of each block of rank's shard of a tensor of shape
+    split (dim, stride) over tp ranks, by Megatron's rule: block b of rank r is block b * tp + r."""
+    dim, stride = split
+    block = shape[dim] // (stride * tp)
+
+    def along(value, others):
+        return tuple(value if d == dim else others[d] for d in range(len(shape)))
+
+    zeros = (0,) * len(shape)
+    return [(along((b * tp + rank) * block, zeros), along(b * block, zeros), along(block, shape))
+            for b in range(stride)]
+
+
+def _as_dcp_shards(shard, shape, split, tp, rank, means):
+    """shard as DCP itself takes a tensor held in blocks: a ShardedTensor of them, or (torch >= 2.14)
+    the tensor with CheckpointableTensor's fields."""
+    blocks = _blocks(shape, split, tp, rank)
+    if means == "CheckpointableTensor":
+        marked = shard.clone()
+        marked.global_shape = shape
+        marked.global_offsets, marked.local_offsets, marked.local_sizes = (tuple(block[i] for block in blocks)
+                                                                           for i in range(3))
+        return marked
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    return init_from_local_shards(
+        [Shard(shard[tuple(slice(o, o + n) for o, n in zip(in_shard, size))].contiguous(),
+               ShardMetadata(list(at_global), list(size), f"rank:{dist.get_rank()}/cpu"))
+         for at_global, in_shard, size in blocks], *shape)
+
+
+def _blocks_of(loaded, split, means):
+    """The blocks DCP read into what _as_dcp_shards made, joined back into the rank's shard."""
+    if means == "CheckpointableTensor":
+        return loaded
+    blocks = sorted(loaded.local_shards(), key=lambda shard: shard.metadata.shard_offsets)
+    return torch.cat([block.tensor for block in blocks], split[0])
+
+
+def _same_checkpoint_as_dcps_own(rank, world_size, root, means):
+    from fused_rl_ops.checkpoint.integrity import ChecksummedWriter
+    from fused_rl_ops.checkpoint.metadata import read_metadata
+
+    group = tp_group_of_size(2)
+    toy = Toy(logical_state(seed=1), 2, rank, step=7)
+    shards = dict(toy.state_dict())
+    splits = {name: split for name, _, _, _, split in LAYOUT}
+    shapes = {name: shape for name, shape, _, _, _ in LAYOUT}
+
+    def as_dcps_own(tensors):
+        return {name: _as_dcp_shards(t, shapes[name], splits[name], 2, rank, means) if splits.get(name) else t
+                for name, t in tensors.items()}
+
+    save_sharded(toy, f"{root}/save_sharded", tp_group=group)
+    dcp.save(as_dcps_own(shards), storage_writer=ChecksummedWriter(f"{root}/dcp"),
+             planner=dcp.DefaultSavePlanner(flatten_state_dict=False))  # the extra state's dict as one object
+
+    def chunks_of(path):
+        return {name: (md.size, md.properties, sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks))
+                if hasattr(md, "chunks") else md for name, md in read_metadata(path).state_dict_metadata.items()}
+
+    assert chunks_of(f"{root}/save_sharded") == chunks_of(f"{root}/dcp")
+
+    target = Toy(logical_state(seed=2), 2, rank, step=0)
+    load_sharded(target, f"{root}/dcp", tp_group=group)
+    assert_all_same(target, toy)
+    assert target.step == 7
+
+    fresh = as_dcps_own({name: torch.zeros_like(t) for name, t in shards.items() if isinstance(t, torch.Tensor)})
+    dcp.load(fresh, checkpoint_id=f"{root}/save_sharded")
+    for name, loaded in fresh.items():
+        assert same_bits(_blocks_of(loaded, splits[name], means) if splits.get(name) else loaded, shards[name]), name
+
+
+@pytest.mark.parametrize("means", [
+    "ShardedTensor",
+    pytest.param("CheckpointableTensor", marks=pytest.mark.skipif(
+        not hasattr(dcp, "CheckpointableTensor"),
+        reason="compares with DCP's CheckpointableTensor fields, which torch < 2.14 lacks (save_sharded does not "
+               "use them)")),
+])
+def test_checkpoint_is_the_one_dcp_writes_for_the_same_shards(tmp_path, means):
+    """At TP 2, save_sharded's checkpoint holds, tensor by tensor, the global shape, properties and
+    chunks that DCP itself stores for the same shards handed to it as ShardedTensors of their
+    blocks, or marked with CheckpointableTensor's fields (as save_sharded did before it planned the
+    chunks itself, on torch 2.14 only); DCP's checkpoint loads through load_sharded bit for bit,
+    and save_sharded's through DCP's own reading of those tensors."""
+    run_distributed(_same_checkpoint_as_dcps_own, 2, str(tmp_path), means)
+
+
 # --- extra states -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("staged", [False, True])

@@ -9,6 +9,7 @@
 - optimizer: a torch.optim or megatron-core optimizer's state (fp32 main copies included), stored
   and resharded with its parameters
 - chunks: where a rank's shard, or its range of one, lies in the global tensor (DCP's chunks)
+- planners: DCP's planners, writing and reading each rank's chunks where chunks.py places them
 - ranks: the collective check that the ranks agree before a save or load
 """
 from .save_load import IncompatibleKeys, load_sharded, save_sharded

@@ -16,5 +16,5 @@ StridedShard = _StridedShard
 
 def stored_data_offset(storage):
     """Where the bytes of a storage that torch.load made on the meta device lie in the archive it
-    read (torch >= 2.14 records it), or None."""
+    read (torch 2.11 to 2.14 record it), or None."""
     return getattr(storage, "_checkpoint_offset", None)

@@ -5,16 +5,17 @@ of the global tensor along `dim`: one chunk per block. A Piece (elements [start,
 flattened TP shard: a DistributedOptimizer's range) is cut into boxes, each contiguous in
 row-major order (the end of a row, whole rows, the start of a row, dimension by dimension), and
 those at the stride blocks; each chunk's elements are a strided view of the Piece's, so nothing is
-copied. dcp_tensor is the one place that sets DCP's CheckpointableTensor fields.
+copied. placement() is the one place that says where a rank's chunks lie; the planners
+(planners.py) hand them to DCP.
 """
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .sharding import global_shape
 
-__all__ = ["dcp_tensor", "piece_chunk", "piece_data"]
+__all__ = ["Placement", "placement"]
 
 
 def _at(coords: tuple, dim: int, value: int) -> tuple:
@@ -71,39 +72,26 @@ def _piece_chunk(data: torch.Tensor, piece, in_shard: tuple, size: tuple) -> tor
     return data.as_strided(size, strides, data.storage_offset() + first)
 
 
-def piece_chunk(placed, offset) -> Optional[torch.Tensor]:
-    """What DCP writes or reads as the chunk at global offset of a tensor dcp_tensor made for a Piece
-    (a view of the Piece's elements), None for any other tensor (DCP slices those itself)."""
-    chunks = getattr(placed, "piece_chunks", None)
-    return None if chunks is None else chunks[tuple(offset)]
+class Placement(NamedTuple):
+    """Where a rank's tensor lies in the logical global tensor: the global tensor's shape, and the
+    elements of each chunk (a view of the rank's tensor) by the chunk's global offset, in order."""
+
+    global_shape: tuple
+    chunks: dict
 
 
-def piece_data(placed, entry) -> torch.Tensor:
-    """The tensor dcp_tensor made for entry holds (make_buffer(entry.local))."""
-    return placed.piece_data if entry.piece is not None and entry.piece.shape else placed
-
-
-def dcp_tensor(entry, make_buffer) -> torch.Tensor:
-    """The tensor handed to DCP for a tensor entry (ranks.Entry), over make_buffer(entry.local) and
-    marked with where its chunks lie in the global tensor where that is not its own shape. For a
-    Piece it is a tensor of the TP shard's shape over a single element, which holds nothing: the
-    planners take each chunk's elements from piece_chunk, views of the Piece's flat elements, so a
-    Piece is written and read in place."""
+def placement(entry, data: torch.Tensor) -> Optional[Placement]:
+    """The Placement of a tensor entry (ranks.Entry) whose elements DCP writes from or reads into
+    data (the rank's TP shard, or its Piece's flat elements), None where data is the whole global
+    tensor."""
     piece, spec = entry.piece, entry.spec
     if piece is not None and piece.shape:
-        data = make_buffer(entry.local)
-        placed = data.new_empty(()).expand(piece.shape)  # one element: DCP would fill a meta tensor
         chunks = _chunks(piece.shape, spec, entry.tp.size, entry.tp.rank, _boxes(piece.shape, piece.start, piece.stop))
-        placed.piece_data = data
-        placed.piece_chunks = {at_global: _piece_chunk(data, piece, in_shard, size)
-                               for at_global, in_shard, size in chunks}
+        views = {at_global: _piece_chunk(data, piece, in_shard, size) for at_global, in_shard, size in chunks}
     elif spec.sharded:
-        placed = make_buffer(entry.local)
-        chunks = _chunks(entry.shape, spec, entry.tp.size, entry.tp.rank, [((0,) * placed.dim(), entry.shape)])
+        chunks = _chunks(entry.shape, spec, entry.tp.size, entry.tp.rank, [((0,) * data.dim(), entry.shape)])
+        views = {at_global: data[tuple(slice(o, o + n) for o, n in zip(in_shard, size))]
+                 for at_global, in_shard, size in chunks}
     else:
-        return make_buffer(entry.local)
-    placed.global_shape = global_shape(entry.shape, spec, entry.tp.size)
-    placed.global_offsets = tuple(at_global for at_global, _, _ in chunks)
-    placed.local_offsets = tuple(in_shard for _, in_shard, _ in chunks)
-    placed.local_sizes = tuple(size for _, _, size in chunks)
-    return placed
+        return None
+    return Placement(global_shape(entry.shape, spec, entry.tp.size), views)

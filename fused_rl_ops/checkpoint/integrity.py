@@ -329,7 +329,8 @@ class ChecksummedReader(dcp.FileSystemReader):
         storage = stored.untyped_storage()
         data_at = stored_data_offset(storage)
         if data_at is None:
-            raise RuntimeError("this torch's torch.load does not say where a tensor's bytes lie (torch >= 2.14 does)")
+            raise RuntimeError("this torch's torch.load does not say where a tensor's bytes lie (torch 2.11 to "
+                               "2.14 do)")
         wanted = narrow_tensor_by_index(stored, request.storage_offsets, request.lengths)
         target = planner.resolve_tensor(request).detach()
         if target.shape != wanted.shape:

@@ -12,7 +12,8 @@ one rank (more ranks need a tp_group), no expert or pipeline parallelism, `exper
 `optimizer=` (a torch.optim optimizer over the module's parameters, or one of megatron-core's with
 fp32 main copies, distributed over the data-parallel ranks or not) saves and loads its state with
 the module, each state tensor stored and resharded as its parameter (optimizer.py; a
-DistributedOptimizer's ranges as chunks, chunks.py).
+DistributedOptimizer's ranges as chunks, chunks.py). The planners (planners.py) tell DCP where each
+rank's chunks lie in the global tensors.
 
 Both check first, collectively (ranks.py); a load checks the checkpoint's metadata (its checksum and
 structure, metadata.py) and the checkpoint against the module (names, global shapes, dtypes,
@@ -22,7 +23,7 @@ module's tensors (parameters keep their storage: views into Megatron's DDP buffe
 verifying each item's checksum (integrity.py); `staged=True` reads into temporaries first, so that
 a checksum mismatch or an I/O error mid-read also leaves the module unchanged. A save commits
 atomically over the checkpoint it replaces (integrity.py). Both are collective over the default
-group and need DCP's CheckpointableTensor (torch >= 2.14) and the xxhash package.
+group and need the xxhash package.
 """
 import contextlib
 import warnings
@@ -34,10 +35,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ._torch_private import EXTRA_STATE_KEY_SUFFIX
-from .chunks import dcp_tensor, piece_chunk, piece_data
+from .chunks import placement
 from .experts import check_expert_counts, check_grouped_glu_not_interleaved, is_extra_state
 from .integrity import ChecksummedReader, ChecksummedWriter, require_xxhash
 from .metadata import check_data_files, read_metadata
+from .planners import LoadPlanner, SavePlanner
 from .optimizer import (check_optimizer_type, entries_to_save, install_optimizer_state, is_optimizer_item,
                         optimizer_items_to_load, read_optimizer_objects)
 from .ranks import Layout, check_ranks_agree, layout_of, local_entries, raised_together
@@ -46,27 +48,19 @@ from .sharding import global_shape
 __all__ = ["IncompatibleKeys", "load_sharded", "save_sharded"]
 
 
-def _require_dependencies():
-    """An older DCP, without CheckpointableTensor, would take each rank's shard for the whole
-    tensor and keep one rank's: the silent failure this module exists to prevent."""
-    if not hasattr(dcp, "CheckpointableTensor"):
-        raise RuntimeError(
-            "save_sharded/load_sharded need torch.distributed.checkpoint.CheckpointableTensor "
-            f"(torch 2.14 has it); this is torch {torch.__version__}")
-    require_xxhash()
-
-
 def _alias(local: torch.Tensor) -> torch.Tensor:
-    """local's storage under a new tensor object, so the chunk fields DCP reads stay off the
-    parameter, and the parameter keeps its storage (Megatron's DDP holds it as a view of a buffer)."""
+    """local's storage under a new tensor object that autograd does not track: DCP writes from it
+    and reads into it in place, so the parameter keeps its storage (Megatron's DDP holds it as a
+    view of a buffer)."""
     return local.detach()
 
 
-def _dcp_state(entries: dict, make_buffer) -> dict:
-    """The state dict handed to DCP: each tensor as chunks.dcp_tensor makes it over
-    make_buffer(local), other objects as they are."""
-    return {name: entry.local if entry.spec is None else dcp_tensor(entry, make_buffer)
-            for name, entry in entries.items()}
+def _dcp_state(entries: dict, make_buffer) -> tuple:
+    """(the state dict handed to DCP: each tensor as make_buffer(local), other objects as they are;
+    the Placement of each tensor that is not its whole global tensor, for the planners)."""
+    state = {name: entry.local if entry.spec is None else make_buffer(entry.local) for name, entry in entries.items()}
+    placements = {name: placement(entries[name], state[name]) for name in state if entries[name].spec is not None}
+    return state, {name: placed for name, placed in placements.items() if placed is not None}
 
 
 @contextlib.contextmanager
@@ -86,31 +80,12 @@ def _state_of(module_or_state_dict) -> dict:
     return dict(module_or_state_dict)
 
 
-class _SavePlanner(dcp.DefaultSavePlanner):
-    """DCP's planner, taking a Piece's chunks from chunks.piece_chunk. DCP clones every tensor whose
-    storage is larger than the tensor (else torch.save would write the whole storage), which would
-    copy each stride block of a stride > 1 shard. A contiguous block is handed over instead as a
-    tensor over exactly its bytes: an alias, not a copy."""
-
-    def lookup_object(self, index):
-        chunk = piece_chunk(self.state_dict.get(index.fqn), index.offset)
-        return super().lookup_object(index) if chunk is None else chunk
-
-    def resolve_data(self, write_item):
-        data = super().resolve_data(write_item)
-        if isinstance(data, torch.Tensor) and data.is_contiguous() and data.untyped_storage().nbytes() != data.nbytes:
-            start = data.storage_offset() * data.element_size()
-            own_bytes = data.untyped_storage()[start:start + data.nbytes]
-            data = torch.empty(0, dtype=data.dtype, device=data.device).set_(own_bytes, 0, data.shape)
-        return data
-
-
 def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, *, tp_group=None, ep_group=None,
                  expert_tp_group=None, pp_group=None, optimizer=None) -> None:
     """Saves each entry as its logical global tensor with DCP, and optimizer's state with them (see
     the module docstring). A state dict must be state_dict(keep_vars=True) to go with an optimizer; a
     plain state dict at pipeline degree > 1 is refused: its layer names do not say which layers they are."""
-    _require_dependencies()
+    require_xxhash()
     check_optimizer_type(optimizer)
     module = module_or_state_dict if isinstance(module_or_state_dict, torch.nn.Module) else None
     if module is not None:
@@ -123,9 +98,9 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
             entries.update(entries_to_save(optimizer, state, entries))
     check_ranks_agree(entries, layout, with_checksums=True)
     entries = {name: entry for name, entry in entries.items() if not entry.optional}
-    planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    state, placements = _dcp_state(entries, _alias)
     with _quiet_if_one_process():
-        dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
+        dcp.save(state, storage_writer=ChecksummedWriter(path), planner=SavePlanner(placements))
 
 
 class IncompatibleKeys(NamedTuple):
@@ -179,14 +154,6 @@ def _check_fits(entries: dict, metadata: Metadata):
                 f"{expected} (local {entry.shape} at tensor-parallel degree {tp.size})")
 
 
-class _LoadPlanner(dcp.DefaultLoadPlanner):
-    """DCP's planner, reading a Piece's chunks into chunks.piece_chunk's views."""
-
-    def lookup_tensor(self, index):
-        chunk = piece_chunk(self.state_dict.get(index.fqn), index.offset)
-        return super().lookup_tensor(index) if chunk is None else chunk
-
-
 def _failures(exc: dcp.CheckpointException) -> str:
     return "; ".join(f"rank {rank}: {error!r}" for rank, (error, _) in sorted(exc.failures.items()))
 
@@ -194,16 +161,15 @@ def _failures(exc: dcp.CheckpointException) -> str:
 def _read(entries: dict, metadata: Metadata, path: str, staged: bool) -> dict:
     """stored name -> what DCP read for it: straight into the entries' tensors, or staged into
     temporaries; an extra state's tensor at its stored length."""
-    loaded = _dcp_state(entries, torch.empty_like if staged else _alias)
+    loaded, placements = _dcp_state(entries, torch.empty_like if staged else _alias)
     for name, entry in entries.items():
         if entry.spec is not None and is_extra_state(entry.module_name):
             # get_extra_state() made a new tensor: read into one of the stored size, then hand it over.
             loaded[name] = entry.local.new_empty(metadata.state_dict_metadata[name].size)
-    # No flattening: DCP would otherwise put loaded objects (extra state) into a copy of `loaded`.
-    planner = _LoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+            placements.pop(name, None)
     try:
         with _quiet_if_one_process():
-            dcp.load(loaded, storage_reader=ChecksummedReader(path, metadata), planner=planner)
+            dcp.load(loaded, storage_reader=ChecksummedReader(path, metadata), planner=LoadPlanner(placements))
     except dcp.CheckpointException as exc:
         if staged:
             raise RuntimeError(
@@ -222,7 +188,7 @@ def _install(module: torch.nn.Module, entries: dict, loaded: dict, staged: bool)
                 owner = entry.module_name[: -len(EXTRA_STATE_KEY_SUFFIX)].rstrip(".")
                 module.get_submodule(owner).set_extra_state(loaded[name])
             elif staged:
-                entry.local.copy_(piece_data(loaded[name], entry))
+                entry.local.copy_(loaded[name])
 
 
 def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
@@ -232,7 +198,7 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
     its own copy. strict=False loads the entries the module and the checkpoint share, leaving the
     module's others as they are; the entries either lacks are returned (strict=True raises naming
     them). An optimizer= needs state for all its parameters either way."""
-    _require_dependencies()
+    require_xxhash()
     check_optimizer_type(optimizer)
     check_grouped_glu_not_interleaved(module)
     state = module.state_dict(keep_vars=True)
