@@ -267,19 +267,24 @@ def combined_stats64(z):
 
 
 def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0,
-                  temperature, passes, softcap=0.0):
+                  temperature, passes, softcap=0.0, grads=None, grads_col=0, offsets=(0, 0)):
     """chosen_logprob_grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32; softcap 0:
-    none); returns the gradients it wrote in place."""
+    none): in place by default, returning the gradients it wrote over the logits; or into columns
+    [grads_col, grads_col + C) of grads ([N, stride] in the gradient dtype), returning all of grads.
+    offsets: the logits' and grads' elements past a 16-byte boundary. Returns (gradients, launch)."""
     N, C = logits.shape
-    out, [launch] = run_case(drivers, "chosen_logprob", "grad_rows",
-                             {"logits": Buf(logits), "tokens": Buf(tokens), "row_max": Buf(row_max.float()),
-                              "log_sum": Buf(log_sum.float()),
-                              "log_sum_minus_entropy": Buf(log_sum_minus_entropy.float()),
-                              "gl": Buf(gl), "ge": Buf(ge)},
-                             {"N": N, "C": C, "col0": col0, "temperature": temperature, "softcap": softcap},
-                             passes=passes, tmp_dir=tmp_path)
+    buffers = {"logits": Buf(logits, offsets[0]), "tokens": Buf(tokens), "row_max": Buf(row_max.float()),
+               "log_sum": Buf(log_sum.float()), "log_sum_minus_entropy": Buf(log_sum_minus_entropy.float()),
+               "gl": Buf(gl), "ge": Buf(ge)}
+    scalars = {"N": N, "C": C, "col0": col0, "temperature": temperature, "softcap": softcap,
+               "in_place": int(grads is None)}
+    if grads is not None:
+        buffers["grads"] = Buf(grads, offsets[1])
+        scalars.update(dtype=dtype_scalar(grads.dtype), grads_stride=grads.shape[1], grads_col=grads_col)
+    out, [launch] = run_case(drivers, "chosen_logprob", "grad_rows", buffers, scalars, passes=passes,
+                             block_order_seed=N, tmp_dir=tmp_path)
     assert_passes(launch, N, passes)
-    return out["logits"]
+    return out["logits" if grads is None else "grads"], launch
 
 
 def grad_rows_reference(logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0, inv_temp):

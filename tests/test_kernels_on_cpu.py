@@ -67,6 +67,19 @@ DEFECTS = {
         "for (int64_t k = lane; k <= C; k += kWarp) m =", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_stats_rows(d, tmp, 21, 45, "several", 1.0),
         "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
+    # grad_rows' column loop one pack past the row (thread 0 reaches k = C with 16 packs a row).
+    "grad_rows_loop_bound_le": (
+        "chosen_logprob/kernel.cuh", "k < C; k += int64_t(blockDim.x) * kWidth",
+        "k <= C; k += int64_t(blockDim.x) * kWidth", "chosen_logprob",
+        lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_grad_rows_into_a_gradient_buffer(
+            d, tmp, 20, 64, 128, 64, (0, 0), "one", "vector", 0.0),
+        "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
+    # grad_rows' launcher taking the vector path without checking the buffer's alignment.
+    "grad_rows_alignment_unchecked": (
+        "chosen_logprob/kernel.cu", "is_aligned(p.grads, sizeof(Pack<G, kGradWidth>))", "true", "chosen_logprob",
+        lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_grad_rows_into_a_gradient_buffer(
+            d, tmp, 20, 64, 128, 64, (0, 1), "several", "scalar", 0.0),
+        "misaligned address", "asan_ubsan"),
     # warp_sum's butterfly starting at offset 8: each half-warp sums only itself (a row of more
     # than 16 packs).
     "shuffle_offset_halved": (
