@@ -35,11 +35,18 @@ than every other path of the row.
 
 The plot (--json PATH -> PATH.png) draws time and peak memory of forward+backward (logprob only)
 against V and against N for every path (the sweeps), and against the masked share at the last main
-shape (the RL-shaped case, with entropy dashed)."""
+shape (the RL-shaped case, with entropy dashed). On a CUDA device whose ceilings
+benchmarks/roofline.py knows, every timed row of the main shapes also gives what the fused path's
+kernels should take there from their FLOPs and bytes (fused_roofline_ms, and
+fused_roofline_serial_ms with GEMM epilogues not overlapped) and fused/roofline, the measured time
+over it; the JSON holds the ceilings and a per-kernel breakdown."""
+import dataclasses
+
 import torch
 
 from fused_rl_ops import reference
 
+from . import roofline
 from .chosen_logprob_paths import gemm_runs, load_peers, make_inputs, path_fn, paths_for, peak_mib, run_once
 from .plots import pyplot, save_figure
 from .results import parse_args, png_path, write_json
@@ -105,6 +112,27 @@ def add_ratios(row, paths, N, H, V, mode):
         row["invariant/fused" if path == "fused_invariant" else f"{path}/fused"] = row[f"{path}_ms"] / row["fused_ms"]
 
 
+ROOFLINE_COLUMNS = ["fused_roofline_ms", "fused_roofline_serial_ms", "fused/roofline"]
+
+
+def add_roofline(row, dtype, ceilings):
+    """What the fused path's kernels should take on the device (benchmarks/roofline.py) beside its
+    measured time, and the measured time over it."""
+    kernels = roofline.chosen_logprob_kernels(row["N"], row["H"], row["V"], dtype, row["mode"])
+    expected = roofline.expected_ms(kernels, dtype, ceilings)
+    row["fused_roofline_ms"] = expected["roofline_ms"]
+    row["fused_roofline_serial_ms"] = expected["roofline_serial_ms"]
+    row["fused/roofline"] = row["fused_ms"] / expected["roofline_ms"]
+
+
+def roofline_table(N, H, V, dtype, ceilings):
+    """The per-kernel roofline of the fused forward+backward at one shape, printed and for the JSON."""
+    rows = roofline.breakdown(roofline.chosen_logprob_kernels(N, H, V, dtype, "fwd+bwd"), dtype, ceilings)
+    title = (f"chosen_logprob: the fused path's kernels on {ceilings.name}, forward+backward at N={N} H={H} V={V} "
+             f"(roofline: each at the larger of its GEMM and memory times)")
+    return summary_table(title, rows, roofline.BREAKDOWN_COLUMNS)
+
+
 def sweep(points, dtype, dev, peers, reps):
     """Forward+backward time and peak memory (logprob only) of every path at each (N, H, V)."""
     paths = paths_for(False, peers)
@@ -155,9 +183,9 @@ def plot(v_curve, n_curve, masked_rows, paths, path, device, dtype):
     save_figure(fig, path)
 
 
-def measure_shape(N, H, V, dtype, dev, peers, reps) -> list:
-    """The timed rows (with and without entropy, forward and forward+backward) and the peak memory
-    row of one shape."""
+def timed_rows(N, H, V, dtype, dev, peers, reps, ceilings=None) -> list:
+    """The timed rows of one shape (with and without entropy, forward and forward+backward), with
+    the roofline columns where the device's ceilings are known."""
     rows = []
     hidden, weight, tokens = make_inputs(N, H, V, dtype, dev)
     gemms = gemm_runs(hidden, weight)
@@ -170,11 +198,20 @@ def measure_shape(N, H, V, dtype, dev, peers, reps) -> list:
             record_times(row, time_paths({**runs, "gemm": gemms[mode]}, dev, reps=reps))
             add_ratios(row, paths, N, H, V, mode)
             add_goals(row, TIME_GOALS)
+            if ceilings:
+                add_roofline(row, dtype, ceilings)
             rows.append(row)
-            print_row(row, ["N", "H", "V", "entropy", "mode"]
-                      + [c for c in row if c.endswith(("_ms", "/fused", "_%gemm")) and "iqr" not in c]
+            times = [c for c in row if c.endswith(("_ms", "/fused", "_%gemm")) and "iqr" not in c]
+            print_row(row, ["N", "H", "V", "entropy", "mode", "fused_ms"] + [c for c in ROOFLINE_COLUMNS if c in row]
+                      + [c for c in times if c != "fused_ms" and c not in ROOFLINE_COLUMNS]
                       + [c for c in TIME_GOALS if c in row])
-    del gemms
+    return rows
+
+
+def measure_shape(N, H, V, dtype, dev, peers, reps, ceilings=None) -> list:
+    """The timed rows and the peak memory row of one shape."""
+    rows = timed_rows(N, H, V, dtype, dev, peers, reps, ceilings)
+    hidden, weight, tokens = make_inputs(N, H, V, dtype, dev)
     memory = {"N": N, "H": H, "V": V, "mode": "peak fwd+bwd"}
     for path in paths_for(False, peers):
         memory[f"{path}_MiB"] = peak_mib(path, [(N, H, V)], dtype, dev, peers)[0]
@@ -217,9 +254,11 @@ def measure_masked(N, H, V, dtype, dev, peers, reps) -> list:
 def summary_tables(rows, all_paths):
     timed = [r for r in rows if "fused_ms" in r]
     key = ["N", "H", "V", "entropy", "mode"]
+    expected = [c for c in ROOFLINE_COLUMNS if any(c in r for r in timed)]
     return [
-        summary_table("chosen_logprob: median time (ms); ratios are path time / fused time",
-                      timed, key + [f"{p}_ms" for p in all_paths] + ["gemm_ms"]
+        summary_table("chosen_logprob: median time (ms); ratios are path time / fused time"
+                      + ("; fused_roofline*: what the fused kernels should take on the device" if expected else ""),
+                      timed, key + ["fused_ms"] + expected + [f"{p}_ms" for p in all_paths[1:]] + ["gemm_ms"]
                       + [f"{p}/fused" for p in all_paths[1:]]),
         summary_table("chosen_logprob: the cost of batch_invariant=True (fused_invariant time / fused time)",
                       timed, key + ["fused_ms", "fused_invariant_ms", "invariant/fused"]),
@@ -314,9 +353,12 @@ def main():
         shapes = [tuple(shape) for shape in args.shape]
     peers, versions = load_peers(dev)
     all_paths = paths_for(False, peers)
+    ceilings = roofline.ceilings_for(dev)
     rows = [] if args.masked_only else [row for N, H, V in shapes
-                                        for row in measure_shape(N, H, V, dtype, dev, peers, reps)]
+                                        for row in measure_shape(N, H, V, dtype, dev, peers, reps, ceilings)]
     tables = summary_tables(rows, all_paths) if rows else []
+    if ceilings and rows:
+        tables += [roofline_table(N, H, V, dtype, ceilings) for N, H, V in shapes]
     masked_rows = [row for N, H, V in shapes for row in measure_masked(N, H, V, dtype, dev, peers, reps)]
     tables.append(masked_table(masked_rows, all_paths))
 
@@ -337,7 +379,8 @@ def main():
         headline = main_headline(rows, shapes[-1], all_paths) + headline
     write_json(args.json, "chosen_logprob", dev, rows + masked_rows, headline=headline, tables=tables, peers=versions,
                plot=plot_file, sweeps={"V": v_curve, "N": n_curve}, flop_counting=FLOP_COUNTING,
-               goals={column: what for column, (what, _) in {**GOALS, **MASKED_GOALS}.items()})
+               goals={column: what for column, (what, _) in {**GOALS, **MASKED_GOALS}.items()},
+               roofline={"ceilings": dataclasses.asdict(ceilings), "model": roofline.__doc__} if ceilings else None)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ local vocabulary in chunks (one GEMM per chunk into a bounded workspace, then a 
 folds the chunk into per-token partials: max, sum of exp, sum of exp-weighted shifted logits, and
 the chosen logit). Ranks exchange those [N, 4] partials with one all-gather and merge them in a
 fixed order; the backward recomputes each chunk's logits and turns them into logit gradients in
-place. Memory beyond inputs, outputs and gradients: the workspace (`workspace_bytes`, by default
+the dtype its GEMMs take (in place, or into a buffer of several chunks' gradients on CUDA). Memory
+beyond inputs, outputs and gradients: the workspace (`workspace_bytes`, by default
 default_workspace_bytes(hidden)) plus O(tokens) state, independent of the vocabulary size. Rows whose
 token is ignore_index are left out before the kernels (skip_ignored): the work, and the workspace's
 size, follow the scored rows.
@@ -30,6 +31,12 @@ _MIN_CHUNK = 128
 # GEMM has one shape whatever the batch (see RowTiling in csrc/chosen_logprob/chunks.h). Row blocks are
 # multiples of 128, so every block of an aligned hidden starts aligned (aligned_rows there).
 INVARIANT_TILING = {"cpu": (512, 2048), "cuda": (512, 4096)}
+# Chunks per gradient GEMM where the logit gradients have a buffer of their own (CUDA, bfloat16 or
+# float16 inputs: the GEMMs take them in the inputs' dtype, half the bytes of the fp32 logits). Two
+# give that buffer as many bytes as the logits and halve the gradient GEMMs of a chunk-per-GEMM
+# loop, each of which reads and writes the whole fp32 hidden gradient (docs/chosen_logprob.md,
+# "Memory" and "Speed on CUDA").
+SEPARATE_GRAD_CHUNKS = 2
 
 
 @options_dataclass
@@ -44,6 +51,8 @@ class ChosenLogprobOptions:
         pass, 0: all rows (tiling_for).
     softcap: the logits are capped as softcap * tanh(logits / softcap) first; None: no cap.
     valid_rows: weight's first rows that are vocabulary, the rest padding; None: all of them.
+    grad_chunks: the backward's gradient GEMMs take the logit gradients of this many chunks at once
+        (tiling_for); the stats op ignores it.
     The ranks of a tensor-parallel group must agree on the options marked agreed (temperature,
     softcap); chosen_logprob's group check compares them.
     """
@@ -54,6 +63,7 @@ class ChosenLogprobOptions:
     pass_rows: int = option(NON_NEGATIVE_INTEGER, default=0)
     softcap: Optional[float] = option(POSITIVE_FINITE, default=None, agreed=True)
     valid_rows: Optional[int] = option(NON_NEGATIVE_INTEGER, default=None)
+    grad_chunks: int = option(POSITIVE_INTEGER, default=1)
 
     def __post_init__(self):
         check_options("chosen_logprob", self)
@@ -89,27 +99,56 @@ def default_workspace_bytes(hidden: torch.Tensor, rows: Optional[int] = None) ->
     return min(DEFAULT_WORKSPACE_BYTES, max(_MIN_DEFAULT_WORKSPACE_BYTES, elements * hidden.element_size()))
 
 
-def chunk_size_for(num_tokens: int, hidden_size: int, element_size: int, workspace_bytes: int) -> int:
-    """Vocab rows per chunk so that the chunk's buffers fit in workspace_bytes: fp32 logits
-    [N, chunk], their copy in the input dtype (CUDA, reduced precision) and the fp32 weight chunk
-    (CPU, reduced precision). Never below 128 rows, a multiple of 128."""
-    per_row = 4 * num_tokens + element_size * num_tokens + 4 * hidden_size
-    rows = workspace_bytes // max(per_row, 1)
-    return max(_MIN_CHUNK, rows // _MIN_CHUNK * _MIN_CHUNK)
+def chunk_loop_bytes(device_type: str, element_size: int, hidden_size: int, pass_rows: int, chunk: int,
+                     grad_chunks: int, several_passes: bool = False) -> int:
+    """The bytes of the buffers csrc/chosen_logprob/chunks.h allocates whose size follows the chunk
+    width, on device_type ("cpu" or "cuda") for inputs of element_size bytes, passes of pass_rows
+    token rows, chunks of `chunk` vocab rows and groups of grad_chunks chunks (group = chunk *
+    grad_chunks rows; at most the vocabulary's, which these bytes assume it has): the backward's,
+    which hold the forward's. In the accumulation dtype (acc: fp32, fp64 for float64 inputs):
+      - the logits, [pass_rows, chunk] acc (the forward's too);
+      - the logit gradients, in the dtype the gradient GEMMs take (CUDA: the inputs'; CPU: acc):
+        written over the logits when that is acc and grad_chunks is 1, else [pass_rows, group];
+      - on the CPU with reduced-precision inputs, the group's weight rows converted for the GEMMs,
+        [group, H] acc (the forward's: [chunk, H]);
+      - the group's weight gradient before it is rounded, [group, H] acc, when the rows take
+        several passes (summed over them) or on the CPU with reduced-precision inputs.
+    Not counted: what follows the tokens or the row block alone (a hidden copy in acc on the CPU,
+    the hidden-gradient accumulator, a padded last block), and main_grad's [group, H] buffer in
+    the weight's dtype, left out so that main_grad changes no chunk width (its sums are then
+    bitwise those of the returned weight gradient)."""
+    acc_size = 8 if element_size == 8 else 4
+    cuda = device_type == "cuda"
+    grad_size = element_size if cuda else acc_size
+    group = chunk * grad_chunks
+    reduced_cpu_copy = not cuda and element_size != acc_size
+    logits = acc_size * pass_rows * chunk
+    grads = 0 if grad_size == acc_size and grad_chunks == 1 else grad_size * pass_rows * group
+    weight_rows = acc_size * hidden_size * group if reduced_cpu_copy else 0
+    weight_grad = acc_size * hidden_size * group if several_passes or reduced_cpu_copy else 0
+    return logits + grads + weight_rows + weight_grad
 
 
 def tiling_for(num_tokens: int, hidden_size: int, element_size: int, workspace_bytes: int, device: torch.device,
-               batch_invariant: bool) -> tuple[int, int, int]:
-    """(chunk_size, row_block, pass_rows) for the kernels. By default one GEMM per chunk takes all
-    tokens (row_block = pass_rows = 0) and the chunk width follows the token count. Batch-invariant:
-    the device's fixed row block and chunk width, and as many row blocks per pass as fit in
-    workspace_bytes (at least one); the pass size changes no result."""
-    if not batch_invariant:
-        return chunk_size_for(num_tokens, hidden_size, element_size, workspace_bytes), 0, 0
-    row_block, chunk = INVARIANT_TILING["cuda" if device.type == "cuda" else "cpu"]
-    weight_chunk_copy = 4 * hidden_size * chunk if device.type != "cuda" and element_size < 4 else 0
-    fitting_rows = (workspace_bytes - weight_chunk_copy) // ((4 + element_size) * chunk)
-    return chunk, row_block, max(row_block, fitting_rows // row_block * row_block)
+               batch_invariant: bool) -> tuple[int, int, int, int]:
+    """(chunk_size, row_block, pass_rows, grad_chunks) for the kernels, so that the chunk loop's
+    buffers on hidden's device (chunk_loop_bytes) fit in workspace_bytes. By default one GEMM per
+    chunk takes all tokens (row_block = pass_rows = 0) and the chunk is the widest multiple of 128
+    that fits (at least 128), with SEPARATE_GRAD_CHUNKS chunks per gradient GEMM where the logit
+    gradients have a buffer of their own (CUDA, bfloat16 / float16), else one. Batch-invariant:
+    the device's fixed row block and chunk width, one chunk per gradient GEMM, and as many row
+    blocks per pass as fit (at least one); the pass size changes no result."""
+    device_type = "cuda" if device.type == "cuda" else "cpu"
+    if batch_invariant:
+        row_block, chunk = INVARIANT_TILING[device_type]
+        fixed, with_one_row = (chunk_loop_bytes(device_type, element_size, hidden_size, rows, chunk, 1,
+                                                several_passes=True) for rows in (0, 1))
+        fitting_rows = (workspace_bytes - fixed) // (with_one_row - fixed)
+        return chunk, row_block, max(row_block, fitting_rows // row_block * row_block), 1
+    grad_chunks = SEPARATE_GRAD_CHUNKS if device_type == "cuda" and element_size < 4 else 1
+    per_vocab_row = chunk_loop_bytes(device_type, element_size, hidden_size, num_tokens, 1, grad_chunks)
+    rows = workspace_bytes // max(per_vocab_row, 1)
+    return max(_MIN_CHUNK, rows // _MIN_CHUNK * _MIN_CHUNK), 0, 0, grad_chunks
 
 
 def _check_args(hidden, weight, tokens):
@@ -402,8 +441,9 @@ def chosen_logprob(
     ([V_local, H], float32 or weight's dtype: Megatron's gradient-accumulation buffer) makes the
     backward add the weight gradient into it, chunk by chunk, instead of returning one (see
     _main_grad_placeholder for what the weight receives).
-    workspace_bytes bounds the per-chunk buffers (see chunk_size_for; with main_grad add a
-    [chunk, H] gradient buffer); None: default_workspace_bytes(hidden, rows the kernels get).
+    workspace_bytes bounds the buffers whose size follows the chunk width, as each device allocates
+    them (chunk_loop_bytes; with main_grad add a [chunk * grad_chunks, H] buffer in the weight's
+    dtype); None: default_workspace_bytes(hidden, rows the kernels get).
 
     batch_invariant=True makes each token's logprob, entropy and hidden gradient bitwise
     independent of the other tokens of the call (their number, order, leading shape, ignored
@@ -435,11 +475,12 @@ def chosen_logprob(
             kernel_rows = scored_count if skipping else kernel_rows
         if workspace_bytes is None:
             workspace_bytes = default_workspace_bytes(hidden, kernel_rows)
-        chunk_size, row_block, pass_rows = tiling_for(kernel_rows, hidden.shape[-1], hidden.element_size(),
-                                                      workspace_bytes, hidden.device, batch_invariant)
+        chunk_size, row_block, pass_rows, grad_chunks = tiling_for(
+            kernel_rows, hidden.shape[-1], hidden.element_size(), workspace_bytes, hidden.device, batch_invariant)
         # The weight's rows before vocab_size are vocabulary, the rest padding.
         valid_rows = min(max(vocab_size - vocab_start, 0), local_vocab)
-        options = ChosenLogprobOptions(temperature, vocab_start, chunk_size, row_block, pass_rows, softcap, valid_rows)
+        options = ChosenLogprobOptions(temperature, vocab_start, chunk_size, row_block, pass_rows, softcap, valid_rows,
+                                       grad_chunks)
     except (TypeError, ValueError) as exc:
         error = exc
     if world > 1 and check_group:

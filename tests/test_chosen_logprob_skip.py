@@ -90,7 +90,7 @@ def test_the_default_workspace_follows_the_scored_rows(device):
     labels[:, :300] = -100
     _, calls = run(*batch)
     count = len(scored(labels))
-    chunk_size, _, _ = tiling_for(count, H, 4, default_workspace_bytes(hidden, count), hidden.device, False)
+    chunk_size, _, _, _ = tiling_for(count, H, 4, default_workspace_bytes(hidden, count), hidden.device, False)
     assert chunk_size != tiling_for(labels.numel(), H, 4, default_workspace_bytes(hidden), hidden.device, False)[0]
     for call in calls.calls:
         if call.op in KERNELS:
