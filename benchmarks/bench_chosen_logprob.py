@@ -30,7 +30,7 @@ from fused_rl_ops import reference
 
 from .chosen_logprob_paths import gemm_runs, load_peers, make_inputs, path_fn, paths_for, peak_mib, run_once
 from .plots import pyplot, save_figure
-from .results import parse_args, png_path, write_json
+from .results import RowLog, parse_args, png_path, write_json
 from .tables import print_row, summary_table
 from .timing import record_times, time_paths
 
@@ -78,18 +78,21 @@ def add_ratios(row, paths, N, H, V, mode):
         row["invariant/fused" if path == "fused_invariant" else f"{path}/fused"] = row[f"{path}_ms"] / row["fused_ms"]
 
 
-def sweep(points, dtype, dev, peers, reps):
-    """Forward+backward time and peak memory (logprob only) of every path at each (N, H, V)."""
+def sweep(name, points, dtype, dev, peers, reps, log):
+    """Forward+backward time and peak memory (logprob only) of every path at each (N, H, V); the
+    times logged per point, the memory per path."""
     paths = paths_for(False, peers)
     curve = [{"N": N, "H": H, "V": V} for N, H, V in points]
     for point in curve:
         hidden, weight, tokens = make_inputs(point["N"], point["H"], point["V"], dtype, dev)
         times = time_paths({p: run_once(path_fn(p, False, peers), "fwd+bwd", hidden, weight, tokens) for p in paths},
                            dev, reps=reps)
-        record_times(point, times)
+        log(f"sweep {name}", record_times(point, times))
         del hidden, weight, tokens
     for path in paths:
-        for point, mib in zip(curve, peak_mib(path, points, dtype, dev, peers)):
+        mibs = log(f"sweep {name} memory", {"path": path, "points": points,
+                                            "MiB": peak_mib(path, points, dtype, dev, peers)})["MiB"]
+        for point, mib in zip(curve, mibs):
             point[f"{path}_MiB"] = mib
     return curve
 
@@ -117,9 +120,9 @@ def plot(v_curve, n_curve, paths, path, device, dtype):
     save_figure(fig, path)
 
 
-def measure_shape(N, H, V, dtype, dev, peers, reps) -> list:
+def measure_shape(N, H, V, dtype, dev, peers, reps, log) -> list:
     """The timed rows (with and without entropy, forward and forward+backward) and the peak memory
-    row of one shape."""
+    row of one shape, each logged as it is measured."""
     rows = []
     hidden, weight, tokens = make_inputs(N, H, V, dtype, dev)
     gemms = gemm_runs(hidden, weight)
@@ -132,7 +135,7 @@ def measure_shape(N, H, V, dtype, dev, peers, reps) -> list:
             record_times(row, time_paths({**runs, "gemm": gemms[mode]}, dev, reps=reps))
             add_ratios(row, paths, N, H, V, mode)
             add_goals(row, TIME_GOALS)
-            rows.append(row)
+            rows.append(log("results", row))
             print_row(row, ["N", "H", "V", "entropy", "mode"]
                       + [c for c in row if c.endswith(("_ms", "/fused", "_%gemm")) and "iqr" not in c]
                       + [c for c in TIME_GOALS if c in row])
@@ -143,7 +146,7 @@ def measure_shape(N, H, V, dtype, dev, peers, reps) -> list:
         memory[f"{path}_max_err"] = max_error(path_fn(path, False, peers), hidden, weight, tokens)
     memory["naive/fused_mem"] = memory["naive_MiB"] / memory["fused_MiB"]
     add_goals(memory, MEMORY_GOALS)
-    rows.append(memory)
+    rows.append(log("results", memory))
     print_row(memory, list(memory))
     return rows
 
@@ -180,6 +183,7 @@ def shape_options(parser):
 
 def main():
     args = parse_args(__doc__, shape_options)
+    log = RowLog(args.json)
     dev = args.device
     if dev == "cpu":
         shapes = [(256, 128, 8192)] if args.quick else [(2048, 512, 32768), (4096, 1024, 65536)]
@@ -198,12 +202,12 @@ def main():
     if args.shape:
         shapes = [tuple(shape) for shape in args.shape]
     peers, versions = load_peers(dev)
-    rows = [row for N, H, V in shapes for row in measure_shape(N, H, V, dtype, dev, peers, reps)]
+    rows = [row for N, H, V in shapes for row in measure_shape(N, H, V, dtype, dev, peers, reps, log)]
     all_paths = paths_for(False, peers)
     tables = summary_tables(rows, all_paths)
 
-    v_curve = [] if args.no_sweeps else sweep(v_sweep, dtype, dev, peers, reps)
-    n_curve = [] if args.no_sweeps else sweep(n_sweep, dtype, dev, peers, reps)
+    v_curve = [] if args.no_sweeps else sweep("V", v_sweep, dtype, dev, peers, reps, log)
+    n_curve = [] if args.no_sweeps else sweep("N", n_sweep, dtype, dev, peers, reps, log)
     if not args.no_sweeps:
         tables.append(summary_table("chosen_logprob sweeps: fwd+bwd (logprob only) time (ms) and peak memory (MiB)",
                                     v_curve + n_curve, ["N", "H", "V"] + [f"{p}_ms" for p in all_paths]
