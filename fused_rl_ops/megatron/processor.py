@@ -36,8 +36,9 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        x = x.contiguous()
         pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(pieces, x.contiguous(), group=group)
+        dist.all_gather(pieces, x, group=group)
         return torch.cat(pieces)
 
     @staticmethod
