@@ -49,7 +49,7 @@ from fused_rl_ops import reference
 from . import roofline
 from .chosen_logprob_paths import gemm_runs, load_peers, make_inputs, path_fn, paths_for, peak_mib, run_once
 from .plots import pyplot, save_figure
-from .results import parse_args, png_path, write_json
+from .results import RowLog, parse_args, png_path, write_json
 from .tables import print_row, summary_table
 from .timing import record_times, time_paths
 
@@ -133,18 +133,21 @@ def roofline_table(N, H, V, dtype, ceilings):
     return summary_table(title, rows, roofline.BREAKDOWN_COLUMNS)
 
 
-def sweep(points, dtype, dev, peers, reps):
-    """Forward+backward time and peak memory (logprob only) of every path at each (N, H, V)."""
+def sweep(name, points, dtype, dev, peers, reps, log):
+    """Forward+backward time and peak memory (logprob only) of every path at each (N, H, V); the
+    times logged per point, the memory per path."""
     paths = paths_for(False, peers)
     curve = [{"N": N, "H": H, "V": V} for N, H, V in points]
     for point in curve:
         hidden, weight, tokens = make_inputs(point["N"], point["H"], point["V"], dtype, dev)
         times = time_paths({p: run_once(path_fn(p, False, peers), "fwd+bwd", hidden, weight, tokens) for p in paths},
                            dev, reps=reps)
-        record_times(point, times)
+        log(f"sweep {name}", record_times(point, times))
         del hidden, weight, tokens
     for path in paths:
-        for point, mib in zip(curve, peak_mib(path, points, dtype, dev, peers)):
+        mibs = log(f"sweep {name} memory", {"path": path, "points": points,
+                                            "MiB": peak_mib(path, points, dtype, dev, peers)})["MiB"]
+        for point, mib in zip(curve, mibs):
             point[f"{path}_MiB"] = mib
     return curve
 
@@ -183,9 +186,9 @@ def plot(v_curve, n_curve, masked_rows, paths, path, device, dtype):
     save_figure(fig, path)
 
 
-def timed_rows(N, H, V, dtype, dev, peers, reps, ceilings=None) -> list:
+def timed_rows(N, H, V, dtype, dev, peers, reps, log, ceilings=None) -> list:
     """The timed rows of one shape (with and without entropy, forward and forward+backward), with
-    the roofline columns where the device's ceilings are known."""
+    the roofline columns where the device's ceilings are known, each logged as it is measured."""
     rows = []
     hidden, weight, tokens = make_inputs(N, H, V, dtype, dev)
     gemms = gemm_runs(hidden, weight)
@@ -200,17 +203,18 @@ def timed_rows(N, H, V, dtype, dev, peers, reps, ceilings=None) -> list:
             add_goals(row, TIME_GOALS)
             if ceilings:
                 add_roofline(row, dtype, ceilings)
-            rows.append(row)
+            rows.append(log("results", row))
             times = [c for c in row if c.endswith(("_ms", "/fused", "_%gemm")) and "iqr" not in c]
             print_row(row, ["N", "H", "V", "entropy", "mode", "fused_ms"] + [c for c in ROOFLINE_COLUMNS if c in row]
                       + [c for c in times if c != "fused_ms" and c not in ROOFLINE_COLUMNS]
                       + [c for c in TIME_GOALS if c in row])
+    del gemms
     return rows
 
 
-def measure_shape(N, H, V, dtype, dev, peers, reps, ceilings=None) -> list:
-    """The timed rows and the peak memory row of one shape."""
-    rows = timed_rows(N, H, V, dtype, dev, peers, reps, ceilings)
+def measure_shape(N, H, V, dtype, dev, peers, reps, log, ceilings=None) -> list:
+    """The timed rows and the peak memory row of one shape, each logged as it is measured."""
+    rows = timed_rows(N, H, V, dtype, dev, peers, reps, log, ceilings)
     hidden, weight, tokens = make_inputs(N, H, V, dtype, dev)
     memory = {"N": N, "H": H, "V": V, "mode": "peak fwd+bwd"}
     for path in paths_for(False, peers):
@@ -218,14 +222,15 @@ def measure_shape(N, H, V, dtype, dev, peers, reps, ceilings=None) -> list:
         memory[f"{path}_max_err"] = max_error(path_fn(path, False, peers), hidden, weight, tokens)
     memory["naive/fused_mem"] = memory["naive_MiB"] / memory["fused_MiB"]
     add_goals(memory, MEMORY_GOALS)
-    rows.append(memory)
+    rows.append(log("results", memory))
     print_row(memory, list(memory))
     return rows
 
 
-def measure_masked(N, H, V, dtype, dev, peers, reps) -> list:
+def measure_masked(N, H, V, dtype, dev, peers, reps, log) -> list:
     """The RL-shaped case at one shape (module docstring): a forward+backward row per masked share,
-    with entropy and logprob only, and each path's extra peak memory on the logprob-only rows."""
+    with entropy and logprob only, and each path's extra peak memory on the logprob-only rows; each
+    row logged as it is measured."""
     rows = []
     for entropy in (True, False):
         paths = paths_for(entropy, peers)
@@ -244,7 +249,7 @@ def measure_masked(N, H, V, dtype, dev, peers, reps) -> list:
                 for path in paths:
                     row[f"{path}_MiB"] = peak_mib(path, [(N, H, V)], dtype, dev, peers, masked=masked)[0]
             add_goals(row, MASKED_GOALS, MASKED_GOALS)
-            rows.append(row)
+            rows.append(log("masked", row))
             print_row(row, ["N", "H", "V", "masked_%", "entropy", "fused/unmasked"]
                       + [c for c in row if c.endswith(("_ms", "/fused", "_MiB")) and "iqr" not in c]
                       + [c for c in MASKED_GOALS if c in row])
@@ -334,6 +339,7 @@ def main_headline(rows, shape, all_paths) -> list:
 
 def main():
     args = parse_args(__doc__, shape_options)
+    log = RowLog(args.json)
     dev = args.device
     if dev == "cpu":
         shapes = [(256, 128, 8192)] if args.quick else [(2048, 512, 32768), (4096, 1024, 65536)]
@@ -355,16 +361,16 @@ def main():
     all_paths = paths_for(False, peers)
     ceilings = roofline.ceilings_for(dev)
     rows = [] if args.masked_only else [row for N, H, V in shapes
-                                        for row in measure_shape(N, H, V, dtype, dev, peers, reps, ceilings)]
+                                        for row in measure_shape(N, H, V, dtype, dev, peers, reps, log, ceilings)]
     tables = summary_tables(rows, all_paths) if rows else []
     if ceilings and rows:
         tables += [roofline_table(N, H, V, dtype, ceilings) for N, H, V in shapes]
-    masked_rows = [row for N, H, V in shapes for row in measure_masked(N, H, V, dtype, dev, peers, reps)]
+    masked_rows = [row for N, H, V in shapes for row in measure_masked(N, H, V, dtype, dev, peers, reps, log)]
     tables.append(masked_table(masked_rows, all_paths))
 
     sweeps = not (args.no_sweeps or args.masked_only)
-    v_curve = sweep(v_sweep, dtype, dev, peers, reps) if sweeps else []
-    n_curve = sweep(n_sweep, dtype, dev, peers, reps) if sweeps else []
+    v_curve = sweep("V", v_sweep, dtype, dev, peers, reps, log) if sweeps else []
+    n_curve = sweep("N", n_sweep, dtype, dev, peers, reps, log) if sweeps else []
     if sweeps:
         tables.append(summary_table("chosen_logprob sweeps: fwd+bwd (logprob only) time (ms) and peak memory (MiB)",
                                     v_curve + n_curve, ["N", "H", "V"] + [f"{p}_ms" for p in all_paths]

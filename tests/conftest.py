@@ -16,6 +16,15 @@ def device(request):
     return request.param
 
 
+def pytest_collection_modifyitems(items):
+    """Marks per_device every test that takes the device fixture, so that `-m per_device` with
+    FUSED_RL_OPS_TEST_DEVICES=cuda selects what runs on the GPU (scripts/gpu_check.sh); tests that
+    need a GPU carry the mark themselves."""
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.per_device)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -421,6 +421,7 @@ def test_bad_inputs(device):
         fused_rl_ops.chosen_logprob(hidden, weight.to("meta"), tokens)
 
 
+@pytest.mark.per_device
 @pytest.mark.skipif(not (torch.cuda.is_available() and fused_rl_ops.has_cuda_kernels()), reason="needs a GPU")
 def test_cuda_peak_memory_within_workspace_at_large_vocab():
     N, H, V, workspace = 4096, 1024, 131072, 64 * 2**20

@@ -226,7 +226,7 @@ def _tp2_dp2(rank, world_size, path):
     _check_checkpoint_and_detach(model, head, path)
 
 
-def test_value_head_trains_with_the_model_at_tp2_dp2_and_is_checkpointed(tmp_path):
+def test_value_head_trains_with_the_model_at_tp2_dp2_and_is_checkpointed(tmp_path, checkpoint_dependencies):
     run_distributed(_tp2_dp2, 4, str(tmp_path / "checkpoint"))
 
 

@@ -27,13 +27,12 @@ import weakref
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.common.language_module.language_module import LanguageModule
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper, roll_tensor
 
 import fused_rl_ops
 
-from .processor import RLOutputProcessor, _fused_main_grad
+from .processor import RLOutputProcessor, _fused_main_grad, _gather_sequence_parallel
 
 __all__ = ["FusedMTPLoss", "route_mtp_loss"]
 
@@ -115,7 +114,7 @@ class FusedMTPLoss:
         tp_group = output_layer.tp_group
         sequence_parallel = output_layer.sequence_parallel
         if sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden, group=tp_group)
+            hidden = _gather_sequence_parallel(hidden, tp_group)
         logprob, is_max = fused_rl_ops.chosen_logprob(
             hidden, weight, tokens,
             ignore_index=self.ignore_index,
