@@ -50,6 +50,9 @@
 // Tells csrc/common/launch.h to launch through cuda_on_host::launch.
 #define CUDA_ON_HOST 1
 
+// A hint to nvcc's register allocation (code generation is not modelled); nvcc still checks it.
+#define __launch_bounds__(...)
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
