@@ -8,6 +8,7 @@ fixed order; the backward recomputes each chunk's logits and turns them into log
 place. Memory beyond inputs, outputs and gradients: the workspace (`workspace_bytes`, by default
 default_workspace_bytes(hidden)) plus O(tokens) state, independent of the vocabulary size.
 """
+import dataclasses
 import math
 import struct
 from dataclasses import dataclass
@@ -16,10 +17,11 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from . import _sampler_filter
 from ._library import acc_dtype, check_device, check_float_dtype, ops
 from ._checks import check_hidden_size, values_readable
-from ._options import (NON_NEGATIVE_INTEGER, POSITIVE_FINITE, POSITIVE_INTEGER, check_options, op_arguments, option,
-                       options_dataclass)
+from ._options import (NON_NEGATIVE_INTEGER, POSITIVE_FINITE, POSITIVE_INTEGER, PROBABILITY, check_option,
+                       check_options, op_arguments, option, options_dataclass)
 
 DEFAULT_WORKSPACE_BYTES = 64 * 2**20  # the largest default workspace
 _MIN_DEFAULT_WORKSPACE_BYTES = 2**20
@@ -42,8 +44,11 @@ class ChosenLogprobOptions:
         pass, 0: all rows (tiling_for).
     softcap: the logits are capped as softcap * tanh(logits / softcap) first; None: no cap.
     valid_rows: weight's first rows that are vocabulary, the rest padding; None: all of them.
+    top_k, top_p: the sampler's filter (fused_rl_ops/_sampler_filter.py); None: none. The ops take
+    its kept set as per-token thresholds; the stats op returns each row's top besides the partials
+    with either (top_k wide, or _sampler_filter.TOP_P_CANDIDATES with top_p alone).
     The ranks of a tensor-parallel group must agree on the options marked agreed (temperature,
-    softcap); chosen_logprob's group check compares them.
+    softcap, top_k, top_p); chosen_logprob's group check compares them.
     """
     temperature: float = option(POSITIVE_FINITE, agreed=True)
     vocab_start: int = option(NON_NEGATIVE_INTEGER)
@@ -52,6 +57,8 @@ class ChosenLogprobOptions:
     pass_rows: int = option(NON_NEGATIVE_INTEGER, default=0)
     softcap: Optional[float] = option(POSITIVE_FINITE, default=None, agreed=True)
     valid_rows: Optional[int] = option(NON_NEGATIVE_INTEGER, default=None)
+    top_k: Optional[int] = option(POSITIVE_INTEGER, default=None, agreed=True)
+    top_p: Optional[float] = option(PROBABILITY, default=None, agreed=True)
 
     def __post_init__(self):
         check_options("chosen_logprob", self)
@@ -60,7 +67,8 @@ class ChosenLogprobOptions:
 class StatsColumns(NamedTuple):
     """The columns of chosen_logprob_stats' [N, 4] output: a vocab shard's partials of each token's
     row (csrc/chosen_logprob/math.h, stats_column): the max m of its logits, s = sum exp(z - m),
-    t = sum exp(z - m) (z - m), and the chosen logit (0 when another shard holds the token)."""
+    t = sum exp(z - m) (z - m), and the chosen logit (0 when another shard holds the token). With
+    top_k or top_p the row's top follows them (_sampler_filter.TOP_HEADER + its width)."""
     max: torch.Tensor
     sum: torch.Tensor
     ent: torch.Tensor
@@ -257,40 +265,74 @@ class _Autograd:
     def distributed(self) -> bool:
         return self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
 
+    def gather(self, t):
+        """The ranks' t stacked, [ranks, ...] ([1, ...] without a group)."""
+        if not self.distributed:
+            return t.unsqueeze(0)
+        gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(self.tp_group))]
+        dist.all_gather(gathered, t.contiguous(), group=self.tp_group)
+        return torch.stack(gathered)
+
+    def all_reduce(self, t):
+        if self.distributed:
+            dist.all_reduce(t, group=self.tp_group)
+
+    def combine(self, stats):
+        """The ranks' partials of chosen_logprob_stats merged: CombinedColumns. lse = row_max +
+        log_sum, kept apart: z - row_max is exact near the top of the row."""
+        return CombinedColumns(*ops.chosen_logprob_combine(self.gather(stats)).unbind(1))
+
+
+def _kept_set(hidden, weight, stats, row, options, call):
+    """The tokens' thresholds of the sampler's filter (_sampler_filter.thresholds), from the stats
+    pass's tops, with search passes where top_p alone needs them."""
+
+    def search(window, hist, top):
+        ops.chosen_logprob_search(hidden, weight, row.row_max, window, hist, top, *op_arguments(options))
+
+    return _sampler_filter.thresholds(stats[:, len(StatsColumns._fields):], row.row_max, row.log_sum, options.top_k,
+                                      options.top_p, search, call.gather, call.all_reduce)
+
 
 class _ChosenLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, ignore, main_grad, options, call):
         stats = ops.chosen_logprob_stats(hidden, weight, tokens, *op_arguments(options))
-        if call.distributed:
-            gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(call.tp_group))]
-            dist.all_gather(gathered, stats, group=call.tp_group)
-            partials = torch.stack(gathered)
-        else:
-            partials = stats.unsqueeze(0)
-        # lse = row_max + log_sum, kept apart: z - row_max is exact near the top of the row.
-        row = CombinedColumns(*ops.chosen_logprob_combine(partials).unbind(1))
+        row = call.combine(stats[:, :len(StatsColumns._fields)])
+        threshold = None
+        if options.top_k is not None or options.top_p is not None:
+            # The kept set's threshold, then the partials of the logits at or above it.
+            threshold = _kept_set(hidden, weight, stats, row, options, call)
+            unfiltered = dataclasses.replace(options, top_k=None, top_p=None)
+            row = call.combine(ops.chosen_logprob_stats(hidden, weight, tokens, *op_arguments(unfiltered), threshold))
         logprob = torch.where(ignore, 0.0, (row.chosen - row.row_max) - row.log_sum)
-        # Both come from the same fp32 logit buffer, so a chosen maximum compares equal exactly.
+        # Both come from the same fp32 logit buffer, so a chosen maximum compares equal exactly; and
+        # the threshold is one of those logits.
         is_max = (row.chosen == row.row_max) & ~ignore
-        ctx.mark_non_differentiable(is_max)
-        ctx.save_for_backward(hidden, weight, tokens, ignore, row.row_max, row.log_sum, row.entropy)
+        is_kept = ~ignore if threshold is None else ~(row.chosen < threshold) & ~ignore
+        if threshold is not None:
+            logprob = torch.where(ignore | is_kept, logprob, -math.inf)
+        ctx.mark_non_differentiable(is_max, is_kept)
+        ctx.save_for_backward(hidden, weight, tokens, ignore | ~is_kept, row.row_max, row.log_sum, row.entropy,
+                              threshold)
         ctx.options, ctx.call = options, call
         # main_grad is the backward's output buffer, not an input of its math: kept on ctx, not saved
         # (autograd's version check would trip on its in-place updates).
         ctx.main_grad = main_grad
-        return logprob, row.entropy, is_max
+        return logprob, row.entropy, is_max, is_kept
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy, grad_is_max):
-        hidden, weight, tokens, ignore, row_max, log_sum, entropy = ctx.saved_tensors
+    def backward(ctx, grad_logprob, grad_entropy, grad_is_max, grad_is_kept):
+        hidden, weight, tokens, no_logprob_grad, row_max, log_sum, entropy, threshold = ctx.saved_tensors
         call = ctx.call
-        grad_logprob = torch.zeros_like(entropy) if grad_logprob is None else torch.where(ignore, 0.0, grad_logprob)
+        # Ignored tokens and tokens outside the kept set (logprob -inf) pass no logprob gradient.
+        grad_logprob = (torch.zeros_like(entropy) if grad_logprob is None
+                        else torch.where(no_logprob_grad, 0.0, grad_logprob))
         grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy
         # One [V_local, H] weight gradient, padded rows zeroed by the op; or none, added into main_grad.
         grad_hidden, grad_weight = ops.chosen_logprob_backward(
             hidden, weight, tokens, row_max, log_sum, log_sum - entropy, grad_logprob.to(entropy.dtype).contiguous(),
-            grad_entropy.to(entropy.dtype).contiguous(), ctx.main_grad, *op_arguments(ctx.options))
+            grad_entropy.to(entropy.dtype).contiguous(), ctx.main_grad, *op_arguments(ctx.options), threshold)
         if ctx.main_grad is not None:
             grad_weight = None
             if call.weight_placeholder == "zeros":
@@ -321,6 +363,9 @@ def chosen_logprob(
     workspace_bytes: Optional[int] = None,
     batch_invariant: bool = False,
     return_is_max: bool = False,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    return_is_kept: bool = False,
 ):
     """log softmax(z / temperature)[tokens] over the (vocab-parallel) vocabulary, z = hidden @ weight.T,
     or z = softcap * tanh(hidden @ weight.T / softcap) with a softcap (a positive finite number;
@@ -334,7 +379,9 @@ def chosen_logprob(
     Returns fp32 logprob [...] (float64 for float64 inputs), or a tuple: logprob, then entropy with
     return_entropy=True, then is_max with return_is_max=True (bool [...]: the token's logit equals
     its row's maximum over the valid rows, i.e. a greedy pick; every token tied for the maximum is
-    True; ignored positions, out-of-range ids and rows with a NaN logit are False). vocab_size is
+    True; ignored positions, out-of-range ids and rows with a NaN logit are False), then is_kept
+    with return_is_kept=True (bool [...]: the token is in the kept set of top_k / top_p; ignored
+    positions and out-of-range ids are False). vocab_size is
     the real vocabulary size: rows with global id >= vocab_size are padding and take no part in the
     softmax or entropy (default: every row of every rank).
     Positions whose token is ignore_index get logprob 0 and pass no logprob gradient; their entropy
@@ -365,6 +412,16 @@ def chosen_logprob(
     workspace_bytes bounds the per-chunk buffers (see chunk_size_for; with main_grad add a
     [chunk, H] gradient buffer); None: default_workspace_bytes(hidden).
 
+    top_k (a positive integer) and top_p (a number in (0, 1]) score the tokens under the distribution
+    a sampler with those settings drew them from: the softmax restricted to the tokens it keeps
+    (its top_k largest logits, ties included, then the most likely of those up to a cumulative
+    probability of top_p, ties decided together; the rule: fused_rl_ops/_sampler_filter.py) and
+    renormalised over them, logprob and entropy alike; the gradients treat the kept set as fixed.
+    Pass the rollout engine's values. A token outside the kept set gets logprob -inf and no logprob
+    gradient (is_kept counts them). None, top_k >= vocab_size and top_p = 1 filter nothing (today's
+    results, bitwise). top_p runs extra passes over the vocabulary where the candidates do not
+    settle it, each with a host synchronisation (not under torch.compile(fullgraph=True)).
+
     batch_invariant=True makes each token's logprob, entropy and hidden gradient bitwise
     independent of the other tokens of the call (their number, order, leading shape, ignored
     positions) and of workspace_bytes, on one machine with one library build and thread count:
@@ -389,7 +446,12 @@ def chosen_logprob(
                                                       workspace_bytes, hidden.device, batch_invariant)
         # The weight's rows before vocab_size are vocabulary, the rest padding.
         valid_rows = min(max(vocab_size - vocab_start, 0), local_vocab)
-        options = ChosenLogprobOptions(temperature, vocab_start, chunk_size, row_block, pass_rows, softcap, valid_rows)
+        check_option("chosen_logprob", ChosenLogprobOptions, "top_k", top_k)
+        check_option("chosen_logprob", ChosenLogprobOptions, "top_p", top_p)
+        top_k = None if top_k is None or top_k >= vocab_size else top_k
+        top_p = None if top_p is None or top_p == 1 else top_p
+        options = ChosenLogprobOptions(temperature, vocab_start, chunk_size, row_block, pass_rows, softcap, valid_rows,
+                                       top_k, top_p)
         _check_vocab(local_vocab, world, options.vocab_start, vocab_size)
         _check_main_grad(main_grad, weight)
         if check_tokens:
@@ -408,24 +470,42 @@ def chosen_logprob(
     tokens1d = tokens.reshape(-1).to(torch.int64)
     ignored = tokens1d == ignore_index
     call = _Autograd(tp_group, bool(reduce_hidden_grad), _main_grad_placeholder(weight, main_grad))
-    logprob, entropy, is_max = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, main_grad, options, call)
+    logprob, entropy, is_max, is_kept = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, main_grad, options,
+                                                             call)
     if not check_tokens:
         # An unchecked id outside [0, vocab_size) matches no row and would get a finite -lse: NaN
         # marks it instead (and, through the product, its gradients), with no host synchronisation.
         out_of_range = ~ignored & ((tokens1d < 0) | (tokens1d >= vocab_size))
         logprob = logprob * torch.where(out_of_range, float("nan"), 1.0)
         is_max = is_max & ~out_of_range
-    outputs = [logprob] + [entropy] * return_entropy + [is_max] * return_is_max
+        is_kept = is_kept & ~out_of_range
+    outputs = [logprob] + [entropy] * return_entropy + [is_max] * return_is_max + [is_kept] * return_is_kept
     outputs = tuple(t.reshape(lead) for t in outputs)
     return outputs if len(outputs) > 1 else outputs[0]
 
 
+def _options_and_threshold(args, kwargs) -> tuple:
+    """(ChosenLogprobOptions, threshold) from the arguments after an op's tensors: its options, then
+    the optional threshold."""
+    count = len(ChosenLogprobOptions.OPTIONS)
+    threshold = args[count] if len(args) > count else kwargs.pop("threshold", None)
+    return ChosenLogprobOptions(*args[:count], **kwargs), threshold
+
+
 # The fake kernels check the options and the devices as the ops do.
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_stats")
-def _(hidden, weight, tokens, *options, **named_options):
+def _(hidden, weight, tokens, *args, **kwargs):
+    options, threshold = _options_and_threshold(args, kwargs)
+    check_device("chosen_logprob", hidden=hidden, weight=weight, tokens=tokens, threshold=threshold)
+    width = options.top_k if options.top_k is not None else _sampler_filter.TOP_P_CANDIDATES if options.top_p else 0
+    columns = len(StatsColumns._fields) + (_sampler_filter.TOP_HEADER + width if width else 0)
+    return hidden.new_empty(hidden.shape[0], columns, dtype=acc_dtype(hidden.dtype))
+
+
+@torch.library.register_fake("fused_rl_ops::chosen_logprob_search")
+def _(hidden, weight, row_max, window, hist, top, *options, **named_options):
     ChosenLogprobOptions(*options, **named_options)
-    check_device("chosen_logprob", hidden=hidden, weight=weight, tokens=tokens)
-    return hidden.new_empty(hidden.shape[0], len(StatsColumns._fields), dtype=acc_dtype(hidden.dtype))
+    check_device("chosen_logprob", hidden=hidden, weight=weight, row_max=row_max, window=window, hist=hist, top=top)
 
 
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_combine")
@@ -435,8 +515,9 @@ def _(partials):
 
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_backward")
 def _(hidden, weight, tokens, row_max, log_sum, log_sum_minus_entropy, grad_logprob, grad_entropy, main_grad,
-      *options, **named_options):
-    ChosenLogprobOptions(*options, **named_options)
-    check_device("chosen_logprob", hidden=hidden, weight=weight, tokens=tokens, main_grad=main_grad)
+      *args, **kwargs):
+    _, threshold = _options_and_threshold(args, kwargs)
+    check_device("chosen_logprob", hidden=hidden, weight=weight, tokens=tokens, main_grad=main_grad,
+                 threshold=threshold)
     grad_weight = weight.new_empty(0, weight.shape[1]) if main_grad is not None else torch.empty_like(weight)
     return hidden.new_empty(hidden.shape, dtype=acc_dtype(hidden.dtype)), grad_weight

@@ -30,6 +30,12 @@ struct CudaKernels {
     C10_CUDA_CHECK(launch_chosen_logprob_grad_rows(p, stream()));
   }
 
+  static void top_rows(const Params& p, at::ScalarType) { C10_CUDA_CHECK(launch_chosen_logprob_top_rows(p, stream())); }
+
+  static void hist_rows(const Params& p, at::ScalarType) {
+    C10_CUDA_CHECK(launch_chosen_logprob_hist_rows(p, stream()));
+  }
+
   // Tensor cores take the logit gradients in the inputs' dtype; the hidden gradient still
   // accumulates over chunks in fp32.
   static at::Tensor grad_operand(const at::Tensor& dlogits, at::ScalarType dtype) {
@@ -52,6 +58,7 @@ TORCH_LIBRARY_IMPL(fused_rl_ops, CUDA, m) {
   m.impl("chosen_logprob_stats", &stats<CudaKernels>);
   m.impl("chosen_logprob_backward", &backward<CudaKernels>);
   m.impl("chosen_logprob_combine", &combine<CudaKernels>);
+  m.impl("chosen_logprob_search", &search<CudaKernels>);
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

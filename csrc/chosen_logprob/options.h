@@ -9,6 +9,12 @@
 //     pass, 0: all rows (RowTiling in chosen_logprob/chunks.h).
 //   softcap: the logits are capped as softcap * tanh(logits / softcap) first; none: no cap.
 //   valid_rows: weight's first rows that are vocabulary, the rest padding; none: all of them.
+//   top_k, top_p: the sampler's filter: the softmax is restricted to the top_k largest logits (ties
+//     included), then to the most likely of those whose probability reaches top_p; none: no filter.
+//     chosen_logprob applies it through per-token thresholds (the ops' threshold tensors, found
+//     by fused_rl_ops/_sampler_filter.py). The stats op reads them to return the shard's
+//     candidates of the kept set: its top_k largest logits, or with top_p alone its
+//     kTopPCandidates largest (chosen_logprob/math.h).
 #pragma once
 
 #include "common/options.h"
@@ -20,7 +26,9 @@
   X(int64_t, row_block, "int", "=0", NonNegativeInteger)               \
   X(int64_t, pass_rows, "int", "=0", NonNegativeInteger)               \
   X(std::optional<double>, softcap, "float?", "=None", PositiveFinite) \
-  X(std::optional<int64_t>, valid_rows, "int?", "=None", NonNegativeInteger)
+  X(std::optional<int64_t>, valid_rows, "int?", "=None", NonNegativeInteger) \
+  X(std::optional<int64_t>, top_k, "int?", "=None", PositiveInteger)         \
+  X(std::optional<double>, top_p, "float?", "=None", Probability)
 
 namespace fused_rl_ops::chosen_logprob {
 
