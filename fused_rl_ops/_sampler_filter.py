@@ -12,18 +12,18 @@ vLLM's sort would split a group of tied logits, the group is kept whole exactly 
 of it. The masses are summed in float64 from the fp32 logits; a token whose cumulative mass lies
 within rounding (about 1e-7 relative) of top_p may fall either way.
 
-How (csrc/chosen_logprob/sampler_filter.h has the kernels' side): the stats pass also gives each
-row's top, its K largest logits and how many more equal the smallest of them (K = top_k, or
-TOP_P_CANDIDATES with top_p alone), which merge across ranks exactly (merge_tops). top_k's threshold
-is the k-th largest; top_p's is decided on the sorted candidates (first_reaching): with top_k, they
-hold the whole top-k set. With top_p alone, a row whose candidates do not reach top_p (a flat
-distribution) is searched: a pass adds the masses of the logits of a window of z (first the 32 below
-the row max) to a histogram of SEARCH_BINS bins, in integer units of 2^-40 of the top token's mass
-(their sums do not depend on the order of the additions; ranks all-reduce them); the bin where the
-cumulative mass reaches top_p is the next window, whose pass also collects its TOP_P_CANDIDATES
-largest logits to decide on. Each window is SEARCH_BINS times narrower: within a few rounds a
-window's logits are all collected, or are one value (a tie group). Each round is one more pass over
-the logits and a host synchronisation (whether any row still searches).
+How (csrc/chosen_logprob/sampler_filter.h has the kernels' side). With top_k, the stats pass also
+gives each row's top: its top_k largest logits and how many more equal the smallest of them, which
+merge across ranks exactly (merge_tops). top_k's threshold is the k-th largest; top_p's after top_k
+is decided on them (first_reaching), which hold the whole top-k set, so top_k costs no pass over
+the vocabulary beyond the stats pass. top_p alone is searched (_search): a pass adds the masses of
+the logits of a window of z (first the 32 below the row max) to a histogram of SEARCH_BINS bins, in
+integer units of 2^-40 of the top token's mass (their sums do not depend on the order of the
+additions; ranks all-reduce them); the bin where the cumulative mass reaches top_p is the next
+window, whose pass also collects its TOP_P_CANDIDATES largest logits to decide on. Each window is
+SEARCH_BINS times narrower: within a few rounds a window's logits are all collected, or are one
+value (a tie group). Typically two rounds; each is one pass over the logits and a host
+synchronisation (whether any row still searches). Then a last pass sums the kept logits' partials.
 
 Rows whose maximum is not finite (a NaN, +inf, or no logit above -inf) are not filtered (threshold
 -inf), so that they stay what they are without the filter.
@@ -34,15 +34,16 @@ from typing import Callable, NamedTuple
 import torch
 
 # Mirrors of csrc/chosen_logprob/sampler_filter.h: the columns before a top's values (seen, held,
-# ties), the candidates of top_p alone (kTopPCandidates) and the bins of a search histogram.
+# ties) and the bins of a search histogram (kSearchBins).
 TOP_HEADER = 3
-TOP_P_CANDIDATES = 1024
 SEARCH_BINS = 512
+# How many of a search window's largest logits a round collects.
+TOP_P_CANDIDATES = 1024
 # The first search window: the logits within FIRST_WINDOW below the row max (smaller masses are 0
 # in units of 2^-40: exp(-27.8) = 2^-40).
 _FIRST_WINDOW = 32.0
 _UNIT = 2.0**-40
-_MAX_ROUNDS = 6  # cells of 2^-53 at the last: every window is one value long before
+_MAX_ROUNDS = 6  # cells of 2^-49 at the last: every window is one value long before
 
 
 class Tops(NamedTuple):
@@ -103,31 +104,31 @@ def first_reaching(tops: Tops, row_max: torch.Tensor, above: torch.Tensor, targe
     return tops.values.gather(1, first[:, None])[:, 0], reach.any(1) | (end >= target)
 
 
-def thresholds(tops: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor, top_k, top_p,
-               search: Callable, gather: Callable, all_reduce: Callable) -> torch.Tensor:
+def thresholds(tops, row_max: torch.Tensor, log_sum: torch.Tensor, top_k, top_p, search: Callable,
+               gather: Callable, all_reduce: Callable) -> torch.Tensor:
     """Per token, the threshold of the kept set ([N], row_max's dtype).
 
-    tops: this rank's [N, TOP_HEADER + W] tops from the stats pass; row_max, log_sum: the merged row
-    max and log-sum relative to it (CombinedColumns). search(window, hist, top) runs one search pass
-    on this rank, gather(t) stacks the ranks' t, all_reduce(t) sums t over the ranks in place."""
-    merged = merge_tops(gather(tops))
+    tops: with top_k, this rank's [N, TOP_HEADER + top_k] tops from the stats pass; row_max, log_sum:
+    the merged row max and log-sum relative to it (CombinedColumns). search(window, hist, top) runs
+    one search pass on this rank, gather(t) stacks the ranks' t, all_reduce(t) sums t over the ranks
+    in place."""
     filterable = torch.isfinite(row_max)
-    zero = torch.zeros_like(row_max, dtype=torch.float64)
-    if top_p is None:  # the k-th largest (k: the tops' width), where a row has k logits
-        tau = torch.where(merged.held == merged.values.shape[1], merged.values[:, -1], -math.inf)
-    elif top_k is not None:  # the candidates, with their ties, are the whole top-k set
-        total = _cumulative(merged, row_max, zero)[2]
-        tau, _ = first_reaching(merged, row_max, zero, top_p * total)
-    else:
+    if top_k is None:
         target = top_p * torch.exp(log_sum.double())  # the row's mass relative to exp(row_max)
-        tau, reached = first_reaching(merged, row_max, zero, target)
-        searching = filterable & ~(reached | merged.complete)
-        tau = _search(tau, searching, row_max, target, search, gather, all_reduce)
+        tau = _search(filterable, row_max, target, search, gather, all_reduce)
+    else:
+        merged = merge_tops(gather(tops))
+        if top_p is None:  # the k-th largest, where a row has k logits
+            tau = torch.where(merged.held == top_k, merged.values[:, -1], -math.inf)
+        else:  # the candidates, with their ties, are the whole top-k set
+            zero = torch.zeros_like(row_max, dtype=torch.float64)
+            total = _cumulative(merged, row_max, zero)[2]
+            tau, _ = first_reaching(merged, row_max, zero, top_p * total)
     return torch.where(filterable, tau, -math.inf).to(row_max.dtype)
 
 
-def _search(tau, searching, row_max, target, search, gather, all_reduce):
-    """tau where rows are not searching; the rows searching get theirs from search rounds (module
+def _search(searching, row_max, target, search, gather, all_reduce):
+    """top_p's thresholds of the rows searching (-inf elsewhere), from search rounds (module
     docstring). A window is (sigma, hi): its bins are the cells j = hi - floor(z sigma) in
     [0, SEARCH_BINS) (SearchWindow in csrc/chosen_logprob/sampler_filter.h); `above` counts the mass
     units of the logits above it. Every window holds mass: the first holds the row max, the next is a
@@ -138,11 +139,11 @@ def _search(tau, searching, row_max, target, search, gather, all_reduce):
     hi = torch.floor(row_max.double() * sigma)
     above = torch.zeros(N, dtype=torch.int64, device=device)
     target_units = target / _UNIT
-    found = tau
+    tau = found = torch.full_like(row_max, -math.inf)
     for round_ in range(_MAX_ROUNDS):
         if not bool(searching.any()):  # a host synchronisation
             return tau
-        collect = round_ > 0  # the stats pass collected the first window's largest logits
+        collect = round_ > 0  # the first window is the whole top of the row: it only finds the next
         hist = torch.zeros(N, SEARCH_BINS, dtype=torch.int64, device=device)
         top = torch.zeros(N, TOP_HEADER + TOP_P_CANDIDATES, dtype=row_max.dtype, device=device) if collect else None
         search(torch.stack([torch.where(searching, sigma, 0.0), hi], 1), hist, top)

@@ -45,8 +45,8 @@ class ChosenLogprobOptions:
     softcap: the logits are capped as softcap * tanh(logits / softcap) first; None: no cap.
     valid_rows: weight's first rows that are vocabulary, the rest padding; None: all of them.
     top_k, top_p: the sampler's filter (fused_rl_ops/_sampler_filter.py); None: none. The ops take
-    its kept set as per-token thresholds; the stats op returns each row's top besides the partials
-    with either (top_k wide, or _sampler_filter.TOP_P_CANDIDATES with top_p alone).
+    its kept set as per-token thresholds; with top_k the stats op returns each row's top (its top_k
+    largest logits) besides the partials.
     The ranks of a tensor-parallel group must agree on the options marked agreed (temperature,
     softcap, top_k, top_p); chosen_logprob's group check compares them.
     """
@@ -68,7 +68,7 @@ class StatsColumns(NamedTuple):
     """The columns of chosen_logprob_stats' [N, 4] output: a vocab shard's partials of each token's
     row (csrc/chosen_logprob/math.h, stats_column): the max m of its logits, s = sum exp(z - m),
     t = sum exp(z - m) (z - m), and the chosen logit (0 when another shard holds the token). With
-    top_k or top_p the row's top follows them (_sampler_filter.TOP_HEADER + its width)."""
+    top_k the row's top follows them (_sampler_filter.TOP_HEADER + top_k columns)."""
     max: torch.Tensor
     sum: torch.Tensor
     ent: torch.Tensor
@@ -290,8 +290,9 @@ def _kept_set(hidden, weight, stats, row, options, call):
     def search(window, hist, top):
         ops.chosen_logprob_search(hidden, weight, row.row_max, window, hist, top, *op_arguments(options))
 
-    return _sampler_filter.thresholds(stats[:, len(StatsColumns._fields):], row.row_max, row.log_sum, options.top_k,
-                                      options.top_p, search, call.gather, call.all_reduce)
+    tops = stats[:, len(StatsColumns._fields):] if options.top_k is not None else None
+    return _sampler_filter.thresholds(tops, row.row_max, row.log_sum, options.top_k, options.top_p, search,
+                                      call.gather, call.all_reduce)
 
 
 class _ChosenLogprob(torch.autograd.Function):
@@ -497,8 +498,8 @@ def _options_and_threshold(args, kwargs) -> tuple:
 def _(hidden, weight, tokens, *args, **kwargs):
     options, threshold = _options_and_threshold(args, kwargs)
     check_device("chosen_logprob", hidden=hidden, weight=weight, tokens=tokens, threshold=threshold)
-    width = options.top_k if options.top_k is not None else _sampler_filter.TOP_P_CANDIDATES if options.top_p else 0
-    columns = len(StatsColumns._fields) + (_sampler_filter.TOP_HEADER + width if width else 0)
+    top = 0 if options.top_k is None else _sampler_filter.TOP_HEADER + options.top_k
+    columns = len(StatsColumns._fields) + top
     return hidden.new_empty(hidden.shape[0], columns, dtype=acc_dtype(hidden.dtype))
 
 

@@ -112,21 +112,16 @@ inline Params row_params(const at::Tensor& logits, int64_t rows, const at::Tenso
   return p;
 }
 
-// The width of a row's top that the stats op returns under the options' filter (0: none).
-inline int64_t top_width(const Options& opts) {
-  return opts.top_k ? *opts.top_k : opts.top_p ? kTopPCandidates : 0;
-}
-
 // The per-token partials (stats_column in chosen_logprob/math.h) of this shard's logits, over the
 // valid rows of weight (valid_rows; all without it) and, with a threshold, the logits at or above
-// it. With top_k or top_p, followed by each row's top of those logits (top_width(opts) wide,
+// it. With top_k, followed by each row's top of those logits (top_k wide,
 // chosen_logprob/sampler_filter.h). The row kernels take raw logits and apply the logit map
 // themselves.
 template <class Kernels>
 at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
                       const std::optional<at::Tensor>& threshold, const Options& opts) {
   const auto acc = acc_dtype(hidden.scalar_type());
-  const int64_t N = hidden.size(0), V = opts.valid_rows.value_or(weight.size(0)), width = top_width(opts);
+  const int64_t N = hidden.size(0), V = opts.valid_rows.value_or(weight.size(0)), width = opts.top_k.value_or(0);
   at::Tensor stats = at::zeros({N, stats_column::count}, hidden.options().dtype(acc));
   stats.select(1, stats_column::max).fill_(-INFINITY);
   at::Tensor tops = width > 0 ? at::zeros({N, top_column::values + width}, stats.options()) : at::Tensor();

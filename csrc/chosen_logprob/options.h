@@ -12,9 +12,8 @@
 //   top_k, top_p: the sampler's filter: the softmax is restricted to the top_k largest logits (ties
 //     included), then to the most likely of those whose probability reaches top_p; none: no filter.
 //     chosen_logprob applies it through per-token thresholds (the ops' threshold tensors, found
-//     by fused_rl_ops/_sampler_filter.py). The stats op reads them to return the shard's
-//     candidates of the kept set: its top_k largest logits, or with top_p alone its
-//     kTopPCandidates largest (chosen_logprob/math.h).
+//     by fused_rl_ops/_sampler_filter.py; top_p's with the search op). The stats op reads top_k:
+//     it then also returns the shard's top_k largest logits (chosen_logprob/sampler_filter.h).
 #pragma once
 
 #include "common/options.h"

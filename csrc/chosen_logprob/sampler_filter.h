@@ -2,11 +2,11 @@
 // CUDA kernels. The kept set of a token's row is {z >= tau}, tau the token's threshold, which
 // chosen_logprob finds over the whole vocabulary (fused_rl_ops/_sampler_filter.py, where the rule
 // is) from two kinds of per-row partials, summed over vocab chunks and tensor-parallel shards:
-// - the row's top: the K largest logits seen and how many more equal the smallest of them, which
-//   merge across shards exactly: top-k's threshold, and the candidates of top-p's;
+// - the row's top: the K largest logits seen (of a window) and how many more equal the smallest of
+//   them, which merge across shards exactly: top-k's threshold, and top-p's candidates;
 // - a search histogram: the probability mass of the logits in a window of z, in bins of a grid,
 //   as integers, whose sums do not depend on the order of the additions (chunks, threads, shards):
-//   top-p's threshold is searched window by window where the candidates do not reach it.
+//   top-p's threshold is searched window by window, each the bin of the last where it lies.
 // Every comparison is made on the fp32 logit z the row kernels compute (the logit map of the raw
 // logit), so the forward's passes and the backward agree on every token.
 #pragma once
@@ -15,8 +15,6 @@
 
 namespace fused_rl_ops::chosen_logprob {
 
-// The candidates the stats op returns with top_p and no top_k (with top_k: top_k of them).
-constexpr int64_t kTopPCandidates = 1024;
 // The bins of a search histogram: the cells of a search window.
 constexpr int kSearchBins = 512;
 
@@ -90,7 +88,8 @@ struct SearchWindow {
 };
 
 // The probability mass of a logit z relative to its row maximum m's, mass = exp(z - m) <= 1, in
-// units of 2^-40, rounded: a search histogram's sums of up to 2^23 logits fit an int64 exactly.
-FRL_HD int64_t mass_units(double mass) { return ::llrint(mass * 0x1p40); }
+// units of 2^-40, rounded (half up): a search histogram's sums of up to 2^23 logits fit an int64
+// exactly.
+FRL_HD int64_t mass_units(double mass) { return static_cast<int64_t>(mass * 0x1p40 + 0.5); }
 
 }  // namespace fused_rl_ops::chosen_logprob
