@@ -22,15 +22,34 @@ all: fused_hw_TFLOP/s counts those. gemm is the machine's GEMM rate, timed in th
 the paths: the plain GEMMs of those FLOPs at the same shapes and dtype (chosen_logprob_paths.gemm_runs);
 <path>_%gemm is the path's TFLOP/s as a share of it (= gemm time / path time). The goal_* columns
 say whether fused meets the project's goals on the row (reported, not asserted): time at most half torch_lce's and at most the
-naive path's, extra peak memory at most torch_lce's. The plot (--json PATH -> PATH.png) draws time
-and peak memory of forward+backward (logprob only) against V and against N for every path."""
+naive path's, extra peak memory at most torch_lce's.
+
+The RL-shaped case (--masked-only runs it alone): at each main shape the same batch with 0%, 50% and
+75% of its positions ignored (-100; the first part of every 512 positions, as prompts are),
+forward+backward with entropy (fused, naive, compile) and logprob only (every path), time and extra
+peak memory (logprob only). fused skips the ignored rows; the naive path, compile, torch_lce and
+Megatron compute every row; Cut Cross-Entropy leaves ignored rows out too (its
+linear_cross_entropy indexes the valid rows first). fused/unmasked is fused's time over its own at
+0% (same entropy setting); the masked goals: at 75% fused/unmasked at most 0.45, at 50% fused faster
+than every other path of the row.
+
+The plot (--json PATH -> PATH.png) draws time and peak memory of forward+backward (logprob only)
+against V and against N for every path (the sweeps), and against the masked share at the last main
+shape (the RL-shaped case, with entropy dashed). On a CUDA device whose ceilings
+benchmarks/roofline.py knows, every timed row of the main shapes also gives what the fused path's
+kernels should take there from their FLOPs and bytes (fused_roofline_ms, and
+fused_roofline_serial_ms with GEMM epilogues not overlapped) and fused/roofline, the measured time
+over it; the JSON holds the ceilings and a per-kernel breakdown."""
+import dataclasses
+
 import torch
 
 from fused_rl_ops import reference
 
+from . import roofline
 from .chosen_logprob_paths import gemm_runs, load_peers, make_inputs, path_fn, paths_for, peak_mib, run_once
 from .plots import pyplot, save_figure
-from .results import parse_args, png_path, write_json
+from .results import RowLog, parse_args, png_path, write_json
 from .tables import print_row, summary_table
 from .timing import record_times, time_paths
 
@@ -47,11 +66,26 @@ GOALS = {  # column -> (what it checks, its value on a row: True / False, or Non
                             lambda r: r["fused_MiB"] <= r["torch_lce_MiB"] if "torch_lce_MiB" in r else None),
 }
 TIME_GOALS, MEMORY_GOALS = ["goal_time<=torch_lce/2", "goal_time<=naive"], ["goal_mem<=torch_lce"]
+MASKED = (0.0, 0.5, 0.75)  # the RL-shaped case's shares of ignored positions
 
 
-def add_goals(row, goals):
+def other_paths(row):
+    """The paths timed on a row besides fused."""
+    return [c[:-3] for c in row if c.endswith("_ms") and not c.endswith("iqr_ms") and c not in ("fused_ms", "gemm_ms")]
+
+
+MASKED_GOALS = {
+    "goal_75%masked<=0.45x": ("75% masked: fused time at most 0.45x of its time with none masked",
+                              lambda r: r["fused/unmasked"] <= 0.45 if r["masked_%"] == 75 else None),
+    "goal_50%masked_fastest": ("50% masked: fused time below every other path's in the row",
+                               lambda r: all(r["fused_ms"] < r[f"{p}_ms"] for p in other_paths(r))
+                               if r["masked_%"] == 50 else None),
+}
+
+
+def add_goals(row, goals, declared=GOALS):
     for column in goals:
-        met = GOALS[column][1](row)
+        met = declared[column][1](row)
         if met is not None:
             row[column] = met
 
@@ -78,48 +112,83 @@ def add_ratios(row, paths, N, H, V, mode):
         row["invariant/fused" if path == "fused_invariant" else f"{path}/fused"] = row[f"{path}_ms"] / row["fused_ms"]
 
 
-def sweep(points, dtype, dev, peers, reps):
-    """Forward+backward time and peak memory (logprob only) of every path at each (N, H, V)."""
+ROOFLINE_COLUMNS = ["fused_roofline_ms", "fused_roofline_serial_ms", "fused/roofline"]
+
+
+def add_roofline(row, dtype, ceilings):
+    """What the fused path's kernels should take on the device (benchmarks/roofline.py) beside its
+    measured time, and the measured time over it."""
+    kernels = roofline.chosen_logprob_kernels(row["N"], row["H"], row["V"], dtype, row["mode"])
+    expected = roofline.expected_ms(kernels, dtype, ceilings)
+    row["fused_roofline_ms"] = expected["roofline_ms"]
+    row["fused_roofline_serial_ms"] = expected["roofline_serial_ms"]
+    row["fused/roofline"] = row["fused_ms"] / expected["roofline_ms"]
+
+
+def roofline_table(N, H, V, dtype, ceilings):
+    """The per-kernel roofline of the fused forward+backward at one shape, printed and for the JSON."""
+    rows = roofline.breakdown(roofline.chosen_logprob_kernels(N, H, V, dtype, "fwd+bwd"), dtype, ceilings)
+    title = (f"chosen_logprob: the fused path's kernels on {ceilings.name}, forward+backward at N={N} H={H} V={V} "
+             f"(roofline: each at the larger of its GEMM and memory times)")
+    return summary_table(title, rows, roofline.BREAKDOWN_COLUMNS)
+
+
+def sweep(name, points, dtype, dev, peers, reps, log):
+    """Forward+backward time and peak memory (logprob only) of every path at each (N, H, V); the
+    times logged per point, the memory per path."""
     paths = paths_for(False, peers)
     curve = [{"N": N, "H": H, "V": V} for N, H, V in points]
     for point in curve:
         hidden, weight, tokens = make_inputs(point["N"], point["H"], point["V"], dtype, dev)
         times = time_paths({p: run_once(path_fn(p, False, peers), "fwd+bwd", hidden, weight, tokens) for p in paths},
                            dev, reps=reps)
-        record_times(point, times)
+        log(f"sweep {name}", record_times(point, times))
         del hidden, weight, tokens
     for path in paths:
-        for point, mib in zip(curve, peak_mib(path, points, dtype, dev, peers)):
+        mibs = log(f"sweep {name} memory", {"path": path, "points": points,
+                                            "MiB": peak_mib(path, points, dtype, dev, peers)})["MiB"]
+        for point, mib in zip(curve, mibs):
             point[f"{path}_MiB"] = mib
     return curve
 
 
-def plot(v_curve, n_curve, paths, path, device, dtype):
+def plot(v_curve, n_curve, masked_rows, paths, path, device, dtype):
+    """Time and memory against V and N (the sweeps) and against the masked share (masked_rows: the
+    RL-shaped case at one shape), a column each where there are points."""
     plt = pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for col, (curve, x) in enumerate(((v_curve, "V"), (n_curve, "N"))):
-        xs = [p[x] for p in curve]
+    columns = [(curve, x) for curve, x in ((v_curve, "V"), (n_curve, "N"), (masked_rows, "masked_%")) if curve]
+    fig, axes = plt.subplots(2, len(columns), figsize=(max(5.5 * len(columns), 9), 8), squeeze=False)
+    for col, (curve, x) in enumerate(columns):
+        logprob_only = [p for p in curve if not p.get("entropy")]
+        xs = [p[x] for p in logprob_only]
         for name in paths:
-            axes[0, col].plot(xs, [p[f"{name}_ms"] for p in curve], marker="o", label=name)
-            axes[1, col].plot(xs, [p[f"{name}_MiB"] for p in curve], marker="o", label=name)
+            axes[0, col].plot(xs, [p[f"{name}_ms"] for p in logprob_only], marker="o", label=name)
+            axes[1, col].plot(xs, [p[f"{name}_MiB"] for p in logprob_only], marker="o", label=name)
+        with_entropy = [p for p in curve if p.get("entropy")]
+        for name in paths:
+            if with_entropy and f"{name}_ms" in with_entropy[0]:
+                axes[0, col].plot([p[x] for p in with_entropy], [p[f"{name}_ms"] for p in with_entropy],
+                                  marker="x", linestyle="--", label=f"{name}, with entropy")
         fixed = ", ".join(f"{k}={curve[0][k]}" for k in ("N", "H", "V") if k != x)
         axes[0, col].set(ylabel="time (ms)", title=f"fwd+bwd time against {x} ({fixed})")
         axes[1, col].set(ylabel="extra peak memory (MiB)", title=f"fwd+bwd peak memory against {x} ({fixed})")
         for ax in axes[:, col]:
-            ax.set(xlabel=x, xscale="log", yscale="log")
+            ax.set(xlabel=x, xscale="linear" if x == "masked_%" else "log", yscale="log")
             ax.set_xticks(xs, [str(v) for v in xs], minor=False)
             ax.set_xticks([], minor=True)
     for ax in axes.flat:
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
-    busy = "  (! measured on a busy machine)" if any(p.get("busy") for p in v_curve + n_curve) else ""
-    fig.suptitle(f"chosen_logprob (logprob only, temperature 1) on {device}, {str(dtype).replace('torch.', '')}{busy}")
+    busy = "  (! measured on a busy machine)" if any(p.get("busy") for p in v_curve + n_curve + masked_rows) else ""
+    dashed = ", dashed: with entropy" if masked_rows else ""
+    fig.suptitle(f"chosen_logprob (logprob only{dashed}; temperature 1) on {device}, "
+                 f"{str(dtype).replace('torch.', '')}{busy}")
     save_figure(fig, path)
 
 
-def measure_shape(N, H, V, dtype, dev, peers, reps) -> list:
-    """The timed rows (with and without entropy, forward and forward+backward) and the peak memory
-    row of one shape."""
+def timed_rows(N, H, V, dtype, dev, peers, reps, log, ceilings=None) -> list:
+    """The timed rows of one shape (with and without entropy, forward and forward+backward), with
+    the roofline columns where the device's ceilings are known, each logged as it is measured."""
     rows = []
     hidden, weight, tokens = make_inputs(N, H, V, dtype, dev)
     gemms = gemm_runs(hidden, weight)
@@ -132,28 +201,69 @@ def measure_shape(N, H, V, dtype, dev, peers, reps) -> list:
             record_times(row, time_paths({**runs, "gemm": gemms[mode]}, dev, reps=reps))
             add_ratios(row, paths, N, H, V, mode)
             add_goals(row, TIME_GOALS)
-            rows.append(row)
-            print_row(row, ["N", "H", "V", "entropy", "mode"]
-                      + [c for c in row if c.endswith(("_ms", "/fused", "_%gemm")) and "iqr" not in c]
+            if ceilings:
+                add_roofline(row, dtype, ceilings)
+            rows.append(log("results", row))
+            times = [c for c in row if c.endswith(("_ms", "/fused", "_%gemm")) and "iqr" not in c]
+            print_row(row, ["N", "H", "V", "entropy", "mode", "fused_ms"] + [c for c in ROOFLINE_COLUMNS if c in row]
+                      + [c for c in times if c != "fused_ms" and c not in ROOFLINE_COLUMNS]
                       + [c for c in TIME_GOALS if c in row])
     del gemms
+    return rows
+
+
+def measure_shape(N, H, V, dtype, dev, peers, reps, log, ceilings=None) -> list:
+    """The timed rows and the peak memory row of one shape, each logged as it is measured."""
+    rows = timed_rows(N, H, V, dtype, dev, peers, reps, log, ceilings)
+    hidden, weight, tokens = make_inputs(N, H, V, dtype, dev)
     memory = {"N": N, "H": H, "V": V, "mode": "peak fwd+bwd"}
     for path in paths_for(False, peers):
         memory[f"{path}_MiB"] = peak_mib(path, [(N, H, V)], dtype, dev, peers)[0]
         memory[f"{path}_max_err"] = max_error(path_fn(path, False, peers), hidden, weight, tokens)
     memory["naive/fused_mem"] = memory["naive_MiB"] / memory["fused_MiB"]
     add_goals(memory, MEMORY_GOALS)
-    rows.append(memory)
+    rows.append(log("results", memory))
     print_row(memory, list(memory))
+    return rows
+
+
+def measure_masked(N, H, V, dtype, dev, peers, reps, log) -> list:
+    """The RL-shaped case at one shape (module docstring): a forward+backward row per masked share,
+    with entropy and logprob only, and each path's extra peak memory on the logprob-only rows; each
+    row logged as it is measured."""
+    rows = []
+    for entropy in (True, False):
+        paths = paths_for(entropy, peers)
+        for masked in MASKED:
+            row = {"N": N, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "masked_%": round(100 * masked),
+                   "entropy": entropy, "mode": "fwd+bwd"}
+            hidden, weight, tokens = make_inputs(N, H, V, dtype, dev, masked=masked)
+            runs = {p: run_once(path_fn(p, entropy, peers), "fwd+bwd", hidden, weight, tokens) for p in paths}
+            record_times(row, time_paths(runs, dev, reps=reps))
+            del hidden, weight, tokens, runs
+            unmasked = row if masked == 0 else next(r for r in rows if r["entropy"] == entropy and r["masked_%"] == 0)
+            row["fused/unmasked"] = row["fused_ms"] / unmasked["fused_ms"]
+            for path in paths[1:]:
+                row[f"{path}/fused"] = row[f"{path}_ms"] / row["fused_ms"]
+            if not entropy:
+                for path in paths:
+                    row[f"{path}_MiB"] = peak_mib(path, [(N, H, V)], dtype, dev, peers, masked=masked)[0]
+            add_goals(row, MASKED_GOALS, MASKED_GOALS)
+            rows.append(log("masked", row))
+            print_row(row, ["N", "H", "V", "masked_%", "entropy", "fused/unmasked"]
+                      + [c for c in row if c.endswith(("_ms", "/fused", "_MiB")) and "iqr" not in c]
+                      + [c for c in MASKED_GOALS if c in row])
     return rows
 
 
 def summary_tables(rows, all_paths):
     timed = [r for r in rows if "fused_ms" in r]
     key = ["N", "H", "V", "entropy", "mode"]
+    expected = [c for c in ROOFLINE_COLUMNS if any(c in r for r in timed)]
     return [
-        summary_table("chosen_logprob: median time (ms); ratios are path time / fused time",
-                      timed, key + [f"{p}_ms" for p in all_paths] + ["gemm_ms"]
+        summary_table("chosen_logprob: median time (ms); ratios are path time / fused time"
+                      + ("; fused_roofline*: what the fused kernels should take on the device" if expected else ""),
+                      timed, key + ["fused_ms"] + expected + [f"{p}_ms" for p in all_paths[1:]] + ["gemm_ms"]
                       + [f"{p}/fused" for p in all_paths[1:]]),
         summary_table("chosen_logprob: the cost of batch_invariant=True (fused_invariant time / fused time)",
                       timed, key + ["fused_ms", "fused_invariant_ms", "invariant/fused"]),
@@ -171,15 +281,65 @@ def summary_tables(rows, all_paths):
     ]
 
 
+def masked_table(rows, all_paths):
+    return summary_table(
+        "chosen_logprob, RL-shaped batch: fwd+bwd time (ms) with 0/50/75% of positions ignored (fused skips them; "
+        "Cut Cross-Entropy leaves them out too, the others compute every row), fused/unmasked = fused time over "
+        "its own at 0%, path time / fused time, extra peak memory (MiB, logprob only); goals: "
+        + "; ".join(f"{c}: {what}" for c, (what, _) in MASKED_GOALS.items()),
+        rows, ["N", "H", "V", "masked_%", "entropy"] + [f"{p}_ms" for p in all_paths] + ["fused/unmasked"]
+        + [f"{p}/fused" for p in all_paths[1:]] + [f"{p}_MiB" for p in all_paths] + list(MASKED_GOALS))
+
+
 def shape_options(parser):
     parser.add_argument("--no-sweeps", action="store_true",
-                        help="measure the main shapes only: no V and N sweeps, no plot")
+                        help="no V and N sweeps (the plot then shows the RL-shaped case only)")
+    parser.add_argument("--masked-only", action="store_true",
+                        help="the RL-shaped case only (at the main shapes): no main rows, no sweeps")
     parser.add_argument("--shape", nargs=3, type=int, action="append", metavar=("N", "H", "V"),
                         help="a main shape to measure instead of the device's defaults (repeatable)")
 
 
+def masked_headline(rows) -> list:
+    """The RL-shaped case's figures at one shape: fused at 75% masked over none masked, and the
+    fastest other path over fused at 50% masked, with entropy and logprob only."""
+    headline = []
+    for entropy, what in ((True, "with entropy"), (False, "logprob only")):
+        at = {r["masked_%"]: r for r in rows if r["entropy"] == entropy}
+        shape = "N={N} H={H} V={V}".format(**at[0])
+        fastest = min(other_paths(at[50]), key=lambda p: at[50][f"{p}_ms"])
+        headline += [{"metric": f"fused time, 75% / 0% of positions masked, fwd+bwd {what}, {shape}",
+                      "value": at[75]["fused/unmasked"], "busy": at[75]["busy"] or at[0]["busy"]},
+                     {"metric": f"fastest other path ({fastest}) / fused time, 50% masked, fwd+bwd {what}, {shape}",
+                      "value": at[50][f"{fastest}/fused"], "busy": at[50]["busy"]}]
+    return headline
+
+
+def main_headline(rows, shape, all_paths) -> list:
+    largest = [r for r in rows if (r["N"], r["H"], r["V"]) == shape]
+    with_entropy = next(r for r in largest if r.get("entropy") and r["mode"] == "fwd+bwd")
+    logprob_only = next(r for r in largest if r.get("entropy") is False and r["mode"] == "fwd+bwd")
+    memory = largest[-1]
+    shape = "N={N} H={H} V={V}".format(**with_entropy)
+    headline = [{"metric": f"naive / fused time, fwd+bwd with entropy, {shape}",
+                 "value": with_entropy["naive/fused"], "busy": with_entropy["busy"]},
+                {"metric": f"naive / fused extra peak memory, fwd+bwd, {shape}",
+                 "value": memory["naive/fused_mem"], "busy": False}]
+    headline += [{"metric": f"{p} / fused time, fwd+bwd logprob only, {shape}", "value": logprob_only[f"{p}/fused"],
+                  "busy": logprob_only["busy"]} for p in all_paths[1:]]
+    headline.append({"metric": f"fused % of the GEMM rate (6NHV), fwd+bwd logprob only, {shape}",
+                     "value": logprob_only["fused_%gemm"], "busy": logprob_only["busy"]})
+    if "torch_lce_MiB" in memory:
+        headline.append({"metric": f"torch_lce / fused extra peak memory, fwd+bwd, {shape}",
+                         "value": memory["torch_lce_MiB"] / memory["fused_MiB"], "busy": False})
+    headline.append({"metric": f"batch_invariant=True / default time, fwd+bwd with entropy, {shape}",
+                     "value": with_entropy["invariant/fused"], "busy": with_entropy["busy"]})
+    return headline
+
+
 def main():
     args = parse_args(__doc__, shape_options)
+    log = RowLog(args.json)
     dev = args.device
     if dev == "cpu":
         shapes = [(256, 128, 8192)] if args.quick else [(2048, 512, 32768), (4096, 1024, 65536)]
@@ -198,41 +358,35 @@ def main():
     if args.shape:
         shapes = [tuple(shape) for shape in args.shape]
     peers, versions = load_peers(dev)
-    rows = [row for N, H, V in shapes for row in measure_shape(N, H, V, dtype, dev, peers, reps)]
     all_paths = paths_for(False, peers)
-    tables = summary_tables(rows, all_paths)
+    ceilings = roofline.ceilings_for(dev)
+    rows = [] if args.masked_only else [row for N, H, V in shapes
+                                        for row in measure_shape(N, H, V, dtype, dev, peers, reps, log, ceilings)]
+    tables = summary_tables(rows, all_paths) if rows else []
+    if ceilings and rows:
+        tables += [roofline_table(N, H, V, dtype, ceilings) for N, H, V in shapes]
+    masked_rows = [row for N, H, V in shapes for row in measure_masked(N, H, V, dtype, dev, peers, reps, log)]
+    tables.append(masked_table(masked_rows, all_paths))
 
-    v_curve = [] if args.no_sweeps else sweep(v_sweep, dtype, dev, peers, reps)
-    n_curve = [] if args.no_sweeps else sweep(n_sweep, dtype, dev, peers, reps)
-    if not args.no_sweeps:
+    sweeps = not (args.no_sweeps or args.masked_only)
+    v_curve = sweep("V", v_sweep, dtype, dev, peers, reps, log) if sweeps else []
+    n_curve = sweep("N", n_sweep, dtype, dev, peers, reps, log) if sweeps else []
+    if sweeps:
         tables.append(summary_table("chosen_logprob sweeps: fwd+bwd (logprob only) time (ms) and peak memory (MiB)",
                                     v_curve + n_curve, ["N", "H", "V"] + [f"{p}_ms" for p in all_paths]
                                     + [f"{p}_MiB" for p in all_paths]))
-    plot_file = None if args.no_sweeps else png_path(args.json)
+    last_masked = [r for r in masked_rows if (r["N"], r["H"], r["V"]) == shapes[-1]]
+    plot_file = png_path(args.json)
     if plot_file:
-        plot(v_curve, n_curve, all_paths, plot_file, dev, dtype)
+        plot(v_curve, n_curve, last_masked, all_paths, plot_file, dev, dtype)
 
-    largest = [r for r in rows if (r["N"], r["H"], r["V"]) == shapes[-1]]
-    with_entropy = next(r for r in largest if r.get("entropy") and r["mode"] == "fwd+bwd")
-    logprob_only = next(r for r in largest if r.get("entropy") is False and r["mode"] == "fwd+bwd")
-    memory = largest[-1]
-    shape = "N={N} H={H} V={V}".format(**with_entropy)
-    headline = [{"metric": f"naive / fused time, fwd+bwd with entropy, {shape}",
-                 "value": with_entropy["naive/fused"], "busy": with_entropy["busy"]},
-                {"metric": f"naive / fused extra peak memory, fwd+bwd, {shape}",
-                 "value": memory["naive/fused_mem"], "busy": False}]
-    headline += [{"metric": f"{p} / fused time, fwd+bwd logprob only, {shape}", "value": logprob_only[f"{p}/fused"],
-                  "busy": logprob_only["busy"]} for p in all_paths[1:]]
-    headline.append({"metric": f"fused % of the GEMM rate (6NHV), fwd+bwd logprob only, {shape}",
-                     "value": logprob_only["fused_%gemm"], "busy": logprob_only["busy"]})
-    if "torch_lce_MiB" in memory:
-        headline.append({"metric": f"torch_lce / fused extra peak memory, fwd+bwd, {shape}",
-                         "value": memory["torch_lce_MiB"] / memory["fused_MiB"], "busy": False})
-    headline.append({"metric": f"batch_invariant=True / default time, fwd+bwd with entropy, {shape}",
-                     "value": with_entropy["invariant/fused"], "busy": with_entropy["busy"]})
-    write_json(args.json, "chosen_logprob", dev, rows, headline=headline, tables=tables, peers=versions,
+    headline = masked_headline(last_masked)
+    if rows:
+        headline = main_headline(rows, shapes[-1], all_paths) + headline
+    write_json(args.json, "chosen_logprob", dev, rows + masked_rows, headline=headline, tables=tables, peers=versions,
                plot=plot_file, sweeps={"V": v_curve, "N": n_curve}, flop_counting=FLOP_COUNTING,
-               goals={column: what for column, (what, _) in GOALS.items()})
+               goals={column: what for column, (what, _) in {**GOALS, **MASKED_GOALS}.items()},
+               roofline={"ceilings": dataclasses.asdict(ceilings), "model": roofline.__doc__} if ceilings else None)
 
 
 if __name__ == "__main__":

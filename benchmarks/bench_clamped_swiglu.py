@@ -14,7 +14,7 @@ import fused_rl_ops
 from fused_rl_ops import reference
 
 from .plots import bandwidth_figure
-from .results import find_peers, parse_args, png_path, write_json
+from .results import RowLog, find_peers, parse_args, png_path, write_json
 from .tables import add_times, summary_table
 from .timing import run_mode, time_paths
 
@@ -28,6 +28,7 @@ def load_transformer_engine():
 
 
 args = parse_args(__doc__)
+log = RowLog(args.json)
 dev = args.device
 shapes = [(1024, 2880)] if args.quick else [(4096, 2880), (4096, 8192), (16384, 2880), (16384, 8192)]
 dtypes = [torch.float32, torch.bfloat16]
@@ -50,7 +51,7 @@ for tokens, F in shapes:
         for mode, bytes_moved in (("fwd", 3 * elem_bytes), ("fwd+bwd", 8 * elem_bytes)):
             row = {"tokens": tokens, "F": F, "dtype": str(dtype).replace("torch.", ""), "mode": mode}
             times = time_paths({name: run_mode(fn, [x], [grad], mode) for name, fn in paths.items()}, dev, reps=reps)
-            rows.append(add_times(row, times, bytes_moved, [p for p in paths if p != "fused"]))
+            rows.append(log("results", add_times(row, times, bytes_moved, [p for p in paths if p != "fused"])))
 
 
 
@@ -71,7 +72,8 @@ for tokens in expert_tokens:
         for mode, bytes_moved in (("fwd", 3 * elem_bytes), ("fwd+bwd", 8 * elem_bytes)):
             row = {"tokens": tokens, "F": F, "dtype": str(dtype).replace("torch.", ""), "mode": mode}
             closures = {name: run_mode(fn, [x, probs], [grad], mode) for name, fn in weighted_paths.items()}
-            weighted_rows.append(add_times(row, time_paths(closures, dev, reps=reps), bytes_moved, ["eager", "compile"]))
+            weighted_rows.append(log("weighted", add_times(row, time_paths(closures, dev, reps=reps), bytes_moved,
+                                                           ["eager", "compile"])))
 
 baselines = [p for p in paths if p != "fused"]
 columns = ["tokens", "F", "dtype", "mode", "fused_ms", "fused_GB/s", "fused_%copy"]

@@ -14,11 +14,12 @@ from fused_rl_ops import reference
 from fused_rl_ops.value_head import value_head
 
 from .plots import bandwidth_figure
-from .results import parse_args, png_path, write_json
+from .results import RowLog, parse_args, png_path, write_json
 from .tables import add_times, summary_table
 from .timing import run_mode, time_paths
 
 args = parse_args(__doc__)
+log = RowLog(args.json)
 dev = args.device
 shapes = [(2048, 4096)] if args.quick else [(n, h) for n in (8192, 32768) for h in (4096, 8192)]
 dtypes = [torch.bfloat16, torch.float32]
@@ -43,7 +44,7 @@ for tokens, H in shapes:
             runs = {name: run_mode(fn, [hidden, weight], [grad.to(fn(hidden, weight).dtype)], mode)
                     for name, fn in paths.items()}
             times = time_paths(runs, dev, reps=reps)
-            rows.append(add_times(row, times, bytes_moved, ["fp32", "native"]))
+            rows.append(log("results", add_times(row, times, bytes_moved, ["fp32", "native"])))
         del hidden, weight, grad
 
 table = summary_table("value_head, speedup x_<path> = path time / fused time", rows,

@@ -14,12 +14,18 @@ from .results import find_peers
 from .timing import synchronize
 
 
-def make_inputs(N, H, V, dtype, device, seed=0):
+SEQUENCE = 512  # positions per sequence of an RL-shaped batch (make_inputs' masked)
+
+
+def make_inputs(N, H, V, dtype, device, seed=0, masked=0.0):
+    """hidden [N, H], weight [V, H] and tokens [N]. masked: the share of positions ignored (-100),
+    shaped as an RL batch: the first `masked` of each run of SEQUENCE positions (its prompt)."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(N, H, generator=g).to(device, dtype)
     weight = (torch.randn(V, H, generator=g) / H**0.5 * 2).to(device, dtype)
-    tokens = torch.randint(0, V, (N,), generator=g).to(device)
-    return hidden, weight, tokens
+    tokens = torch.randint(0, V, (N,), generator=g)
+    tokens[torch.arange(N) % SEQUENCE < round(masked * min(N, SEQUENCE))] = -100
+    return hidden, weight, tokens.to(device)
 
 
 def init_megatron(device):
@@ -67,9 +73,15 @@ def load_liger(device):
     return lambda h, w, t: -liger_fused_linear_cross_entropy(h, w, t, reduction="none")
 
 
+def naive_logprob(hidden, weight, tokens):
+    """The naive path as trainers run it: every row computed (the logprob of ignored tokens then
+    zeroed); fused_rl_ops.reference.chosen_logprob's default leaves those rows out instead."""
+    return reference.chosen_logprob(hidden, weight, tokens, skip_ignored=False)
+
+
 def load_compile(device):
     torch._dynamo.config.recompile_limit = 64  # one graph per mode; dynamic shapes cover the sweeps
-    return torch.compile(reference.chosen_logprob, dynamic=True)
+    return torch.compile(naive_logprob, dynamic=True)
 
 
 PEERS = {  # name -> (distribution, None for torch itself; loader(device) -> fn(hidden, weight, tokens))
@@ -94,7 +106,7 @@ def path_fn(path, entropy, peers):
         return lambda h, w, t: fused_rl_ops.chosen_logprob(h, w, t, return_entropy=True, **kw) if entropy else (
             fused_rl_ops.chosen_logprob(h, w, t, **kw),)
     if path in ("naive", "compile"):
-        fn = reference.chosen_logprob if path == "naive" else peers["compile"]
+        fn = naive_logprob if path == "naive" else peers["compile"]
         return lambda h, w, t: fn(h, w, t) if entropy else fn(h, w, t)[:1]
     fn = peers[path]
     return lambda h, w, t: (fn(h, w, t),)
@@ -136,34 +148,36 @@ def gemm_runs(hidden, weight) -> dict:
     return {"fwd": forward, "fwd+bwd": forward_backward}
 
 
-def peak_mib(path, shapes, dtype, device, peers) -> list:
-    """Extra peak memory (MiB) of one forward+backward (logprob only) per (N, H, V) in shapes, beyond
-    the inputs (the gradients included): CUDA's max_memory_allocated, or on the CPU the peak
-    resident memory growth in one fresh process per path."""
+def peak_mib(path, shapes, dtype, device, peers, entropy=False, masked=0.0) -> list:
+    """Extra peak memory (MiB) of one forward+backward (logprob only, or with entropy) per (N, H, V)
+    in shapes, beyond the inputs (the gradients included), with `masked` of the positions ignored
+    (make_inputs): CUDA's max_memory_allocated, or on the CPU the peak resident memory growth in
+    one fresh process per path."""
     if device != "cuda":
-        return [b / 2**20 for b in in_fresh_process(peak_bytes_in_this_process, path, shapes, dtype, device)]
+        return [b / 2**20 for b in in_fresh_process(peak_bytes_in_this_process, path, shapes, dtype, device,
+                                                    entropy, masked)]
     peaks = []
     for N, H, V in shapes:
-        hidden, weight, tokens = make_inputs(N, H, V, dtype, device)
+        hidden, weight, tokens = make_inputs(N, H, V, dtype, device, masked=masked)
         synchronize(device)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        run_once(path_fn(path, False, peers), "fwd+bwd", hidden, weight, tokens)()
+        run_once(path_fn(path, entropy, peers), "fwd+bwd", hidden, weight, tokens)()
         synchronize(device)
         peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
         del hidden, weight, tokens
     return peaks
 
 
-def peak_bytes_in_this_process(path, shapes, dtype, device) -> list:
+def peak_bytes_in_this_process(path, shapes, dtype, device, entropy=False, masked=0.0) -> list:
     """The peak resident memory growth (bytes) of each shape's forward+backward, after a small call
     that pays the one-time costs (thread pools, BLAS buffers, compiling)."""
     peers = {path: PEERS[path][1](device)} if path in PEERS else {}
-    fn = path_fn(path, False, peers)
+    fn = path_fn(path, entropy, peers)
     peaks = []
     for N, H, V in shapes:
-        run_once(fn, "fwd+bwd", *make_inputs(64, H, 256, dtype, device))()
-        hidden, weight, tokens = make_inputs(N, H, V, dtype, device)
+        run_once(fn, "fwd+bwd", *make_inputs(64, H, 256, dtype, device, masked=masked))()
+        hidden, weight, tokens = make_inputs(N, H, V, dtype, device, masked=masked)
         peaks.append(peak_rss_growth(run_once(fn, "fwd+bwd", hidden, weight, tokens)))
         del hidden, weight, tokens
     return peaks

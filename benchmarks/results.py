@@ -1,6 +1,8 @@
-"""What every benchmark takes (parse_args) and writes (write_json: rows, tables, headline figures,
-the machine, the peers' versions), and find_peers, which reports a missing peer instead of dropping it."""
+"""What every benchmark takes (parse_args) and writes (RowLog: each row as it is measured;
+write_json: rows, tables, headline figures, the machine, the peers' versions), and find_peers, which
+reports a missing peer instead of dropping it."""
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -22,8 +24,31 @@ def parse_args(description: str, extra=None) -> argparse.Namespace:
 
 
 def png_path(json_path):
-    """The plot's path, next to the JSON (no plot without --json)."""
-    return os.path.splitext(json_path)[0] + ".png" if json_path else None
+    """The plot's path, next to the JSON; None (no plot) without --json, or without matplotlib (a
+    GPU machine may lack it; the numbers still go to the JSON)."""
+    if not json_path:
+        return None
+    if importlib.util.find_spec("matplotlib") is None:
+        print("no plot: matplotlib is not installed")
+        return None
+    return os.path.splitext(json_path)[0] + ".png"
+
+
+class RowLog:
+    """Appends each row, as soon as it is measured, as one JSON line {"table": ..., **row} to
+    PATH.jsonl next to the --json PATH (emptied at the start), so a run cut short still leaves its
+    numbers; write_json writes the whole result at the end. log(table, row) returns row."""
+
+    def __init__(self, json_path):
+        self.path = os.path.splitext(json_path)[0] + ".jsonl" if json_path else None
+        if self.path:
+            open(self.path, "w").close()
+
+    def __call__(self, table: str, row: dict) -> dict:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"table": table, **row}) + "\n")
+        return row
 
 
 def find_peers(candidates: dict) -> tuple:

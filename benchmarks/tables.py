@@ -10,7 +10,7 @@ def format_cell(v) -> str:
 def print_table(rows: list, columns: list):
     """Prints rows (dicts) as an aligned table of the given columns; floats get 4 significant digits."""
     cells = [[format_cell(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))

@@ -6,10 +6,16 @@ import torch
 def values_readable(*tensors: torch.Tensor) -> bool:
     """Whether the host may read these tensors' values: not while torch.compile or torch.export
     traces (their tensors are fake, and a value read is a data-dependent guard that fullgraph
-    refuses), and not for meta tensors (they have no values). Non-tensors are left to the type
-    checks that follow."""
-    return not torch.compiler.is_compiling() and not any(
-        isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
+    refuses), not while a CUDA graph is captured on the current stream (a read synchronises, which
+    capture forbids), and not for meta tensors (they have no values). Non-tensors are left to the
+    type checks that follow."""
+    if torch.compiler.is_compiling():
+        return False
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if any(t.device.type == "meta" for t in tensors):
+        return False
+    # Asked only for CUDA tensors: the question initialises CUDA.
+    return not (any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing())
 
 
 def check_hidden_size(op: str, hidden: torch.Tensor) -> None:

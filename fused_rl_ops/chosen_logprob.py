@@ -5,8 +5,11 @@ local vocabulary in chunks (one GEMM per chunk into a bounded workspace, then a 
 folds the chunk into per-token partials: max, sum of exp, sum of exp-weighted shifted logits, and
 the chosen logit). Ranks exchange those [N, 4] partials with one all-gather and merge them in a
 fixed order; the backward recomputes each chunk's logits and turns them into logit gradients in
-place. Memory beyond inputs, outputs and gradients: the workspace (`workspace_bytes`, by default
-default_workspace_bytes(hidden)) plus O(tokens) state, independent of the vocabulary size.
+the dtype its GEMMs take (in place, or into a buffer of several chunks' gradients on CUDA). Memory
+beyond inputs, outputs and gradients: the workspace (`workspace_bytes`, by default
+default_workspace_bytes(hidden)) plus O(tokens) state, independent of the vocabulary size. Rows whose
+token is ignore_index are left out before the kernels (skip_ignored): the work, and the workspace's
+size, follow the scored rows.
 """
 import dataclasses
 import math
@@ -30,6 +33,12 @@ _MIN_CHUNK = 128
 # GEMM has one shape whatever the batch (see RowTiling in csrc/chosen_logprob/chunks.h). Row blocks are
 # multiples of 128, so every block of an aligned hidden starts aligned (aligned_rows there).
 INVARIANT_TILING = {"cpu": (512, 2048), "cuda": (512, 4096)}
+# Chunks per gradient GEMM where the logit gradients have a buffer of their own (CUDA, bfloat16 or
+# float16 inputs: the GEMMs take them in the inputs' dtype, half the bytes of the fp32 logits). Two
+# give that buffer as many bytes as the logits and halve the gradient GEMMs of a chunk-per-GEMM
+# loop, each of which reads and writes the whole fp32 hidden gradient (docs/chosen_logprob.md,
+# "Memory" and "Speed on CUDA").
+SEPARATE_GRAD_CHUNKS = 2
 
 
 @options_dataclass
@@ -44,9 +53,11 @@ class ChosenLogprobOptions:
         pass, 0: all rows (tiling_for).
     softcap: the logits are capped as softcap * tanh(logits / softcap) first; None: no cap.
     valid_rows: weight's first rows that are vocabulary, the rest padding; None: all of them.
+    grad_chunks: the backward's gradient GEMMs take the logit gradients of this many chunks at once
+        (tiling_for); the stats op ignores it.
     top_k, top_p: the sampler's filter (fused_rl_ops/_sampler_filter.py); None: none. The ops take
-    its kept set as per-token thresholds; with top_k the stats op returns each row's top (its top_k
-    largest logits) besides the partials.
+        its kept set as per-token thresholds; with top_k the stats op returns each row's top (its
+        top_k largest logits) besides the partials.
     The ranks of a tensor-parallel group must agree on the options marked agreed (temperature,
     softcap, top_k, top_p); chosen_logprob's group check compares them.
     """
@@ -57,6 +68,7 @@ class ChosenLogprobOptions:
     pass_rows: int = option(NON_NEGATIVE_INTEGER, default=0)
     softcap: Optional[float] = option(POSITIVE_FINITE, default=None, agreed=True)
     valid_rows: Optional[int] = option(NON_NEGATIVE_INTEGER, default=None)
+    grad_chunks: int = option(POSITIVE_INTEGER, default=1)
     top_k: Optional[int] = option(POSITIVE_INTEGER, default=None, agreed=True)
     top_p: Optional[float] = option(PROBABILITY, default=None, agreed=True)
 
@@ -85,35 +97,66 @@ class CombinedColumns(NamedTuple):
     chosen: torch.Tensor
 
 
-def default_workspace_bytes(hidden: torch.Tensor) -> int:
-    """The workspace when workspace_bytes is None: hidden's own size, within [1 MiB,
-    DEFAULT_WORKSPACE_BYTES]. The extra memory then stays below the input's size at small shapes (as
-    torch's chunked linear_cross_entropy sizes its chunks), while training-sized inputs (8192 tokens
-    x 4096 in bf16 is 64 MiB) get the largest workspace and so the widest GEMMs."""
-    return min(DEFAULT_WORKSPACE_BYTES, max(_MIN_DEFAULT_WORKSPACE_BYTES, hidden.numel() * hidden.element_size()))
+def default_workspace_bytes(hidden: torch.Tensor, rows: Optional[int] = None) -> int:
+    """The workspace when workspace_bytes is None: the size of the rows of hidden the kernels get
+    (rows of them; None: all), within [1 MiB, DEFAULT_WORKSPACE_BYTES]. The extra memory then stays
+    below the input's size at small shapes (as torch's chunked linear_cross_entropy sizes its
+    chunks), while training-sized inputs (8192 tokens x 4096 in bf16 is 64 MiB) get the largest
+    workspace and so the widest GEMMs."""
+    elements = hidden.numel() if rows is None else rows * hidden.shape[-1]
+    return min(DEFAULT_WORKSPACE_BYTES, max(_MIN_DEFAULT_WORKSPACE_BYTES, elements * hidden.element_size()))
 
 
-def chunk_size_for(num_tokens: int, hidden_size: int, element_size: int, workspace_bytes: int) -> int:
-    """Vocab rows per chunk so that the chunk's buffers fit in workspace_bytes: fp32 logits
-    [N, chunk], their copy in the input dtype (CUDA, reduced precision) and the fp32 weight chunk
-    (CPU, reduced precision). Never below 128 rows, a multiple of 128."""
-    per_row = 4 * num_tokens + element_size * num_tokens + 4 * hidden_size
-    rows = workspace_bytes // max(per_row, 1)
-    return max(_MIN_CHUNK, rows // _MIN_CHUNK * _MIN_CHUNK)
+def chunk_loop_bytes(device_type: str, element_size: int, hidden_size: int, pass_rows: int, chunk: int,
+                     grad_chunks: int, several_passes: bool = False) -> int:
+    """The bytes of the buffers csrc/chosen_logprob/chunks.h allocates whose size follows the chunk
+    width, on device_type ("cpu" or "cuda") for inputs of element_size bytes, passes of pass_rows
+    token rows, chunks of `chunk` vocab rows and groups of grad_chunks chunks (group = chunk *
+    grad_chunks rows; at most the vocabulary's, which these bytes assume it has): the backward's,
+    which hold the forward's. In the accumulation dtype (acc: fp32, fp64 for float64 inputs):
+      - the logits, [pass_rows, chunk] acc (the forward's too);
+      - the logit gradients, in the dtype the gradient GEMMs take (CUDA: the inputs'; CPU: acc):
+        written over the logits when that is acc and grad_chunks is 1, else [pass_rows, group];
+      - on the CPU with reduced-precision inputs, the group's weight rows converted for the GEMMs,
+        [group, H] acc (the forward's: [chunk, H]);
+      - the group's weight gradient before it is rounded, [group, H] acc, when the rows take
+        several passes (summed over them) or on the CPU with reduced-precision inputs.
+    Not counted: what follows the tokens or the row block alone (a hidden copy in acc on the CPU,
+    the hidden-gradient accumulator, a padded last block), and main_grad's [group, H] buffer in
+    the weight's dtype, left out so that main_grad changes no chunk width (its sums are then
+    bitwise those of the returned weight gradient)."""
+    acc_size = 8 if element_size == 8 else 4
+    cuda = device_type == "cuda"
+    grad_size = element_size if cuda else acc_size
+    group = chunk * grad_chunks
+    reduced_cpu_copy = not cuda and element_size != acc_size
+    logits = acc_size * pass_rows * chunk
+    grads = 0 if grad_size == acc_size and grad_chunks == 1 else grad_size * pass_rows * group
+    weight_rows = acc_size * hidden_size * group if reduced_cpu_copy else 0
+    weight_grad = acc_size * hidden_size * group if several_passes or reduced_cpu_copy else 0
+    return logits + grads + weight_rows + weight_grad
 
 
 def tiling_for(num_tokens: int, hidden_size: int, element_size: int, workspace_bytes: int, device: torch.device,
-               batch_invariant: bool) -> tuple[int, int, int]:
-    """(chunk_size, row_block, pass_rows) for the kernels. By default one GEMM per chunk takes all
-    tokens (row_block = pass_rows = 0) and the chunk width follows the token count. Batch-invariant:
-    the device's fixed row block and chunk width, and as many row blocks per pass as fit in
-    workspace_bytes (at least one); the pass size changes no result."""
-    if not batch_invariant:
-        return chunk_size_for(num_tokens, hidden_size, element_size, workspace_bytes), 0, 0
-    row_block, chunk = INVARIANT_TILING["cuda" if device.type == "cuda" else "cpu"]
-    weight_chunk_copy = 4 * hidden_size * chunk if device.type != "cuda" and element_size < 4 else 0
-    fitting_rows = (workspace_bytes - weight_chunk_copy) // ((4 + element_size) * chunk)
-    return chunk, row_block, max(row_block, fitting_rows // row_block * row_block)
+               batch_invariant: bool) -> tuple[int, int, int, int]:
+    """(chunk_size, row_block, pass_rows, grad_chunks) for the kernels, so that the chunk loop's
+    buffers on hidden's device (chunk_loop_bytes) fit in workspace_bytes. By default one GEMM per
+    chunk takes all tokens (row_block = pass_rows = 0) and the chunk is the widest multiple of 128
+    that fits (at least 128), with SEPARATE_GRAD_CHUNKS chunks per gradient GEMM where the logit
+    gradients have a buffer of their own (CUDA, bfloat16 / float16), else one. Batch-invariant:
+    the device's fixed row block and chunk width, one chunk per gradient GEMM, and as many row
+    blocks per pass as fit (at least one); the pass size changes no result."""
+    device_type = "cuda" if device.type == "cuda" else "cpu"
+    if batch_invariant:
+        row_block, chunk = INVARIANT_TILING[device_type]
+        fixed, with_one_row = (chunk_loop_bytes(device_type, element_size, hidden_size, rows, chunk, 1,
+                                                several_passes=True) for rows in (0, 1))
+        fitting_rows = (workspace_bytes - fixed) // (with_one_row - fixed)
+        return chunk, row_block, max(row_block, fitting_rows // row_block * row_block), 1
+    grad_chunks = SEPARATE_GRAD_CHUNKS if device_type == "cuda" and element_size < 4 else 1
+    per_vocab_row = chunk_loop_bytes(device_type, element_size, hidden_size, num_tokens, 1, grad_chunks)
+    rows = workspace_bytes // max(per_vocab_row, 1)
+    return max(_MIN_CHUNK, rows // _MIN_CHUNK * _MIN_CHUNK), 0, 0, grad_chunks
 
 
 def _check_args(hidden, weight, tokens):
@@ -161,10 +204,12 @@ def _check_main_grad(main_grad, weight):
 
 
 # What every rank of tp_group must agree on, in the order _check_group gathers it: the call's own
-# fields, then the agreed options of ChosenLogprobOptions.
+# fields (the wrapper's arguments, skip_ignored as it takes effect), then the agreed options of
+# ChosenLogprobOptions (the ops' arguments).
 _AGREED_OPTIONS = {o.name: o for o in ChosenLogprobOptions.OPTIONS if o.agreed}
+_SKIPPING = "skipping of ignored rows (skip_ignored and check_tokens)"
 _GROUP_FIELDS = ("token count", "hidden size", "dtype", "ignore_index", "vocab_size", "reduce_hidden_grad",
-                 "token ids", *_AGREED_OPTIONS)
+                 _SKIPPING, "token ids", *_AGREED_OPTIONS)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -182,12 +227,13 @@ def _option_bits(value) -> int:
     return _float_bits(math.nan if value is None else float(value))
 
 
-def _group_fields(hidden, tokens, ignore_index, vocab_size, reduce_hidden_grad, options):
+def _group_fields(hidden, tokens, ignore_index, vocab_size, reduce_hidden_grad, skipping, options):
     flat = tokens.reshape(-1).long()
     # A cheap fingerprint of the ids and their order (distinct weights per position).
     fingerprint = int((flat * (torch.arange(flat.numel(), device=flat.device) % 8191 + 1)).sum())
     return [flat.numel(), hidden.shape[-1], _DTYPES.index(hidden.dtype), ignore_index, vocab_size,
-            int(reduce_hidden_grad), fingerprint] + [_option_bits(getattr(options, name)) for name in _AGREED_OPTIONS]
+            int(reduce_hidden_grad), int(skipping), fingerprint] + [
+                _option_bits(getattr(options, name)) for name in _AGREED_OPTIONS]
 
 
 def _check_group(tp_group, error, shard_and_fields):
@@ -231,12 +277,17 @@ def _check_group(tp_group, error, shard_and_fields):
         raise ValueError(f"chosen_logprob: vocab_size {vocab_size} is beyond the {total} rows the ranks hold")
 
 
-def _check_token_range(tokens, vocab_size, ignore_index):
-    valid = (tokens == ignore_index) | ((tokens >= 0) & (tokens < vocab_size))
-    if not bool(valid.all()):
-        bad = tokens[~valid][:5].tolist()
+def _check_token_range(tokens, vocab_size, ignore_index) -> int:
+    """Raises when an id is neither in [0, vocab_size) nor ignore_index; returns the number of
+    scored ids (the others). One host read of two integers (a synchronisation on CUDA)."""
+    ignored = tokens == ignore_index
+    invalid = ~ignored & ((tokens < 0) | (tokens >= vocab_size))
+    num_invalid, num_scored = torch.stack([invalid.sum(), (~ignored).sum()]).tolist()
+    if num_invalid:
+        bad = tokens[invalid][:5].tolist()
         raise ValueError(f"chosen_logprob: token ids must lie in [0, {vocab_size}) or equal ignore_index "
                          f"({ignore_index}); found {bad}")
+    return num_scored
 
 
 def _main_grad_placeholder(weight, main_grad):
@@ -295,9 +346,24 @@ def _kept_set(hidden, weight, stats, row, options, call):
                                       call.gather, call.all_reduce)
 
 
+def _gather(t, rows):
+    """t's entries at rows (an index), or t itself when rows (or t) is None."""
+    return t if rows is None or t is None else t.index_select(0, rows)
+
+
+def _scatter(t, rows, num_rows):
+    """A [num_rows, ...] tensor holding t's entries at rows and zeros elsewhere (copied, not added:
+    every bit of t kept); t itself when rows is None."""
+    return t if rows is None else t.new_zeros((num_rows, *t.shape[1:])).index_copy_(0, rows, t)
+
+
 class _ChosenLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, ignore, main_grad, options, call):
+    def forward(ctx, hidden, weight, tokens, ignore, scored_rows, main_grad, options, call):
+        """scored_rows: the rows of hidden the ops get (an index; the other rows' results are zeros
+        and their gradient rows too), or None: all of them."""
+        num_rows = hidden.shape[0]
+        hidden, tokens, ignore = (_gather(t, scored_rows) for t in (hidden, tokens, ignore))
         stats = ops.chosen_logprob_stats(hidden, weight, tokens, *op_arguments(options))
         row = call.combine(stats[:, :len(StatsColumns._fields)])
         threshold = None
@@ -313,20 +379,24 @@ class _ChosenLogprob(torch.autograd.Function):
         is_kept = ~ignore if threshold is None else ~(row.chosen < threshold) & ~ignore
         if threshold is not None:
             logprob = torch.where(ignore | is_kept, logprob, -math.inf)
+        is_max, is_kept = _scatter(is_max, scored_rows, num_rows), _scatter(is_kept, scored_rows, num_rows)
         ctx.mark_non_differentiable(is_max, is_kept)
-        ctx.save_for_backward(hidden, weight, tokens, ignore | ~is_kept, row.row_max, row.log_sum, row.entropy,
-                              threshold)
-        ctx.options, ctx.call = options, call
+        # Ignored tokens and tokens outside the kept set (logprob -inf) pass no logprob gradient.
+        no_logprob_grad = ignore if threshold is None else ignore | (row.chosen < threshold)
+        ctx.save_for_backward(hidden, weight, tokens, no_logprob_grad, scored_rows, row.row_max, row.log_sum,
+                              row.entropy, threshold)
+        ctx.options, ctx.call, ctx.num_rows = options, call, num_rows
         # main_grad is the backward's output buffer, not an input of its math: kept on ctx, not saved
         # (autograd's version check would trip on its in-place updates).
         ctx.main_grad = main_grad
-        return logprob, row.entropy, is_max, is_kept
+        return (_scatter(logprob, scored_rows, num_rows), _scatter(row.entropy, scored_rows, num_rows), is_max,
+                is_kept)
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, grad_is_max, grad_is_kept):
-        hidden, weight, tokens, no_logprob_grad, row_max, log_sum, entropy, threshold = ctx.saved_tensors
+        hidden, weight, tokens, no_logprob_grad, scored_rows, row_max, log_sum, entropy, threshold = ctx.saved_tensors
         call = ctx.call
-        # Ignored tokens and tokens outside the kept set (logprob -inf) pass no logprob gradient.
+        grad_logprob, grad_entropy = _gather(grad_logprob, scored_rows), _gather(grad_entropy, scored_rows)
         grad_logprob = (torch.zeros_like(entropy) if grad_logprob is None
                         else torch.where(no_logprob_grad, 0.0, grad_logprob))
         grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy
@@ -342,7 +412,8 @@ class _ChosenLogprob(torch.autograd.Function):
                 grad_weight = torch.empty_like(weight)
         if call.reduce_hidden_grad and call.distributed:
             dist.all_reduce(grad_hidden, group=call.tp_group)  # fp32: the sum is taken before rounding
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
+        grad_hidden = _scatter(grad_hidden.to(hidden.dtype), scored_rows, ctx.num_rows)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def chosen_logprob(
@@ -353,6 +424,7 @@ def chosen_logprob(
     temperature: float = 1.0,
     softcap: Optional[float] = None,
     ignore_index: int = -100,
+    skip_ignored: bool = True,
     vocab_size: Optional[int] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
     vocab_start: Optional[int] = None,
@@ -385,8 +457,16 @@ def chosen_logprob(
     positions and out-of-range ids are False). vocab_size is
     the real vocabulary size: rows with global id >= vocab_size are padding and take no part in the
     softmax or entropy (default: every row of every rank).
-    Positions whose token is ignore_index get logprob 0 and pass no logprob gradient; their entropy
-    is still computed. Differentiable in hidden and weight for any upstream gradients. With
+    Positions whose token is ignore_index get logprob 0, entropy 0 and zero gradient rows, and never
+    reach the kernels (skip_ignored=True, the default): their rows are left out of hidden before the
+    kernels and the results put back, so the work, forward and backward, and the default workspace
+    follow the scored rows. This needs the number of scored rows on the host: it is read with
+    check_tokens' read (one synchronisation on CUDA, no more). Where no value may be read (with
+    check_tokens=False, while torch.compile traces the call or a CUDA graph is captured, on meta
+    tensors) every row is computed instead, the ignored ones on zeroed hidden rows, with the same
+    results (bitwise with batch_invariant=True), at the full cost. skip_ignored=False computes every
+    row as it is: ignored positions get logprob 0 and no logprob gradient, and keep their entropy
+    and its gradient. Differentiable in hidden and weight for any upstream gradients. With
     tp_group the hidden gradient is summed over the group, unless reduce_hidden_grad=False (for a
     sequence-parallel gather whose backward reduce-scatters it).
 
@@ -401,17 +481,20 @@ def chosen_logprob(
     False skips it: an out-of-range id then matches no row, never an out-of-bounds read, and its
     logprob and gradients are NaN). check_group (with a tp_group of more than one rank) makes every
     rank raise the same clear error when any rank's arguments are invalid, or when the ranks
-    disagree on the tokens, hidden size, dtype, temperature, softcap, ignore_index, vocab_size or
-    reduce_hidden_grad, or hold vocab shards that do not tile [0, total rows): one all-gather of a
-    few integers per call and a host synchronisation; False skips it (a rank with invalid arguments
-    then raises alone while the others wait in the collective). Both checks read tensor values on the
-    host, so they are skipped while torch.compile or torch.export traces the call (fullgraph works
-    with the defaults) and for meta tensors: an out-of-range id then gets the NaN logprob and
-    gradients of check_tokens=False, and the ranks of tp_group are not compared. main_grad ([V_local, H], float32 or weight's dtype: Megatron's
-    gradient-accumulation buffer) makes the backward add the weight gradient into it, chunk by
-    chunk, instead of returning one (see _main_grad_placeholder for what the weight receives).
-    workspace_bytes bounds the per-chunk buffers (see chunk_size_for; with main_grad add a
-    [chunk, H] gradient buffer); None: default_workspace_bytes(hidden).
+    disagree on the tokens, hidden size, dtype, temperature, softcap, ignore_index, vocab_size,
+    reduce_hidden_grad or skipping (skip_ignored and check_tokens), or hold vocab shards that do not
+    tile [0, total rows): one all-gather of a few integers per call and a host synchronisation;
+    False skips it (a rank with invalid arguments then raises alone while the others wait in the
+    collective). Both checks read tensor values on the host, so they are skipped while
+    torch.compile or torch.export traces the call (fullgraph works with the defaults), while a CUDA
+    graph is captured and for meta tensors: an out-of-range id then gets the NaN logprob and
+    gradients of check_tokens=False, and the ranks of tp_group are not compared. main_grad
+    ([V_local, H], float32 or weight's dtype: Megatron's gradient-accumulation buffer) makes the
+    backward add the weight gradient into it, chunk by chunk, instead of returning one (see
+    _main_grad_placeholder for what the weight receives).
+    workspace_bytes bounds the buffers whose size follows the chunk width, as each device allocates
+    them (chunk_loop_bytes; with main_grad add a [chunk * grad_chunks, H] buffer in the weight's
+    dtype); None: default_workspace_bytes(hidden, rows the kernels get).
 
     top_k (a positive integer) and top_p (a number in (0, 1]) score the tokens under the distribution
     a sampler with those settings drew them from: the softmax restricted to the tokens it keeps
@@ -425,26 +508,36 @@ def chosen_logprob(
 
     batch_invariant=True makes each token's logprob, entropy and hidden gradient bitwise
     independent of the other tokens of the call (their number, order, leading shape, ignored
-    positions) and of workspace_bytes, on one machine with one library build and thread count:
-    GEMMs of fixed shape (INVARIANT_TILING) over vocab chunks merged in vocab order. The weight
+    positions, whether they are skipped) and of workspace_bytes, on one machine with one library
+    build and thread count: GEMMs of fixed shape (INVARIANT_TILING) over vocab chunks merged in
+    vocab order. The weight
     gradient, a sum over tokens, stays deterministic but not batch-invariant. The workspace then
     holds at least one [row_block, chunk] block.
     """
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    # Traced or meta tensors: both host checks are skipped and out-of-range ids get NaN (below).
+    # Traced, captured or meta tensors: both host checks are skipped, out-of-range ids get NaN (below).
     check_tokens = check_tokens and values_readable(hidden, weight, tokens)
     check_group = check_group and values_readable(hidden, weight, tokens)
+    # Skipping needs the number of scored rows on the host, which the token check reads with the ids.
+    skipping = bool(skip_ignored) and check_tokens
     error = None
     try:
         _check_args(hidden, weight, tokens)
         local_vocab = weight.shape[0]
         vocab_start = rank * local_vocab if vocab_start is None else vocab_start
         vocab_size = world * local_vocab if vocab_size is None else vocab_size
+        check_option("chosen_logprob", ChosenLogprobOptions, "vocab_start", vocab_start)  # _check_vocab reads it
+        _check_vocab(local_vocab, world, vocab_start, vocab_size)
+        _check_main_grad(main_grad, weight)
+        kernel_rows = tokens.numel()  # the rows the kernels get
+        if check_tokens:
+            scored_count = _check_token_range(tokens, vocab_size, ignore_index)
+            kernel_rows = scored_count if skipping else kernel_rows
         if workspace_bytes is None:
-            workspace_bytes = default_workspace_bytes(hidden)
-        chunk_size, row_block, pass_rows = tiling_for(tokens.numel(), hidden.shape[-1], hidden.element_size(),
-                                                      workspace_bytes, hidden.device, batch_invariant)
+            workspace_bytes = default_workspace_bytes(hidden, kernel_rows)
+        chunk_size, row_block, pass_rows, grad_chunks = tiling_for(
+            kernel_rows, hidden.shape[-1], hidden.element_size(), workspace_bytes, hidden.device, batch_invariant)
         # The weight's rows before vocab_size are vocabulary, the rest padding.
         valid_rows = min(max(vocab_size - vocab_start, 0), local_vocab)
         check_option("chosen_logprob", ChosenLogprobOptions, "top_k", top_k)
@@ -452,16 +545,12 @@ def chosen_logprob(
         top_k = None if top_k is None or top_k >= vocab_size else top_k
         top_p = None if top_p is None or top_p == 1 else top_p
         options = ChosenLogprobOptions(temperature, vocab_start, chunk_size, row_block, pass_rows, softcap, valid_rows,
-                                       top_k, top_p)
-        _check_vocab(local_vocab, world, options.vocab_start, vocab_size)
-        _check_main_grad(main_grad, weight)
-        if check_tokens:
-            _check_token_range(tokens, vocab_size, ignore_index)
+                                       grad_chunks, top_k, top_p)
     except (TypeError, ValueError) as exc:
         error = exc
     if world > 1 and check_group:
         shard_and_fields = None if error is not None else [options.vocab_start, weight.shape[0]] + _group_fields(
-            hidden, tokens, ignore_index, vocab_size, reduce_hidden_grad, options)
+            hidden, tokens, ignore_index, vocab_size, reduce_hidden_grad, skipping, options)
         _check_group(tp_group, error, shard_and_fields)
     elif error is not None:
         raise error
@@ -470,9 +559,18 @@ def chosen_logprob(
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     tokens1d = tokens.reshape(-1).to(torch.int64)
     ignored = tokens1d == ignore_index
+    scored_rows = None
+    if skipping and kernel_rows < tokens1d.numel():
+        scored_rows = torch.nonzero_static(~ignored, size=kernel_rows).squeeze(1)  # no second host read
+    elif skip_ignored and not skipping:
+        # Every row is computed: the ignored ones on zeros, so that nothing in them (a NaN in a padding
+        # position's hidden state) reaches the weight gradient; their results are dropped below.
+        hidden2d = hidden2d.masked_fill(ignored[:, None], 0)
     call = _Autograd(tp_group, bool(reduce_hidden_grad), _main_grad_placeholder(weight, main_grad))
-    logprob, entropy, is_max, is_kept = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, main_grad, options,
-                                                             call)
+    logprob, entropy, is_max, is_kept = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, scored_rows,
+                                                             main_grad, options, call)
+    if skip_ignored:
+        entropy = torch.where(ignored, 0.0, entropy)  # and no entropy gradient into the rows computed anyway
     if not check_tokens:
         # An unchecked id outside [0, vocab_size) matches no row and would get a finite -lse: NaN
         # marks it instead (and, through the product, its gradients), with no host synchronisation.

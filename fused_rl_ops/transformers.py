@@ -82,12 +82,14 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
     states and the LM head's weight (tied to the embedding or not), with the model's own step after
     the head (softcap, logit scale); the LM head module never runs and no [batch, seq, vocab] tensor
     exists, forward or backward. labels (default input_ids) are unshifted, as a CausalLM takes them:
-    position t scores labels[:, t + 1]; label -100 gives logprob 0 and no gradient (pass -100 at
-    padding). Returns logprob [batch, seq - 1] in float32 (float64 for a float64 model), or
-    (logprob, entropy) with return_entropy=True; the entropy of the tempered next-token
-    distribution is given at every position, -100 ones included. Differentiable in every parameter
-    the logits depend on. A MoE model's router auxiliary loss, part of its CausalLM loss, is not
-    included.
+    position t scores labels[:, t + 1]. Position t is skipped when labels[:, t + 1] is -100 or, with
+    a [batch, seq] attention_mask, when the token it scores is padding (attention_mask[:, t + 1] ==
+    0; a mask of another form, such as a 4-D one, goes to the model and skips nothing): it gets
+    logprob 0 and entropy 0, no gradient, and no work (chosen_logprob's skip_ignored: one host
+    synchronisation on CUDA). Returns logprob [batch, seq - 1] in float32 (float64 for a
+    float64 model), or (logprob, entropy) with return_entropy=True (the entropy of the tempered
+    next-token distribution). Differentiable in every parameter the logits depend on. A MoE model's
+    router auxiliary loss, part of its CausalLM loss, is not included.
     """
     decoder, head, step = _check_model(model)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
@@ -100,11 +102,14 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
                          f"(unshifted), got {got}")
     check_option("causal_lm_logprobs", ChosenLogprobOptions, "temperature", temperature)
     scale, softcap = _logit_transform(model, step)
+    scored_labels = labels[:, 1:]
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == input_ids.shape:
+        scored_labels = scored_labels.masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX)  # padding scores nothing
 
     forward_kwargs.setdefault("use_cache", False)
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs).last_hidden_state
     weight = head.weight
     # As nn.Linear would need: the hidden states in the head's dtype.
-    return chosen_logprob(hidden[:, :-1].to(weight.dtype), weight, labels[:, 1:], temperature=temperature / scale,
+    return chosen_logprob(hidden[:, :-1].to(weight.dtype), weight, scored_labels, temperature=temperature / scale,
                           ignore_index=IGNORE_INDEX, vocab_size=model.config.vocab_size,
                           softcap=softcap, return_entropy=return_entropy)

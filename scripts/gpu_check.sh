@@ -1,80 +1,174 @@
 #!/usr/bin/env bash
-# One run on a GPU machine (Python 3.12 with torch, nvcc, pytest; no package registry needed):
-# builds for the local GPU only, runs the test suite with the op tests on CUDA, compute-sanitizer
-# (memcheck, racecheck, synccheck) on small calls of every CUDA kernel, and the kernel benchmarks on CUDA
-# against the peers (installed from wheelhouse/, made by scripts/fetch_peer_wheels.sh, when present).
-# Every stage's time limit is cut to what is left of TOTAL_S (default 480 s), so the whole run
-# fits in 8 minutes.
-# Usage: scripts/gpu_check.sh OUTDIR   -> OUTDIR/summary.json plus logs, junit.xml, bench_*.json / .png
+# The first run on a GPU machine, one call of about 8 minutes (TOTAL_S, default 480) that yields
+# every number. Needs Python 3.12 with torch, nvcc, ninja and pytest (pytest-timeout if present); no
+# package registry: megatron-core and the benchmark peers come from wheelhouse/
+# (scripts/fetch_peer_wheels.sh), installed into build/peers. The stages, in order:
+#   peers (beside the build), build for the local GPU only, build_info;
+#   tests: the CUDA tests only (-m per_device), beside the three compute-sanitizer tools (memcheck
+#     with PYTORCH_NO_CUDA_MEMORY_CACHING=1, racecheck, synccheck) on scripts/sanitizer_cases.py;
+#   the kernel benchmarks, cheapest first (value_head, clamped_swiglu, chosen_logprob's main
+#     shape), then REPORT.md.
+# Each stage has a budget, cut to what is left before the deadline; a stage out of time gets SIGINT
+# (pytest then writes its junit report and failure list; a benchmark has logged its rows so far)
+# and SIGKILL GRACE_S later. OUTDIR gets each stage's log, junit.xml, bench_<op>.jsonl (each row as
+# it is measured), bench_<op>.json / .png, REPORT.md and summary.json, rewritten after every change:
+# the run's facts and plan, each stage's status (running, passed, failed, cut, skipped), exit code,
+# seconds and why it was skipped. The time plan is in docs/testing.md.
+# REHEARSAL=1 runs the same stages on this machine's CPU against stand-ins: the extension already
+# built here (no build), the CPU as the device, the benchmarks' quick shapes, and
+# scripts/rehearsal/compute-sanitizer, which runs the cases and checks nothing.
+# Usage: scripts/gpu_check.sh OUTDIR
 set -uo pipefail
 OUT="${1:?usage: gpu_check.sh OUTDIR}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
+rm -f "$OUT"/summary.json "$OUT"/junit.xml "$OUT"/*.log "$OUT"/bench_*.json* "$OUT"/REPORT.md
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
-if CUDA_HOME="$($PY fused_rl_ops/_cuda_home.py)"; then  # compute-sanitizer is in its bin/
+REHEARSAL="${REHEARSAL:-0}"
+WHEELHOUSE="${WHEELHOUSE:-wheelhouse}"
+PEERS="$(realpath -m "${PEERS_DIR:-build/peers}")"
+TOTAL_S="${TOTAL_S:-480}"
+# Budgets (seconds), each cut to what is left before the deadline less RESERVE_S (the report and
+# the summary at the end) and GRACE_S (a stage out of its time gets SIGINT, then SIGKILL GRACE_S
+# later); a stage with less than MIN_STAGE_S left is skipped.
+PEERS_S="${PEERS_S:-60}" BUILD_S="${BUILD_S:-200}" TESTS_S="${TESTS_S:-150}" SANITIZER_S="${SANITIZER_S:-150}"
+BENCH_VALUE_HEAD_S="${BENCH_VALUE_HEAD_S:-90}" BENCH_CLAMPED_SWIGLU_S="${BENCH_CLAMPED_SWIGLU_S:-150}"
+BENCH_CHOSEN_LOGPROB_S="${BENCH_CHOSEN_LOGPROB_S:-300}" REPORT_S=60
+# The benchmarks before chosen_logprob (the project's main figures) leave it at least this much.
+CHOSEN_LOGPROB_FLOOR_S="${CHOSEN_LOGPROB_FLOOR_S:-150}"
+RESERVE_S=15 MIN_STAGE_S=20 GRACE_S="${GRACE_S:-15}" TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-60}"
+deadline=$((SECONDS + TOTAL_S))
+
+summary() { "$PY" scripts/gpu_check_summary.py "$OUT" "$@"; }
+left() { echo $((deadline - SECONDS - RESERVE_S - GRACE_S)); }  # the most a stage starting now may take
+
+stage() {  # stage NAME BUDGET_S COMMAND...: runs COMMAND, output in OUT/NAME.log; status in summary.json
+  local name=$1 limit=$2 start=$SECONDS status
+  shift 2
+  [ "$(left)" -lt "$limit" ] && limit=$(left)
+  if [ "$limit" -lt "$MIN_STAGE_S" ]; then
+    echo "=== $name: skipped, ${limit}s left for it"
+    summary stage "$name" status=skipped reason="no time left: ${limit}s for it"
+    return 1
+  fi
+  echo "=== $name (at most ${limit}s)"
+  summary stage "$name" status=running limit_s="$limit"
+  timeout -s INT -k "$GRACE_S" "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local code=$?
+  case $code in
+    0) status=passed ;;
+    124 | 137) status=cut ;;  # out of time: SIGINT, or SIGKILL GRACE_S later
+    *) status=failed ;;
+  esac
+  summary stage "$name" status=$status exit=$code seconds=$((SECONDS - start))
+  tail -n 15 "$OUT/$name.log"
+  echo "=== $name: $status (exit $code) in $((SECONDS - start))s"
+  [ "$status" = passed ]
+}
+
+skip() {  # skip NAME REASON
+  echo "=== $1: skipped, $2"
+  summary stage "$1" status=skipped reason="$2"
+}
+
+if CUDA_HOME="$("$PY" fused_rl_ops/_cuda_home.py)"; then  # compute-sanitizer is in its bin/
   export CUDA_HOME PATH="$CUDA_HOME/bin:$PATH"
 else
   unset CUDA_HOME
-  echo "=== no CUDA toolkit found (fused_rl_ops/_cuda_home.py): the build has no CUDA kernels"
 fi
-export TORCH_CUDA_ARCH_LIST="$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
-export MAX_JOBS="$(nproc)"
-
-deadline=$((SECONDS + ${TOTAL_S:-480}))
-declare -A status seconds
-step() {  # step NAME TIMEOUT_S COMMAND...: runs one stage (at most until the deadline), logging to OUT/NAME.log
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  if [ $((deadline - SECONDS)) -lt "$limit" ]; then limit=$((deadline - SECONDS)); fi
-  if [ "$limit" -le 0 ]; then
-    echo "=== $name: skipped, no time left"
-    status[$name]=124 seconds[$name]=0
-    return
-  fi
-  echo "=== $name"
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  status[$name]=$?
-  seconds[$name]=$((SECONDS - start))
-  tail -n 25 "$OUT/$name.log"
-  echo "=== $name: exit ${status[$name]} in ${seconds[$name]}s"
-}
-
-step build 240 $PY setup.py build_ext --inplace
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if compgen -G "wheelhouse/*.whl" >/dev/null; then  # the peers, into build/peers (nothing installed system-wide)
-  for wheel in wheelhouse/*.whl; do
-    peer="peer_$(basename "$wheel" | cut -d- -f1)"
-    step "$peer" 60 $PY -m pip install --no-index --no-deps --target build/peers "$wheel"
-    [ "${status[$peer]}" = 0 ] || echo "=== could not install $(basename "$wheel"): its benchmarks list it as missing"
-  done
-  export PYTHONPATH="$PYTHONPATH:$PWD/build/peers"
+if [ "$REHEARSAL" = 1 ]; then
+  DEVICE=cpu SANITIZER=scripts/rehearsal/compute-sanitizer BENCH_ARGS=(--device cpu --quick)
 else
-  echo "=== no wheelhouse/: benchmarking only the peers already installed (see scripts/fetch_peer_wheels.sh)"
+  DEVICE=cuda SANITIZER=compute-sanitizer BENCH_ARGS=(--device cuda)
+  if arch="$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"; then
+    export TORCH_CUDA_ARCH_LIST="$arch"  # else setup.py's default architectures (and no GPU to run on)
+  fi
+  export MAX_JOBS="$(nproc)"
 fi
-# The op tests on CUDA only, without the kernels-on-CPU harness: CI runs every CPU test; the GPU's
-# minutes go to what only it can run. Not -x: a first GPU run should report every failure at once.
-FUSED_RL_OPS_TEST_DEVICES=cuda step tests 200 $PY -m pytest -q --maxfail=30 --durations=10 -m "not kernels_on_cpu" \
-  --junitxml="$OUT/junit.xml" tests
-for tool in memcheck racecheck synccheck; do
-  step "sanitizer_$tool" 90 compute-sanitizer --tool "$tool" --error-exitcode 1 $PY scripts/sanitizer_cases.py
-done
-for name in bench_chosen_logprob bench_clamped_swiglu bench_value_head; do  # the kernel benchmarks
-  step "$name" 150 $PY -m "benchmarks.$name" --device cuda --json "$OUT/$name.json"
+# What the test stage runs: the CUDA tests (tests/test_gpu_check.py gives a stand-in).
+read -ra TEST_SELECTION <<<"${TEST_SELECTION:--m per_device tests}"
+TEST_TIMEOUT=()
+if "$PY" -c 'import pytest_timeout' 2>/dev/null; then
+  TEST_TIMEOUT=(--timeout "$TEST_TIMEOUT_S")
+fi
+mapfile -t facts < <("$PY" - <<'EOF'
+import platform, sys, torch
+print(f"python={platform.python_version()}")
+print(f"torch={torch.__version__}")
+print(f"gpu={torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
+EOF
+)
+summary run rehearsal="$REHEARSAL" total_s="$TOTAL_S" device="$DEVICE" cpus="$(nproc)" "${facts[@]}" \
+  cuda_home="${CUDA_HOME:-none}" cuda_archs="${TORCH_CUDA_ARCH_LIST:-none}" \
+  per_test_timeout="${TEST_TIMEOUT[1]:-none: pytest-timeout is not installed}" \
+  plan="peers ${PEERS_S} beside build ${BUILD_S}; tests ${TESTS_S} beside 3 sanitizers ${SANITIZER_S} each; bench_value_head ${BENCH_VALUE_HEAD_S}, bench_clamped_swiglu ${BENCH_CLAMPED_SWIGLU_S}, bench_chosen_logprob ${BENCH_CHOSEN_LOGPROB_S} (at least ${CHOSEN_LOGPROB_FLOOR_S}); report ${REPORT_S}; all within ${TOTAL_S}"
+
+# --- peers (megatron-core, packaging, Cut Cross-Entropy, Liger-Kernel) beside the build ---
+if "$PY" -m pip --version >/dev/null 2>&1; then
+  INSTALL_WHEELS=("$PY" -m pip install --no-index --no-deps --target "$PEERS")
+else  # a wheel is a zip of the files to install
+  INSTALL_WHEELS=("$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$PEERS")
+fi
+if compgen -G "$WHEELHOUSE/*.whl" >/dev/null; then
+  stage peers "$PEERS_S" "${INSTALL_WHEELS[@]}" "$WHEELHOUSE"/*.whl &
+else
+  skip peers "no wheels in $WHEELHOUSE/ (scripts/fetch_peer_wheels.sh): the peers and megatron-core already installed are used, if any"
+fi
+if [ "$REHEARSAL" = 1 ]; then
+  skip build "rehearsal: uses the extension built here (a rebuild with other settings would replace it)"
+else
+  stage build "$BUILD_S" "$PY" setup.py build_ext --inplace
+fi
+wait
+export PYTHONPATH="$PWD:$PEERS${PYTHONPATH:+:$PYTHONPATH}"
+if ! stage build_info 60 "$PY" -m fused_rl_ops; then
+  ready="the extension does not import (build_info.log)"
+elif [ "$DEVICE" = cuda ] && ! "$PY" -c 'import fused_rl_ops, sys; sys.exit(not fused_rl_ops.has_cuda_kernels())'; then
+  ready="the build has no CUDA kernels (build.log, build_info.log)"
+else
+  ready=yes
+fi
+
+# --- the CUDA tests beside the sanitizers ---
+SANITIZERS=(sanitizer_memcheck sanitizer_racecheck sanitizer_synccheck)
+if [ "$ready" = yes ]; then
+  stage tests "$TESTS_S" env FUSED_RL_OPS_TEST_DEVICES="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider \
+    --maxfail=50 --durations=15 "${TEST_TIMEOUT[@]}" --junitxml="$OUT/junit.xml" "${TEST_SELECTION[@]}" &
+  # memcheck sees an overrun inside torch's cached blocks only when every tensor has its own allocation.
+  stage sanitizer_memcheck "$SANITIZER_S" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+    "$SANITIZER" --tool memcheck --error-exitcode 1 "$PY" scripts/sanitizer_cases.py "$DEVICE" &
+  for tool in racecheck synccheck; do
+    stage "sanitizer_$tool" "$SANITIZER_S" "$SANITIZER" --tool "$tool" --error-exitcode 1 \
+      "$PY" scripts/sanitizer_cases.py "$DEVICE" &
+  done
+  wait
+else
+  for name in tests "${SANITIZERS[@]}"; do skip "$name" "$ready"; done
+fi
+
+# --- the kernel benchmarks, cheapest first, alone on the machine ---
+declare -A BENCH_BUDGET=([bench_value_head]=$BENCH_VALUE_HEAD_S [bench_clamped_swiglu]=$BENCH_CLAMPED_SWIGLU_S
+                         [bench_chosen_logprob]=$BENCH_CHOSEN_LOGPROB_S)
+for name in bench_value_head bench_clamped_swiglu bench_chosen_logprob; do
+  if [ "$ready" != yes ]; then
+    skip "$name" "$ready"
+    continue
+  fi
+  budget=${BENCH_BUDGET[$name]} extra=()
+  if [ "$name" = bench_chosen_logprob ]; then
+    extra=(--no-sweeps)  # the V and N sweeps do not fit: a later run
+  elif [ $(($(left) - GRACE_S - CHOSEN_LOGPROB_FLOOR_S)) -lt "$budget" ]; then
+    budget=$(($(left) - GRACE_S - CHOSEN_LOGPROB_FLOOR_S))
+  fi
+  stage "$name" "$budget" "$PY" -m "benchmarks.$name" "${BENCH_ARGS[@]}" "${extra[@]}" --json "$OUT/$name.json"
   grep '^peer ' "$OUT/$name.log" || true  # which peers ran, which are missing and why
 done
-step report 30 $PY -m benchmarks.report "$OUT"
-
-{
-  echo "{"
-  first=1
-  for name in "${!status[@]}"; do
-    [ $first = 1 ] || echo ","
-    first=0
-    printf '  "%s": {"exit": %d, "seconds": %d}' "$name" "${status[$name]}" "${seconds[$name]}"
-  done
-  echo
-  echo "}"
-} >"$OUT/summary.json"
+if compgen -G "$OUT/bench_*.json" >/dev/null; then
+  RESERVE_S=0 stage report "$REPORT_S" "$PY" -m benchmarks.report "$OUT"
+else
+  skip report "no benchmark wrote its JSON"
+fi
+summary run seconds=$SECONDS
 cat "$OUT/summary.json"

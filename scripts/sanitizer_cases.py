@@ -1,12 +1,21 @@
 """Small calls of every CUDA kernel, forward and backward, for compute-sanitizer (gpu_check.sh):
 odd sizes and a contiguous view starting one element into its storage, so both the vectorised
-and the scalar paths run."""
+and the scalar paths run. `python scripts/sanitizer_cases.py [DEVICE]`: cuda by default; cpu for
+gpu_check.sh's rehearsal."""
+import sys
+
 import torch
 
 import fused_rl_ops
 from fused_rl_ops.value_head import value_head
 
-dev = "cuda"
+dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+
+
+def synchronize():
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
     for interleaved in (False, True):
         for F in (8, 7):
@@ -20,7 +29,7 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = torch.randn(3000, 2 * 1000, device=dev, dtype=dtype, requires_grad=True)
         scale = torch.rand(3000, 1, device=dev, requires_grad=True)
         fused_rl_ops.clamped_swiglu(x, 7.0, interleaved=interleaved, scale=scale).sum().backward()
-torch.cuda.synchronize()
+synchronize()
 print("sanitizer cases ran")
 
 # chosen_logprob: several chunks (the last one partial), padded rows, an ignored token; the weight
@@ -34,7 +43,7 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, tokens, temperature=0.7, vocab_size=290,
                                               return_entropy=True, workspace_bytes=1, main_grad=main_grad)
         (lp.sum() + ent.sum()).backward()
-torch.cuda.synchronize()
+synchronize()
 print("chosen_logprob cases ran")
 
 # value_head: 70 rows (a full and a partial 64-row block of the weight gradient), H = 13 and a
@@ -47,5 +56,5 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for offset in (0, 1):
             hidden = storage[offset : offset + 70 * H].view(70, H).detach().requires_grad_(True)
             value_head(hidden, weight, bias).sum().backward()
-torch.cuda.synchronize()
+synchronize()
 print("value_head cases ran")

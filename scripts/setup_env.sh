@@ -2,11 +2,23 @@
 # dependencies (again only when their list or the Python changes) and builds the extension in place
 # with ninja (with nvcc when a CUDA toolkit is present), which recompiles only what changed.
 # The first run takes minutes and says so; a re-run with nothing changed takes seconds.
+#
+# TORCH_VERSION picks the torch: default the newest of pyproject.toml's range, which the tests are
+# run with. Another version gets its own venv (VENV, default .venv-torch$TORCH_VERSION) and, since
+# an in-place build serves one torch, its own copy of the checkout, build/torch$TORCH_VERSION/
+# (scripts/copy_checkout.py brings it up to date on every run), where the extension is built and
+# where the caller goes on: test.sh runs pytest there. The two builds never overwrite each other.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-# torch pinned to the version the tests are run with; pyproject.toml asks only for >= 2.14.
-PINS=(torch==2.14.1)
+NEWEST_TORCH=2.14.1
+TORCH_VERSION="${TORCH_VERSION:-$NEWEST_TORCH}"
+if [ "$TORCH_VERSION" = "$NEWEST_TORCH" ]; then
+  VENV="$(realpath -m "${VENV:-.venv}")"
+else
+  VENV="$(realpath -m "${VENV:-.venv-torch$TORCH_VERSION}")"
+fi
+PINS=(torch=="$TORCH_VERSION")
 BUILD_TOOLS=(ninja setuptools wheel)
 
 find_python() {
@@ -36,13 +48,13 @@ run_logged() {  # run_logged LOG COMMAND...: output into LOG; on failure shows i
 
 setup_start=$SECONDS
 mkdir -p build
-if [ ! -x .venv/bin/python ]; then
+if [ ! -x "$VENV/bin/python" ]; then
   python="$(find_python)"
-  echo "setup: creating .venv with $python (first run only)"
-  "$python" -m venv .venv
+  echo "setup: creating $VENV with $python (first run only)"
+  "$python" -m venv "$VENV"
 fi
 # shellcheck disable=SC1091
-. .venv/bin/activate
+. "$VENV/bin/activate"
 
 # The dependencies: pyproject.toml's, with every extra, the pins and the build tools; installed
 # when the stamp (hash of that list and the Python version) changes.
@@ -52,11 +64,18 @@ deps = project["dependencies"] + [d for extra in project["optional-dependencies"
 print(" ".join(dict.fromkeys(deps)))')
 DEPS+=("${PINS[@]}" "${BUILD_TOOLS[@]}")
 deps_stamp="$(printf '%s\n' "${DEPS[@]}" "$(python -VV)" | sha256sum | cut -d' ' -f1)"
-if [ "$(cat .venv/deps.stamp 2>/dev/null)" != "$deps_stamp" ]; then
-  echo "setup: installing ${DEPS[*]} into .venv"
+if [ "$(cat "$VENV/deps.stamp" 2>/dev/null)" != "$deps_stamp" ]; then
+  echo "setup: installing ${DEPS[*]} into $VENV"
   echo "setup:   (first run: about 1-2 minutes, mostly downloading torch; log: $PWD/build/pip.log)"
-  run_logged build/pip.log python -m pip install --upgrade pip "${DEPS[@]}"
-  echo "$deps_stamp" >.venv/deps.stamp
+  # No wheel cache: a CUDA build of torch is GBs, kept twice with one.
+  run_logged build/pip.log python -m pip install --no-cache-dir --upgrade pip "${DEPS[@]}"
+  echo "$deps_stamp" >"$VENV/deps.stamp"
+fi
+if [ "$TORCH_VERSION" != "$NEWEST_TORCH" ]; then
+  run_logged build/copy.log python scripts/copy_checkout.py "build/torch$TORCH_VERSION"
+  cd "build/torch$TORCH_VERSION"
+  mkdir -p build
+  echo "setup: torch $TORCH_VERSION builds and runs in the copy $PWD"
 fi
 # The checkout on the venv's path, as an editable install would put it (the extension is built in place).
 echo "$PWD" >"$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/fused_rl_ops_checkout.pth"

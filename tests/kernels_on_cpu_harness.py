@@ -62,10 +62,40 @@ pytestmark = [
 # Building and running the drivers
 
 
+# A static shared-memory declaration, `__shared__ T name[dims];`, and what the host model compiles
+# instead: kConcurrentBlocks copies and a reference to the copy of the block's slot
+# (cuda_on_host.h), on the declaration's line(s).
+SHARED_DECLARATION = re.compile(r"__shared__\s+(?P<type>[\w:<>,\s]+?)\s+(?P<name>\w+)\s*(?P<dims>(?:\[[^\]]*\]\s*)+);")
+
+
+def per_slot_shared(text):
+    """text with each static __shared__ declaration given one copy per concurrent block."""
+    def rewrite(m):
+        dims = re.sub(r"\s+", " ", m["dims"]).strip()
+        return (f"static {m['type']} {m['name']}_per_slot[cuda_on_host::kConcurrentBlocks]{dims}; "
+                f"auto& {m['name']} = {m['name']}_per_slot[cuda_on_host::block_slot];" + "\n" * m[0].count("\n"))
+    return SHARED_DECLARATION.sub(rewrite, text)
+
+
+def host_sources(csrc, out_dir):
+    """Copies of csrc and of the harness's sources under out_dir, as the host model compiles them
+    (per_slot_shared); returns their (csrc, harness) directories."""
+    copies = []
+    for source, name in ((csrc, "csrc"), (HARNESS, "harness")):
+        shutil.rmtree(out_dir / name, ignore_errors=True)
+        shutil.copytree(source, out_dir / name)
+        for path in (out_dir / name).rglob("*"):
+            if path.suffix in (".h", ".cuh", ".cu", ".cpp"):
+                path.write_text(per_slot_shared(path.read_text()))
+        copies.append(out_dir / name)
+    return copies
+
+
 def build_drivers(csrc, out_dir, drivers=DRIVERS, variants=tuple(BUILDS)):
     """Compiles each driver (tests/kernels_on_cpu/NAME.cpp; for an op, <op>_driver.cpp with the op's
-    csrc/<op>/kernel.cu) against the sources in csrc, in each build variant, into
-    out_dir/<variant>/NAME, in parallel."""
+    csrc/<op>/kernel.cu) against the sources in csrc (host_sources' copies, in out_dir/src), in each
+    build variant, into out_dir/<variant>/NAME, in parallel."""
+    csrc, harness = host_sources(csrc, out_dir / "src")
     jobs = []
     for variant in variants:
         flags = BUILDS[variant]
@@ -75,8 +105,8 @@ def build_drivers(csrc, out_dir, drivers=DRIVERS, variants=tuple(BUILDS)):
             launchers = ["-x", "c++", str(csrc / d / "kernel.cu")] if d in OPS else []
             # -rdynamic: cuda_on_host names the kernels launched from their symbols.
             cmd = [CXX, "-std=c++17", "-O1", "-g", "-pthread", "-rdynamic", "-Wall", "-Wno-unknown-pragmas", *flags,
-                   f"-I{CUDA_INCLUDE}", f"-I{csrc}", f"-I{HARNESS}", "-include", "cuda_on_host.h",
-                   str(HARNESS / f"{name}.cpp"), *launchers, "-o", str(out_dir / variant / name)]
+                   f"-I{CUDA_INCLUDE}", f"-I{csrc}", f"-I{harness}", "-include", "cuda_on_host.h",
+                   str(harness / f"{name}.cpp"), *launchers, "-o", str(out_dir / variant / name)]
             jobs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     errors = [job.communicate()[0] for job in jobs if job.wait() != 0]
     assert not errors, "driver build failed:\n" + "\n".join(errors)
@@ -273,19 +303,25 @@ def combined_stats64(z):
 
 
 def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0,
-                  temperature, passes, softcap=0.0, threshold=None):
+                  temperature, passes, softcap=0.0, grads=None, grads_col=0, offsets=(0, 0), threshold=None):
     """chosen_logprob_grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32; softcap 0:
-    none; threshold: the logits below it dropped); returns the gradients it wrote in place."""
+    none; threshold: the logits below it pass no gradient): in place by default, returning the
+    gradients it wrote over the logits; or into columns [grads_col, grads_col + C) of grads ([N,
+    stride] in the gradient dtype), returning all of grads.
+    offsets: the logits' and grads' elements past a 16-byte boundary. Returns (gradients, launch)."""
     N, C = logits.shape
-    out, [launch] = run_case(drivers, "chosen_logprob", "grad_rows",
-                             {"logits": Buf(logits), "tokens": Buf(tokens), "row_max": Buf(row_max.float()),
-                              "log_sum": Buf(log_sum.float()),
-                              "log_sum_minus_entropy": Buf(log_sum_minus_entropy.float()),
-                              "gl": Buf(gl), "ge": Buf(ge), **threshold_buffer(threshold)},
-                             {"N": N, "C": C, "col0": col0, "temperature": temperature, "softcap": softcap},
-                             passes=passes, tmp_dir=tmp_path)
+    buffers = {"logits": Buf(logits, offsets[0]), "tokens": Buf(tokens), "row_max": Buf(row_max.float()),
+               "log_sum": Buf(log_sum.float()), "log_sum_minus_entropy": Buf(log_sum_minus_entropy.float()),
+               "gl": Buf(gl), "ge": Buf(ge), **threshold_buffer(threshold)}
+    scalars = {"N": N, "C": C, "col0": col0, "temperature": temperature, "softcap": softcap,
+               "in_place": int(grads is None)}
+    if grads is not None:
+        buffers["grads"] = Buf(grads, offsets[1])
+        scalars.update(dtype=dtype_scalar(grads.dtype), grads_stride=grads.shape[1], grads_col=grads_col)
+    out, [launch] = run_case(drivers, "chosen_logprob", "grad_rows", buffers, scalars, passes=passes,
+                             block_order_seed=N, tmp_dir=tmp_path)
     assert_passes(launch, N, passes)
-    return out["logits"]
+    return out["logits" if grads is None else "grads"], launch
 
 
 def grad_rows_reference(logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0, inv_temp):

@@ -4,19 +4,22 @@ Every failed load must leave the module unchanged on both load paths (staged or 
 failing in the middle of a direct load, which must say the module may be partially loaded.
 Multi-process checks run in real processes on gloo (fused_rl_ops.testing.distributed).
 """
+import contextlib
 import itertools
 import os
 import re
 import shutil
+import signal
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
 
 from fused_rl_ops.checkpoint import integrity, load_sharded, save_load, save_sharded
-from fused_rl_ops.testing.checkpoint import (Toy, add_parameter, annotated, assert_all_same, flip_bits, legacy,
-                                             logical_state, random_bits, same_bits, stored_items, tensors_of,
+from fused_rl_ops.testing.checkpoint import (Toy, add_parameter, annotated, assert_all_same, data_file, flip_bits,
+                                             legacy, logical_state, random_bits, same_bits, stored_items, tensors_of,
                                              tp_group_of_size)
 from fused_rl_ops.testing.distributed import run_distributed
 
@@ -56,10 +59,11 @@ def _load_failures(rank, world_size, root):
         save_sharded(Toy(original, 2, rank, step=7), f"{root}/{name}", tp_group=dist.group.WORLD)
 
     _assert_load_fails_untouched(f"{root}/absent", FileNotFoundError, "no complete checkpoint at")
-    _on_rank_0(lambda: _truncate_to_half(f"{root}/truncated/__1_0.distcp"))
-    _assert_load_fails_untouched(f"{root}/truncated", ValueError, "truncated: data file __1_0.distcp")
-    _on_rank_0(lambda: os.remove(f"{root}/no_data/__0_0.distcp"))
-    _assert_load_fails_untouched(f"{root}/no_data", FileNotFoundError, "__0_0.distcp does not exist")
+    rank_1_file, rank_0_file = data_file(f"{root}/truncated", 1), data_file(f"{root}/no_data", 0)
+    _on_rank_0(lambda: _truncate_to_half(f"{root}/truncated/{rank_1_file}"))
+    _assert_load_fails_untouched(f"{root}/truncated", ValueError, f"truncated: data file {rank_1_file}")
+    _on_rank_0(lambda: os.remove(f"{root}/no_data/{rank_0_file}"))
+    _assert_load_fails_untouched(f"{root}/no_data", FileNotFoundError, f"{rank_0_file} does not exist")
     _on_rank_0(lambda: _truncate_to_half(f"{root}/bad_metadata/.metadata"))
     _assert_load_fails_untouched(f"{root}/bad_metadata", ValueError, "unreadable")
 
@@ -142,22 +146,27 @@ def _damaged_data(rank, root, original):
             load_sharded(Toy(logical_state(seed=2), 2, rank, step=0), damaged, tp_group=dist.group.WORLD)
 
     # The data of another save beside this save's .metadata: same sizes, other bytes.
+    rank_1_file = data_file(f"{root}/good", 1)
+
     def mix():
         shutil.copytree(f"{root}/good", f"{root}/mixed")
-        shutil.copy(f"{root}/other_save/__1_0.distcp", f"{root}/mixed/__1_0.distcp")
+        shutil.copy(f"{root}/other_save/{data_file(f'{root}/other_save', 1)}", f"{root}/mixed/{rank_1_file}")
 
     _on_rank_0(mix)
     _assert_load_fails_untouched(f"{root}/mixed", RuntimeError,
-                                 r"left unchanged.*: its bytes \d+\.\.\d+ in data file __1_0.distcp", paths=(True,))
+                                 rf"left unchanged.*: its bytes \d+\.\.\d+ in data file {rank_1_file}",
+                                 paths=(True,))
 
     # Checked before anything is read, so both paths leave the module unchanged.
+    rank_0_file = data_file(f"{root}/good", 0)
+
     def grow():
         shutil.copytree(f"{root}/good", f"{root}/longer")
-        with open(f"{root}/longer/__0_0.distcp", "ab") as f:
+        with open(f"{root}/longer/{rank_0_file}", "ab") as f:
             f.write(b"\0")
 
     _on_rank_0(grow)
-    _assert_load_fails_untouched(f"{root}/longer", ValueError, "inconsistent: data file __0_0.distcp has")
+    _assert_load_fails_untouched(f"{root}/longer", ValueError, f"inconsistent: data file {rank_0_file} has")
     dcp.save(Toy(original, 1, 0, step=7).state_dict(), checkpoint_id=f"{root}/plain_dcp",  # the logical tensors
              planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
     _assert_load_fails_untouched(f"{root}/plain_dcp", ValueError, "no checksum for .* not written by save_sharded")
@@ -175,34 +184,103 @@ def test_failed_loads_leave_the_module_unchanged(tmp_path):
     run_distributed(_load_failures, 2, str(tmp_path))
 
 
-# --- a save that dies part-way (2 processes, one of them killed) ---------------------------------
+# --- saves killed at every step (SIGKILL), one rank and two ----------------------------------------
 
-def _dies_while_writing(rank, world_size, root):
-    save_sharded(Toy(logical_state(seed=1), 2, rank, step=7), root, tp_group=dist.group.WORLD)  # a complete checkpoint
-    dist.barrier()
-    if rank == 1:  # overwriting it, rank 1 dies once its first item is in its data file
-        def close_then_die(self):
-            real_close(self)
-            os._exit(17)
+def _die_after_file_operation(k):
+    """Makes this process SIGKILL itself right after its k-th file operation of a save: making the
+    directory, creating a file, finishing it (written, synced, closed), the commit's rename, the
+    directory's sync, each removal (integrity._CommittingFileSystem's operations, through which
+    every file operation of a save goes)."""
+    done = itertools.count(1)
 
-        real_close = integrity._HashingStream.close
-        integrity._HashingStream.close = close_then_die
-    save_sharded(Toy(logical_state(seed=3), 2, rank, step=9), root, tp_group=dist.group.WORLD)
+    def after_operation():
+        if next(done) == k:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def counted(operation):
+        def run(self, *args):
+            operation(self, *args)
+            after_operation()
+        return run
+
+    file_system = integrity._CommittingFileSystem
+    create_stream = file_system.create_stream
+
+    @contextlib.contextmanager
+    def counted_create_stream(self, path, mode):
+        with create_stream(self, path, mode) as stream:
+            after_operation()
+            yield stream
+        after_operation()
+
+    file_system.create_stream = counted_create_stream
+    for name in ("mkdir", "replace", "sync_directory", "rm_file"):
+        setattr(file_system, name, counted(getattr(file_system, name)))
 
 
-def test_a_save_killed_part_way_leaves_nothing_loadable(tmp_path):
-    """A rank killed in the middle of overwriting a checkpoint: the old .metadata must not survive
-    beside the new partial data, so load_sharded (here in this process, at TP 1) refuses the
-    directory and leaves the module unchanged."""
-    with pytest.raises(Exception, match="exit code 17"):
-        run_distributed(_dies_while_writing, 2, str(tmp_path))
-    assert os.path.getsize(tmp_path / "__1_0.distcp") > 0
-    target = Toy(logical_state(seed=2), 1, 0, step=0)
-    tensors, _ = _snapshot(target)
-    for staged in (False, True):
-        with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
-            load_sharded(target, str(tmp_path), staged=staged)
-    assert all(same_bits(t, tensors[name]) for name, t in tensors_of(target).items())
+def _save_killed(rank, world_size, path, killed_rank, k):
+    if rank == killed_rank:
+        _die_after_file_operation(k)
+    save_sharded(Toy(logical_state(seed=3), world_size, rank, step=9), path, tp_group=dist.group.WORLD)
+
+
+def _which_checkpoint(path, old, new):
+    """"old" or "new": the checkpoint at path, loaded here at TP 1, bit for bit."""
+    loaded = Toy(logical_state(seed=2), 1, 0, step=0)
+    load_sharded(loaded, str(path))
+    for name, expected in (("old", old), ("new", new)):
+        wanted = tensors_of(expected)
+        if loaded.step == expected.step and all(same_bits(t, wanted[n]) for n, t in tensors_of(loaded).items()):
+            return name
+    raise AssertionError(f"{path} holds neither the old nor the new checkpoint")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_save_killed_at_any_step_leaves_the_old_or_the_new_checkpoint(tmp_path, world_size):
+    """A save over a checkpoint (saved from one rank) whose rank is SIGKILLed right after each of its
+    file operations in turn, every rank in turn, until one runs to the end: after every kill the
+    directory loads (here, at TP 1), bit for bit, as the old checkpoint until the commit and as the
+    new one from then on; a finished save leaves only its own files, and loads after the directory
+    is moved."""
+    old, new = Toy(logical_state(seed=1), 1, 0, step=7), Toy(logical_state(seed=3), 1, 0, step=9)
+    save_sharded(old, str(tmp_path / "old"))
+    for killed_rank in range(world_size):
+        seen = []
+        for k in itertools.count(1):
+            path = tmp_path / f"rank{killed_rank}_after{k}"
+            shutil.copytree(tmp_path / "old", path)  # a checkpoint loads wherever it is copied
+            try:
+                run_distributed(_save_killed, world_size, str(path), killed_rank, k)
+            except mp.ProcessExitedException as exc:
+                assert "SIGKILL" in str(exc)
+                seen.append(_which_checkpoint(path, old, new))
+                continue
+            seen.append(_which_checkpoint(path, old, new))
+            break
+        # The old checkpoint until the commit, the new one after it, and a kill at every step of both.
+        assert seen == sorted(seen, key=["old", "new"].index) and seen[-1] == "new" and "old" in seen, seen
+        if killed_rank == 0:  # the coordinator commits: the last kills come after it
+            assert seen[-2] == "new", seen
+    assert sorted(os.listdir(path)) == sorted({".metadata", *(file for file, *_ in stored_items(path))})
+    os.rename(path, tmp_path / "moved")
+    assert _which_checkpoint(tmp_path / "moved", old, new) == "new"
+
+
+def _save_toy(rank, world_size, path, seed):
+    save_sharded(Toy(logical_state(seed=seed), world_size, rank, step=seed), path, tp_group=dist.group.WORLD)
+
+
+def test_a_save_over_a_larger_checkpoint_leaves_only_its_own_files(tmp_path):
+    """A save at 2 ranks over a checkpoint saved at 4: the directory then holds the new .metadata and
+    the 2 data files it names, and loads as the new checkpoint."""
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save_toy, 4, path, 1)
+    assert len([f for f in os.listdir(path) if f.endswith(".distcp")]) == 4
+    run_distributed(_save_toy, 2, path, 3)
+    files = {file for file, *_ in stored_items(path)}
+    assert len(files) == 2 and sorted(os.listdir(path)) == sorted({".metadata", *files})
+    old, new = Toy(logical_state(seed=1), 1, 0, step=1), Toy(logical_state(seed=3), 1, 0, step=3)
+    assert _which_checkpoint(path, old, new) == "new"
 
 
 # --- the verifying reader and writer, alone -------------------------------------------------------

@@ -10,6 +10,7 @@ comparisons are of integer views.
 import copy
 import subprocess
 import sys
+import warnings
 import zlib
 
 import pytest
@@ -236,11 +237,14 @@ def _resume_and_refusals(rank, world_size, root):
 
         first = toy(LAYOUT, 2, rank, seed=1)
         first_optimizer = make(first)
+        save_sharded(first, f"{root}/{make.__name__}", tp_group=group, optimizer=first_optimizer)  # overwritten next
         train(first, first_optimizer, LAYOUT, 2, rank, steps=2)
-        save_sharded(first, f"{root}/{make.__name__}", tp_group=group, optimizer=first_optimizer)
         resumed = toy(LAYOUT, 2, rank, seed=9)
         resumed_optimizer = make(resumed, lr=0.5)
-        load_sharded(resumed, f"{root}/{make.__name__}", tp_group=group, optimizer=resumed_optimizer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # overwriting a checkpoint and loading with optimizer= warn nothing
+            save_sharded(first, f"{root}/{make.__name__}", tp_group=group, optimizer=first_optimizer)
+            load_sharded(resumed, f"{root}/{make.__name__}", tp_group=group, optimizer=resumed_optimizer)
         train(resumed, resumed_optimizer, LAYOUT, 2, rank, steps=3, first_step=2)
         assert_same_training_state(resumed, resumed_optimizer, straight, straight_optimizer)
 
@@ -321,19 +325,42 @@ def trained_toy(make=adam, seed=1):
     return module, optimizer
 
 
-def test_megatron_optimizers_are_refused_by_class():
+def test_unsupported_megatron_optimizers_are_refused_by_class_and_configuration():
+    """Megatron's optimizers are recognised by class (the checkpoint package does not import megatron);
+    those whose state would not all be stored are refused before anything is written."""
     optimizer_module = pytest.importorskip("megatron.core.optimizer", reason="megatron-core is not installed")
-    module, _ = trained_toy()
-    for cls in (optimizer_module.DistributedOptimizer, optimizer_module.ChainedOptimizer,
-                optimizer_module.Float16OptimizerWithFloat16Params):
-        wrapper = object.__new__(cls)  # the class is all the check reads
-        with pytest.raises(TypeError, match=rf"optimizer: {cls.__name__} is one of Megatron's optimizers.*"
-                                            "dist_checkpointing.*torch.optim optimizer over model.parameters"):
-            save_sharded(module, "/nonexistent", optimizer=wrapper)
-        with pytest.raises(TypeError, match=rf"optimizer: {cls.__name__} is one of Megatron's"):
-            load_sharded(module, "/nonexistent", optimizer=wrapper)
-    with pytest.raises(TypeError, match="optimizer: expected a torch.optim.Optimizer, got dict"):
-        save_sharded(module, "/nonexistent", optimizer={})
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    module, adamw = trained_toy()
+
+    def wrapper(cls, **settings):  # the class and these attributes are all the checks read
+        optimizer = object.__new__(cls)
+        defaults = dict(is_stub_optimizer=False, optimizer=adamw, grad_scaler=None,
+                        config=optimizer_module.OptimizerConfig(bf16=True))
+        optimizer.__dict__.update({**defaults, **settings})
+        return optimizer
+
+    float16 = optimizer_module.Float16OptimizerWithFloat16Params
+    dynamic = object.__new__(DynamicGradScaler)
+    precision_aware = optimizer_module.OptimizerConfig(bf16=True)
+    precision_aware.use_precision_aware_optimizer = True  # its checks want Transformer Engine when built so
+    cases = [
+        (wrapper(LayerWiseDistributedOptimizer), r"expected a torch.optim.Optimizer or one of megatron-core's "
+                                                 r"ChainedOptimizer, .*; got megatron\.core\.optimizer\.layer_wise"),
+        (wrapper(float16, grad_scaler=dynamic), "Float16OptimizerWithFloat16Params with DynamicGradScaler .*dynamic "
+                                                "loss scaling.* is not supported"),
+        (wrapper(optimizer_module.DistributedOptimizer, config=precision_aware), "DistributedOptimizer with "
+                                                                                 "use_precision_aware_optimizer"),
+        (optimizer_module.ChainedOptimizer([wrapper(float16), wrapper(float16, optimizer=object())]),
+         "Float16OptimizerWithFloat16Params with its optimizer object"),
+        ({}, "expected a torch.optim.Optimizer or one of megatron-core's .*got dict"),
+    ]
+    for optimizer, message in cases:
+        with pytest.raises(TypeError, match=f"optimizer: {message}"):
+            save_sharded(module, "/nonexistent", optimizer=optimizer)
+        with pytest.raises(TypeError, match=f"optimizer: {message}"):
+            load_sharded(module, "/nonexistent", optimizer=optimizer)
     # The check needs no megatron import: the checkpoint package does not load it.
     code = "import sys, fused_rl_ops.checkpoint; assert not [m for m in sys.modules if m.startswith('megatron')]"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -349,7 +376,7 @@ def test_state_that_cannot_be_placed_is_refused(tmp_path):
 
     optimizer.state[module.row.weight]["low_rank"] = torch.zeros(6, 2)
     with pytest.raises(ValueError, match=r"row\.weight \(optimizer state 'low_rank'\): has shape \(6, 2\); only "
-                                         r"state tensors of the parameter's shape \(6, 16\)"):
+                                         r"state tensors of the shape of the tensor the optimizer steps, \(6, 16\)"):
         save_sharded(module, str(tmp_path / "b"), optimizer=optimizer)
     optimizer.state[module.row.weight]["low_rank"] = [1.0]
     with pytest.raises(ValueError, match=r"'low_rank'\): is a list; expected a tensor or a number"):

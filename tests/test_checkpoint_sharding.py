@@ -14,7 +14,6 @@ from fused_rl_ops.checkpoint import (
     ShardingMetadataError,
     ShardSpec,
     from_dtensor,
-    load_sharded,
     read_sharding,
     save_sharded,
     to_dtensor,
@@ -121,15 +120,6 @@ def test_disagreeing_dialects_raise(attributes, spellings):
 def test_incomplete_or_contradictory_metadata_raises(attributes, fragment):
     with pytest.raises(ShardingMetadataError, match=fragment):
         read_sharding(annotated((8, 4), attributes), "w")
-
-
-def test_refuses_a_dcp_without_checkpointable_tensor(monkeypatch, tmp_path):
-    """Without the protocol DCP would save every rank's shard as the whole tensor."""
-    monkeypatch.delattr(dcp, "CheckpointableTensor")
-    with pytest.raises(RuntimeError, match="CheckpointableTensor"):
-        save_sharded({"w": annotated((4, 4), legacy(0), device="cpu")}, str(tmp_path))
-    with pytest.raises(RuntimeError, match="CheckpointableTensor"):
-        load_sharded(torch.nn.Linear(2, 2), str(tmp_path))
 
 
 # --- two-rank checks: DTensor conversion and the checks before saving --------------------------

@@ -96,14 +96,16 @@ def test_leading_shape_int32_tokens_and_non_contiguous(device):
     torch.testing.assert_close(lp.double().cpu(), ref, **TOLERANCE[torch.float32])
 
 
-def test_ignore_index_passes_no_logprob_gradient_but_keeps_entropy(device):
+def test_skip_ignored_false_passes_no_logprob_gradient_but_keeps_entropy(device):
     hidden, weight, tokens = make_inputs(6, 8, 130, torch.float32, device)
     tokens[:] = -100
     h = hidden.clone().requires_grad_(True)
-    lp, ent = fused_rl_ops.chosen_logprob(h, weight, tokens, return_entropy=True)
+    lp, ent = fused_rl_ops.chosen_logprob(h, weight, tokens, return_entropy=True, skip_ignored=False)
     assert lp.eq(0).all() and (ent > 0).all()
-    lp.sum().backward()
+    lp.sum().backward(retain_graph=True)
     assert h.grad.eq(0).all()
+    ent.sum().backward()
+    assert h.grad.ne(0).all()
 
 
 def test_unchecked_out_of_range_ids_give_nan_not_a_wrong_number(device):
@@ -118,11 +120,14 @@ def test_unchecked_out_of_range_ids_give_nan_not_a_wrong_number(device):
     good[bad] = False
     ref_lp, ref_ent, ref_grad_h, _ = reference_outputs_and_grads(
         hidden, weight, torch.where(good, tokens, -100), grad_lp, grad_ent, vocab_size=120)
+    _, bad_ent = reference.chosen_logprob(hidden.double().cpu(), weight.double().cpu(), tokens.cpu().clamp(0, 119),
+                                          vocab_size=120)  # the entropy of the bad ids' rows
     tol = TOLERANCE[torch.float32]
     assert lp[~good].isnan().all() and grad_h[~good].isnan().all()
     torch.testing.assert_close(lp[good].double().cpu(), ref_lp[good.cpu()], **tol)
     torch.testing.assert_close(grad_h[good].double().cpu(), ref_grad_h[good.cpu()], **tol)
-    torch.testing.assert_close(ent.double().cpu(), ref_ent, **tol)
+    torch.testing.assert_close(ent[good].double().cpu(), ref_ent[good.cpu()], **tol)
+    torch.testing.assert_close(ent[~good].double().cpu(), bad_ent[~good.cpu()], **tol)
     assert grad_w[:120].isnan().all() and grad_w[120:].eq(0).all()
     with pytest.raises(ValueError, match="token ids must lie in"):
         fused_rl_ops.chosen_logprob(hidden, weight, tokens, vocab_size=120)
@@ -213,6 +218,8 @@ def test_opcheck(device):
                           dict(valid_rows=150))
     torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, None, 0.9, 0, 128, 4, 8),
                           dict(valid_rows=150))
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, None, 0.9, 0, 128),
+                          dict(valid_rows=150, grad_chunks=2))  # a gradient buffer of two chunks
     main_grad = torch.randn(weight.shape, device=device)
     torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, main_grad, 0.9, 0, 128, 4,
                                                         8), dict(valid_rows=150))
@@ -233,6 +240,37 @@ def test_valid_rows_are_the_first_rows_of_weight(device):
     assert grad_w[150:].eq(0).all()
     with pytest.raises(ValueError, match="valid_rows must be None or at most weight's rows 200, got 201"):
         ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, 0, 128, valid_rows=201)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_chunks,row_block,pass_rows", [(2, 0, 0), (3, 16, 32), (100, 0, 0)])
+def test_gradient_gemms_over_several_chunks(device, dtype, grad_chunks, row_block, pass_rows):
+    """grad_chunks > 1 (CUDA's default for bf16/fp16): the gradient GEMMs take groups of 128-row
+    chunks from a buffer of their logit gradients (the last group partial, then one group of all the
+    rows, then several passes of row blocks with a padded last block): the float64 reference's
+    gradients, and with main_grad bitwise what adding the returned weight gradient gives."""
+    N, H, V, valid = 37, 24, 700, 690
+    hidden, weight, tokens = make_inputs(N, H, V, dtype, device, vocab_size=valid)
+    ops = torch.ops.fused_rl_ops
+    options = (0.8, 0, 128, row_block, pass_rows)
+    stats = ops.chosen_logprob_stats(hidden, weight, tokens, *options, valid_rows=valid)
+    row = CombinedColumns(*ops.chosen_logprob_combine(stats[None]).unbind(1))
+    grad_lp = torch.where(tokens == -100, 0.0, torch.randn(N, device=device))  # as chosen_logprob passes them
+    grad_ent = torch.randn(N, device=device)
+    per_token = [row.row_max.contiguous(), row.log_sum.contiguous(), (row.log_sum - row.entropy).contiguous(),
+                 grad_lp, grad_ent]
+    kw = dict(valid_rows=valid, grad_chunks=grad_chunks)
+    grad_h, grad_w = ops.chosen_logprob_backward(hidden, weight, tokens, *per_token, None, *options, **kw)
+    # The ops compute every row they are given: the ignored one keeps its entropy gradient.
+    _, _, want_h, want_w = reference_outputs_and_grads(hidden, weight, tokens, grad_lp, grad_ent, temperature=0.8,
+                                                       vocab_size=valid, skip_ignored=False)
+    torch.testing.assert_close(grad_h.double().cpu(), want_h, **TOLERANCE[dtype])
+    torch.testing.assert_close(grad_w.double().cpu(), want_w, **TOLERANCE[dtype])
+    assert grad_w[valid:].eq(0).all()
+    main_grad = torch.randn(V, H, device=device)
+    start = main_grad.clone()
+    grad_h_again, _ = ops.chosen_logprob_backward(hidden, weight, tokens, *per_token, main_grad, *options, **kw)
+    assert torch.equal(grad_h_again, grad_h) and torch.equal(main_grad, start + grad_w.float())
 
 
 def test_ops_called_directly_refuse_what_the_kernels_cannot_read(device):
@@ -328,7 +366,7 @@ def _fwd_bwd(path, N, H, V):
     weight = (torch.randn(V, H) * 0.1).requires_grad_(True)
     tokens = torch.randint(0, V, (N,))
     if path == "fused":
-        lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, tokens, return_entropy=True, workspace_bytes=8 * 2**20)
+        lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, tokens, return_entropy=True, workspace_bytes=4 * 2**20)
     else:
         lp, ent = reference.chosen_logprob(hidden, weight, tokens)
     (lp.sum() + ent.sum()).backward()
@@ -350,7 +388,7 @@ def extra_peak_bytes(path):
 
 def test_peak_memory_does_not_hold_tokens_by_vocab():
     """Peak RSS growth of forward + backward (inputs and gradients included: 16.5 MiB): the naive
-    path holds [N, V] logits (128 MiB here), ours stays near its 8 MiB workspace."""
+    path holds [N, V] logits (128 MiB here), ours stays near its 4 MiB workspace."""
     logits_bytes = 4 * 1024 * 32768
     assert extra_peak_bytes("naive") > logits_bytes
     assert extra_peak_bytes("fused") < 32 * 2**20
@@ -384,6 +422,7 @@ def test_bad_inputs(device):
         fused_rl_ops.chosen_logprob(hidden, weight.to("meta"), tokens)
 
 
+@pytest.mark.per_device
 @pytest.mark.skipif(not (torch.cuda.is_available() and fused_rl_ops.has_cuda_kernels()), reason="needs a GPU")
 def test_cuda_peak_memory_within_workspace_at_large_vocab():
     N, H, V, workspace = 4096, 1024, 131072, 64 * 2**20

@@ -1,6 +1,6 @@
 """chosen_logprob(batch_invariant=True): a token's logprob, entropy and hidden gradient are bitwise
-the same whatever the other tokens of the call, their order, the leading shape and workspace_bytes;
-without and with a softcap."""
+the same whatever the other tokens of the call, their order, the leading shape, workspace_bytes and
+whether ignored rows are skipped or computed; without and with a softcap."""
 import pytest
 import torch
 
@@ -31,10 +31,11 @@ def problem(device, dtype, softcap=None):
                 grad_lp=grads[0].to(**to), grad_ent=grads[1].to(**to), vocab_size=vocab_size, softcap=softcap)
 
 
-def score(p, order, lead_shape=None, workspace_bytes=fused_rl_ops.DEFAULT_WORKSPACE_BYTES, misaligned=False):
+def score(p, order, lead_shape=None, workspace_bytes=fused_rl_ops.DEFAULT_WORKSPACE_BYTES, misaligned=False,
+          **options):
     """Scores rows `order` of the problem in one call (shaped lead_shape; misaligned: hidden is a
-    view starting one element into its storage); returns the probes' logprob, entropy and hidden
-    gradient, in probe order."""
+    view starting one element into its storage; options: more of chosen_logprob's); returns the
+    probes' logprob, entropy and hidden gradient, in probe order."""
     shape = lead_shape or (len(order),)
     hidden = p["hidden"][order]
     if misaligned:
@@ -42,7 +43,7 @@ def score(p, order, lead_shape=None, workspace_bytes=fused_rl_ops.DEFAULT_WORKSP
     h = hidden.reshape(*shape, H).detach().requires_grad_(True)
     lp, ent = fused_rl_ops.chosen_logprob(h, p["weight"], p["ids"][order].reshape(shape), temperature=0.9,
                                           softcap=p["softcap"], vocab_size=p["vocab_size"], return_entropy=True,
-                                          workspace_bytes=workspace_bytes, batch_invariant=True)
+                                          workspace_bytes=workspace_bytes, batch_invariant=True, **options)
     loss = (lp.reshape(-1) * p["grad_lp"][order]).sum() + (ent.reshape(-1) * p["grad_ent"][order]).sum()
     loss.backward()
     where = torch.argsort(order)[:PROBES]  # position of probe i in the call
@@ -71,6 +72,7 @@ def test_probe_tokens_bitwise_equal_in_any_batch(device, dtype, softcap):
                                                      lead_shape=(2, total // 2)),
         "one full block, huge workspace": score(p, torch.cat([probes, others[: p["row_block"] - PROBES]]),
                                                   workspace_bytes=2**31),
+        "all, every row computed (no host read)": score(p, torch.arange(total), check_tokens=False),
     }
     alone = calls.pop("each alone")
     for i in range(PROBES):
@@ -79,7 +81,12 @@ def test_probe_tokens_bitwise_equal_in_any_batch(device, dtype, softcap):
     for name, got in calls.items():
         for k, what in enumerate(("logprob", "entropy", "hidden gradient")):
             assert torch.equal(bits(got[k]), bits(together[k])), (name, what)
-    assert together[0][PROBES - 1] == 0 and not together[2][PROBES - 1].eq(0).all()  # ignored: entropy grad only
+    # The ignored probe: nothing, and the scored ones the same when ignored rows are computed in full.
+    assert together[0][-1] == 0 and together[1][-1] == 0 and together[2][-1].eq(0).all()
+    computed = score(p, torch.randperm(total, generator=g), skip_ignored=False)
+    for k, what in enumerate(("logprob", "entropy", "hidden gradient")):
+        assert torch.equal(bits(computed[k][:-1]), bits(together[k][:-1])), ("skip_ignored=False", what)
+    assert computed[1][-1] > 0 and not computed[2][-1].eq(0).all()  # its entropy, and that gradient
 
 
 @pytest.mark.parametrize("softcap", [None, 2.0])

@@ -43,9 +43,10 @@ def fused_step(hidden, weight, labels, old_logprobs, advantages):
 
 
 def reference_step(hidden, weight, labels, old_logprobs, advantages):
-    """float64 log_softmax over the whole vocabulary; ignored positions get logprob 0."""
+    """float64 log_softmax over the whole vocabulary; ignored positions get logprob 0 and entropy 0
+    (the loss masks them: no gradient either)."""
     log_probs = torch.log_softmax(hidden.double() @ weight.double().t() / TEMPERATURE, dim=-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    entropy = torch.where(labels == -100, 0.0, -(log_probs.exp() * log_probs).sum(-1))
     chosen = log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     logprob = torch.where(labels == -100, 0.0, chosen)
     return ppo_loss(logprob, entropy, labels, old_logprobs.double(), advantages.double()), logprob, entropy

@@ -76,8 +76,10 @@ def test_nan_in_a_valid_weight_row_makes_every_token_nan(device, workspace, row)
     hidden, weight, tokens, grad_lp, grad_ent = make_inputs()
     weight[row, 3] = math.nan
     lp, ent, grad_h, grad_w = check(hidden, weight, tokens, device, workspace, grad_lp, grad_ent)
-    assert ent.isnan().all() and lp[tokens != -100].isnan().all() and lp[tokens == -100].eq(0).all()
-    assert grad_h.isnan().all() and grad_w[:VOCAB].isnan().all() and grad_w[VOCAB:].eq(0).all()
+    scored = tokens != -100
+    assert ent[scored].isnan().all() and lp[scored].isnan().all() and grad_h[scored].isnan().all()
+    assert lp[~scored].eq(0).all() and ent[~scored].eq(0).all() and grad_h[~scored].eq(0).all()  # left out
+    assert grad_w[:VOCAB].isnan().all() and grad_w[VOCAB:].eq(0).all()
 
 
 @pytest.mark.parametrize("workspace", WORKSPACES)
@@ -133,7 +135,8 @@ def test_all_logits_minus_inf_give_nan(device, workspace):
     hidden[:, 4] = 1.0
     weight[:VOCAB, 4] = -math.inf
     lp, ent, _, _ = check(hidden, weight, tokens, device, workspace, grad_lp, grad_ent)
-    assert ent.isnan().all() and lp[tokens != -100].isnan().all()
+    scored = tokens != -100
+    assert ent[scored].isnan().all() and lp[scored].isnan().all() and ent[~scored].eq(0).all()
 
 
 def test_logprob_combine_merges_nan_and_skips_only_empty_partials(device):

@@ -13,6 +13,7 @@ import fused_rl_ops
 from fused_rl_ops import reference
 from fused_rl_ops._sampler_filter import TOP_HEADER, TOP_P_CANDIDATES
 from fused_rl_ops.testing.distributed import run_distributed
+from fused_rl_ops.testing.kernel_calls import KernelCalls, scored
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
              torch.float64: dict(atol=1e-10, rtol=1e-10)}
@@ -168,6 +169,42 @@ def test_ties_are_kept_or_dropped_together():
         if "top_k" in filter_ and "top_p" not in filter_:
             assert (kept.sum(1) >= filter_["top_k"]).all()
             assert (kept.sum(1) > filter_["top_k"]).any(), "a tie at the k-th largest"
+
+
+@pytest.mark.parametrize("filter_", [dict(top_k=12), dict(top_p=0.7), dict(top_k=40, top_p=0.9)],
+                         ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_ignored_rows_never_reach_the_kernels(filter_):
+    """With ignored positions (half of them) only the scored rows reach every operator, the search
+    included, forward and backward, and the scored rows' results are the float64 reference's; without
+    a host read (check_tokens=False) every row is computed, with the same results. With
+    main_grad the weight gradient is added into it."""
+    N, H, V = 40, 16, 300
+    hidden, weight, tokens = make_inputs(N, H, V, scale=6.0, seed=14)
+    tokens[::2] = -100
+    assert_clear_boundaries(reference_logits(hidden[1::2], weight, 0.9), **filter_)
+    grads = torch.randn(N), torch.randn(N)
+    kw = dict(temperature=0.9, **filter_)
+    with KernelCalls() as calls:
+        skipped = run_ours(hidden, weight, tokens, *grads, **kw)
+    for call in calls.calls:
+        rows = call.args.get("hidden", call.args.get("partials"))
+        assert rows.shape[-2 if call.op == "chosen_logprob_combine" else 0] == N // 2, call.op
+    assert {call.op for call in calls.calls} >= {"chosen_logprob_stats", "chosen_logprob_backward"}
+    if "top_k" not in filter_:
+        assert any(call.op == "chosen_logprob_search" for call in calls.calls)
+    assert [len(t) for t in calls.tokens("chosen_logprob_backward")] == [len(scored(tokens))]
+    assert_matches(skipped, run_reference(hidden, weight, tokens, *grads, **kw), TOLERANCE[torch.float32])
+    assert skipped[0][::2].eq(0).all() and skipped[1][::2].eq(0).all() and skipped[2][::2].eq(0).all()
+    computed = run_ours(hidden, weight, tokens, *grads, check_tokens=False, **kw)
+    for a, b in zip(computed, skipped):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    main_grad = torch.randn(V, H)
+    start = main_grad.clone()
+    h = hidden.clone().requires_grad_(True)
+    lp, ent, kept = fused_rl_ops.chosen_logprob(h, weight, tokens, return_entropy=True, return_is_kept=True,
+                                                main_grad=main_grad, **kw)
+    (torch.where(kept, lp, 0.0) * grads[0] + ent * grads[1]).sum().backward()
+    torch.testing.assert_close(main_grad - start, skipped[3], atol=1e-6, rtol=1e-6)
 
 
 def test_disabled_filters_are_todays_path_bitwise():

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 import fused_rl_ops
 from fused_rl_ops.testing.distributed import run_distributed
+from fused_rl_ops.testing.kernel_calls import KernelCalls, scored
 
 H, LOCAL_V, S, B = 24, 100, 6, 3
 
@@ -54,10 +55,29 @@ def tensor_parallel_checks(rank, world):
     dist.all_reduce(summed)
     torch.testing.assert_close(summed, full[2], atol=1e-5, rtol=1e-5)
 
-
+    skipped_rows_checks(rank, hidden, weight, tokens, grad_lp, grad_ent, kw)
     nonfinite_checks(rank, world, hidden, weight, tokens, grad_lp, grad_ent, kw)
     if world == 2:  # in this run: a spawn costs more than the checks
         bad_group_checks(rank, world)
+
+
+def skipped_rows_checks(rank, hidden, weight, tokens, grad_lp, grad_ent, kw):
+    """Half the positions ignored: every rank's kernels get the scored rows only (the same on every
+    rank), and the results are the single-rank op's (itself tested against float64)."""
+    shard = slice(rank * LOCAL_V, (rank + 1) * LOCAL_V)
+    masked = tokens.clone()
+    masked[: S // 2] = -100
+    masked[-1, 1] = -100
+    with KernelCalls() as calls:
+        tp = fwd_bwd(hidden, weight[shard], masked, grad_lp, grad_ent, tp_group=dist.group.WORLD, **kw)
+    for op in ("chosen_logprob_stats", "chosen_logprob_backward"):
+        assert [t.tolist() for t in calls.tokens(op)] == [scored(masked).tolist()], op
+    full = fwd_bwd(hidden, weight, masked, grad_lp, grad_ent, **kw)
+    for ours, single in zip(tp[:3], full[:3]):
+        torch.testing.assert_close(ours, single, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tp[3], full[3][shard], atol=1e-5, rtol=1e-5)
+    ignored = masked == -100
+    assert tp[0][ignored].eq(0).all() and tp[1][ignored].eq(0).all() and tp[2][ignored].eq(0).all()
 
 
 def assert_same_with_nan(ours, single):
@@ -74,7 +94,8 @@ def nonfinite_checks(rank, world, hidden, weight, tokens, grad_lp, grad_ent, kw)
     nan_weight[LOCAL_V + 3, 5] = float("nan")  # rank 1's shard
     full = fwd_bwd(hidden, nan_weight, tokens, grad_lp, grad_ent, **kw)
     tp = fwd_bwd(hidden, nan_weight[shard], tokens, grad_lp, grad_ent, tp_group=dist.group.WORLD, **kw)
-    assert tp[1].isnan().all() and tp[2].isnan().all()
+    scored = tokens != -100
+    assert tp[1][scored].isnan().all() and tp[2][scored].isnan().all() and tp[2][~scored].eq(0).all()
     assert_same_with_nan(tp[:3], full[:3])
     assert_same_with_nan(tp[3:], (full[3][shard],))
 
@@ -110,6 +131,9 @@ BAD_GROUP_CALLS = [
     ({1: lambda c: c.update(temperature=0.5)}, r"disagree on the temperature \(per rank: \[1.0, 0.5\]\)"),
     ({1: lambda c: c.update(tokens=c["tokens"].flip(0))}, "disagree on the token ids"),
     ({1: lambda c: c.update(reduce_hidden_grad=False)}, "disagree on the reduce_hidden_grad"),
+    ({1: lambda c: c.update(check_tokens=False)},
+     r"disagree on the skipping of ignored rows \(skip_ignored and check_tokens\) \(per rank: \[1, 0\]\)"),
+    ({0: lambda c: c.update(skip_ignored=False)}, r"disagree on the skipping of ignored rows .*\[0, 1\]"),
     ({0: lambda c: c.update(vocab_start=0), 1: lambda c: c.update(vocab_start=0)}, "tile"),
     ({1: lambda c: c.update(vocab_start=3 * LOCAL_V)}, "tile"),
     ({0: lambda c: c.update(vocab_size=2 * LOCAL_V + 1), 1: lambda c: c.update(vocab_size=2 * LOCAL_V + 1)},

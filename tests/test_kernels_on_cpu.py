@@ -22,6 +22,7 @@ from kernels_on_cpu_harness import BUILDS, CSRC, SANITIZER_ENV, build_drivers, d
     ("good_exchanges", None),
     ("bad_launch_configs_are_errors", None),
     ("device_sizes", None),
+    ("concurrent_blocks", None),
     ("bad_barrier_after_return", "threads wait at __syncthreads()"),
     ("bad_barriers_at_two_places", "threads wait at different __syncthreads()"),
     ("bad_shuffle_absent_lanes", "names lanes absent from this warp"),
@@ -29,7 +30,8 @@ from kernels_on_cpu_harness import BUILDS, CSRC, SANITIZER_ENV, build_drivers, d
     ("bad_deadlock", "deadlock: timed out"),
 ])
 def test_harness_selftest(drivers, scenario, error):
-    env = {**os.environ, **SANITIZER_ENV, "CUDA_ON_HOST_TIMEOUT_S": "2"}
+    # A short deadlock timeout where one is expected; elsewhere the default, as a loaded machine needs.
+    env = {**os.environ, **SANITIZER_ENV, **({"CUDA_ON_HOST_TIMEOUT_S": "2"} if scenario == "bad_deadlock" else {})}
     for variant in BUILDS:
         r = subprocess.run([str(drivers / variant / "harness_selftest"), scenario], capture_output=True, text=True,
                            env=env, timeout=120)
@@ -67,6 +69,27 @@ DEFECTS = {
         "for (int64_t k = lane; k <= C; k += kWarp) m =", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_stats_rows(d, tmp, 21, 45, "several", 1.0),
         "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
+    # grad_rows' column loop one pack past the row (thread 0 reaches k = C with 16 packs a row).
+    "grad_rows_loop_bound_le": (
+        "chosen_logprob/kernel.cuh", "k < int(C); k += int(blockDim.x) * kWidth",
+        "k <= int(C); k += int(blockDim.x) * kWidth", "chosen_logprob",
+        lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_grad_rows_into_a_gradient_buffer(
+            d, tmp, 20, 64, 128, 64, (0, 0), "one", "vector", 0.0),
+        "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
+    # A race between blocks: grad_rows' grid-stride loop stepping one block's rows, so every block
+    # also writes the rows of the blocks after it (the same values: only ThreadSanitizer, with
+    # the blocks running at once, sees two blocks write one element). 20 rows: 2 blocks of 16.
+    "grad_rows_blocks_overlap": (
+        "chosen_logprob/kernel.cuh", "r += int64_t(gridDim.x) * blockDim.y", "r += blockDim.y", "chosen_logprob",
+        lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_grad_rows_into_a_gradient_buffer(
+            d, tmp, 20, 64, 128, 64, (0, 0), "one", "vector", 0.0),
+        "ThreadSanitizer: data race", "tsan"),
+    # grad_rows' launcher taking the vector path without checking the buffer's alignment.
+    "grad_rows_alignment_unchecked": (
+        "chosen_logprob/kernel.cu", "is_aligned(p.grads, sizeof(Pack<G, kGradWidth>))", "true", "chosen_logprob",
+        lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_grad_rows_into_a_gradient_buffer(
+            d, tmp, 20, 64, 128, 64, (0, 1), "several", "scalar", 0.0),
+        "misaligned address", "asan_ubsan"),
     # warp_sum's butterfly starting at offset 8: each half-warp sums only itself (a row of more
     # than 16 packs).
     "shuffle_offset_halved": (

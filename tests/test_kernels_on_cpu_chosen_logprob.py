@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 
-from kernels_on_cpu_harness import (Buf, assert_passes, assert_within, combined_stats64, drivers,  # noqa: F401
-                                    grad_rows_reference, lse_entropy64, nonfinite_logits, pytestmark, row_stats64,
-                                    run_case, run_grad_rows, run_stats_rows, running_stats, stats_tolerance)
+from kernels_on_cpu_harness import (FP32_EPS, HALF_DTYPES, ULP, Buf, assert_passes, assert_within,  # noqa: F401
+                                    combined_stats64, drivers, grad_rows_reference, lse_entropy64, nonfinite_logits,
+                                    pytestmark, row_stats64, run_case, run_grad_rows, run_stats_rows, running_stats,
+                                    stats_tolerance)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,10 +71,60 @@ def test_chosen_logprob_grad_rows(drivers, tmp_path, N, C, passes, temperature):
     row_max, log_sum, ent = combined_stats64(torch.cat([z, torch.randn(N, 50, dtype=torch.float64)], 1))
     log_sum_minus_entropy = log_sum - ent
     gl, ge = torch.randn(N), torch.randn(N)
-    out = run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0,
-                        temperature, passes)
+    out, _ = run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0,
+                           temperature, passes)
     expected, tol = grad_rows_reference(logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0, inv_temp)
     assert_within(out, expected, tol, "logit gradients")
+
+
+# grad_rows into the gradient GEMMs' buffer (CUDA: a group of chunks' gradients in the inputs' dtype):
+# (N, C, the buffer's row stride, the chunk's first column in it, the logits' and the buffer's
+# elements past a 16-byte boundary, grid-stride passes, the path the launcher must take).
+GRAD_BUFFER_CASES = [
+    (20, 64, 128, 64, (0, 0), "one", "vector"),       # a group's second chunk; 2 blocks of 16 row tiles
+    (20, 64, 64, 0, (0, 0), "several", "vector"),     # a group of one chunk; 2 row tiles on one block
+    (3, 1100, 1104, 4, (0, 0), "several", "vector"),  # 275 packs a row: a second, partial column pass
+    (33, 4, 8, 4, (0, 0), "one", "vector"),           # one pack a row, a partial row tile
+    (20, 45, 96, 48, (0, 0), "one", "scalar"),        # C not a whole number of packs
+    (20, 64, 130, 64, (0, 0), "one", "scalar"),       # rows of the buffer off the pack's alignment
+    (20, 64, 128, 2, (0, 0), "one", "scalar"),        # the chunk's columns off it
+    (20, 64, 128, 64, (1, 0), "one", "scalar"),       # the logits off it
+    (20, 64, 128, 64, (0, 1), "several", "scalar"),   # the buffer off it
+]
+
+
+@pytest.mark.parametrize("N,C,stride,col,offsets,passes,path", GRAD_BUFFER_CASES)
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_chosen_logprob_grad_rows_into_a_gradient_buffer(drivers, tmp_path, N, C, stride, col, offsets, passes, path,
+                                                         softcap):
+    """The logit gradients written once in each gradient dtype, into a chunk's columns of a wider
+    buffer: bitwise the in-place fp32 gradients rounded once to that dtype (what a separate cast
+    gave), against float64 (without a softcap: test_kernels_on_cpu_softcap.py checks those values
+    in place), and nothing outside the chunk's columns written."""
+    col0, temperature = 64, 1.3
+    inv_temp = float(torch.tensor(1 / temperature, dtype=torch.float32))
+    logits = torch.randn(N, C) * 3
+    tokens = torch.randint(col0, col0 + C, (N,))
+    tokens[:5] = torch.tensor([col0, col0 + C - 1, col0 - 1, col0 + C, -100])[:N]
+    z = (logits * inv_temp).double()
+    row_max, log_sum, ent = combined_stats64(torch.cat([z, torch.randn(N, 50, dtype=torch.float64)], 1))
+    per_row = (tokens, row_max, log_sum, log_sum - ent, torch.randn(N), torch.randn(N))
+    in_place, _ = run_grad_rows(drivers, tmp_path / "in_place", logits.clone(), *per_row, col0, temperature, passes,
+                                softcap=softcap)
+    if softcap == 0.0:
+        expected, tol = grad_rows_reference(logits, *per_row, col0, inv_temp)
+        assert_within(in_place, expected, tol, "in-place logit gradients")
+    for dtype in HALF_DTYPES:
+        grads = torch.full((N, stride), math.nan).to(dtype)
+        got, launch = run_grad_rows(drivers, tmp_path / str(dtype), logits, *per_row, col0, temperature, passes,
+                                    softcap=softcap, grads=grads, grads_col=col, offsets=offsets)
+        assert launch.template_args[1:] == ({torch.float32: "float", torch.bfloat16: "__nv_bfloat16",
+                                             torch.float16: "__half"}[dtype], "4" if path == "vector" else "1")
+        chunk = got[:, col:col + C]
+        assert torch.equal(chunk.view(torch.uint8), in_place.to(dtype).view(torch.uint8)), f"{dtype}: not bitwise"
+        outside = torch.ones(N, stride, dtype=torch.bool)
+        outside[:, col:col + C] = False
+        assert got[outside].isnan().all(), f"{dtype}: columns outside the chunk written"
 
 
 @pytest.mark.parametrize("ranks,N,passes", [(3, 300, "several"), (3, 300, "one"), (1, 5, "one"), (4, 17, "one")])
@@ -163,8 +214,8 @@ def test_chosen_logprob_grad_rows_nonfinite(drivers, tmp_path, passes):
     log_sum_minus_entropy = log_sum - ent
     assert row_max[:4].isnan().all() and row_max[4:].isfinite().all()
     gl, ge = torch.randn(N), torch.randn(N)
-    got = run_grad_rows(drivers, tmp_path, logits.clone(), tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge,
-                        col0, 1.3, passes)
+    got, _ = run_grad_rows(drivers, tmp_path, logits.clone(), tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge,
+                           col0, 1.3, passes)
     expected, tol = grad_rows_reference(logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0, inv_temp)
     assert expected[:4].isnan().all() and expected[4:].isfinite().all()
     assert_within(got, expected, tol, "logit gradients")

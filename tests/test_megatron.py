@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from fused_rl_ops.testing.distributed import run_distributed
+from fused_rl_ops.testing.kernel_calls import KernelCalls, scored
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the GPU machine has none)")
 from megatron.core import parallel_state  # noqa: E402
@@ -151,6 +152,35 @@ def test_processor_on_one_rank_matches_float64():
     assert_close(outputs["values"], (hidden.double() @ value_weight.double()).t().float())
 
 
+@pytest.mark.parametrize("host_checks", [True, False])
+def test_processor_skips_masked_positions(host_checks):
+    """loss_mask 0 is an ignored label: logprob and entropy 0, no gradient, and (with the host
+    checks; without, every row is computed with the same results) no row in the kernels."""
+    g = torch.Generator().manual_seed(6)
+    hidden, weight = torch.randn(S, B, 16, generator=g), torch.randn(VOCAB, 16, generator=g)
+    output_layer = types.SimpleNamespace(weight=weight, tp_group=None, sequence_parallel=False)
+    tokens = torch.randint(0, REAL_VOCAB, (B, S), generator=g)
+    tokens[1, -1] = -100
+    loss_mask = (torch.rand(B, S, generator=g) > 0.5).float()
+    coeffs = torch.randn(2, B, S, generator=g)
+    scored_tokens = tokens.masked_fill(loss_mask == 0, -100)
+    h = hidden.clone().requires_grad_(True)
+    with KernelCalls() as calls:
+        outputs = rl_output_processor(vocab_size=REAL_VOCAB, host_checks=host_checks)(
+            hidden_states=h, output_layer=output_layer, labels=tokens, loss_mask=loss_mask)
+        (coeffs[0] * outputs["logprobs"] + coeffs[1] * outputs["entropy"]).sum().backward()
+    # In the processor's [s, b] order: the scored tokens, or every position (the masked ones ignored).
+    want = scored(scored_tokens.t()) if host_checks else scored_tokens.t().reshape(-1)
+    for op in ("chosen_logprob_stats", "chosen_logprob_backward"):
+        [got] = calls.tokens(op)
+        assert torch.equal(got, want), op
+    kept = scored_tokens != -100
+    logprobs, entropy = float64_reference(hidden, weight, tokens.clamp(min=0), 1.0, REAL_VOCAB)
+    assert_close(outputs["logprobs"], torch.where(kept, logprobs, 0.0).float())
+    assert_close(outputs["entropy"], torch.where(kept, entropy, 0.0).float())
+    assert h.grad.transpose(0, 1)[~kept].eq(0).all() and h.grad.transpose(0, 1)[kept].ne(0).any(-1).all()
+
+
 def test_processor_passes_batch_invariant():
     """batch_invariant=True reaches chosen_logprob: the processor's logprobs and entropy are bitwise
     those of chosen_logprob(batch_invariant=True), which differ from the default tiling's here (600
@@ -174,7 +204,8 @@ def test_processor_passes_batch_invariant():
 def test_processor_host_checks_off_skips_both_checks_and_marks_bad_tokens_nan(monkeypatch):
     """host_checks=False reaches chosen_logprob as check_tokens=False and check_group=False: an
     out-of-range label no longer raises but gets a NaN logprob, and every other output is bitwise
-    that of the checked processor with that label ignored."""
+    that of the checked processor with that label ignored (batch-invariant: the checked one skips
+    that row, the unchecked one computes every row)."""
     g = torch.Generator().manual_seed(4)
     hidden, weight = torch.randn(S, B, 16, generator=g), torch.randn(32, 16, generator=g)
     tokens = torch.randint(0, 32, (B, S), generator=g)
@@ -190,14 +221,15 @@ def test_processor_host_checks_off_skips_both_checks_and_marks_bad_tokens_nan(mo
         return real_chosen_logprob(*args, **kwargs)
 
     monkeypatch.setattr(fused_rl_ops, "chosen_logprob", recording_chosen_logprob)
-    unchecked = rl_output_processor(host_checks=False)(hidden_states=hidden, output_layer=output_layer, labels=tokens)
-    checked = rl_output_processor()(hidden_states=hidden, output_layer=output_layer,
-                                    labels=tokens.masked_fill(tokens == 40, -100))
+    unchecked = rl_output_processor(host_checks=False, batch_invariant=True)(
+        hidden_states=hidden, output_layer=output_layer, labels=tokens)
+    checked = rl_output_processor(batch_invariant=True)(hidden_states=hidden, output_layer=output_layer,
+                                                        labels=tokens.masked_fill(tokens == 40, -100))
     assert calls == [(False, False), (True, True)]
     bad = tokens == 40
-    assert unchecked["logprobs"][bad].isnan().all()
+    assert unchecked["logprobs"][bad].isnan().all() and checked["entropy"][bad].eq(0).all()
     assert torch.equal(unchecked["logprobs"][~bad], checked["logprobs"][~bad])
-    assert torch.equal(unchecked["entropy"], checked["entropy"])
+    assert torch.equal(unchecked["entropy"][~bad], checked["entropy"][~bad])
 
 
 def test_processor_refuses_bad_calls():

@@ -77,7 +77,7 @@ def _reshard(rank, world_size, path):
             assert torch.equal(bits(saved.float()), bits(loaded.float())), name
 
 
-def test_moe_checkpoint_reshards_between_tp_and_ep_layouts(tmp_path):
+def test_moe_checkpoint_reshards_between_tp_and_ep_layouts(tmp_path, checkpoint_dependencies):
     run_distributed(_reshard, 2, str(tmp_path))
 
 
@@ -161,7 +161,7 @@ def _sequential_and_grouped(rank, world_size, path):
             assert torch.equal(bits(saved), bits(loaded[name])), name
 
 
-def test_sequential_experts_load_into_grouped_gemm_experts_and_back(tmp_path):
+def test_sequential_experts_load_into_grouped_gemm_experts_and_back(tmp_path, checkpoint_dependencies):
     """gpt-oss-style experts: a SequentialMLP checkpoint saved at EP 2 loads into megatron-core's
     TEGroupedMLP (Transformer Engine's GroupedLinear stood in, with its parameter names and
     megatron-core's own sharding attributes) at expert TP 2, which then computes the same logits,

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from fused_rl_ops.testing.distributed import run_distributed
+from fused_rl_ops.testing.kernel_calls import KernelCalls
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 from megatron.core import parallel_state  # noqa: E402
@@ -87,8 +88,9 @@ def labels_accepted_by_megatron(model, tokens, depths):
 
 def _check_against_megatron(depths, *, tied=False, masked=False, labels_from_input_ids=False, **settings):
     """One step through Megatron's own path, then through the attached processor with the main
-    loss -mean(logprobs): the output layer never runs, gradients and logged metrics match, and
-    detach brings Megatron's path back."""
+    loss -mean(logprobs): the output layer never runs, the kernels get the positions with
+    loss_mask 1 only (each MTP depth's, then the main head's), gradients and logged metrics match,
+    and detach brings Megatron's path back."""
     model = mtp_model(depths, tied=tied, **settings)
     tokens = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(1))
     inputs = (tokens, *model_inputs(tokens))
@@ -111,13 +113,18 @@ def _check_against_megatron(depths, *, tied=False, masked=False, labels_from_inp
     attach(model, rl_output_processor())
     assert gpt_model.process_mtp_loss is not MEGATRON_PROCESS_MTP_LOSS
     context = {"tokens": chosen} if labels is None else None
-    with output_layer_outputs(model) as calls:
+    with output_layer_outputs(model) as calls, KernelCalls() as kernel_calls:
         outputs = model(*inputs, labels=labels, loss_mask=loss_mask, output_processor_context=context)
+        (-outputs["logprobs"].mean()).backward()
     assert calls == []
     assert_close(outputs["logprobs"], -(cross_entropy * mask).detach())
-    (-outputs["logprobs"].mean()).backward()
     assert_close_by_name(take_grads(model), megatron_grads)
     metrics = logged_metrics()
+    # The MTP depths' positions with loss_mask 1 (Megatron counts them: total_values), then the main head's.
+    scored_rows = metrics["total_values"].long().tolist() + [int(mask.sum())]
+    for op in ("chosen_logprob_stats", "chosen_logprob_backward"):
+        rows = [tokens.tolist() for tokens in kernel_calls.tokens(op)]
+        assert sorted(map(len, rows)) == sorted(scored_rows) and all(-100 not in r for r in rows), op
     assert_close(metrics["loss_values"], megatron_metrics["loss_values"])
     assert torch.equal(metrics["total_values"], megatron_metrics["total_values"])
     assert torch.equal(metrics["correct_values"], megatron_metrics["correct_values"])

@@ -11,7 +11,9 @@ Then the head is saved and loaded with the model (at TP 2 and at TP 1) and detac
 
 A value head belongs to one model: attaching it to a second one (a reference model given the
 policy's processor) is refused until detach releases it, and an optimizer that misses it (built
-before attach) is reported by a warning after its first step, on a model trained for a few steps."""
+before attach) is reported by a warning after its first step, on a model trained for a few steps.
+Megatron's own optimizers (Float16OptimizerWithFloat16Params, DistributedOptimizer) train a bf16
+policy's fp32 head, set up as docs/rl_recipe.md does, with no such warning."""
 import gc
 import math
 import re
@@ -224,7 +226,7 @@ def _tp2_dp2(rank, world_size, path):
     _check_checkpoint_and_detach(model, head, path)
 
 
-def test_value_head_trains_with_the_model_at_tp2_dp2_and_is_checkpointed(tmp_path):
+def test_value_head_trains_with_the_model_at_tp2_dp2_and_is_checkpointed(tmp_path, checkpoint_dependencies):
     run_distributed(_tp2_dp2, 4, str(tmp_path / "checkpoint"))
 
 
@@ -345,3 +347,37 @@ def _ownership_and_training(rank, world_size):
 
 def test_a_value_head_has_one_model_and_an_optimizer_that_trains_it():
     run_distributed(_ownership_and_training, 1)
+
+
+def _megatron_optimizers_train_the_value_head(rank, world_size):
+    """A bf16 policy set up as docs/rl_recipe.md does (attach inside Float16Module, before DDP; the
+    head fp32), trained by the optimizer get_megatron_optimizer builds, at DP 2: every element of the
+    head's parameters changes at every step, and no warning says the head is untrained."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from fused_rl_ops.testing.megatron_cpu import megatron_bf16_training
+
+    set_parallel_degrees(tp=1)
+    config = tiny_config(bf16=True, params_dtype=torch.bfloat16)
+    for distributed, kind in ((False, "Float16OptimizerWithFloat16Params"), (True, "DistributedOptimizer")):
+        model, head = tiny_model("gpt", config, vocab_size=VOCAB, seed=1), value_head_like(seed=2)
+        processor = rl_output_processor(value_head=head, vocab_size=REAL_VOCAB)
+        ddp_model, optimizer = megatron_bf16_training(model, distributed_optimizer=distributed, lr=1e-2,
+                                                      processor=processor)
+        assert [type(member).__name__ for member in optimizer.chained_optimizers] == [kind]
+        assert model.value_head is head and {p.dtype for p in head.parameters()} == {torch.float32}
+
+        def step(rollout):
+            before = clones(head)
+            ddp_model.zero_grad_buffer()
+            optimizer.zero_grad()
+            forward_backward(ddp_model, rollout)
+            finalize_model_grads([ddp_model])
+            assert optimizer.step()[0]
+            assert_every_entry_moved(head, before)
+
+        assert ppo_steps(step, steps=3) == []
+
+
+def test_megatron_optimizers_train_the_value_head_without_a_warning():
+    run_distributed(_megatron_optimizers_train_the_value_head, 2)

@@ -12,6 +12,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM,
                           LlamaForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from fused_rl_ops.testing.distributed import run_distributed  # noqa: E402
+from fused_rl_ops.testing.kernel_calls import KernelCalls, scored  # noqa: E402
 from fused_rl_ops.transformers import LOGITS_AFTER_HEAD, causal_lm_logprobs  # noqa: E402
 
 VOCAB = 97
@@ -64,12 +65,12 @@ def rl_batch(batch=3, seq=9, left_padding=True):
 
 def reference(model, input_ids, labels, temperature, **forward_kwargs):
     """(logprob, entropy) [b, s - 1] from the model's own logits: log_softmax(logits[:, :-1] / T)
-    at labels[:, 1:], 0 where the label is -100."""
+    at labels[:, 1:], both 0 where the label is -100."""
     logits = model(input_ids=input_ids, use_cache=False, **forward_kwargs).logits[:, :-1]
     logp = torch.log_softmax(logits.double() / temperature, dim=-1)
     target = labels[:, 1:]
     chosen = logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(target == -100, 0.0, chosen), -(logp.exp() * logp).sum(-1)
+    return torch.where(target == -100, 0.0, chosen), torch.where(target == -100, 0.0, -(logp.exp() * logp).sum(-1))
 
 
 def values_and_grads(model, compute, grad_logprob, grad_entropy):
@@ -185,6 +186,53 @@ def test_defaults_and_no_grad():
         logprob, entropy = causal_lm_logprobs(model, input_ids, return_entropy=True)
     assert logprob.grad_fn is None and entropy.grad_fn is None
     assert_close(logprob, expected, **TIGHT)
+
+
+def fused_and_calls(model, input_ids, labels, **kwargs):
+    """causal_lm_logprobs' (logprob, entropy) and the token ids its kernels got, forward and backward."""
+    with KernelCalls() as calls:
+        logprob, entropy = causal_lm_logprobs(model, input_ids, labels=labels, return_entropy=True, **kwargs)
+        (logprob.sum() + entropy.sum()).backward()
+    return logprob.detach(), entropy.detach(), calls
+
+
+def assert_kernels_got(calls, want):
+    for op in ("chosen_logprob_stats", "chosen_logprob_backward"):
+        [tokens] = calls.tokens(op)
+        assert torch.equal(tokens, want), op
+
+
+def test_prompt_and_padding_positions_never_reach_the_kernels():
+    """-100 labels (the prompts) and padding, marked by attention_mask alone (the padding's labels
+    left as its ids): position t is skipped when labels[:, t + 1] is -100 or attention_mask[:, t + 1]
+    is 0; logprob and entropy 0 there, the model's own numbers elsewhere."""
+    model = tiny_model("LlamaForCausalLM")
+    input_ids, attention_mask, position_ids, labels = rl_batch()
+    unmarked_padding = torch.where(attention_mask == 0, input_ids, labels)
+    logprob, entropy, calls = fused_and_calls(
+        model, input_ids, unmarked_padding, attention_mask=attention_mask, position_ids=position_ids)
+    assert_kernels_got(calls, scored(labels[:, 1:]))
+    expected = reference(model, input_ids, labels, 1.0, attention_mask=attention_mask, position_ids=position_ids)
+    assert_close(logprob, expected[0], **TIGHT)
+    assert_close(entropy, expected[1], **TIGHT)
+    assert (labels[:, 1:] == -100).sum() > labels.numel() // 3
+
+
+def test_packed_sequences():
+    """Several sequences in one row (position_ids restarting, -100 where a sequence starts, so that
+    no position scores the next sequence's first token), as a packing trainer passes them: the
+    model's own numbers, the boundaries skipped."""
+    model = tiny_model("LlamaForCausalLM")
+    lengths = (4, 6, 5)
+    input_ids = torch.randint(3, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = input_ids.masked_fill(position_ids == 0, -100)
+    logprob, entropy, calls = fused_and_calls(model, input_ids, labels, position_ids=position_ids)
+    assert_kernels_got(calls, scored(labels[:, 1:]))
+    assert len(scored(labels[:, 1:])) == sum(lengths) - 3
+    expected = reference(model, input_ids, labels, 1.0, position_ids=position_ids)
+    assert_close(logprob, expected[0], **TIGHT)
+    assert_close(entropy, expected[1], **TIGHT)
 
 
 class OpOutputShapes(TorchDispatchMode):

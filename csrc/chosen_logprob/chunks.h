@@ -1,17 +1,18 @@
 // The vocab-chunk loop of chosen_logprob, written once for every device. A device's Kernels supply
 // the GEMMs and the hand-written row kernels (each of these runs one Params of
-// chosen_logprob/params.h whose buffers are in the accumulation dtype acc):
+// chosen_logprob/params.h whose buffers are in the accumulation dtype acc, but for grads):
 //   gemm_operand(t, acc)                 t as the GEMMs take it (CPU: converted to acc dtype)
+//   grad_dtype(dtype)                    the dtype the gradient GEMMs take the logit gradients in,
+//                                        for inputs of dtype (CPU: acc; CUDA: dtype itself)
 //   logits(h, w, out)                    out = h w^T, accumulated and stored in acc dtype
 //   stats_rows(params, acc)              merge a chunk into the row stats
 //   top_rows(params, acc)                give a chunk to the rows' tops (sampler's filter)
 //   hist_rows(params, acc)               add a chunk to the rows' search histograms (top_p)
-//   grad_rows(params, acc)               logits -> d(loss)/d(logits) in place
-//   grad_operand(dlogits, dtype)         the logit gradients as the gradient GEMMs take them
+//   grad_rows(params, acc, grads)        logits -> d(loss)/d(logits), into params.grads in dtype grads
 //   add_mm(out, a, b)                    out += a b, out in acc dtype
 //   mm(out, a, b)                        out = a b, accumulated in acc dtype, stored in out's dtype
-// Only one workspace of logits lives at a time; a fused tensor-core kernel can replace this loop
-// without touching the Python API.
+// One workspace of logits (and in the backward one of logit gradients) lives at a time; a fused
+// tensor-core kernel can replace this loop without touching the Python API.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -66,15 +67,37 @@ inline at::Tensor block_rows(const at::Tensor& t, const at::Tensor& tail, const 
   return r0 < tiling.last_full_row() ? t.narrow(0, r0, tiling.block) : tail;
 }
 
-// Calls fn(logits, rows, w_chunk, c0, r0) for each chunk of weight's rows [c0, c0 + n) and each pass
-// of token rows [r0, r0 + rows): logits[:rows] = h[r0 : r0 + rows] w_chunk^T, [rows, n] in the
-// accumulation dtype (then the padding of a last block, up to a multiple of the block), in one
-// workspace reused by every chunk and pass. Chunks come in vocab order, so each row merges them in
-// one order.
-template <class Kernels, class Fn>
-void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_t chunk_size,
-                           const RowTiling& tiling, const Fn& fn) {
-  const int64_t N = h.size(0), V = weight.size(0), chunk = std::min(chunk_size, V);
+// How weight's rows meet the GEMMs: in chunks of `chunk` rows, one logits GEMM and one row kernel
+// each, walked in groups of `group` rows (a whole number of chunks, or all rows) that the
+// backward's gradient GEMMs take at once. Fixed by the options alone, so batch-invariant tilings
+// keep one GEMM shape.
+struct VocabTiling {
+  int64_t rows, chunk, group;
+
+  VocabTiling(int64_t vocab_rows, int64_t chunk_size, int64_t group_chunks)
+      : rows(vocab_rows), chunk(std::min(chunk_size, vocab_rows)) {
+    // chunk * group_chunks, or all rows when that is at least as many (without a product that overflows)
+    group = chunk == 0 || group_chunks > (rows - 1) / chunk ? rows : chunk * group_chunks;
+  }
+};
+
+// Where for_each_logits_chunk is: token rows [r0, r0 + rows) of a pass, vocab rows [g0, g0 + k) of a
+// group and [c0, c0 + n) of a chunk in it (on_group: the whole group, c0 = g0 and n = k).
+struct ChunkStep {
+  int64_t r0, rows, g0, k, c0, n;
+};
+
+// For each group of weight's rows (vocab.rows of them), each pass of token rows and each chunk of
+// the group, nested in that order and in vocab order (so each token row meets the chunks in vocab
+// order): on_chunk(logits, step), logits[:rows] = h[r0 : r0 + rows] w[c0 : c0 + n]^T, [rows, n] in
+// the accumulation dtype (then the padding of a last block, up to a multiple of the block), in one
+// workspace reused by every chunk and pass; then on_group(w_group, step), after the group's chunks,
+// with w_group its rows of weight as the GEMMs take them.
+template <class Kernels, class OnChunk, class OnGroup>
+void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, const VocabTiling& vocab,
+                           const RowTiling& tiling, const OnChunk& on_chunk, const OnGroup& on_group) {
+  TORCH_INTERNAL_ASSERT(weight.size(0) == vocab.rows);
+  const int64_t N = h.size(0);
   const auto acc = acc_dtype(h.scalar_type());
   const at::Tensor w = weight.contiguous();
   at::Tensor h_tail;
@@ -82,18 +105,23 @@ void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_
     h_tail = at::zeros({tiling.block, h.size(1)}, h.options());
     h_tail.narrow(0, 0, tiling.tail_rows()).copy_(h.narrow(0, tiling.last_full_row(), tiling.tail_rows()));
   }
-  at::Tensor workspace = at::empty({tiling.pass * chunk}, h.options().dtype(acc));
-  for (int64_t c0 = 0; c0 < V; c0 += chunk) {
-    const int64_t n = std::min(chunk, V - c0);
-    const at::Tensor w_chunk = Kernels::gemm_operand(w.narrow(0, c0, n), acc);
+  at::Tensor workspace = at::empty({tiling.pass * vocab.chunk}, h.options().dtype(acc));
+  for (int64_t g0 = 0; g0 < vocab.rows; g0 += vocab.group) {
+    const int64_t k = std::min(vocab.group, vocab.rows - g0);
+    const at::Tensor w_group = Kernels::gemm_operand(w.narrow(0, g0, k), acc);
     for (int64_t r0 = 0; r0 < N; r0 += tiling.pass) {
       const int64_t rows = std::min(tiling.pass, N - r0);
-      at::Tensor logits = workspace.narrow(0, 0, tiling.padded(rows) * n).view({-1, n});
-      for (int64_t b0 = 0; b0 < rows; b0 += tiling.block) {
-        at::Tensor out = logits.narrow(0, b0, tiling.block);
-        Kernels::logits(block_rows(h, h_tail, tiling, r0 + b0), w_chunk, out);
+      for (int64_t c0 = g0; c0 < g0 + k; c0 += vocab.chunk) {
+        const int64_t n = std::min(vocab.chunk, g0 + k - c0);
+        at::Tensor logits = workspace.narrow(0, 0, tiling.padded(rows) * n).view({-1, n});
+        const at::Tensor w_chunk = w_group.narrow(0, c0 - g0, n);
+        for (int64_t b0 = 0; b0 < rows; b0 += tiling.block) {
+          at::Tensor out = logits.narrow(0, b0, tiling.block);
+          Kernels::logits(block_rows(h, h_tail, tiling, r0 + b0), w_chunk, out);
+        }
+        on_chunk(logits, ChunkStep{r0, rows, g0, k, c0, n});
       }
-      fn(logits, rows, w_chunk, c0, r0);
+      on_group(w_group, ChunkStep{r0, rows, g0, k, g0, k});
     }
   }
 }
@@ -103,7 +131,7 @@ void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, int64_
 inline Params row_params(const at::Tensor& logits, int64_t rows, const at::Tensor& tokens, const Options& opts,
                          int64_t c0, int64_t r0) {
   Params p;
-  p.logits = logits.data_ptr();
+  p.logits = logits.const_data_ptr();
   p.tokens = tokens.const_data_ptr<int64_t>() + r0;
   p.rows = rows;
   p.cols = logits.size(1);
@@ -131,19 +159,20 @@ at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const 
   const at::Tensor tau = threshold ? threshold->contiguous() : at::Tensor();
   const RowTiling tiling(N, opts.row_block, opts.pass_rows);
   for_each_logits_chunk<Kernels>(
-      aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling), weight.narrow(0, 0, V), opts.chunk_size,
-      tiling,
-      [&](const at::Tensor& logits, int64_t rows, const at::Tensor&, int64_t c0, int64_t r0) {
-        Params p = row_params(logits, rows, tok, opts, c0, r0);
-        p.stats = stats.narrow(0, r0, rows).mutable_data_ptr();
-        if (tau.defined()) p.threshold = tau.narrow(0, r0, rows).const_data_ptr();
+      aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling), weight.narrow(0, 0, V),
+      VocabTiling(V, opts.chunk_size, 1), tiling,
+      [&](const at::Tensor& logits, const ChunkStep& step) {
+        Params p = row_params(logits, step.rows, tok, opts, step.c0, step.r0);
+        p.stats = stats.narrow(0, step.r0, step.rows).mutable_data_ptr();
+        if (tau.defined()) p.threshold = tau.narrow(0, step.r0, step.rows).const_data_ptr();
         Kernels::stats_rows(p, acc);
         if (width > 0) {
-          p.top = tops.narrow(0, r0, rows).mutable_data_ptr();
+          p.top = tops.narrow(0, step.r0, step.rows).mutable_data_ptr();
           p.top_width = width;
           Kernels::top_rows(p, acc);
         }
-      });
+      },
+      [](const at::Tensor&, const ChunkStep&) {});
   return result();
 }
 
@@ -161,36 +190,41 @@ void search_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::T
   const at::Tensor m = row_max.contiguous(), windows = window.contiguous();
   const RowTiling tiling(N, opts.row_block, opts.pass_rows);
   for_each_logits_chunk<Kernels>(
-      aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling), weight.narrow(0, 0, V), opts.chunk_size,
-      tiling,
-      [&](const at::Tensor& logits, int64_t rows, const at::Tensor&, int64_t c0, int64_t r0) {
+      aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling), weight.narrow(0, 0, V),
+      VocabTiling(V, opts.chunk_size, 1), tiling,
+      [&](const at::Tensor& logits, const ChunkStep& step) {
         Params p;
         p.logits = logits.data_ptr();
-        p.rows = rows;
+        p.rows = step.rows;
         p.cols = logits.size(1);
-        p.col0 = opts.vocab_start + c0;
+        p.col0 = opts.vocab_start + step.c0;
         p.options = opts;
-        p.row_max = m.narrow(0, r0, rows).const_data_ptr();
-        p.window = windows.narrow(0, r0, rows).const_data_ptr();
-        p.hist = hist.narrow(0, r0, rows).mutable_data_ptr();
+        p.row_max = m.narrow(0, step.r0, step.rows).const_data_ptr();
+        p.window = windows.narrow(0, step.r0, step.rows).const_data_ptr();
+        p.hist = hist.narrow(0, step.r0, step.rows).mutable_data_ptr();
         Kernels::hist_rows(p, acc);
         if (top) {
-          p.top = top->narrow(0, r0, rows).mutable_data_ptr();
+          p.top = top->narrow(0, step.r0, step.rows).mutable_data_ptr();
           p.top_width = top->size(1) - top_column::values;
           Kernels::top_rows(p, acc);
         }
-      });
+      },
+      [](const at::Tensor&, const ChunkStep&) {});
 }
 
 // Gradients of sum(grad_logprob * logprob + grad_entropy * entropy) for this shard, whose first
 // valid_rows rows of weight are vocabulary (the rest padding; all without valid_rows): the hidden
 // gradient (in the accumulation dtype, a partial sum over this shard's vocabulary) and the weight
 // gradient (in weight's dtype, one [V, H] tensor whose padded rows alone are zeroed). With
-// main_grad ([V, H], Megatron's gradient-accumulation buffer) each chunk's weight gradient, in
+// main_grad ([V, H], Megatron's gradient-accumulation buffer) each group's weight gradient, in
 // weight's dtype as an unfused backward hands it over, is added into main_grad's rows instead,
-// through a [chunk, H] buffer, and the returned weight gradient is empty [0, H]. The hidden
-// gradient takes one GEMM per row block and chunk, summed over chunks in vocab order; the weight
-// gradient sums over all tokens (over passes in order, in the accumulation dtype).
+// through a [group, H] buffer, and the returned weight gradient is empty [0, H].
+// The row kernel writes each chunk's logit gradients in the dtype the gradient GEMMs take: over
+// the logits in place when that is the accumulation dtype and a gradient GEMM takes one chunk
+// (grad_chunks = 1); else into a buffer of a group's grad_chunks chunks, [pass, group], so that
+// each gradient GEMM takes the whole group (K = group rows). The hidden gradient takes one GEMM per
+// row block and group, summed over groups in vocab order; the weight gradient one per group and
+// pass, summed over passes in order in the accumulation dtype.
 template <class Kernels>
 std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
                                                  const at::Tensor& tokens, const TokenGrads& token_grads,
@@ -211,43 +245,52 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
   const at::Tensor gl = token_grads.grad_logprob.contiguous(), ge = token_grads.grad_entropy.contiguous();
   const at::Tensor tau = token_grads.threshold.defined() ? token_grads.threshold.contiguous() : at::Tensor();
   at::Tensor grad_h_tail = tiling.tail_rows() > 0 ? at::zeros({tiling.block, H}, grad_h.options()) : at::Tensor();
-  const int64_t chunk_rows = std::min(opts.chunk_size, valid_rows);
-  // The weight-chunk gradient summed over passes (several passes only), one buffer for every chunk.
-  const at::Tensor grad_w_acc = one_pass ? at::Tensor() : at::empty({chunk_rows, H}, grad_h.options());
-  const at::Tensor chunk_grad = main_grad ? at::empty({chunk_rows, H}, weight.options()) : at::Tensor();
-  for_each_logits_chunk<Kernels>(h, weight.narrow(0, 0, valid_rows), opts.chunk_size, tiling,
-                                 [&](const at::Tensor& logits, int64_t rows, const at::Tensor& w_chunk, int64_t c0,
-                                     int64_t r0) {
-    const int64_t n = logits.size(1);
-    Params p = row_params(logits, rows, tok, opts, c0, r0);
-    const auto row_ptr = [&](const at::Tensor& t) { return t.narrow(0, r0, rows).const_data_ptr(); };
-    p.row_max = row_ptr(row_max);
-    p.log_sum = row_ptr(log_sum);
-    p.log_sum_minus_entropy = row_ptr(log_sum_minus_entropy);
-    p.grad_logprob = row_ptr(gl);
-    p.grad_entropy = row_ptr(ge);
-    if (tau.defined()) p.threshold = row_ptr(tau);
-    Kernels::grad_rows(p, acc);
-    // The padding rows of a last block hold the logits of zero rows (zeros) and reach only
-    // grad_h_tail's padding.
-    const at::Tensor d = Kernels::grad_operand(logits, hidden.scalar_type());
-    for (int64_t b0 = 0; b0 < rows; b0 += tiling.block) {
-      at::Tensor out = block_rows(grad_h, grad_h_tail, tiling, r0 + b0);
-      Kernels::add_mm(out, d.narrow(0, b0, tiling.block), w_chunk);
-    }
-    at::Tensor grad_w_chunk = main_grad ? chunk_grad.narrow(0, 0, n) : grad_w.narrow(0, c0, n);
-    const at::Tensor d_rows = d.narrow(0, 0, rows).t(), h_rows = h.narrow(0, r0, rows);
-    if (one_pass) {
-      Kernels::mm(grad_w_chunk, d_rows, h_rows);
-    } else {
-      at::Tensor summed = grad_w_acc.narrow(0, 0, n);
-      if (r0 == 0) summed.zero_();
-      Kernels::add_mm(summed, d_rows, h_rows);
-      if (r0 + rows < N) return;
-      grad_w_chunk.copy_(summed);
-    }
-    if (main_grad) main_grad->narrow(0, c0, n).add_(grad_w_chunk);
-  });
+  const at::ScalarType grads_dtype = Kernels::grad_dtype(hidden.scalar_type());
+  const bool in_place = grads_dtype == acc && opts.grad_chunks == 1;
+  const VocabTiling vocab(valid_rows, opts.chunk_size, in_place ? 1 : opts.grad_chunks);
+  const at::Tensor grads =
+      in_place ? at::Tensor() : at::empty({tiling.pass * vocab.group}, hidden.options().dtype(grads_dtype));
+  // The weight group's gradient summed over passes (several passes only), one buffer for every group.
+  const at::Tensor grad_w_acc = one_pass ? at::Tensor() : at::empty({vocab.group, H}, grad_h.options());
+  const at::Tensor group_grad = main_grad ? at::empty({vocab.group, H}, weight.options()) : at::Tensor();
+  at::Tensor d;  // the group's logit gradients in this pass, [padded rows, k]: the logits, or in grads
+  for_each_logits_chunk<Kernels>(
+      h, weight.narrow(0, 0, valid_rows), vocab, tiling,
+      [&](const at::Tensor& logits, const ChunkStep& step) {
+        Params p = row_params(logits, step.rows, tok, opts, step.c0, step.r0);
+        const auto row_ptr = [&](const at::Tensor& t) { return t.narrow(0, step.r0, step.rows).const_data_ptr(); };
+        p.row_max = row_ptr(row_max);
+        p.log_sum = row_ptr(log_sum);
+        p.log_sum_minus_entropy = row_ptr(log_sum_minus_entropy);
+        p.grad_logprob = row_ptr(gl);
+        p.grad_entropy = row_ptr(ge);
+        if (tau.defined()) p.threshold = row_ptr(tau);
+        d = in_place ? logits : grads.narrow(0, 0, tiling.padded(step.rows) * step.k).view({-1, step.k});
+        const at::Tensor d_chunk = d.narrow(1, step.c0 - step.g0, step.n);
+        p.grads = d_chunk.data_ptr();
+        p.grads_stride = d_chunk.stride(0);
+        Kernels::grad_rows(p, acc, grads_dtype);
+      },
+      [&](const at::Tensor& w_group, const ChunkStep& step) {
+        // The padding rows of a last block (of d: the logits of zero rows, or unwritten) reach only
+        // grad_h_tail's padding.
+        for (int64_t b0 = 0; b0 < step.rows; b0 += tiling.block) {
+          at::Tensor out = block_rows(grad_h, grad_h_tail, tiling, step.r0 + b0);
+          Kernels::add_mm(out, d.narrow(0, b0, tiling.block), w_group);
+        }
+        at::Tensor grad_w_group = main_grad ? group_grad.narrow(0, 0, step.k) : grad_w.narrow(0, step.g0, step.k);
+        const at::Tensor d_rows = d.narrow(0, 0, step.rows).t(), h_rows = h.narrow(0, step.r0, step.rows);
+        if (one_pass) {
+          Kernels::mm(grad_w_group, d_rows, h_rows);
+        } else {
+          at::Tensor summed = grad_w_acc.narrow(0, 0, step.k);
+          if (step.r0 == 0) summed.zero_();
+          Kernels::add_mm(summed, d_rows, h_rows);
+          if (step.r0 + step.rows < N) return;
+          grad_w_group.copy_(summed);
+        }
+        if (main_grad) main_grad->narrow(0, step.g0, step.k).add_(grad_w_group);
+      });
   if (tiling.tail_rows() > 0) {
     grad_h.narrow(0, tiling.last_full_row(), tiling.tail_rows()).copy_(grad_h_tail.narrow(0, 0, tiling.tail_rows()));
   }

@@ -60,10 +60,13 @@ void stats_rows_cpu(const Params& p, const Logit& logit) {
   });
 }
 
+// Into p.grads (acc; may be p.logits itself: each row's chosen logit is read before the row is
+// overwritten).
 template <typename acc, class Logit>
 void grad_rows_cpu(const Params& p, const Logit& logit) {
   using Vec = at::vec::Vectorized<acc>;
-  auto* logits = static_cast<acc*>(p.logits);
+  const auto* logits = static_cast<const acc*>(p.logits);
+  auto* grads = static_cast<acc*>(p.grads);
   const auto* row_max = static_cast<const acc*>(p.row_max);
   const auto* log_sum = static_cast<const acc*>(p.log_sum);
   const auto* log_sum_minus_entropy = static_cast<const acc*>(p.log_sum_minus_entropy);
@@ -75,21 +78,22 @@ void grad_rows_cpu(const Params& p, const Logit& logit) {
   const auto vlogit = logit.template as<Vec>();
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      acc* x = logits + r * C;
+      const acc* x = logits + r * C;
+      acc* d = grads + r * p.grads_stride;
       const int64_t target = tokens[r] - col0;
       const bool has_target = target >= 0 && target < C;
-      const acc x_target = has_target ? x[target] : acc(0);  // read before x is overwritten
+      const acc x_target = has_target ? x[target] : acc(0);
       const acc m = row_max[r], l = log_sum[r], l_minus_ent = log_sum_minus_entropy[r];
       const acc tau = threshold ? threshold[r] : acc(-INFINITY);
       const Vec vm(m), vtau(tau), vl(l), vl_minus_ent(l_minus_ent), vgl(gl[r]), vge(ge[r]);
       for (int64_t k = 0; k < C_vec; k += Vec::size()) {
         const Vec xk = Vec::loadu(x + k);
-        (logit_grad(vlogit(xk), vm, vtau, vl, vl_minus_ent, vgl, vge) * vlogit.slope(xk)).store(x + k);
+        (logit_grad(vlogit(xk), vm, vtau, vl, vl_minus_ent, vgl, vge) * vlogit.slope(xk)).store(d + k);
       }
       for (int64_t k = C_vec; k < C; ++k) {
-        x[k] = logit_grad(logit(x[k]), m, tau, l, l_minus_ent, gl[r], ge[r]) * logit.slope(x[k]);
+        d[k] = logit_grad(logit(x[k]), m, tau, l, l_minus_ent, gl[r], ge[r]) * logit.slope(x[k]);
       }
-      if (has_target) x[target] += gl[r] * logit.slope(x_target);
+      if (has_target) d[target] += gl[r] * logit.slope(x_target);
     }
   });
 }
@@ -207,7 +211,10 @@ struct CpuKernels {
     });
   }
 
-  static void grad_rows(const Params& p, at::ScalarType acc) {
+  // The GEMMs take the logit gradients in the accumulation dtype.
+  static at::ScalarType grad_dtype(at::ScalarType dtype) { return acc_dtype(dtype); }
+
+  static void grad_rows(const Params& p, at::ScalarType acc, at::ScalarType /* grads: grad_dtype, acc */) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_grad_cpu", [&] {
       with_logit_map<scalar_t>(p.options, [&](const auto& logit) { grad_rows_cpu<scalar_t>(p, logit); });
     });
@@ -224,8 +231,6 @@ struct CpuKernels {
       with_logit_map<scalar_t>(p.options, [&](const auto& logit) { hist_rows_cpu<scalar_t>(p, logit); });
     });
   }
-
-  static at::Tensor grad_operand(const at::Tensor& dlogits, at::ScalarType) { return dlogits; }
 
   static void add_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) { out.addmm_(a, b); }
 

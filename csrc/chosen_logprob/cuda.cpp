@@ -26,20 +26,18 @@ struct CudaKernels {
     C10_CUDA_CHECK(launch_chosen_logprob_stats_rows(p, stream()));
   }
 
-  static void grad_rows(const Params& p, at::ScalarType) {
-    C10_CUDA_CHECK(launch_chosen_logprob_grad_rows(p, stream()));
+  // Tensor cores take the logit gradients in the inputs' dtype (grad_rows writes them so, no cast);
+  // the hidden gradient still accumulates over chunks in fp32.
+  static at::ScalarType grad_dtype(at::ScalarType dtype) { return dtype; }
+
+  static void grad_rows(const Params& p, at::ScalarType, at::ScalarType grads) {
+    C10_CUDA_CHECK(launch_chosen_logprob_grad_rows(p, to_dtype(grads), stream()));
   }
 
   static void top_rows(const Params& p, at::ScalarType) { C10_CUDA_CHECK(launch_chosen_logprob_top_rows(p, stream())); }
 
   static void hist_rows(const Params& p, at::ScalarType) {
     C10_CUDA_CHECK(launch_chosen_logprob_hist_rows(p, stream()));
-  }
-
-  // Tensor cores take the logit gradients in the inputs' dtype; the hidden gradient still
-  // accumulates over chunks in fp32.
-  static at::Tensor grad_operand(const at::Tensor& dlogits, at::ScalarType dtype) {
-    return dtype == at::kFloat ? dlogits : dlogits.to(dtype);
   }
 
   static void add_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {

@@ -21,17 +21,31 @@ cudaError_t launch_chosen_logprob_stats_rows(const Params& p, cudaStream_t strea
   return cudaGetLastError();
 }
 
-cudaError_t launch_chosen_logprob_grad_rows(const Params& p, cudaStream_t stream) {
+cudaError_t launch_chosen_logprob_grad_rows(const Params& p, DType grads_dtype, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
+  if (p.cols >= (int64_t(1) << 30)) return cudaErrorInvalidValue;  // the kernel's columns are 32-bit
   DeviceSize dev;
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
-  const RowLaunch cfg = row_launch(p.rows, p.cols, kGradThreads, dev);
-  with_logit_map<float>(p.options, [&](auto logit) {
-    launch_kernel(chosen_logprob_grad_rows_kernel<decltype(logit)>, cfg.grid, cfg.block, 0, stream,
-                  static_cast<float*>(p.logits), p.rows, p.cols, p.col0, p.tokens,
-                  static_cast<const float*>(p.row_max), static_cast<const float*>(p.log_sum),
-                  static_cast<const float*>(p.log_sum_minus_entropy), static_cast<const float*>(p.grad_logprob),
-                  static_cast<const float*>(p.grad_entropy), static_cast<const float*>(p.threshold), logit);
+  dispatch_dtype(grads_dtype, [&](auto* type_tag) {
+    using G = std::remove_pointer_t<decltype(type_tag)>;
+    // kGradWidth columns per access where every row of logits and grads starts aligned for it.
+    const bool vectorised = p.cols % kGradWidth == 0 && p.grads_stride % kGradWidth == 0 &&
+                            is_aligned(p.logits, sizeof(Pack<float, kGradWidth>)) &&
+                            is_aligned(p.grads, sizeof(Pack<G, kGradWidth>));
+    with_logit_map<float>(p.options, [&](auto logit) {
+      const auto launch = [&](auto width) {
+        constexpr int kWidth = decltype(width)::value;
+        const RowLaunch cfg = row_launch(p.rows, p.cols / kWidth, kGradThreads, dev);
+        launch_kernel(chosen_logprob_grad_rows_kernel<decltype(logit), G, kWidth>, cfg.grid, cfg.block, 0, stream,
+                      static_cast<const float*>(p.logits), p.rows, p.cols, p.col0, p.tokens,
+                      static_cast<const float*>(p.row_max), static_cast<const float*>(p.log_sum),
+                      static_cast<const float*>(p.log_sum_minus_entropy), static_cast<const float*>(p.grad_logprob),
+                      static_cast<const float*>(p.grad_entropy), static_cast<const float*>(p.threshold), logit,
+                      static_cast<G*>(p.grads), p.grads_stride);
+      };
+      if (vectorised) launch(std::integral_constant<int, kGradWidth>{});
+      else launch(std::integral_constant<int, 1>{});
+    });
   });
   return cudaGetLastError();
 }

@@ -10,6 +10,7 @@ namespace fused_rl_ops::chosen_logprob {
 
 constexpr int kStatsRowsPerBlock = 8;  // stats: one warp per row
 constexpr int kGradThreads = 256;     // grad: threads per block, laid out by row_launch
+constexpr int kGradWidth = 4;         // grad: columns per thread and access where aligned (16 bytes of fp32)
 constexpr int kCombineThreads = 256;  // combine: one thread per row
 constexpr int kTopRowsPerBlock = 8;   // top: one warp per row
 constexpr int kHistThreads = 256;     // hist: one block per row
@@ -45,23 +46,46 @@ __global__ void chosen_logprob_stats_rows_kernel(const float* __restrict__ logit
   }
 }
 
+// d(grad_logprob * logprob + grad_entropy * entropy) / dx of one raw logit x of a row (logit_grad
+// of chosen_logprob/math.h through the logit map, 0 below the threshold tau); the chosen column adds g.
 template <class Logit>
-__global__ void chosen_logprob_grad_rows_kernel(float* __restrict__ logits, int64_t N, int64_t C, int64_t col0,
-                                                const int64_t* __restrict__ tokens, const float* __restrict__ row_max,
-                                                const float* __restrict__ log_sum,
-                                                const float* __restrict__ log_sum_minus_entropy,
-                                                const float* __restrict__ gl, const float* __restrict__ ge,
-                                                const float* __restrict__ threshold, Logit logit) {
+__device__ __forceinline__ float raw_logit_grad(float x, bool chosen, float m, float tau, float l, float l_minus_ent,
+                                                float g, float e, const Logit& logit) {
+  float d = logit_grad(logit(x), m, tau, l, l_minus_ent, g, e);
+  if (chosen) d += g;
+  return d * logit.slope(x);
+}
+
+// Logits [N, C] -> their gradients, rounded once to the gradient GEMMs' dtype G, into grads (rows
+// grads_stride apart), which may be logits itself (G = float): every element is read and then
+// written by one thread, so neither pointer is __restrict__. kWidth columns per thread and access
+// (1: the scalar path), as the launcher picks by alignment. Blocks [columns, rows] (row_launch).
+// At most 32 registers a thread, so that the 2048 / kGradThreads blocks per SM that grid_for
+// counts on sm_80 / sm_90 are resident at once (the vector paths would take 37-38).
+template <class Logit, typename G, int kWidth>
+__global__ void __launch_bounds__(kGradThreads, 2048 / kGradThreads)
+    chosen_logprob_grad_rows_kernel(const float* logits, int64_t N, int64_t C, int64_t col0,
+                                    const int64_t* __restrict__ tokens, const float* __restrict__ row_max,
+                                    const float* __restrict__ log_sum, const float* __restrict__ log_sum_minus_entropy,
+                                    const float* __restrict__ gl, const float* __restrict__ ge,
+                                    const float* __restrict__ threshold, Logit logit, G* grads, int64_t grads_stride) {
   for (int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; r < N; r += int64_t(gridDim.x) * blockDim.y) {
-    float* x = logits + r * C;
+    const float* x = logits + r * C;
+    G* d = grads + r * grads_stride;
     const float m = row_max[r], l = log_sum[r], l_minus_ent = log_sum_minus_entropy[r], g = gl[r], e = ge[r];
     const float tau = threshold ? threshold[r] : -INFINITY;
-    const int64_t target = tokens[r] - col0;
-    for (int64_t k = threadIdx.x; k < C; k += blockDim.x) {
-      const float xk = x[k];
-      float d = logit_grad(logit(xk), m, tau, l, l_minus_ent, g, e);
-      if (k == target) d += g;
-      x[k] = d * logit.slope(xk);
+    // Columns in 32 bits (the launcher refuses chunks of 2^30 columns or more), which keeps the
+    // filter's tau within the register budget; the chosen one, or -1 outside the chunk.
+    const int64_t chosen = tokens[r] - col0;
+    const int target = chosen >= 0 && chosen < C ? int(chosen) : -1;
+    for (int k = int(threadIdx.x) * kWidth; k < int(C); k += int(blockDim.x) * kWidth) {
+      const Pack<float, kWidth> in = *reinterpret_cast<const Pack<float, kWidth>*>(x + k);
+      Pack<G, kWidth> out;
+#pragma unroll
+      for (int i = 0; i < kWidth; ++i) {
+        out.v[i] = from_float<G>(raw_logit_grad(in.v[i], k + i == target, m, tau, l, l_minus_ent, g, e, logit));
+      }
+      *reinterpret_cast<Pack<G, kWidth>*>(d + k) = out;
     }
   }
 }

@@ -9,6 +9,8 @@
 //     pass, 0: all rows (RowTiling in chosen_logprob/chunks.h).
 //   softcap: the logits are capped as softcap * tanh(logits / softcap) first; none: no cap.
 //   valid_rows: weight's first rows that are vocabulary, the rest padding; none: all of them.
+//   grad_chunks: the backward's gradient GEMMs take the logit gradients of this many chunks at once
+//     (chosen_logprob/chunks.h); the stats op ignores it.
 //   top_k, top_p: the sampler's filter: the softmax is restricted to the top_k largest logits (ties
 //     included), then to the most likely of those whose probability reaches top_p; none: no filter.
 //     chosen_logprob applies it through per-token thresholds (the ops' threshold tensors, found
@@ -18,14 +20,15 @@
 
 #include "common/options.h"
 
-#define FRL_CHOSEN_LOGPROB_OPTIONS(X)                                  \
-  X(double, temperature, "float", "", PositiveFinite)                  \
-  X(int64_t, vocab_start, "int", "", NonNegativeInteger)               \
-  X(int64_t, chunk_size, "int", "", PositiveInteger)                   \
-  X(int64_t, row_block, "int", "=0", NonNegativeInteger)               \
-  X(int64_t, pass_rows, "int", "=0", NonNegativeInteger)               \
-  X(std::optional<double>, softcap, "float?", "=None", PositiveFinite) \
+#define FRL_CHOSEN_LOGPROB_OPTIONS(X)                                        \
+  X(double, temperature, "float", "", PositiveFinite)                        \
+  X(int64_t, vocab_start, "int", "", NonNegativeInteger)                     \
+  X(int64_t, chunk_size, "int", "", PositiveInteger)                         \
+  X(int64_t, row_block, "int", "=0", NonNegativeInteger)                     \
+  X(int64_t, pass_rows, "int", "=0", NonNegativeInteger)                     \
+  X(std::optional<double>, softcap, "float?", "=None", PositiveFinite)       \
   X(std::optional<int64_t>, valid_rows, "int?", "=None", NonNegativeInteger) \
+  X(int64_t, grad_chunks, "int", "=1", PositiveInteger)                      \
   X(std::optional<int64_t>, top_k, "int?", "=None", PositiveInteger)         \
   X(std::optional<double>, top_p, "float?", "=None", Probability)
 

@@ -10,13 +10,19 @@
 namespace fused_rl_ops::chosen_logprob {
 
 // Every buffer is contiguous in the accumulation type (fp32; fp64 for float64 inputs on the CPU)
-// except tokens (int64 global ids), window (double) and hist (int64). A launch leaves the buffers it does not use null. Stats rows
-// have stats_column::count columns (chosen_logprob/math.h).
+// except tokens (int64 global ids), grads, window (double) and hist (int64). A launch leaves the
+// buffers it does not use null. Stats rows have stats_column::count columns (chosen_logprob/math.h).
 struct Params {
   // stats_rows and grad_rows: one pass of token rows against one vocab chunk.
-  void* logits = nullptr;           // [rows, cols] raw logits h . w; grad_rows overwrites them with their gradient
+  const void* logits = nullptr;     // [rows, cols] raw logits h . w
   const int64_t* tokens = nullptr;  // [rows]
   void* stats = nullptr;            // stats_rows: [rows, stats_column::count], the chunk merged in
+  // grad_rows: where the logit gradients go, [rows, cols] with rows grads_stride elements apart, in
+  // the dtype the gradient GEMMs take (the CPU kernels: the accumulation type; the CUDA launcher
+  // is told it). logits itself (grads_stride = cols) when that is the accumulation type: each
+  // element is then read and overwritten by one thread.
+  void* grads = nullptr;
+  int64_t grads_stride = 0;
   // grad_rows, [rows] each: the global row max, the log-sum relative to it (lse - row max) and the
   // log-sum minus the entropy, and the upstream gradients of logprob and entropy.
   const void* row_max = nullptr;  // and hist_rows

@@ -16,14 +16,16 @@ namespace fused_rl_ops {
 // The accumulation (and fp32-output) dtype of a kernel reading `dtype`, as acc_t in common/math.h.
 inline at::ScalarType acc_dtype(at::ScalarType dtype) { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
 
-inline DType to_dtype(const at::Tensor& t) {
-  switch (t.scalar_type()) {
+inline DType to_dtype(at::ScalarType dtype) {
+  switch (dtype) {
     case at::kFloat: return DType::kFloat32;
     case at::kBFloat16: return DType::kBFloat16;
     case at::kHalf: return DType::kFloat16;
-    default: TORCH_CHECK(false, "fused_rl_ops: unsupported dtype ", t.scalar_type(), " on CUDA");
+    default: TORCH_CHECK(false, "fused_rl_ops: unsupported dtype ", dtype, " on CUDA");
   }
 }
+
+inline DType to_dtype(const at::Tensor& t) { return to_dtype(t.scalar_type()); }
 
 // "op: name must be <the rule's requirement>, got value"; an optional option may also be none.
 template <class T, class Rule>

@@ -1,19 +1,20 @@
 """Every private torch name the checkpoint package uses, in one place: a torch upgrade that moves or
 renames one breaks this import, not a checkpoint later."""
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
+from torch.distributed.checkpoint.filesystem import _StoragePrefix, _StorageWriterTransforms
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
-__all__ = ["EXTRA_STATE_KEY_SUFFIX", "StorageWriterTransforms", "StridedShard", "narrow_tensor_by_index",
-           "stored_data_offset"]
+__all__ = ["EXTRA_STATE_KEY_SUFFIX", "StoragePrefix", "StorageWriterTransforms", "StridedShard",
+           "narrow_tensor_by_index", "stored_data_offset"]
 
 EXTRA_STATE_KEY_SUFFIX = _EXTRA_STATE_KEY_SUFFIX
+StoragePrefix = _StoragePrefix
 StorageWriterTransforms = _StorageWriterTransforms
 StridedShard = _StridedShard
 
 
 def stored_data_offset(storage):
     """Where the bytes of a storage that torch.load made on the meta device lie in the archive it
-    read (torch >= 2.14 records it), or None."""
+    read (torch 2.11 to 2.14 record it), or None."""
     return getattr(storage, "_checkpoint_offset", None)

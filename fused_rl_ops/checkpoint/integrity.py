@@ -3,30 +3,36 @@
 - Every item DCP stores (a tensor chunk or a pickled object) gets the XXH3-64 hash of its bytes in
   the data file, kept in `.metadata` as an extra `xxh3_64` field of DCP's per-item storage info
   (plain DCP readers ignore it). The reader verifies every item it reads before committing it.
-- An overwriting save removes the old `.metadata` before any rank writes; DCP writes the new one
-  last, so a save that does not finish leaves nothing that loads.
+- A save commits atomically: its data files get names no file in the directory has
+  (`__<rank>_<save>_<n>.distcp`), and once every rank has written them the coordinator writes
+  `.metadata.tmp`, syncs it and renames it over `.metadata` in one step (then syncs the directory),
+  so until then the checkpoint that was there loads as it was, and after it the new one. It then
+  removes the data files the new `.metadata` does not name (an older save's, a failed save's).
 - `.metadata` ends in a seal: the XXH3-64 hash of the pickle before it (metadata.py checks it).
 """
+import dataclasses
 import io
 import os
+import pickle
+import secrets
 from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from ._torch_private import StorageWriterTransforms, narrow_tensor_by_index, stored_data_offset
+from ._torch_private import StoragePrefix, StorageWriterTransforms, narrow_tensor_by_index, stored_data_offset
 
 try:
     import xxhash
 except ImportError:  # the ops work without it; save_sharded / load_sharded call require_xxhash()
     xxhash = None
 
-__all__ = ["METADATA", "SEAL_LENGTH", "SEAL_PREFIX", "ChecksummedReader", "ChecksummedWriter", "require_xxhash",
-           "seal_of"]
+__all__ = ["METADATA", "SEAL_LENGTH", "SEAL_PREFIX", "ChecksummedReader", "ChecksummedWriter", "read_objects",
+           "require_xxhash", "seal_of"]
 
 METADATA = ".metadata"
 # `.metadata` is DCP's pickle followed by this prefix and the pickle's XXH3-64 in 16 hex digits.
@@ -43,7 +49,8 @@ _HASH_IN_PLACE_MIN = 1 << 16
 
 def require_xxhash():
     if xxhash is None:
-        raise RuntimeError("save_sharded/load_sharded need the xxhash package (pip install xxhash)")
+        raise RuntimeError("save_sharded/load_sharded need the xxhash package (pip install xxhash; it is the "
+                           "fused_rl_ops[checkpoint] extra)")
 
 
 def seal_of(pickled: bytes) -> bytes:
@@ -51,17 +58,27 @@ def seal_of(pickled: bytes) -> bytes:
     return SEAL_PREFIX + f"{xxhash.xxh3_64_intdigest(pickled):016x}".encode()
 
 
-class _SealingFileSystem(FileSystem):
-    """DCP's local file system, sealing `.metadata.tmp` (appending seal_of its bytes, then fsync)
-    when DCP renames it to `.metadata`, so the file is never visible without its seal."""
+def _is_data_file(name: str) -> bool:
+    """Whether a file name is DCP's (or a save_sharded) data file's: `__<...>.distcp`."""
+    return name.startswith("__") and name.endswith(".distcp")
 
-    def rename(self, path, new_path):
-        if os.path.basename(new_path) == METADATA:
-            with open(path, "r+b") as file:
-                file.write(seal_of(file.read()))  # the read leaves the position at the end
-                file.flush()
-                os.fsync(file.fileno())
-        super().rename(path, new_path)
+
+class _CommittingFileSystem(FileSystem):
+    """DCP's local file system with the steps of a commit; every file operation of a save goes
+    through it: mkdir, create_stream (the data files and `.metadata.tmp`), replace, sync_directory,
+    rm_file."""
+
+    def replace(self, path, new_path):
+        """Renames path to new_path, replacing new_path in one step (POSIX rename)."""
+        os.replace(path, new_path)
+
+    def sync_directory(self, path):
+        """Makes the directory's entries (a rename into it) durable."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class _HashingStream:
@@ -103,31 +120,31 @@ class _HashingTransforms(StorageWriterTransforms):
 
 
 class ChecksummedWriter(dcp.FileSystemWriter):
-    """DCP's FileSystemWriter, adding each item's hash to its storage info, sealing `.metadata` and
-    removing an older checkpoint's .metadata before any data is written (module docstring). XXH3 rather than crc32c:
-    on large buffers it hashes faster than the crc32c package's hardware CRC."""
+    """DCP's FileSystemWriter, adding each item's hash to its storage info, and committing a save
+    atomically with a sealed `.metadata` (module docstring). XXH3 rather than crc32c: on large
+    buffers it hashes faster than the crc32c package's hardware CRC."""
 
     def __init__(self, path: str):
         super().__init__(path, overwrite=True)
-        self.fs = _SealingFileSystem()
+        self.fs = _CommittingFileSystem()
         self._checksums = {}
         self.transforms = _HashingTransforms(self._checksums)
-        self._is_coordinator = False
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs):
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        self._is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan):
-        # Runs on every rank before the collective that hands out the global plan, and no rank
-        # writes data before that plan arrives: the old .metadata is gone before any new byte lands.
-        plan = super().prepare_local_plan(plan)
-        if self._is_coordinator:
-            try:
-                os.remove(os.path.join(self.path, METADATA))
-            except FileNotFoundError:
-                pass
+        # DCP's own warns on finding a checkpoint to overwrite: here that is what a save is for, and
+        # the checkpoint stays whole until finish() replaces it.
+        self.fs.mkdir(self.path)
         return plan
+
+    def prepare_global_plan(self, plans):
+        """Each rank's data files named `__<rank>_<save>_`..., <save> a token no file in the directory
+        holds, so that no file of the checkpoint being replaced is written over."""
+        existing = os.listdir(self.path)
+        save = secrets.token_hex(4)
+        while any(save in name for name in existing):
+            save = secrets.token_hex(4)
+        return [dataclasses.replace(plan, storage_data=StoragePrefix(f"__{rank}_{save}_"))
+                for rank, plan in enumerate(plans)]
 
     def write_data(self, plan, planner):
         # torch.save stores each item as a zip archive and by default computes a CRC32 of every
@@ -142,6 +159,26 @@ class ChecksummedWriter(dcp.FileSystemWriter):
         for result in future.value():
             result.storage_data.xxh3_64 = self._checksums.pop(result.index)
         return future
+
+    def finish(self, metadata: Metadata, results: list):
+        """Commits the save, on the coordinator once every rank has written its data: the sealed
+        metadata written to `.metadata.tmp` and synced, renamed over `.metadata` (the commit) and the
+        rename synced; then the data files the new metadata does not name are removed."""
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {result.index: result.storage_data for per_rank in results for result in per_rank}
+        metadata.storage_meta = self.storage_meta()
+        pickled = pickle.dumps(metadata)
+        staged = self.fs.concat_path(self.path, f"{METADATA}.tmp")
+        with self.fs.create_stream(staged, "wb") as file:
+            file.write(pickled + seal_of(pickled))
+            file.flush()
+            os.fsync(file.fileno())
+        self.fs.replace(staged, self.fs.concat_path(self.path, METADATA))
+        self.fs.sync_directory(self.path)
+        named = {info.relative_path for info in metadata.storage_data.values()}
+        for name in sorted(os.listdir(self.path)):
+            if _is_data_file(name) and name not in named:
+                self.fs.rm_file(self.fs.concat_path(self.path, name))
 
 
 class _VerifyingView(io.RawIOBase):
@@ -292,7 +329,8 @@ class ChecksummedReader(dcp.FileSystemReader):
         storage = stored.untyped_storage()
         data_at = stored_data_offset(storage)
         if data_at is None:
-            raise RuntimeError("this torch's torch.load does not say where a tensor's bytes lie (torch >= 2.14 does)")
+            raise RuntimeError("this torch's torch.load does not say where a tensor's bytes lie (torch 2.11 to "
+                               "2.14 do)")
         wanted = narrow_tensor_by_index(stored, request.storage_offsets, request.lengths)
         target = planner.resolve_tensor(request).detach()
         if target.shape != wanted.shape:
@@ -309,3 +347,19 @@ class ChecksummedReader(dcp.FileSystemReader):
                                                             stored.shape, stored.stride())
             target.copy_(narrow_tensor_by_index(whole, request.storage_offsets, request.lengths))
         planner.commit_tensor(request, target)
+
+
+def read_objects(path: str, metadata: Metadata, names) -> dict:
+    """name -> the object stored under it in the checkpoint at path (metadata: its checked
+    metadata), read and verified by this rank alone: DCP's steps of a load on one rank, without the
+    collectives of dcp.load (which would wait for the other ranks, or with no_dist=True warn that
+    torch.distributed is off)."""
+    objects = dict.fromkeys(names)
+    planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    reader = ChecksummedReader(path, metadata)
+    planner.set_up_planner(objects, metadata, True)
+    reader.set_up_storage_reader(metadata, True)
+    plan = reader.prepare_local_plan(planner.create_local_plan())
+    (plan,) = reader.prepare_global_plan(planner.create_global_plan([plan]))
+    reader.read_data(planner.finish_plan(plan), planner).wait()
+    return objects

@@ -26,8 +26,8 @@ def read_metadata(path: str) -> Metadata:
     file = os.path.join(path, METADATA)
     if not os.path.isfile(file):
         raise FileNotFoundError(
-            f"no complete checkpoint at {path!r}: its .metadata file does not exist (a save that did not finish "
-            "leaves none)")
+            f"no complete checkpoint at {path!r}: its .metadata file does not exist (a first save there that did "
+            "not finish leaves none)")
     with open(file, "rb") as f:
         pickled = _unsealed(f.read(), file, path)
     try:

@@ -12,6 +12,8 @@ name) must hold the same bytes: the checkpoint keeps one copy (a second collecti
 checksums of such shards). A load then checks the checkpoint against every rank's entries, so every
 rank raises together.
 """
+import contextlib
+import math
 import pickle
 import sys
 from typing import NamedTuple, Optional
@@ -24,7 +26,7 @@ from .experts import ExpertLayout, expert_prefix, is_extra_state
 from .sharding import ShardingMetadataError, ShardSpec, check_stride_divides, read_sharding
 from .stages import StageLayout
 
-__all__ = ["Entry", "Group", "Layout", "entries_agreed"]
+__all__ = ["Entry", "Group", "Layout", "Piece", "check_ranks_agree", "layout_of", "local_entries", "raised_together"]
 
 
 class Group(NamedTuple):
@@ -41,16 +43,35 @@ class Group(NamedTuple):
         return cls(dist.get_world_size(group), dist.get_rank(group), tuple(dist.get_process_group_ranks(group)))
 
 
+class Piece(NamedTuple):
+    """The part of an entry one rank holds where the ranks split it further than tensor parallelism
+    does (megatron-core's DistributedOptimizer: each data-parallel rank steps a range of the
+    flattened TP shard): elements [start, stop) of the TP shard, of shape `shape`. An object or a
+    0-d tensor that only some ranks hold (a range's step) is Piece(0, 1, ())."""
+
+    start: int
+    stop: int
+    shape: tuple
+
+
 class Entry(NamedTuple):
     """One stored entry on this rank: its name in the module, its local tensor (or object), the
-    tensor's ShardSpec (None for objects), the TP group it is split over, and whether it carries
-    nothing (an empty expert extra state: left out of saves, loaded only where a checkpoint has it)."""
+    tensor's ShardSpec (None for objects), the TP group it is split over, whether it carries
+    nothing (an empty expert extra state: left out of saves, loaded only where a checkpoint has it),
+    and the Piece of it this rank holds (None: all of its TP shard; local is then the piece's
+    elements, flat)."""
 
     module_name: str
     local: object
     spec: Optional[ShardSpec]
     tp: Group
     optional: bool = False
+    piece: Optional[Piece] = None
+
+    @property
+    def shape(self) -> tuple:
+        """The shape of the TP shard."""
+        return tuple(self.local.shape) if self.piece is None else self.piece.shape
 
 
 class Layout(NamedTuple):
@@ -90,10 +111,10 @@ def _default_groups(state: dict, tp_group, ep_group, expert_tp_group, pp_group) 
     return tp_group, ep_group, expert_tp_group, pp_group
 
 
-def _layout(state: dict, tp_group, ep_group, expert_tp_group, pp_group=None, module=None) -> Layout:
-    """module: the module whose state this is (None: a plain state dict)."""
-    tp_group, ep_group, expert_tp_group, pp_group = _default_groups(state, tp_group, ep_group, expert_tp_group,
-                                                                    pp_group)
+def layout_of(state: dict, groups: tuple, module=None) -> Layout:
+    """This rank's layout. groups: (tp, ep, expert_tp, pp), None where not given; module: the module
+    whose state this is (its layers' global numbers come from it), None for a plain state dict."""
+    tp_group, ep_group, expert_tp_group, pp_group = _default_groups(state, *groups)
     tp = Group.of(dist.group.WORLD if tp_group is None else tp_group)
     expert_tp = tp if expert_tp_group is None else Group.of(expert_tp_group)
     # Without expert (pipeline) parallelism every rank holds every expert (layer): a group of its own.
@@ -105,7 +126,7 @@ def _layout(state: dict, tp_group, ep_group, expert_tp_group, pp_group=None, mod
     return Layout(tp, expert_tp, ep, ExpertLayout.of(in_global_layers, ep.size, ep.rank), stage)
 
 
-def _local_entries(state: dict, layout: Layout) -> dict:
+def local_entries(state: dict, layout: Layout) -> dict:
     """stored name -> Entry (layers under their global number, expert tensors under their global expert index)."""
     entries = {}
     for name, value in state.items():
@@ -151,26 +172,28 @@ class _Held(NamedTuple):
     """What one rank holds under one name, in a form the other ranks can compare."""
 
     layout: object  # "object", "replicated" or (dim, stride)
-    shape: Optional[tuple] = None
+    shape: Optional[tuple] = None  # of the TP shard
     dtype: Optional[str] = None
     checksum: Optional[tuple] = None  # of replicated tensors and objects (pickled) when saving; of shards
     # only where another rank holds the same one (_with_shard_checksums)
+    piece: Optional[tuple] = None  # (start, stop) of a Piece
 
 
 def _held(entries: dict, with_checksums: bool) -> dict:
     held = {}
     for name, entry in entries.items():
         local, spec = entry.local, entry.spec
+        piece = None if entry.piece is None else entry.piece[:2]
         if spec is None:
             checksum = None
             if with_checksums:
                 checksum = _replica_checksum(torch.frombuffer(bytearray(pickle.dumps(local)), dtype=torch.uint8))
-            held[name] = _Held("object", checksum=checksum)
+            held[name] = _Held("object", checksum=checksum, piece=piece)
         elif spec.sharded:
-            held[name] = _Held((spec.dim, spec.stride), tuple(local.shape), str(local.dtype))
+            held[name] = _Held((spec.dim, spec.stride), entry.shape, str(local.dtype), piece=piece)
         else:
             checksum = _replica_checksum(local) if with_checksums else None
-            held[name] = _Held("replicated", tuple(local.shape), str(local.dtype), checksum)
+            held[name] = _Held("replicated", entry.shape, str(local.dtype), checksum, piece)
     return held
 
 
@@ -220,94 +243,122 @@ def _check_ranks_agree(held_by_rank: list, ranks: tuple, kind: str):
 
 
 def _holders(gathered: list) -> dict:
-    """(stored name, TP rank of a shard or None for a whole tensor or object) -> the ranks holding
-    that piece, in rank order."""
+    """(stored name, TP rank of a shard or None for a whole tensor or object, (start, stop) of a
+    Piece or None) -> the ranks holding that piece, in rank order."""
     holders = {}
-    for rank, (_, held, layout) in enumerate(gathered):
+    for rank, (held, layout) in enumerate(gathered):
         for name, mine in held.items():
             tp = layout.tp if expert_prefix(name) is None else layout.expert_tp
-            holders.setdefault((name, tp.rank if isinstance(mine.layout, tuple) else None), []).append(rank)
+            key = (name, tp.rank if isinstance(mine.layout, tuple) else None, mine.piece)
+            holders.setdefault(key, []).append((rank, tp.size))
     return holders
 
 
 def _check_replicas_agree(gathered: list):
     """Ranks that hold the same piece of an entry hold the same layout, shape, dtype and (where
     computed) bytes."""
-    for (name, tp_rank), ranks in _holders(gathered).items():
-        first = gathered[ranks[0]][1][name]
-        for rank in ranks[1:]:
-            mine = gathered[rank][1][name]
+    for (name, tp_rank, piece), holders in _holders(gathered).items():
+        (first_rank, _), *others = holders
+        first = gathered[first_rank][0][name]
+        for rank, _ in others:
+            mine = gathered[rank][0][name]
             if mine != first:
-                piece = "it" if tp_rank is None else f"its tensor-parallel shard {tp_rank}"
+                what = "it" if tp_rank is None else f"its tensor-parallel shard {tp_rank}"
+                if piece is not None:
+                    what = f"elements {piece[0]}..{piece[1]} of {what}"
                 differ = "bytes" if first._replace(checksum=None) == mine._replace(checksum=None) else (
                     f"(layout, local shape, dtype): {first[:3]} and {mine[:3]}")
                 raise ValueError(
-                    f"{name}: ranks {ranks[0]} and {rank} both hold {piece} (as data-parallel replicas, or "
+                    f"{name}: ranks {first_rank} and {rank} both hold {what} (as data-parallel replicas, or "
                     f"pipeline stages holding one name) but with different {differ}; a checkpoint keeps one copy")
+
+
+def _check_pieces_tile(gathered: list):
+    """The Pieces the ranks hold of an entry (megatron-core's DistributedOptimizer: each data-parallel
+    rank's range of a TP shard) agree on the layout, shape and dtype, and tile each TP shard
+    exactly: every element held, none by two different pieces (equal pieces are replicas,
+    _check_replicas_agree)."""
+    pieces, described = {}, {}
+    for (name, tp_rank, piece), holders in _holders(gathered).items():
+        if piece is None:
+            continue
+        rank, tp_size = holders[0]
+        held = gathered[rank][0][name]
+        first = described.setdefault(name, (rank, held[:3], tp_size))
+        if first[1:] != (held[:3], tp_size):
+            raise ShardingMetadataError(
+                f"{name}: ranks {first[0]} and {rank} hold pieces of it with different (layout, shape, dtype, "
+                f"tensor-parallel degree): {first[1:]} and {(held[:3], tp_size)}")
+        pieces.setdefault(name, {}).setdefault(tp_rank, []).append(piece)
+    for name, by_shard in sorted(pieces.items()):
+        _, (layout, shape, _), tp_size = described[name]
+        shards = set(range(tp_size)) if isinstance(layout, tuple) else {None}
+        if by_shard.keys() != shards:
+            raise ValueError(f"{name}: no rank holds any part of its tensor-parallel shards "
+                             f"{sorted(shards - by_shard.keys())}")
+        size = math.prod(shape) if shape is not None else 1
+        for tp_rank, ranges in by_shard.items():
+            covered = 0  # elements 0..covered are held; -1 once a piece leaves a hole or overlaps
+            for start, stop in sorted(ranges):
+                covered = stop if start == covered else -1
+            if covered != size:
+                what = "it" if tp_rank is None else f"its tensor-parallel shard {tp_rank}"
+                raise ValueError(f"{name}: the ranks' pieces {sorted(ranges)} of {what} do not tile its {size} "
+                                 "elements exactly")
 
 
 def _with_shard_checksums(gathered: list, entries: dict) -> list:
     """gathered with the checksums of the shards that more than one rank holds (data-parallel
     replicas), exchanged in a second collective where there are any: computing a checksum costs
     several times writing the tensor, so shards that one rank holds alone get none."""
-    shared = {(name, tp_rank): ranks for (name, tp_rank), ranks in _holders(gathered).items()
-              if tp_rank is not None and len(ranks) > 1}
+    shared = [(name, [rank for rank, _ in holders]) for (name, tp_rank, _), holders in _holders(gathered).items()
+              if tp_rank is not None and len(holders) > 1]
     if not shared:
         return gathered
     own_rank = dist.get_rank()
-    mine = {name: _replica_checksum(entries[name].local) for (name, _), ranks in shared.items() if own_rank in ranks}
+    mine = {name: _replica_checksum(entries[name].local) for name, ranks in shared if own_rank in ranks}
     checksums = _gather_from_all_ranks(mine)
-    return [(error, {name: h._replace(checksum=checksums[rank].get(name, h.checksum)) for name, h in held.items()},
-             layout) for rank, (error, held, layout) in enumerate(gathered)]
+    return [({name: h._replace(checksum=checksums[rank].get(name, h.checksum)) for name, h in held.items()}, layout)
+            for rank, (held, layout) in enumerate(gathered)]
 
 
 def _check_layouts_agree(gathered: list):
     """Dense entries agree within each TP group, expert entries within each expert TP group (ranks
     of one TP group at different EP ranks hold different experts), and the ranks of each EP group
     hold as many experts in each experts module."""
-    held = [h for _, h, _ in gathered]
+    held = [{n: v for n, v in h.items() if v.piece is None} for h, _ in gathered]  # pieces: _check_pieces_tile
     dense = [{n: v for n, v in h.items() if expert_prefix(n) is None} for h in held]
     expert = [{n: v for n, v in h.items() if expert_prefix(n) is not None} for h in held]
-    for ranks in sorted({layout.tp.ranks for _, _, layout in gathered}):
+    for ranks in sorted({layout.tp.ranks for _, layout in gathered}):
         _check_ranks_agree(dense, ranks, "tensor-parallel")
-    for ranks in sorted({layout.expert_tp.ranks for _, _, layout in gathered}):
+    for ranks in sorted({layout.expert_tp.ranks for _, layout in gathered}):
         _check_ranks_agree(expert, ranks, "expert tensor-parallel")
-    for ranks in sorted({layout.ep.ranks for _, _, layout in gathered}):
-        counts = [gathered[r][2].experts.local_counts for r in ranks]
+    for ranks in sorted({layout.ep.ranks for _, layout in gathered}):
+        counts = [gathered[r][1].experts.local_counts for r in ranks]
         if any(c != counts[0] for c in counts):
             raise ValueError(f"expert-parallel ranks {ranks} hold different numbers of local experts: {counts}")
 
 
-def entries_agreed(state: dict, groups: tuple, with_checksums: bool, check=None, extend=None, module=None) -> tuple:
-    """(stored name -> Entry, what check returned) once every rank has read its specs, added the
-    entries extend(entries) returns (an optimizer's state, stored with its parameters'), and agrees
-    with the ranks of its groups (_check_layouts_agree) and with those holding the same pieces
-    (_check_replicas_agree; when saving, their bytes too), and then passed check(entries, layout,
-    held_anywhere) (the stored names some rank holds; check raises ValueError or OSError when this
-    rank cannot go on). groups: (tp, ep, expert_tp[, pp]); module: the module whose state this is
-    (its layers' global numbers come from it), None for a plain state dict. Each step's errors are
-    exchanged in one collective and every rank checks every group, so all raise together and none is
-    left waiting in a later collective."""
-    entries, held, layout, error = None, None, None, None
+@contextlib.contextmanager
+def raised_together():
+    """Runs the block, then exchanges the ValueError or OSError it raised on any rank (one
+    collective on every rank), so every rank raises this rank's error, else the first other rank's:
+    none is left waiting in a later collective."""
+    error = None
     try:
-        layout = _layout(state, *groups, module=module)
-        entries = _local_entries(state, layout)
-        if extend:
-            entries.update(extend(entries))
-        held = _held(entries, with_checksums)
-    except (ValueError, OSError) as exc:
-        error = exc
-    gathered = _gather_from_all_ranks((error, held, layout))
-    if all(h is not None for _, h, _ in gathered):
-        _check_layouts_agree(gathered)
-    _raise_first_error(error, [e for e, _, _ in gathered])
-    _check_replicas_agree(_with_shard_checksums(gathered, entries) if with_checksums else gathered)
-    if check is None:
-        return entries, None
-    checked, error = None, None
-    try:
-        checked = check(entries, layout, set().union(*(h.keys() for _, h, _ in gathered)))
+        yield
     except (ValueError, OSError) as exc:
         error = exc
     _raise_first_error(error, _gather_from_all_ranks(error))
-    return entries, checked
+
+
+def check_ranks_agree(entries: dict, layout: Layout, with_checksums: bool) -> set:
+    """The stored names some rank holds, once every rank is found to agree with the ranks of its
+    groups (_check_layouts_agree) and with those holding the same pieces (_check_replicas_agree;
+    when saving, with_checksums, their bytes too). Every rank checks every group from the same
+    gathered data, so all raise together."""
+    gathered = _gather_from_all_ranks((_held(entries, with_checksums), layout))
+    _check_layouts_agree(gathered)
+    _check_pieces_tile(gathered)
+    _check_replicas_agree(_with_shard_checksums(gathered, entries) if with_checksums else gathered)
+    return set().union(*(held.keys() for held, _ in gathered))

@@ -9,84 +9,69 @@ number (stages.py), so it also loads at any pipeline degree. Groups: `tp_group` 
 from megatron-core's parallel_state when it is initialised, else: the world for tp_group where it is
 one rank (more ranks need a tp_group), no expert or pipeline parallelism, `expert_tp_group` =
 `tp_group`. Data-parallel replicas must hold the same bytes (checked) and are stored once.
-`optimizer=` (a torch.optim optimizer over the module's parameters) saves and loads its state with
-the module, each state tensor stored and resharded as its parameter (optimizer.py).
+`optimizer=` (a torch.optim optimizer over the module's parameters, or one of megatron-core's with
+fp32 main copies, distributed over the data-parallel ranks or not) saves and loads its state with
+the module, each state tensor stored and resharded as its parameter (optimizer.py; a
+DistributedOptimizer's ranges as chunks, chunks.py). The planners (planners.py) tell DCP where each
+rank's chunks lie in the global tensors.
 
 Both check first, collectively (ranks.py); a load checks the checkpoint's metadata (its checksum and
 structure, metadata.py) and the checkpoint against the module (names, global shapes, dtypes,
-divisibility, expert counts, data files), so such errors leave the module untouched on every rank.
-Loading then reads straight into the module's tensors (parameters keep their storage: views into
-Megatron's DDP buffers stay views), verifying each item's checksum (integrity.py); `staged=True`
-reads into temporaries first, so that a checksum mismatch or an I/O error mid-read also leaves the
-module unchanged. Both are collective over the default group and need DCP's CheckpointableTensor
-(torch >= 2.14) and the xxhash package.
+divisibility, expert counts, data files), so such errors leave the module untouched on every rank;
+strict=False loads what the two share and returns the rest. Loading then reads straight into the
+module's tensors (parameters keep their storage: views into Megatron's DDP buffers stay views),
+verifying each item's checksum (integrity.py); `staged=True` reads into temporaries first, so that
+a checksum mismatch or an I/O error mid-read also leaves the module unchanged. A save commits
+atomically over the checkpoint it replaces (integrity.py). Both are collective over the default
+group and need the xxhash package.
 """
-from typing import Union
+import contextlib
+import warnings
+from typing import NamedTuple, Union
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ._torch_private import EXTRA_STATE_KEY_SUFFIX
+from .chunks import placement
 from .experts import check_expert_counts, check_grouped_glu_not_interleaved, is_extra_state
 from .integrity import ChecksummedReader, ChecksummedWriter, require_xxhash
 from .metadata import check_data_files, read_metadata
-from .optimizer import OptimizerRestore, check_optimizer_type, entries_to_save, is_optimizer_item
-from .ranks import Layout, entries_agreed
-from .sharding import ShardSpec, global_shape
+from .planners import LoadPlanner, SavePlanner
+from .optimizer import (check_optimizer_type, entries_to_save, install_optimizer_state, is_optimizer_item,
+                        optimizer_items_to_load, read_optimizer_objects)
+from .ranks import Layout, check_ranks_agree, layout_of, local_entries, raised_together
+from .sharding import global_shape
 
-__all__ = ["load_sharded", "save_sharded"]
-
-
-def _require_dependencies():
-    """An older DCP, without CheckpointableTensor, would take each rank's shard for the whole
-    tensor and keep one rank's: the silent failure this module exists to prevent."""
-    if not hasattr(dcp, "CheckpointableTensor"):
-        raise RuntimeError(
-            "save_sharded/load_sharded need torch.distributed.checkpoint.CheckpointableTensor "
-            f"(torch 2.14 has it); this is torch {torch.__version__}")
-    require_xxhash()
-
-
-def _as_checkpoint_chunks(tensor: torch.Tensor, spec: ShardSpec, tp_size: int, tp_rank: int) -> torch.Tensor:
-    """Marks tensor (this rank's shard) with where its stride blocks sit in the logical global
-    tensor (DCP's CheckpointableTensor fields), so DCP stores and reads the global layout."""
-    dim, stride = spec.dim, spec.stride
-    block = tensor.shape[dim] // stride
-    shape = global_shape(tensor.shape, spec, tp_size)
-    global_block = shape[dim] // stride
-
-    def along_dim(value, base):
-        coords = list(base)
-        coords[dim] = value
-        return tuple(coords)
-
-    zeros = (0,) * tensor.dim()
-    tensor.global_shape = shape
-    tensor.global_offsets = tuple(along_dim(b * global_block + tp_rank * block, zeros) for b in range(stride))
-    tensor.local_offsets = tuple(along_dim(b * block, zeros) for b in range(stride))
-    tensor.local_sizes = tuple(along_dim(block, tensor.shape) for _ in range(stride))
-    return tensor
+__all__ = ["IncompatibleKeys", "load_sharded", "save_sharded"]
 
 
 def _alias(local: torch.Tensor) -> torch.Tensor:
-    """local's storage under a new tensor object, so the chunk fields DCP reads stay off the
-    parameter, and the parameter keeps its storage (Megatron's DDP holds it as a view of a buffer)."""
+    """local's storage under a new tensor object that autograd does not track: DCP writes from it
+    and reads into it in place, so the parameter keeps its storage (Megatron's DDP holds it as a
+    view of a buffer)."""
     return local.detach()
 
 
-def _dcp_state(entries: dict, make_buffer) -> dict:
-    """The state dict handed to DCP: make_buffer(local) for each tensor (marked with its chunks if
-    sharded), other objects as they are."""
-    state = {}
-    for name, entry in entries.items():
-        if entry.spec is None:
-            state[name] = entry.local
-        elif entry.spec.sharded:
-            state[name] = _as_checkpoint_chunks(make_buffer(entry.local), entry.spec, entry.tp.size, entry.tp.rank)
-        else:
-            state[name] = make_buffer(entry.local)
-    return state
+def _dcp_state(entries: dict, make_buffer) -> tuple:
+    """(the state dict handed to DCP: each tensor as make_buffer(local), other objects as they are;
+    the Placement of each tensor that is not its whole global tensor, for the planners)."""
+    state = {name: entry.local if entry.spec is None else make_buffer(entry.local) for name, entry in entries.items()}
+    placements = {name: placement(entries[name], state[name]) for name in state if entries[name].spec is not None}
+    return state, {name: placed for name, placed in placements.items() if placed is not None}
+
+
+@contextlib.contextmanager
+def _quiet_if_one_process():
+    """DCP warns at each save and load without torch.distributed that it assumes one process: that
+    is the use documented here (one rank needs no process group), so, then, that warning alone is
+    silenced."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _state_of(module_or_state_dict) -> dict:
@@ -95,53 +80,57 @@ def _state_of(module_or_state_dict) -> dict:
     return dict(module_or_state_dict)
 
 
-class _SavePlanner(dcp.DefaultSavePlanner):
-    """DCP clones every tensor whose storage is larger than the tensor (else torch.save would write
-    the whole storage), which would copy each stride block of a stride > 1 shard. A contiguous
-    block is handed over instead as a tensor over exactly its bytes: an alias, not a copy."""
-
-    def resolve_data(self, write_item):
-        data = super().resolve_data(write_item)
-        if isinstance(data, torch.Tensor) and data.is_contiguous() and data.untyped_storage().nbytes() != data.nbytes:
-            start = data.storage_offset() * data.element_size()
-            own_bytes = data.untyped_storage()[start:start + data.nbytes]
-            data = torch.empty(0, dtype=data.dtype, device=data.device).set_(own_bytes, 0, data.shape)
-        return data
-
-
 def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, *, tp_group=None, ep_group=None,
                  expert_tp_group=None, pp_group=None, optimizer=None) -> None:
     """Saves each entry as its logical global tensor with DCP, and optimizer's state with them (see
     the module docstring). A state dict must be state_dict(keep_vars=True) to go with an optimizer; a
     plain state dict at pipeline degree > 1 is refused: its layer names do not say which layers they are."""
-    _require_dependencies()
+    require_xxhash()
     check_optimizer_type(optimizer)
     module = module_or_state_dict if isinstance(module_or_state_dict, torch.nn.Module) else None
     if module is not None:
         check_grouped_glu_not_interleaved(module)
     state = _state_of(module_or_state_dict)
-    extend = None if optimizer is None else (lambda entries: entries_to_save(optimizer, state, entries))
-    entries, _ = entries_agreed(state, (tp_group, ep_group, expert_tp_group, pp_group), with_checksums=True,
-                                extend=extend, module=module)
+    with raised_together():
+        layout = layout_of(state, (tp_group, ep_group, expert_tp_group, pp_group), module)
+        entries = local_entries(state, layout)
+        if optimizer is not None:
+            entries.update(entries_to_save(optimizer, state, entries))
+    check_ranks_agree(entries, layout, with_checksums=True)
     entries = {name: entry for name, entry in entries.items() if not entry.optional}
-    planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    dcp.save(_dcp_state(entries, _alias), storage_writer=ChecksummedWriter(path), planner=planner)
+    state, placements = _dcp_state(entries, _alias)
+    with _quiet_if_one_process():
+        dcp.save(state, storage_writer=ChecksummedWriter(path), planner=SavePlanner(placements))
 
 
-def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata, path: str, held_anywhere: set):
-    """Raises where the checkpoint does not fit entries (held_anywhere: what all ranks hold); removes
-    the optional entries it lacks."""
+class IncompatibleKeys(NamedTuple):
+    """What a load left out, as nn.Module.load_state_dict reports it: the module's entries the
+    checkpoint lacks (this rank's, by their names in the module), and the checkpoint's entries that
+    no rank's module holds (by their stored names)."""
+
+    missing_keys: list
+    unexpected_keys: list
+
+
+def _unmatched(entries: dict, layout: Layout, metadata: Metadata, path: str, held_anywhere: set) -> tuple:
+    """(the stored names of entries the checkpoint lacks, the checkpoint's names no rank holds:
+    held_anywhere), once the optional entries it lacks are removed from entries and its experts are
+    found to fit the module's."""
     stored = metadata.state_dict_metadata
     check_expert_counts([n for n in stored.keys() if layout.stage.holds(n)], layout.experts, path)
     for name in [n for n, entry in entries.items() if entry.optional and n not in stored]:
         del entries[name]
-    missing = sorted(entries[n].module_name + ("" if n == entries[n].module_name else f" (stored as {n})")
-                     for n in entries.keys() - stored.keys())
-    # Optimizer items are checked by OptimizerRestore, and ignored by a load without optimizer=.
+    # Optimizer items are checked by optimizer_items_to_load, and ignored by a load without optimizer=.
     unexpected = sorted(n for n in stored.keys() - held_anywhere if not is_optimizer_item(n))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path!r} does not match the module: missing {missing}, unexpected {unexpected}")
-    for name, (module_name, local, spec, tp, _) in entries.items():
+    return sorted(entries.keys() - stored.keys()), unexpected
+
+
+def _check_fits(entries: dict, metadata: Metadata):
+    """Raises where an entry of the checkpoint does not fit the module's: an object for a tensor or
+    the other way round, another dtype, a global shape other than the module's at its TP degree."""
+    stored = metadata.state_dict_metadata
+    for name, entry in entries.items():
+        module_name, local, spec, tp = entry[:4]
         md = stored[name]
         if (spec is None) != isinstance(md, BytesStorageMetadata):
             kinds = ("an object", "a tensor") if spec is None else ("a tensor", "an object")
@@ -153,59 +142,34 @@ def _check_against_checkpoint(entries: dict, layout: Layout, metadata: Metadata,
         if is_extra_state(module_name):
             continue  # a serialised state (Transformer Engine's): its length is the checkpoint's
         saved_shape = tuple(md.size)
-        if spec.sharded and len(saved_shape) == local.dim() and saved_shape[spec.dim] % (spec.stride * tp.size):
+        if spec.sharded and len(saved_shape) == len(entry.shape) and saved_shape[spec.dim] % (spec.stride * tp.size):
             raise ValueError(
                 f"{module_name}: cannot be split across tensor-parallel degree {tp.size}: dim {spec.dim} has "
                 f"{saved_shape[spec.dim]} entries in the checkpoint, not a multiple of {tp.size} ranks x "
                 f"stride {spec.stride}")
-        expected = global_shape(local.shape, spec, tp.size)
+        expected = global_shape(entry.shape, spec, tp.size)
         if saved_shape != expected:
             raise ValueError(
                 f"{module_name}: the checkpoint holds global shape {saved_shape} (as {name}), the module expects "
-                f"{expected} (local {tuple(local.shape)} at tensor-parallel degree {tp.size})")
-
-
-def _loadable_metadata(entries: dict, layout: Layout, held_anywhere: set, path: str,
-                       optimizer_restore=None) -> Metadata:
-    """The checkpoint's metadata, once the checkpoint at path is found loadable into entries (with the
-    optimizer's tensors added to them and its objects read, where there is an optimizer)."""
-    metadata = read_metadata(path)
-    if optimizer_restore is not None:
-        entries.update(optimizer_restore.entries(entries, layout, metadata))
-    _check_against_checkpoint(entries, layout, metadata, path, held_anywhere)
-    check_data_files(metadata, path)
-    if optimizer_restore is not None:
-        optimizer_restore.read_objects(metadata)
-    return metadata
+                f"{expected} (local {entry.shape} at tensor-parallel degree {tp.size})")
 
 
 def _failures(exc: dcp.CheckpointException) -> str:
     return "; ".join(f"rank {rank}: {error!r}" for rank, (error, _) in sorted(exc.failures.items()))
 
 
-def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
-                 pp_group=None, staged: bool = False, optimizer=None) -> None:
-    """Loads a save_sharded checkpoint into module at its (TP, EP, PP) layout, in place or staged, and
-    into optimizer its state and hyperparameters (module docstring); every data-parallel replica reads
-    its own copy."""
-    _require_dependencies()
-    check_optimizer_type(optimizer)
-    check_grouped_glu_not_interleaved(module)
-    state = module.state_dict(keep_vars=True)
-    restore = None if optimizer is None else OptimizerRestore(optimizer, state, path)
-    entries, metadata = entries_agreed(state, (tp_group, ep_group, expert_tp_group, pp_group), with_checksums=False,
-                                        check=lambda *mine: _loadable_metadata(*mine, path, restore), module=module)
-
-    loaded = _dcp_state(entries, torch.empty_like if staged else _alias)
+def _read(entries: dict, metadata: Metadata, path: str, staged: bool) -> dict:
+    """stored name -> what DCP read for it: straight into the entries' tensors, or staged into
+    temporaries; an extra state's tensor at its stored length."""
+    loaded, placements = _dcp_state(entries, torch.empty_like if staged else _alias)
     for name, entry in entries.items():
         if entry.spec is not None and is_extra_state(entry.module_name):
             # get_extra_state() made a new tensor: read into one of the stored size, then hand it over.
-            stored = metadata.state_dict_metadata[name]
-            loaded[name] = entry.local.new_empty(stored.size)
-    # No flattening: DCP would otherwise put loaded objects (extra state) into a copy of `loaded`.
-    planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+            loaded[name] = entry.local.new_empty(metadata.state_dict_metadata[name].size)
+            placements.pop(name, None)
     try:
-        dcp.load(loaded, storage_reader=ChecksummedReader(path, metadata), planner=planner)
+        with _quiet_if_one_process():
+            dcp.load(loaded, storage_reader=ChecksummedReader(path, metadata), planner=LoadPlanner(placements))
     except dcp.CheckpointException as exc:
         if staged:
             raise RuntimeError(
@@ -213,7 +177,11 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
         raise RuntimeError(
             f"reading checkpoint {path!r} failed part-way; the module may be partially loaded (pass staged=True "
             f"to read into temporaries first and leave it unchanged on such a failure): {_failures(exc)}") from exc
+    return loaded
 
+
+def _install(module: torch.nn.Module, entries: dict, loaded: dict, staged: bool):
+    """Hands extra states to their modules and, staged, copies the temporaries into the entries' tensors."""
     with torch.no_grad():
         for name, entry in entries.items():
             if is_extra_state(entry.module_name):
@@ -221,5 +189,41 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
                 module.get_submodule(owner).set_extra_state(loaded[name])
             elif staged:
                 entry.local.copy_(loaded[name])
-    if restore is not None:
-        restore.install(entries)
+
+
+def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
+                 pp_group=None, staged: bool = False, optimizer=None, strict: bool = True) -> IncompatibleKeys:
+    """Loads a save_sharded checkpoint into module at its (TP, EP, PP) layout, in place or staged, and
+    into optimizer its state and hyperparameters (module docstring); every data-parallel replica reads
+    its own copy. strict=False loads the entries the module and the checkpoint share, leaving the
+    module's others as they are; the entries either lacks are returned (strict=True raises naming
+    them). An optimizer= needs state for all its parameters either way."""
+    require_xxhash()
+    check_optimizer_type(optimizer)
+    check_grouped_glu_not_interleaved(module)
+    state = module.state_dict(keep_vars=True)
+    with raised_together():
+        layout = layout_of(state, (tp_group, ep_group, expert_tp_group, pp_group), module)
+        entries = local_entries(state, layout)
+    held_anywhere = check_ranks_agree(entries, layout, with_checksums=False)
+    with raised_together():
+        metadata = read_metadata(path)
+        if optimizer is not None:
+            optimizer_load = optimizer_items_to_load(optimizer, state, entries, metadata, path)
+            entries.update(optimizer_load.tensors)
+        missing, unexpected = _unmatched(entries, layout, metadata, path, held_anywhere)
+        if strict and (missing or unexpected):
+            described = [entries[n].module_name + ("" if n == entries[n].module_name else f" (stored as {n})")
+                         for n in missing]
+            raise ValueError(f"checkpoint {path!r} does not match the module: missing {sorted(described)}, unexpected "
+                             f"{unexpected} (strict=False loads what matches)")
+        missing = sorted(entries.pop(n).module_name for n in missing)
+        _check_fits(entries, metadata)
+        check_data_files(metadata, path)
+        if optimizer is not None:
+            optimizer_objects = read_optimizer_objects(optimizer_load, metadata, path)
+    loaded = _read(entries, metadata, path, staged)
+    _install(module, entries, loaded, staged)
+    if optimizer is not None:
+        install_optimizer_state(optimizer_load, optimizer_objects)
+    return IncompatibleKeys(missing, unexpected)

@@ -13,8 +13,9 @@ steps, with the cross entropy taken as -chosen_logprob on the same weight (detac
 `mtp_detach_heads`), Megatron's own `roll_tensor` (context parallel, packed sequences), scaling and
 `MTPLossAutoScaler`. Every path that reaches `_postprocess` (forward, schedule plan, pipeline last
 stage) takes it. Differences from Megatron, all at positions Megatron weights by loss_mask: a
-position with loss_mask 0 or label ignore_index adds exactly 0 (Megatron adds loss_mask times its
-cross entropy: NaN where that is not finite, the whole log-sum-exp for an ignore_index label); a
+position with loss_mask 0 or label ignore_index adds exactly 0 and is not computed (chosen_logprob
+skips it; Megatron adds loss_mask times its cross entropy: NaN where that is not finite, the whole
+log-sum-exp for an ignore_index label); a
 label is accepted when its logit equals the row's maximum, so every label tied for the maximum
 counts (Megatron's argmax counts only the lowest tied id). Like Megatron's, the loss covers every
 row of the output weight, padding included.
@@ -26,13 +27,12 @@ import weakref
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.common.language_module.language_module import LanguageModule
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper, roll_tensor
 
 import fused_rl_ops
 
-from .processor import RLOutputProcessor, _fused_main_grad
+from .processor import RLOutputProcessor, _fused_main_grad, _gather_sequence_parallel
 
 __all__ = ["FusedMTPLoss", "route_mtp_loss"]
 
@@ -114,7 +114,7 @@ class FusedMTPLoss:
         tp_group = output_layer.tp_group
         sequence_parallel = output_layer.sequence_parallel
         if sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden, group=tp_group)
+            hidden = _gather_sequence_parallel(hidden, tp_group)
         logprob, is_max = fused_rl_ops.chosen_logprob(
             hidden, weight, tokens,
             ignore_index=self.ignore_index,

@@ -6,26 +6,54 @@ Megatron calls the processor in place of its output layer with keywords only (`h
 keys in `output_names` order: "logprobs", then "entropy" and "values" when asked for.
 
 Tokens come from `labels` or `context["tokens"]` (exactly one), [b, s] like `loss_mask`. Positions
-with loss_mask 0 or ignore_index get logprob 0 and no gradient; entropy is computed everywhere. The
+with loss_mask 0 or ignore_index get logprob 0, entropy 0 and no gradient, and are not computed
+(chosen_logprob's skip_ignored; with host_checks=False every position is, with the same results). The
 weight is the local vocab shard (tied embedding or output_layer.weight) over the output layer's TP
-group. With sequence parallel the hidden states are gathered with Megatron's gather, whose backward
-reduce-scatters, so chosen_logprob leaves its hidden gradient unreduced (summed exactly once). The
-value head sees the gathered states: its values, and its parameters' gradients, are complete and
-equal on every TP rank (fused_rl_ops.megatron.attach makes it the model's submodule). MuP output
-scaling is refused. Under Megatron's DDP with gradient_accumulation_fusion the output weight's
-gradient is added into its `main_grad` chunk by chunk, as Megatron's own output layer does, instead
-of being returned as a [V_local, H] tensor.
+group. With sequence parallel the hidden states are gathered as Megatron's gather does (all-gather
+along the sequence; the backward reduce-scatters), so chosen_logprob leaves its hidden gradient
+unreduced (summed exactly once). The value head sees the gathered states: its values, and its
+parameters' gradients, are complete and equal on every TP rank (fused_rl_ops.megatron.attach makes
+it the model's submodule). MuP output scaling is refused. Under Megatron's DDP with
+gradient_accumulation_fusion the output weight's gradient is added into its `main_grad` chunk by
+chunk, as Megatron's own output layer does, instead of being returned as a [V_local, H] tensor.
 """
 
 import torch
-
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+import torch.distributed as dist
 
 import fused_rl_ops
 from fused_rl_ops._options import check_option
 from fused_rl_ops.chosen_logprob import ChosenLogprobOptions
 
 __all__ = ["RLOutputProcessor", "rl_output_processor"]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Megatron's gather_from_sequence_parallel_region at its defaults: [s/tp, ...] pieces gathered
+    along dim 0, the gradient reduce-scattered back. Megatron's forward fills a new tensor in place
+    (all_gather_into_tensor); under torch.compile on torch 2.11.0 an autograd.Function that returns a
+    tensor filled in place gets zero gradients (pytorch/pytorch#180642; not seen on 2.14.1), so this one
+    concatenates the gathered pieces instead."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, x, group=group)
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+def _gather_sequence_parallel(hidden_states, group):
+    """[s/tp, b, h] sequence-parallel hidden states -> [s, b, h] on every rank of group."""
+    return _GatherSequence.apply(hidden_states, group)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -52,9 +80,10 @@ class RLOutputProcessor:
     batch_invariant: passed on to chosen_logprob (a token's outputs bitwise independent of the rest
     of the batch); the naive reference processor has no such option.
     host_checks: chosen_logprob's token-range and TP group checks, the processor's only host
-    synchronisations on CUDA; False skips both (for CUDA graphs): an out-of-range token then gets a
-    NaN logprob and NaN gradients, and a rank with invalid arguments raises alone. Under torch.compile
-    both are skipped whatever host_checks says (see chosen_logprob's check_tokens).
+    synchronisations on CUDA (the first also reads how many positions are scored, so that only those
+    are computed); False skips both (for CUDA graphs): an out-of-range token then gets a NaN logprob
+    and NaN gradients, a rank with invalid arguments raises alone, and every position is computed.
+    Under torch.compile both are skipped whatever host_checks says (see chosen_logprob's check_tokens).
     """
 
     def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
@@ -130,7 +159,7 @@ class RLOutputProcessor:
         tp_group = output_layer.tp_group
         sequence_parallel = output_layer.sequence_parallel
         if sequence_parallel:
-            hidden_states = gather_from_sequence_parallel_region(hidden_states, group=tp_group)
+            hidden_states = _gather_sequence_parallel(hidden_states, tp_group)
         result = fused_rl_ops.chosen_logprob(
             hidden_states, weight, tokens,
             temperature=self.temperature,

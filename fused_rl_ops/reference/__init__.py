@@ -50,13 +50,23 @@ def sampler_filter(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Opt
 
 def chosen_logprob(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0,
                    ignore_index: int = -100, vocab_size: Optional[int] = None, softcap: Optional[float] = None,
-                   top_k: Optional[int] = None, top_p: Optional[float] = None):
+                   top_k: Optional[int] = None, top_p: Optional[float] = None, skip_ignored: bool = True):
     """Materialised logits (GEMM in the inputs' dtype, then fp32; fp64 for fp64), capped to
     softcap * tanh(logits / softcap) when softcap is given, divided by the temperature, filtered
     with top_k / top_p as vLLM's sampler does (sampler_filter), log_softmax and gather. Returns
     (logprob, entropy); rows of weight at or beyond vocab_size are padding. A token the filter
-    drops has logprob -inf."""
+    drops has logprob -inf. ignore_index positions get logprob 0; by default (skip_ignored) their
+    rows are left out (entropy 0, no gradient), else every row is computed and they keep their
+    entropy (as fused_rl_ops.chosen_logprob gives them)."""
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    ignore = tokens == ignore_index
+    if skip_ignored:
+        scored = ~ignore
+        logprob, entropy = chosen_logprob(hidden[scored], weight, tokens[scored], temperature=temperature,
+                                          ignore_index=ignore_index, vocab_size=vocab_size, softcap=softcap,
+                                          top_k=top_k, top_p=top_p, skip_ignored=False)
+        zeros = torch.zeros(tokens.shape, dtype=acc, device=hidden.device)
+        return zeros.index_put((scored,), logprob), zeros.index_put((scored,), entropy)
     logits = (hidden @ weight.T).to(acc)
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
@@ -68,7 +78,6 @@ def chosen_logprob(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Ten
         padding = torch.arange(weight.shape[0], device=weight.device) >= valid
         logits = logits.masked_fill(padding, float("-inf"))
     logp = torch.log_softmax(logits, dim=-1)
-    ignore = tokens == ignore_index
     chosen = logp.gather(-1, torch.where(ignore, 0, tokens).unsqueeze(-1)).squeeze(-1)
     p = logp.exp()
     entropy = -(p * torch.where(p > 0, logp, 0.0)).sum(-1)

@@ -18,6 +18,7 @@ class NaiveRLOutputProcessor:
     softcap * tanh(logits / softcap) when softcap is given, divided by the temperature, padded rows
     at -inf, -vocab_parallel_cross_entropy for the chosen tokens,
     entropy from the TP-gathered logits, values by F.linear from the value head's weight (and bias).
+    Logprob and entropy are 0 where the label is ignore_index or loss_mask is 0.
 
     value_head: None, a [H] / [1, H] weight, or a module holding `weight` (and optionally `bias`)
     in nn.Linear(H, 1)'s layout, such as fused_rl_ops.ValueHead (its weight is read, the module is
@@ -61,7 +62,7 @@ class NaiveRLOutputProcessor:
         if self.return_entropy:
             full_vocab_logits = gather_from_tensor_model_parallel_region(logits, group=tp_group)[..., : self.vocab_size]
             log_probs = torch.log_softmax(full_vocab_logits, dim=-1)
-            outputs["entropy"] = -(log_probs.exp() * log_probs).sum(-1)
+            outputs["entropy"] = torch.where(keep, -(log_probs.exp() * log_probs).sum(-1), 0.0)
         if self.value_head is not None:
             outputs["values"] = self._values(hidden_states, output_layer).transpose(0, 1)
         return {name: outputs[name].contiguous() for name in self.output_names}

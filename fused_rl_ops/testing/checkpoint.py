@@ -2,7 +2,8 @@
 
 Shards come from the tests' own reference split (Megatron's rule: chunks of N / (stride * tp), rank
 r takes chunks r, r + tp, ...), not from the code under test; data is random bit patterns (NaN
-payloads, -0.0 and infinities included) compared through integer views.
+payloads, -0.0 and infinities included) compared through integer views. megatron_training_state
+assembles what megatron-core's optimizers hold through megatron-core's own accessors.
 """
 import pickle
 import re
@@ -90,6 +91,99 @@ def gathered(local, split, group):
 def gathered_logical(model, group):
     """The logical tensors of a TP-sharded model, assembled by the test's reference rule."""
     return {name: gathered(param, partition_of(param), group) for name, param in model.named_parameters()}
+
+
+def _megatron_optimizer_pieces(model, optimizer) -> dict:
+    """name -> (start, stop, {"main_param": ..., state key: ...}) for each parameter of model that
+    optimizer (one of megatron-core's) steps elements [start, stop) of here: a DistributedOptimizer's
+    range (its _get_model_param_range_map), else the whole parameter. The main parameter is the fp32
+    copy megatron-core hands the parameter as param.main_param, or where the parameter is fp32, the
+    stepped tensor at the range's address (the parameter itself, or a DistributedOptimizer's view of
+    its range); the state is its torch.optim state. (Not megatron-core's
+    _get_main_param_and_optimizer_states: in 0.19.2 it picks another parameter's main copy in a param
+    group that mixes fp32 and bf16 parameters, such as a bf16 model's fp32 value head.)"""
+    pieces = {}
+    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+        ranges = getattr(member, "model_param_group_index_map", None)  # a DistributedOptimizer's
+        stepped = [p for group in member.optimizer.param_groups for p in group["params"]]
+        for name, param in model.named_parameters():
+            if ranges is not None and param not in ranges:
+                continue
+            start, stop = 0, param.numel()
+            if ranges is not None:
+                owned = member._get_model_param_range_map(param)["param"]
+                start, stop = owned.start, owned.end
+            main = getattr(param, "main_param", None)
+            if main is None:
+                address = param.view(-1)[start:stop].data_ptr()
+                main = next((p for p in stepped if p.data_ptr() == address and p.numel() == stop - start), None)
+            if main is None or not any(main is p for p in stepped):
+                continue  # another optimizer of the chain steps it
+            state = {key: value for key, value in member.optimizer.state.get(main, {}).items()
+                     if isinstance(value, torch.Tensor)}
+            pieces[name] = (start, stop, {"main_param": main, **state})
+    return pieces
+
+
+def megatron_training_state(model, optimizer, layer_offset=0) -> dict:
+    """global layer name -> {"param": ..., "main_param": ..., state key: ...}: the logical tensors of
+    model's parameters and of what one of megatron-core's optimizers keeps for each (its fp32 main
+    parameter, or the parameter itself where it steps that; exp_avg, exp_avg_sq, step), assembled
+    by the tests' own rule: the ranges the data-parallel ranks step (_megatron_optimizer_pieces)
+    put in order, checked to tile each TP shard (replicas: bit for bit the same), then the TP
+    shards joined by reference_unshard. layer_offset: the pipeline stage's first layer; experts at
+    expert-parallel degree 1 (their local index is the global one). Collective over the model's
+    (expert) data-parallel and tensor-parallel groups."""
+    from megatron.core import parallel_state
+
+    mine = {name: (start, stop, {key: value.detach().clone() for key, value in tensors.items()})
+            for name, (start, stop, tensors) in _megatron_optimizer_pieces(model, optimizer).items()}
+    state = {}
+    for expert in (False, True):  # dense parameters, then experts (allreduce=False), over their own groups
+        if expert:
+            dp_group = parallel_state.get_expert_data_parallel_group()
+            tp_group = parallel_state.get_expert_tensor_parallel_group()
+        else:
+            dp_group = parallel_state.get_data_parallel_group()
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+        params = {name: p for name, p in model.named_parameters() if getattr(p, "allreduce", True) != expert}
+        everyone = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(everyone, {n: piece for n, piece in mine.items() if n in params}, group=dp_group)
+        for name, param in params.items():
+            whole = {"param": param, **_assembled([pieces[name] for pieces in everyone if name in pieces], param, name)}
+            state[global_layer_name(name, layer_offset)] = {
+                key: value if value.dim() == 0 else gathered(value, partition_of(param), tp_group)
+                for key, value in whole.items()}
+    return state
+
+
+def assert_same_megatron_state(state, expected):
+    """state (megatron_training_state's; a pipeline stage's names) is bitwise expected's, every tensor."""
+    assert state and state.keys() <= expected.keys()
+    for name, tensors in state.items():
+        assert tensors.keys() == expected[name].keys(), (name, tensors.keys())
+        for key, value in tensors.items():
+            assert same_bits(value, expected[name][key]), (name, key)
+
+
+def _assembled(held: list, param, name) -> dict:
+    """key -> the TP shard of param's main parameter and state from the ranges the ranks hold."""
+    keys = held[0][2].keys()
+    assert all(tensors.keys() == keys for _, _, tensors in held), name
+    whole = {}
+    for key in keys:
+        if held[0][2][key].dim() == 0:  # step: the same on every rank
+            assert all(same_bits(tensors[key], held[0][2][key]) for _, _, tensors in held), (name, key)
+            whole[key] = held[0][2][key]
+            continue
+        by_range = {}  # (start, stop) -> the elements; ranks holding the same range hold the same bits
+        for start, stop, tensors in held:
+            assert same_bits(by_range.setdefault((start, stop), tensors[key]), tensors[key]), (name, key)
+        ranges = sorted(by_range)
+        assert [start for start, _ in ranges] == [0] + [stop for _, stop in ranges[:-1]], (name, key, ranges)
+        assert ranges[-1][1] == param.numel(), (name, key, ranges)
+        whole[key] = torch.cat([by_range[r].reshape(-1) for r in ranges]).view(param.shape)
+    return whole
 
 
 def legacy(dim, stride=1):
@@ -205,6 +299,13 @@ def stored_items(path):
         metadata = pickle.load(f)
     return sorted((info.relative_path, info.offset, info.offset + info.length, index.fqn)
                   for index, info in metadata.storage_data.items())
+
+
+def data_file(path, rank):
+    """The name of the data file rank wrote into the checkpoint at path (`__<rank>_...`), from its
+    .metadata."""
+    (name,) = {file for file, *_ in stored_items(path) if file.startswith(f"__{rank}_")}
+    return name
 
 
 def flip_bits(path, position, mask):

@@ -7,9 +7,11 @@ In a process whose default group is initialised (fused_rl_ops.testing.distribute
     logits = full_vocab_logits(build_tiny_gpt(seed=1), tokens)  # [batch, seq, vocab]
 
 The shims (install_cpu_shims says what each replaces) make megatron-core's CUDA-only calls in the
-forward, schedule-plan, pipeline-parallel, HybridModel and DDP gradient-reduction paths run on the
-CPU, and let torch's LayerNorm (the fallback without Apex) run with sequence parallel. They patch megatron-core
-process-wide, so only tests and examples import them.
+forward, schedule-plan, pipeline-parallel, HybridModel, DDP gradient-reduction and optimizer
+(Float16OptimizerWithFloat16Params, DistributedOptimizer) paths run on the CPU, and let torch's
+LayerNorm (the fallback without Apex) run with sequence parallel. They patch megatron-core
+process-wide, so only tests and examples import them. megatron_bf16_training wraps a model and
+builds megatron-core's optimizer as a bf16 run does.
 """
 import contextlib
 import copy
@@ -51,19 +53,24 @@ def _is_cuda(device):
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Turns device=<cuda> arguments into the CPU: pipeline p2p buffers are allocated on the
-    current CUDA device."""
+    """Turns device=<cuda> arguments into the CPU (pipeline p2p buffers are allocated on the current
+    CUDA device; the mixed-precision optimizers make their scalars with device='cuda'), and makes
+    tensor.type() name the CUDA tensor type (megatron-core's optimizer wrappers and gradient
+    clipping accept only parameters whose type string is torch.cuda.FloatTensor, HalfTensor or
+    BFloat16Tensor; nothing else in megatron-core or torch's eager paths reads that string)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if kwargs.get("device") is not None and _is_cuda(kwargs["device"]):
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)
 
 
 def install_cpu_shims():
-    """Makes megatron-core's forward, schedule-plan, pipeline, HybridModel and DDP gradient-reduction
-    paths run on the CPU. Idempotent."""
+    """Makes megatron-core's forward, schedule-plan, pipeline, HybridModel, DDP gradient-reduction
+    and mixed-precision optimizer paths run on the CPU. Idempotent."""
     global _installed
     if _installed:
         return
@@ -95,7 +102,8 @@ def install_cpu_shims():
     # DDP's gradient reduction (finish_grad_sync) asks for the current stream.
     torch.cuda.current_stream = lambda device=None: _NoopStream()
 
-    # Pipeline parallel: p2p buffers and the current device. The mode stays on for the process.
+    # Pipeline parallel: p2p buffers and the current device; the optimizers' scalars and the type
+    # strings their wrappers check. The mode stays on for the process.
     torch.cuda.current_device = lambda: "cpu"
     _CudaToCpuMode().__enter__()
 
@@ -162,6 +170,33 @@ def tiny_config(**overrides):
     )
     settings.update(overrides)
     return TransformerConfig(**settings)
+
+
+def megatron_bf16_training(model, *, distributed_optimizer: bool, lr: float = 1e-3, processor=None,
+                           **optimizer_settings):
+    """model (built from a config with bf16=True) set up as a bf16 Megatron run sets it up: inside
+    Float16Module (bf16 parameters) and Megatron's DistributedDataParallel (gradients reduced in
+    fp32), trained by the optimizer megatron.core.optimizer.get_megatron_optimizer builds (a
+    ChainedOptimizer of Adam with fp32 main parameters: a DistributedOptimizer, its state sharded
+    over the data-parallel ranks, or Float16OptimizerWithFloat16Params; optimizer_settings go to its
+    OptimizerConfig). processor: attached in between, as docs/rl_recipe.md does (a value head stays
+    fp32). Returns (ddp_model, optimizer); save_sharded / load_sharded take model itself and the
+    optimizer. Needs the shims (set_parallel_degrees installs them)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from fused_rl_ops.megatron import attach
+
+    bf16_model = Float16Module(model.config, model)
+    if processor is not None:
+        attach(bf16_model, processor)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
+                                               grad_reduce_in_fp32=True)
+    ddp_model = DistributedDataParallel(model.config, ddp_config, bf16_model)
+    config = OptimizerConfig(optimizer="adam", lr=lr, bf16=True, use_distributed_optimizer=distributed_optimizer,
+                             **optimizer_settings)
+    return ddp_model, get_megatron_optimizer(config, [ddp_model])
 
 
 def local_hybrid_stack_spec():

@@ -1,6 +1,7 @@
 // Calls chosen_logprob's launchers (csrc/chosen_logprob/kernel.cu) on the CPU: stats_rows,
-// grad_rows, combine, top_rows and hist_rows. A case's optional buffers: threshold (stats_rows,
-// grad_rows, top_rows), window (top_rows).
+// grad_rows (in place, or into a buffer of the gradient GEMMs' dtype), combine, top_rows and
+// hist_rows. A case's optional buffers: threshold (stats_rows, grad_rows, top_rows), window
+// (top_rows).
 #include "chosen_logprob/kernel.h"
 #include "driver.h"
 
@@ -44,6 +45,16 @@ int main(int argc, char** argv) {
     p.log_sum_minus_entropy = c.buf<float>("log_sum_minus_entropy");
     p.grad_logprob = c.buf<float>("gl");
     p.grad_entropy = c.buf<float>("ge");
-    return launch_chosen_logprob_grad_rows(p, nullptr);
+    // In place over the logits, or into columns [grads_col, grads_col + C) of grads' rows of
+    // grads_stride elements in dtype.
+    if (c.i("in_place")) {
+      p.grads = c.buf<float>("logits");
+      p.grads_stride = p.cols;
+      return launch_chosen_logprob_grad_rows(p, fused_rl_ops::DType::kFloat32, nullptr);
+    }
+    const size_t elem = c.dtype() == fused_rl_ops::DType::kFloat32 ? 4 : 2;
+    p.grads = static_cast<unsigned char*>(c.raw("grads")) + c.i("grads_col") * elem;
+    p.grads_stride = c.i("grads_stride");
+    return launch_chosen_logprob_grad_rows(p, c.dtype(), nullptr);
   });
 }

@@ -6,13 +6,20 @@
 // What it models:
 //   - launch(kernel, grid, block, shared_bytes, args...) stands in for kernel<<<grid, block,
 //     shared_bytes>>>(args...) (csrc/common/launch.h calls it where nvcc would launch): one OS
-//     thread per CUDA thread of a block, the blocks one after another (in order, or shuffled by
-//     set_block_order_seed); threadIdx, blockIdx, blockDim, gridDim. An invalid configuration
-//     (CUDA's limits) runs nothing and is returned by cudaGetLastError(), as on a GPU. Every
-//     valid launch is recorded (kernel name, grid, block) for the drivers to report.
-//   - __shared__: a static variable shared by every thread (blocks run one at a time); extern
-//     dynamic shared memory of shared_bytes bytes per block through dynamic_shared(); atomicAdd
-//     (64-bit unsigned) as the host's atomic addition.
+//     thread per CUDA thread of a block, kConcurrentBlocks blocks at once; threadIdx, blockIdx,
+//     blockDim, gridDim. The blocks, in order or shuffled by set_block_order_seed, are dealt to
+//     kConcurrentBlocks slots in turn, and each slot runs its blocks one after another. Slots never
+//     synchronise with one another, so ThreadSanitizer reports conflicting accesses by blocks in
+//     different slots (two blocks writing one element, one reading what another writes): races
+//     between blocks. An invalid configuration (CUDA's limits) runs nothing and is returned by
+//     cudaGetLastError(), as on a GPU. Every valid launch is recorded (kernel name, grid, block)
+//     for the drivers to report.
+//   - static __shared__ variables: the harness (tests/kernels_on_cpu_harness.py) rewrites each
+//     declaration `__shared__ T name[dims];` into a static array of kConcurrentBlocks copies and a
+//     reference `name` to the copy of the block's slot (block_slot), so every block running at
+//     once has its own; `__shared__` is left undefined here, so a declaration the rewrite misses
+//     does not compile. Extern dynamic shared memory of shared_bytes bytes per block through
+//     dynamic_shared(). atomicAdd (64-bit unsigned) as the host's atomic addition.
 //   - __syncthreads(): a barrier of the whole block. A thread leaves the block when it returns;
 //     a barrier reached after some threads returned, a thread returning while others wait, and
 //     threads waiting at different __syncthreads() calls are reported errors.
@@ -28,25 +35,28 @@
 //     cudaDeviceGetAttribute, cudaGetLastError) against a configurable stand-in device.
 //   All synchronisation is std::mutex / std::condition_variable, so ThreadSanitizer sees the
 //   happens-before edges a barrier or a shuffle gives, and reports accesses no barrier orders.
-// What it does not model: races between blocks (they run one after another), code generation
-// (register allocation, nvcc's optimisations, spills), uninitialised shared memory (statics start
-// at zero and keep the previous block's values), memory spaces and caches, the GPU's fp32
-// last-bit differences (nvcc contracts a * b + c into fma; fast-math intrinsics), and warps whose
-// lanes run disjoint shuffles at the same time (reported as an error here).
+// What it does not model: races between blocks that share a slot (two blocks a slot apart run one
+// after the other; with the shuffled orders of several cases most pairs meet in different slots),
+// code generation (register allocation, nvcc's optimisations, spills), uninitialised shared memory
+// (statics start at zero and keep the previous block's values in their slot), memory spaces and
+// caches, the GPU's fp32 last-bit differences (nvcc contracts a * b + c into fma; fast-math
+// intrinsics), and warps whose lanes run disjoint shuffles at the same time (reported as an error
+// here).
 #pragma once
 
 #if defined(__CUDACC__)
 #error "cuda_on_host.h is for host compilers; nvcc compiles the kernels itself"
 #endif
 
-// Before CUDA's headers, which keep a definition made here.
-#define __shared__ static
 // Tells csrc/common/launch.h to launch through cuda_on_host::launch.
 #define CUDA_ON_HOST 1
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+// A kernel's register budget is nvcc's business (the compile gate checks it): nothing on the host.
+// CUDA's headers define __launch_bounds__ for nvcc only.
+#define __launch_bounds__(...)
 #include <cxxabi.h>
 #include <dlfcn.h>
 
@@ -57,6 +67,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -72,6 +83,9 @@ inline thread_local dim3 blockDim;
 inline thread_local dim3 gridDim;
 
 namespace cuda_on_host {
+
+constexpr int kConcurrentBlocks = 2;  // blocks running at once: the slots of a launch
+inline thread_local int block_slot = 0;  // the slot of the block this thread belongs to
 
 [[noreturn]] inline void fail(const std::string& what) {
   std::fprintf(stderr, "cuda_on_host error: block (%u,%u,%u) thread (%u,%u,%u): %s\n", blockIdx.x, blockIdx.y,
@@ -267,8 +281,10 @@ inline cudaError_t record(cudaError_t err) {
   return err;
 }
 
-// Runs kernel(args...) over grid x block, blocks one after another: block.x * block.y * block.z
-// threads run every block in turn, meeting at a rendezvous between blocks.
+// Runs kernel(args...) over grid x block: the blocks dealt to kConcurrentBlocks slots in turn, each
+// slot with its own block.x * block.y * block.z threads, which run the slot's blocks one after
+// another, meeting at a rendezvous between blocks. The slots share nothing but the kernel's
+// arguments, which they only read.
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, Args&&... args) {
   const uint64_t threads = uint64_t(block.x) * block.y * block.z;
@@ -290,37 +306,48 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_byte
   std::iota(order.begin(), order.end(), 0);
   if (block_order_seed) std::shuffle(order.begin(), order.end(), std::mt19937(block_order_seed));
 
-  Block state;
-  state.reset(int(threads), shared_bytes);
-  std::mutex mu;  // rendezvous between blocks
-  std::condition_variable cv;
-  size_t done = 0, finished_block = 0;
-  auto run = [&](int t) {
-    current_block = &state;
+  struct Slot {
+    Block state;
+    std::mutex mu;  // rendezvous between the slot's blocks
+    std::condition_variable cv;
+    size_t done = 0, finished_blocks = 0;
+  };
+  const size_t slots = std::min<size_t>(order.size(), kConcurrentBlocks);
+  std::vector<std::unique_ptr<Slot>> slot_states;
+  for (size_t s = 0; s < slots; ++s) {
+    slot_states.push_back(std::make_unique<Slot>());
+    slot_states.back()->state.reset(int(threads), shared_bytes);
+  }
+  auto run = [&](size_t s, int t) {
+    Slot& slot = *slot_states[s];
+    current_block = &slot.state;
     current_thread = t;
+    block_slot = int(s);
     blockDim = block;
     gridDim = grid;
     threadIdx = uint3{unsigned(t % block.x), unsigned(t / block.x % block.y), unsigned(t / (block.x * block.y))};
-    for (size_t k = 0; k < order.size(); ++k) {
+    for (size_t k = s, mine = 0; k < order.size(); k += slots, ++mine) {
       const uint64_t b = order[k];
       blockIdx = uint3{unsigned(b % grid.x), unsigned(b / grid.x % grid.y), unsigned(b / (uint64_t(grid.x) * grid.y))};
       std::apply(kernel, params);
-      state.barrier.thread_returned();
-      state.warps[t / 32].lane_returned(t % 32);
-      std::unique_lock<std::mutex> lock(mu);
-      if (++done == threads) {  // the last thread out resets the block for the next
-        done = 0;
-        state.reset(int(threads), shared_bytes);
-        ++finished_block;
-        cv.notify_all();
+      slot.state.barrier.thread_returned();
+      slot.state.warps[t / 32].lane_returned(t % 32);
+      std::unique_lock<std::mutex> lock(slot.mu);
+      if (++slot.done == threads) {  // the last thread out resets the block for the slot's next
+        slot.done = 0;
+        slot.state.reset(int(threads), shared_bytes);
+        ++slot.finished_blocks;
+        slot.cv.notify_all();
       } else {
-        wait_or_fail(cv, lock, [&] { return finished_block > k; }, "the end of a block");
+        wait_or_fail(slot.cv, lock, [&] { return slot.finished_blocks > mine; }, "the end of a block");
       }
     }
     current_block = nullptr;
   };
   std::vector<std::thread> pool;
-  for (int t = 0; t < int(threads); ++t) pool.emplace_back(run, t);
+  for (size_t s = 0; s < slots; ++s) {
+    for (int t = 0; t < int(threads); ++t) pool.emplace_back(run, s, t);
+  }
   for (auto& th : pool) th.join();
   record(cudaSuccess);
 }

@@ -47,6 +47,31 @@ void good_exchanges() {
   }
 }
 
+// Blocks run kConcurrentBlocks at a time, and every block once: two blocks that wait for each
+// other finish only when they run at once; then every thread of 7 blocks in a shuffled order
+// counts itself.
+__global__ void meeting_kernel(std::atomic<int>* arrived) {
+  if (threadIdx.x != 0) return;
+  arrived->fetch_add(1);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (arrived->load() < 2) {
+    if (std::chrono::steady_clock::now() > deadline) cuda_on_host::fail("selftest: the blocks did not run at once");
+    std::this_thread::yield();
+  }
+}
+
+__global__ void count_kernel(int* out) { out[blockIdx.x * blockDim.x + threadIdx.x] += 1; }
+
+void concurrent_blocks() {
+  std::atomic<int> arrived{0};
+  launch(meeting_kernel, dim3(2), dim3(32), 0, &arrived);
+  check(cudaGetLastError() == cudaSuccess && arrived == 2, "two blocks meeting");
+  std::vector<int> out(7 * 64, 0);
+  cuda_on_host::set_block_order_seed(3);
+  launch(count_kernel, dim3(7), dim3(64), 0, out.data());
+  for (size_t k = 0; k < out.size(); ++k) check(out[k] == 1, "thread " + std::to_string(k) + " ran once");
+}
+
 __global__ void noop_kernel() {}
 
 void bad_launch_configs_are_errors() {
@@ -117,6 +142,7 @@ int main(int argc, char** argv) {
   if (scenario == "good_exchanges") good_exchanges();
   else if (scenario == "bad_launch_configs_are_errors") bad_launch_configs_are_errors();
   else if (scenario == "device_sizes") device_sizes();
+  else if (scenario == "concurrent_blocks") concurrent_blocks();
   else if (scenario == "bad_barrier_after_return") launch(early_return_kernel, dim3(1), dim3(64), 0);
   else if (scenario == "bad_barriers_at_two_places") launch(two_barriers_kernel, dim3(1), dim3(64), 0);
   else if (scenario == "bad_shuffle_absent_lanes") launch(shuffle_kernel, dim3(1), dim3(16), 0, 0);

@@ -1,0 +1,39 @@
+"""Which rows reach the extension's operators: a record of the torch.ops.fused_rl_ops calls a
+piece of code makes, forward and backward, for the tests that check what the kernels compute
+(not only what the results say)."""
+from typing import NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class KernelCall(NamedTuple):
+    op: str  # the operator's name in the fused_rl_ops namespace, e.g. "chosen_logprob_stats"
+    args: dict  # what it got, by the schema's argument names ("hidden", "tokens", "chunk_size", ...)
+
+
+class KernelCalls(TorchDispatchMode):
+    """`with KernelCalls() as calls:` records every torch.ops.fused_rl_ops call made inside, in
+    order (calls.calls), including those of the backward when it runs inside too."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fused_rl_ops":
+            by_name = dict(zip((argument.name for argument in func._schema.arguments), args), **(kwargs or {}))
+            self.calls.append(KernelCall(func._schema.name.split("::")[1], by_name))
+        return func(*args, **(kwargs or {}))
+
+    def tokens(self, op: str) -> list:
+        """The token ids of each call of a chosen_logprob operator (op: "chosen_logprob_stats" or
+        "chosen_logprob_backward"), on the CPU."""
+        return [call.args["tokens"].cpu() for call in self.calls if call.op == op]
+
+
+def scored(tokens: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """tokens flattened (in the [s, b] order of a Megatron processor's call: transpose first), less
+    the ignored ones: the ids the kernels should get."""
+    flat = tokens.reshape(-1).cpu()
+    return flat[flat != ignore_index]

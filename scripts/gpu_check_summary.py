@@ -1,0 +1,81 @@
+"""Keeps scripts/gpu_check.sh's OUTDIR/summary.json up to date: rewritten (whole, atomically, under
+a lock: stages run in parallel) after every change, so a run cut at any point leaves a summary of
+what ran, what was skipped and why.
+
+    python scripts/gpu_check_summary.py OUTDIR run KEY=VALUE...          facts of the run
+    python scripts/gpu_check_summary.py OUTDIR stage NAME KEY=VALUE...   a stage's status, exit, seconds, ...
+
+VALUEs made of digits are stored as integers. A stage's entry also gets what its files in OUTDIR
+say: the tests' counts from junit.xml, a benchmark's rows logged so far (NAME.jsonl) and whether
+its whole JSON was written (NAME.json), a sanitizer's error count (its ERROR SUMMARY line)."""
+import fcntl
+import json
+import os
+import re
+import sys
+import xml.etree.ElementTree as ET
+
+
+def parse(pairs):
+    values = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        values[key] = int(value) if value.isdigit() else value
+    return values
+
+
+def junit_counts(path):
+    """Counts of a pytest junit report ({} while there is none, or while it is half written)."""
+    try:
+        suite = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return {}
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    return {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+
+
+def stage_files(out, name):
+    """What the stage's files in out say so far."""
+    found = {}
+    if name == "tests":
+        found.update(junit_counts(os.path.join(out, "junit.xml")))
+    if name.startswith("bench_"):
+        rows = os.path.join(out, name + ".jsonl")
+        if os.path.exists(rows):
+            with open(rows) as f:
+                found["rows"] = sum(1 for line in f if line.strip())
+        found["json_written"] = os.path.exists(os.path.join(out, name + ".json"))
+    if name.startswith("sanitizer_"):
+        try:
+            with open(os.path.join(out, name + ".log"), errors="replace") as f:
+                summaries = re.findall(r"ERROR SUMMARY: (\d+) error", f.read())
+        except OSError:
+            summaries = []
+        if summaries:
+            found["sanitizer_errors"] = int(summaries[-1])
+    return found
+
+
+def update(out, kind, args):
+    path = os.path.join(out, "summary.json")
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        summary = {"run": {}, "stages": {}}
+        if os.path.exists(path):
+            with open(path) as f:
+                summary = json.load(f)
+        if kind == "run":
+            summary["run"].update(parse(args))
+        else:
+            name, values = args[0], parse(args[1:])
+            stage = summary["stages"].setdefault(name, {})
+            stage.update(values)
+            stage.update(stage_files(out, name))
+        with open(path + ".tmp", "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+        os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    update(sys.argv[1], sys.argv[2], sys.argv[3:])
