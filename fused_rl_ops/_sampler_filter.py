@@ -15,15 +15,17 @@ within rounding (about 1e-7 relative) of top_p may fall either way.
 How (csrc/chosen_logprob/sampler_filter.h has the kernels' side). With top_k, the stats pass also
 gives each row's top: its top_k largest logits and how many more equal the smallest of them, which
 merge across ranks exactly (merge_tops). top_k's threshold is the k-th largest; top_p's after top_k
-is decided on them (first_reaching), which hold the whole top-k set, so top_k costs no pass over
-the vocabulary beyond the stats pass. top_p alone is searched (_search): a pass adds the masses of
+is decided on them (first_reaching), which hold the whole top-k set; and the kept set's row max,
+log-sum and entropy are summed from them too (kept_partials), so top_k costs no pass over the
+vocabulary beyond the stats pass. top_p alone is searched (_search): a pass adds the masses of
 the logits of a window of z (first the 32 below the row max) to a histogram of SEARCH_BINS bins, in
 integer units of 2^-40 of the top token's mass (their sums do not depend on the order of the
 additions; ranks all-reduce them); the bin where the cumulative mass reaches top_p is the next
 window, whose pass also collects its TOP_P_CANDIDATES largest logits to decide on. Each window is
 SEARCH_BINS times narrower: within a few rounds a window's logits are all collected, or are one
 value (a tie group). Typically two rounds; each is one pass over the logits and a host
-synchronisation (whether any row still searches). Then a last pass sums the kept logits' partials.
+synchronisation (whether any row still searches). Then a last stats pass sums the kept logits'
+partials (the logits above the last window are known by their mass alone).
 
 Rows whose maximum is not finite (a NaN, +inf, or no logit above -inf) are not filtered (threshold
 -inf), so that they stay what they are without the filter.
@@ -105,14 +107,17 @@ def first_reaching(tops: Tops, row_max: torch.Tensor, above: torch.Tensor, targe
 
 
 def thresholds(tops, row_max: torch.Tensor, log_sum: torch.Tensor, top_k, top_p, search: Callable,
-               gather: Callable, all_reduce: Callable) -> torch.Tensor:
-    """Per token, the threshold of the kept set ([N], row_max's dtype).
+               gather: Callable, all_reduce: Callable):
+    """(tau, kept): per token, the threshold of the kept set ([N], row_max's dtype), and with top_k
+    the kept set's (row max, log-sum, entropy) (kept_partials; None with top_p alone: a stats pass
+    with the threshold gives them).
 
     tops: with top_k, this rank's [N, TOP_HEADER + top_k] tops from the stats pass; row_max, log_sum:
     the merged row max and log-sum relative to it (CombinedColumns). search(window, hist, top) runs
     one search pass on this rank, gather(t) stacks the ranks' t, all_reduce(t) sums t over the ranks
     in place."""
     filterable = torch.isfinite(row_max)
+    kept = None
     if top_k is None:
         target = top_p * torch.exp(log_sum.double())  # the row's mass relative to exp(row_max)
         tau = _search(filterable, row_max, target, search, gather, all_reduce)
@@ -124,7 +129,25 @@ def thresholds(tops, row_max: torch.Tensor, log_sum: torch.Tensor, top_k, top_p,
             zero = torch.zeros_like(row_max, dtype=torch.float64)
             total = _cumulative(merged, row_max, zero)[2]
             tau, _ = first_reaching(merged, row_max, zero, top_p * total)
-    return torch.where(filterable, tau, -math.inf).to(row_max.dtype)
+        kept = kept_partials(merged, tau)
+    return torch.where(filterable, tau, -math.inf).to(row_max.dtype), kept
+
+
+def kept_partials(tops: Tops, tau: torch.Tensor):
+    """The row max, log-sum relative to it and entropy (float64, [N] each) of the logits at or above
+    tau, where the tops hold them all: the values held at or above tau, and the ties of the smallest
+    held when it is at or above tau (top_k's kept set, with or without top_p)."""
+    values = tops.values.double()
+    m = values[:, 0]
+    slots = torch.arange(values.shape[1], device=values.device) < tops.held[:, None]
+    count = (slots & (values >= tau.double()[:, None])).double()  # how many logits each value stands for
+    smallest = (tops.held - 1).clamp(min=0)[:, None]
+    count = count.scatter_add(1, smallest, count.gather(1, smallest) * tops.ties.double()[:, None])
+    d = values - m[:, None]
+    weight = count * torch.exp(torch.where(count > 0, d, 0.0))  # a -inf logit kept has weight 0
+    s = weight.sum(1)
+    t = (weight * torch.where(weight > 0, d, 0.0)).sum(1)
+    return m, torch.log(s), torch.log(s) - t / s
 
 
 def _search(searching, row_max, target, search, gather, all_reduce):

@@ -335,8 +335,9 @@ class _Autograd:
 
 
 def _kept_set(hidden, weight, stats, row, options, call):
-    """The tokens' thresholds of the sampler's filter (_sampler_filter.thresholds), from the stats
-    pass's tops, with search passes where top_p alone needs them."""
+    """The tokens' thresholds of the sampler's filter and with top_k the kept set's partials
+    (_sampler_filter.thresholds), from the stats pass's tops, with search passes where top_p alone
+    needs them."""
 
     def search(window, hist, top):
         ops.chosen_logprob_search(hidden, weight, row.row_max, window, hist, top, *op_arguments(options))
@@ -369,9 +370,15 @@ class _ChosenLogprob(torch.autograd.Function):
         threshold = None
         if options.top_k is not None or options.top_p is not None:
             # The kept set's threshold, then the partials of the logits at or above it.
-            threshold = _kept_set(hidden, weight, stats, row, options, call)
-            unfiltered = dataclasses.replace(options, top_k=None, top_p=None)
-            row = call.combine(ops.chosen_logprob_stats(hidden, weight, tokens, *op_arguments(unfiltered), threshold))
+            threshold, kept = _kept_set(hidden, weight, stats, row, options, call)
+            if kept is None:
+                unfiltered = dataclasses.replace(options, top_k=None, top_p=None)
+                row = call.combine(ops.chosen_logprob_stats(hidden, weight, tokens, *op_arguments(unfiltered),
+                                                            threshold))
+            else:  # from the tops; rows that are not filtered (threshold -inf: a NaN or inf) as they are
+                filtered = torch.isfinite(threshold)
+                row = CombinedColumns(*(torch.where(filtered, k.to(c.dtype), c) for k, c in zip(kept, row[:3])),
+                                      row.chosen)
         logprob = torch.where(ignore, 0.0, (row.chosen - row.row_max) - row.log_sum)
         # Both come from the same fp32 logit buffer, so a chosen maximum compares equal exactly; and
         # the threshold is one of those logits.
