@@ -383,13 +383,12 @@ class _ChosenLogprob(torch.autograd.Function):
         # Both come from the same fp32 logit buffer, so a chosen maximum compares equal exactly; and
         # the threshold is one of those logits.
         is_max = (row.chosen == row.row_max) & ~ignore
-        is_kept = ~ignore if threshold is None else ~(row.chosen < threshold) & ~ignore
-        if threshold is not None:
-            logprob = torch.where(ignore | is_kept, logprob, -math.inf)
-        is_max, is_kept = _scatter(is_max, scored_rows, num_rows), _scatter(is_kept, scored_rows, num_rows)
+        dropped = torch.zeros_like(ignore) if threshold is None else (row.chosen < threshold) & ~ignore
+        logprob = torch.where(dropped, -math.inf, logprob)
+        is_max, is_kept = _scatter(is_max, scored_rows, num_rows), _scatter(~(ignore | dropped), scored_rows, num_rows)
         ctx.mark_non_differentiable(is_max, is_kept)
         # Ignored tokens and tokens outside the kept set (logprob -inf) pass no logprob gradient.
-        no_logprob_grad = ignore if threshold is None else ignore | (row.chosen < threshold)
+        no_logprob_grad = ignore | dropped
         ctx.save_for_backward(hidden, weight, tokens, no_logprob_grad, scored_rows, row.row_max, row.log_sum,
                               row.entropy, threshold)
         ctx.options, ctx.call, ctx.num_rows = options, call, num_rows

@@ -12,21 +12,11 @@ from fused_rl_ops.megatron import attach, rl_output_processor  # noqa: E402
 from fused_rl_ops.reference.megatron import NaiveRLOutputProcessor  # noqa: E402
 from fused_rl_ops.testing.distributed import run_distributed  # noqa: E402
 from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
-from fused_rl_ops.testing.ppo import allreduce_sequence_parallel_grads, model_inputs  # noqa: E402
+from fused_rl_ops.testing.ppo import outputs_and_grads  # noqa: E402
 
 B, S, REAL_VOCAB = 2, 8, 200  # the model's vocabulary is padded to 256
 FILTERS = [dict(top_k=40), dict(top_p=0.8), dict(top_k=120, top_p=0.9)]
 
-
-def forward_backward(model, tokens, coeff):
-    outputs = model(tokens, *model_inputs(tokens), labels=tokens)
-    logprobs = outputs["logprobs"]
-    # A dropped token's logprob is -inf by design: it takes no part in the loss.
-    (coeff[0] * torch.where(logprobs.isneginf(), 0.0, logprobs) + coeff[1] * outputs["entropy"]).sum().backward()
-    allreduce_sequence_parallel_grads(model)
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    return {name: t.detach() for name, t in outputs.items()}, grads
 
 
 def _processor_checks(rank, world_size):
@@ -42,7 +32,7 @@ def _processor_checks(rank, world_size):
             options = dict(temperature=0.8, vocab_size=REAL_VOCAB, **filter_)
             attach(fused, rl_output_processor(**options))
             attach(naive, NaiveRLOutputProcessor(**options))
-            (fused_outputs, fused_grads), (naive_outputs, naive_grads) = [forward_backward(m, tokens, coeff)
+            (fused_outputs, fused_grads), (naive_outputs, naive_grads) = [outputs_and_grads(m, tokens, coeff)
                                                                           for m in (fused, naive)]
             dropped = naive_outputs["logprobs"].isneginf()
             assert dropped.any() and not dropped.all(), filter_  # the filter matters in this data
