@@ -509,8 +509,10 @@ def chosen_logprob(
     renormalised over them, logprob and entropy alike; the gradients treat the kept set as fixed.
     Pass the rollout engine's values. A token outside the kept set gets logprob -inf and no logprob
     gradient (is_kept counts them). None, top_k >= vocab_size and top_p = 1 filter nothing (today's
-    results, bitwise). top_p runs extra passes over the vocabulary where the candidates do not
-    settle it, each with a host synchronisation (not under torch.compile(fullgraph=True)).
+    results, bitwise). top_k adds no pass over the vocabulary (the stats pass keeps each row's top
+    and the kept set's sums come from it; top_p with top_k is decided on it too). top_p without
+    top_k searches its threshold, typically two more passes, each with a host synchronisation (so
+    not under torch.compile(fullgraph=True) or CUDA graph capture), and one for the kept set.
 
     batch_invariant=True makes each token's logprob, entropy and hidden gradient bitwise
     independent of the other tokens of the call (their number, order, leading shape, ignored
