@@ -42,6 +42,7 @@ class RowLog:
     def __init__(self, json_path):
         self.path = os.path.splitext(json_path)[0] + ".jsonl" if json_path else None
         if self.path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             open(self.path, "w").close()
 
     def __call__(self, table: str, row: dict) -> dict:

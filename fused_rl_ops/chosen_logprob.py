@@ -282,7 +282,8 @@ def _check_token_range(tokens, vocab_size, ignore_index) -> int:
     scored ids (the others). One host read of two integers (a synchronisation on CUDA)."""
     ignored = tokens == ignore_index
     invalid = ~ignored & ((tokens < 0) | (tokens >= vocab_size))
-    num_invalid, num_scored = torch.stack([invalid.sum(), (~ignored).sum()]).tolist()
+    # One copy to the host, then item() on host tensors, which a dispatch mode sees (tolist() it does not).
+    num_invalid, num_scored = (int(n) for n in torch.stack([invalid.sum(), (~ignored).sum()]).cpu())
     if num_invalid:
         bad = tokens[invalid][:5].tolist()
         raise ValueError(f"chosen_logprob: token ids must lie in [0, {vocab_size}) or equal ignore_index "

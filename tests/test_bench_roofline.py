@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks import bench_chosen_logprob as bench
+from benchmarks.results import RowLog
 from benchmarks import roofline
 
 H200 = roofline.DEVICES["H200"]
@@ -65,7 +66,7 @@ def test_the_benchmark_prints_the_roofline_beside_each_timed_row(capsys):
     timed row carries the fused kernels' expected times and the measured one over them, printed
     beside the measured time, and the summary and breakdown tables carry them too."""
     N, H, V = 64, 32, 512
-    rows = bench.timed_rows(N, H, V, torch.float32, "cpu", {}, reps=1, ceilings=H200)
+    rows = bench.timed_rows(N, H, V, torch.float32, "cpu", {}, 1, RowLog(None), ceilings=H200)
     printed = capsys.readouterr().out
     assert len(rows) == 4
     for row in rows:
@@ -84,4 +85,4 @@ def test_the_benchmark_prints_the_roofline_beside_each_timed_row(capsys):
     assert [r["kernel"] for r in breakdown["rows"]] == [k.name for k in roofline.chosen_logprob_kernels(
         N, H, V, torch.float32, "fwd+bwd")]
     # Without ceilings (the CPU, an unknown GPU) no roofline column.
-    assert not any("roofline" in c for c in bench.timed_rows(N, H, V, torch.float32, "cpu", {}, reps=1)[0])
+    assert not any("roofline" in c for c in bench.timed_rows(N, H, V, torch.float32, "cpu", {}, 1, RowLog(None))[0])

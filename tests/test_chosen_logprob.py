@@ -261,9 +261,8 @@ def test_gradient_gemms_over_several_chunks(device, dtype, grad_chunks, row_bloc
                  grad_lp, grad_ent]
     kw = dict(valid_rows=valid, grad_chunks=grad_chunks)
     grad_h, grad_w = ops.chosen_logprob_backward(hidden, weight, tokens, *per_token, None, *options, **kw)
-    # The ops compute every row they are given: the ignored one keeps its entropy gradient.
     _, _, want_h, want_w = reference_outputs_and_grads(hidden, weight, tokens, grad_lp, grad_ent, temperature=0.8,
-                                                       vocab_size=valid, skip_ignored=False)
+                                                       vocab_size=valid, skip_ignored=False)  # the ops: every row
     torch.testing.assert_close(grad_h.double().cpu(), want_h, **TOLERANCE[dtype])
     torch.testing.assert_close(grad_w.double().cpu(), want_w, **TOLERANCE[dtype])
     assert grad_w[valid:].eq(0).all()

@@ -46,6 +46,7 @@ def test_no_host_reads_without_the_checks(device, dtype, kw):
     assert "aten._local_scalar_dense.default" in mode.flagged
 
 
+@pytest.mark.per_device
 @pytest.mark.skipif(not (torch.cuda.is_available() and fused_rl_ops.has_cuda_kernels()), reason="needs a GPU")
 def test_a_cuda_graph_captures_forward_and_backward():
     """Captured once after a warm-up (as torch.cuda.graph asks), replayed with new hidden states,

@@ -188,6 +188,7 @@ def test_skip_ignored_false_computes_every_row_as_it_is(device):
     assert results[2][ignored].ne(0).any(-1).all()
 
 
+@pytest.mark.per_device
 @pytest.mark.skipif(not (torch.cuda.is_available() and fused_rl_ops.has_cuda_kernels()), reason="needs a GPU")
 def test_cuda_graph_capture_computes_every_row_with_the_same_results():
     """Under CUDA graph capture no value may be read: the defaults compute every row (replayed

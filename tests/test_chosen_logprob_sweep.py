@@ -138,11 +138,13 @@ def term_scales(case, bases, tokens, grads):
         gl = (grads[0].abs() * (tok >= 0)).unsqueeze(1)
         # |z| too: a logit's own rounding moves z - mean by about ulp(z) even where z = mean.
         dz = gl * (p + chosen) + grads[1].abs().unsqueeze(1) * torch.where(p > 0, p * ((z - mean).abs() + z.abs()), 0.0)
+        # Ignored rows are left out (skip_ignored): no terms, whatever their hidden states hold.
+        scored = (tok >= 0).unsqueeze(1)
         output_scale = z.abs().amax(-1) + lse.squeeze(-1).abs()  # V >= 1
-    dx = dz * slope
+    dx = torch.where(scored, dz * slope, 0.0)
     (hidden * (dx @ weight.abs())).sum().backward()
     grad_w_scale = torch.zeros(case["V"], case["H"], dtype=torch.float64)
-    grad_w_scale[: case["vocab_size"]] = dx.T @ hidden.detach().abs()
+    grad_w_scale[: case["vocab_size"]] = dx.T @ torch.where(scored, hidden.detach().abs(), 0.0)
     w_base.grad = None
     (view(w_base, case["weight_layout"], case["V"], case["H"]) * grad_w_scale).sum().backward()
     counts = []

@@ -109,23 +109,24 @@ def test_tiling_at_the_training_shape():
     assert tiling_for(N, H, 2, workspace, CPU, False) == (1024, 0, 0, 1)  # 64 MiB / (4 N + 8 H)
 
 
-@pytest.mark.parametrize("device,element_size", [("cpu", 2), ("cpu", 4), ("cpu", 8), ("cuda", 2), ("cuda", 4)])
+@pytest.mark.parametrize("device_type,element_size", [("cpu", 2), ("cpu", 4), ("cpu", 8), ("cuda", 2), ("cuda", 4)],
+                         ids=lambda value: f"{value}B" if isinstance(value, int) else f"{value}_accounting")
 @pytest.mark.parametrize("N,H,workspace", [(300, 24, 1), (300, 24, 2**20), (8192, 4096, 64 * 2**20),
                                            (5000, 7168, 48 * 2**20)])
-def test_tiling_fits_the_workspace(device, element_size, N, H, workspace):
+def test_tiling_fits_the_workspace(device_type, element_size, N, H, workspace):
     """The widest chunk (a multiple of 128, at least 128) whose buffers fit; batch-invariant, the
     device's fixed tiling with as many whole row blocks per pass as fit (at least one)."""
-    chunk, row_block, pass_rows, grad_chunks = tiling_for(N, H, element_size, workspace, torch.device(device), False)
+    chunk, row_block, pass_rows, grad_chunks = tiling_for(N, H, element_size, workspace, torch.device(device_type), False)
     assert (row_block, pass_rows) == (0, 0) and chunk % 128 == 0
-    assert grad_chunks == (SEPARATE_GRAD_CHUNKS if device == "cuda" and element_size == 2 else 1)
+    assert grad_chunks == (SEPARATE_GRAD_CHUNKS if device_type == "cuda" and element_size == 2 else 1)
     fits = [c for c in range(128, 2**16, 128)
-            if chunk_loop_bytes(device, element_size, H, N, c, grad_chunks) <= workspace]
+            if chunk_loop_bytes(device_type, element_size, H, N, c, grad_chunks) <= workspace]
     assert chunk == (fits[-1] if fits else 128)
-    invariant = tiling_for(N, H, element_size, workspace, torch.device(device), True)
-    row_block, chunk = INVARIANT_TILING[device]
+    invariant = tiling_for(N, H, element_size, workspace, torch.device(device_type), True)
+    row_block, chunk = INVARIANT_TILING[device_type]
     assert invariant[:2] == (chunk, row_block) and invariant[3] == 1
     per_pass = [p for p in range(row_block, 2**17, row_block)
-                if chunk_loop_bytes(device, element_size, H, p, chunk, 1, several_passes=True) <= workspace]
+                if chunk_loop_bytes(device_type, element_size, H, p, chunk, 1, several_passes=True) <= workspace]
     assert invariant[2] == (per_pass[-1] if per_pass else row_block)
 
 

@@ -95,9 +95,9 @@ def outcome(call):
     return None
 
 
-@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("tensors_on", ["cpu", "meta"], ids=["cpu_kernels", "fake_kernels"])
 @pytest.mark.parametrize("declaration", list(DECLARATIONS), ids=lambda d: d.__name__)
-def test_ops_accept_and_refuse_what_the_declaration_does(declaration, device):
+def test_ops_accept_and_refuse_what_the_declaration_does(declaration, tensors_on):
     """Every option of every op, at values on both sides of its rule (None too where the schema
     takes it): the op called directly (CPU kernels; meta: the fake kernels) raises exactly when the
     declaration does, with the same error type and words."""
@@ -106,9 +106,9 @@ def test_ops_accept_and_refuse_what_the_declaration_does(declaration, device):
         for value in PROBES[declared.kind] + [None] * declared.optional:
             args = dict(dataclasses.asdict(valid), **{declared.name: value})
             expected = outcome(lambda: declaration(**args))
-            for op, (before, after) in tensors(device).items():
+            for op, (before, after) in tensors(tensors_on).items():
                 got = outcome(lambda: getattr(ops, op)(*before, *args.values(), *after))
-                assert got == expected, f"{op}({declared.name}={value!r}) on {device}"
+                assert got == expected, f"{op}({declared.name}={value!r}) on {tensors_on}"
 
 
 def test_the_docs_name_every_declared_option():

@@ -51,12 +51,12 @@
 // Tells csrc/common/launch.h to launch through cuda_on_host::launch.
 #define CUDA_ON_HOST 1
 
+// A hint to nvcc's register allocation (code generation is not modelled); nvcc still checks it.
+#define __launch_bounds__(...)
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-// A kernel's register budget is nvcc's business (the compile gate checks it): nothing on the host.
-// CUDA's headers define __launch_bounds__ for nvcc only.
-#define __launch_bounds__(...)
 #include <cxxabi.h>
 #include <dlfcn.h>
 
