@@ -33,6 +33,12 @@ linear_cross_entropy indexes the valid rows first). fused/unmasked is fused's ti
 0% (same entropy setting); the masked goals: at 75% fused/unmasked at most 0.45, at 50% fused faster
 than every other path of the row.
 
+The sampler's filter (--sampler-filter runs it alone, at the main shapes): forward+backward of the
+fused path, with entropy and logprob only, plain and with top_k=50, top_p=0.95 and both (the
+filters of chosen_logprob: the distribution a sampler with those settings drew from), in the same
+rounds; <filter>/plain is its time over the plain call's. The goals: top_k at most 1.5x of the plain
+call, top_p (alone or after top_k) at most 2.5x.
+
 The plot (--json PATH -> PATH.png) draws time and peak memory of forward+backward (logprob only)
 against V and against N for every path (the sweeps), and against the masked share at the last main
 shape (the RL-shaped case, with entropy dashed). On a CUDA device whose ceilings
@@ -44,6 +50,7 @@ import dataclasses
 
 import torch
 
+import fused_rl_ops
 from fused_rl_ops import reference
 
 from . import roofline
@@ -67,6 +74,15 @@ GOALS = {  # column -> (what it checks, its value on a row: True / False, or Non
 }
 TIME_GOALS, MEMORY_GOALS = ["goal_time<=torch_lce/2", "goal_time<=naive"], ["goal_mem<=torch_lce"]
 MASKED = (0.0, 0.5, 0.75)  # the RL-shaped case's shares of ignored positions
+
+SAMPLER_FILTERS = {"plain": {}, "top_k": dict(top_k=50), "top_p": dict(top_p=0.95),
+                   "top_k+top_p": dict(top_k=50, top_p=0.95)}
+SAMPLER_GOALS = {
+    "goal_top_k<=1.5x": ("top_k=50: fused time at most 1.5x of the plain call's",
+                         lambda r: r["top_k/plain"] <= 1.5),
+    "goal_top_p<=2.5x": ("top_p=0.95, alone and after top_k=50: fused time at most 2.5x of the plain call's",
+                         lambda r: max(r["top_p/plain"], r["top_k+top_p/plain"]) <= 2.5),
+}
 
 
 def other_paths(row):
@@ -256,6 +272,45 @@ def measure_masked(N, H, V, dtype, dev, peers, reps, log) -> list:
     return rows
 
 
+def measure_sampler_filter(N, H, V, dtype, dev, reps, log) -> list:
+    """The sampler's filter at one shape (module docstring): a forward+backward row with entropy and
+    one with logprob only, each filter's time and its ratio to the plain call's."""
+    rows = []
+    hidden, weight, tokens = make_inputs(N, H, V, dtype, dev)
+    for entropy in (True, False):
+        row = {"N": N, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "entropy": entropy,
+               "mode": "fwd+bwd"}
+
+        def fused(filter_):
+            return lambda h, w, t: fused_rl_ops.chosen_logprob(h, w, t, return_entropy=True, **filter_) if entropy \
+                else (fused_rl_ops.chosen_logprob(h, w, t, **filter_),)
+
+        runs = {name: run_once(fused(f), "fwd+bwd", hidden, weight, tokens) for name, f in SAMPLER_FILTERS.items()}
+        record_times(row, time_paths(runs, dev, reps=reps))
+        for name in list(SAMPLER_FILTERS)[1:]:
+            row[f"{name}/plain"] = row[f"{name}_ms"] / row["plain_ms"]
+        add_goals(row, SAMPLER_GOALS, SAMPLER_GOALS)
+        rows.append(log("sampler_filter", row))
+        print_row(row, ["N", "H", "V", "entropy"] + [f"{name}_ms" for name in SAMPLER_FILTERS]
+                  + [f"{name}/plain" for name in list(SAMPLER_FILTERS)[1:]] + list(SAMPLER_GOALS))
+    return rows
+
+
+def sampler_filter_table(rows):
+    return summary_table(
+        "chosen_logprob with the sampler's filter: fwd+bwd time (ms) of the fused path, plain and with top_k=50, "
+        "top_p=0.95 and both, and each over the plain call; goals: "
+        + "; ".join(f"{c}: {what}" for c, (what, _) in SAMPLER_GOALS.items()),
+        rows, ["N", "H", "V", "entropy"] + [f"{name}_ms" for name in SAMPLER_FILTERS]
+        + [f"{name}/plain" for name in list(SAMPLER_FILTERS)[1:]] + list(SAMPLER_GOALS))
+
+
+def sampler_filter_headline(rows) -> list:
+    return [{"metric": f"{name} / plain fused time, fwd+bwd {'with entropy' if r['entropy'] else 'logprob only'}, "
+                       "N={N} H={H} V={V}".format(**r), "value": r[f"{name}/plain"], "busy": r["busy"]}
+            for r in rows for name in list(SAMPLER_FILTERS)[1:]]
+
+
 def summary_tables(rows, all_paths):
     timed = [r for r in rows if "fused_ms" in r]
     key = ["N", "H", "V", "entropy", "mode"]
@@ -296,6 +351,8 @@ def shape_options(parser):
                         help="no V and N sweeps (the plot then shows the RL-shaped case only)")
     parser.add_argument("--masked-only", action="store_true",
                         help="the RL-shaped case only (at the main shapes): no main rows, no sweeps")
+    parser.add_argument("--sampler-filter", action="store_true",
+                        help="the sampler's filter only (top_k, top_p against the plain call, at the main shapes)")
     parser.add_argument("--shape", nargs=3, type=int, action="append", metavar=("N", "H", "V"),
                         help="a main shape to measure instead of the device's defaults (repeatable)")
 
@@ -357,6 +414,11 @@ def main():
             [(N, 4096, 131072) for N in (2048, 4096, 8192, 16384)]
     if args.shape:
         shapes = [tuple(shape) for shape in args.shape]
+    if args.sampler_filter:
+        rows = [row for N, H, V in shapes for row in measure_sampler_filter(N, H, V, dtype, dev, reps, log)]
+        write_json(args.json, "chosen_logprob", dev, rows, headline=sampler_filter_headline(rows),
+                   tables=[sampler_filter_table(rows)], goals={c: what for c, (what, _) in SAMPLER_GOALS.items()})
+        return
     peers, versions = load_peers(dev)
     all_paths = paths_for(False, peers)
     ceilings = roofline.ceilings_for(dev)

@@ -27,12 +27,18 @@ TORCH_LIBRARY(fused_rl_ops, m) {
   // chosen_logprob: per-shard partials (stats), their merge across shards (combine), and the
   // chunked backward from the merged row max, log-sum and entropy. The stats' columns:
   // stats_column and combined_column in chosen_logprob/math.h.
-  m.def("chosen_logprob_stats(Tensor hidden, Tensor weight, Tensor tokens" CHOSEN_LOGPROB_OPTIONS ") -> Tensor");
+  // threshold: the sampler's filter (top_k, top_p) as per-token thresholds, the logits below them
+  // dropped; search: one round of top_p's threshold search, updating hist and top
+  // (chosen_logprob/sampler_filter.h).
+  m.def("chosen_logprob_stats(Tensor hidden, Tensor weight, Tensor tokens" CHOSEN_LOGPROB_OPTIONS
+        ", Tensor? threshold=None) -> Tensor");
   m.def("chosen_logprob_combine(Tensor partials) -> Tensor");
   m.def(
       "chosen_logprob_backward(Tensor hidden, Tensor weight, Tensor tokens, Tensor row_max, Tensor log_sum, "
       "Tensor log_sum_minus_entropy, Tensor grad_logprob, Tensor grad_entropy, Tensor(a!)? main_grad"
-      CHOSEN_LOGPROB_OPTIONS ") -> (Tensor, Tensor)");
+      CHOSEN_LOGPROB_OPTIONS ", Tensor? threshold=None) -> (Tensor, Tensor)");
+  m.def("chosen_logprob_search(Tensor hidden, Tensor weight, Tensor row_max, Tensor window, Tensor(a!) hist, "
+        "Tensor(b!)? top" CHOSEN_LOGPROB_OPTIONS ") -> ()");
   m.def("value_head(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor");
   m.def("value_head_backward_hidden(Tensor grad_out, Tensor weight, ScalarType dtype) -> Tensor");
   m.def("value_head_backward_params(Tensor grad_out, Tensor hidden) -> (Tensor, Tensor)");

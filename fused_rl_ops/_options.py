@@ -18,12 +18,14 @@ class Rule(NamedTuple):
     holds: Callable  # the test, on a value of the option's type
 
 
-# As csrc/common/options.h: PositiveFinite, Positive, Finite, PositiveInteger, NonNegativeInteger, AnyBool.
+# As csrc/common/options.h: PositiveFinite, Positive, Finite, PositiveInteger, NonNegativeInteger,
+# Probability, AnyBool.
 POSITIVE_FINITE = Rule("a positive finite number", lambda v: 0 < v < math.inf)
 POSITIVE = Rule("a positive number", lambda v: v > 0)  # +inf included
 FINITE = Rule("a finite number", math.isfinite)
 POSITIVE_INTEGER = Rule("a positive integer", lambda v: v > 0)
 NON_NEGATIVE_INTEGER = Rule("a non-negative integer", lambda v: v >= 0)
+PROBABILITY = Rule("a number in (0, 1]", lambda v: 0 < v <= 1)
 ANY_BOOL = Rule("True or False", lambda v: True)
 
 

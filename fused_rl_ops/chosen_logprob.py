@@ -11,6 +11,7 @@ default_workspace_bytes(hidden)) plus O(tokens) state, independent of the vocabu
 token is ignore_index are left out before the kernels (skip_ignored): the work, and the workspace's
 size, follow the scored rows.
 """
+import dataclasses
 import math
 import struct
 from dataclasses import dataclass
@@ -19,10 +20,11 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from . import _sampler_filter
 from ._library import acc_dtype, check_device, check_float_dtype, ops
 from ._checks import check_hidden_size, values_readable
-from ._options import (NON_NEGATIVE_INTEGER, POSITIVE_FINITE, POSITIVE_INTEGER, check_option, check_options,
-                       op_arguments, option, options_dataclass)
+from ._options import (NON_NEGATIVE_INTEGER, POSITIVE_FINITE, POSITIVE_INTEGER, PROBABILITY, check_option,
+                       check_options, op_arguments, option, options_dataclass)
 
 DEFAULT_WORKSPACE_BYTES = 64 * 2**20  # the largest default workspace
 _MIN_DEFAULT_WORKSPACE_BYTES = 2**20
@@ -53,8 +55,11 @@ class ChosenLogprobOptions:
     valid_rows: weight's first rows that are vocabulary, the rest padding; None: all of them.
     grad_chunks: the backward's gradient GEMMs take the logit gradients of this many chunks at once
         (tiling_for); the stats op ignores it.
+    top_k, top_p: the sampler's filter (fused_rl_ops/_sampler_filter.py); None: none. The ops take
+        its kept set as per-token thresholds; with top_k the stats op returns each row's top (its
+        top_k largest logits) besides the partials.
     The ranks of a tensor-parallel group must agree on the options marked agreed (temperature,
-    softcap); chosen_logprob's group check compares them.
+    softcap, top_k, top_p); chosen_logprob's group check compares them.
     """
     temperature: float = option(POSITIVE_FINITE, agreed=True)
     vocab_start: int = option(NON_NEGATIVE_INTEGER)
@@ -64,6 +69,8 @@ class ChosenLogprobOptions:
     softcap: Optional[float] = option(POSITIVE_FINITE, default=None, agreed=True)
     valid_rows: Optional[int] = option(NON_NEGATIVE_INTEGER, default=None)
     grad_chunks: int = option(POSITIVE_INTEGER, default=1)
+    top_k: Optional[int] = option(POSITIVE_INTEGER, default=None, agreed=True)
+    top_p: Optional[float] = option(PROBABILITY, default=None, agreed=True)
 
     def __post_init__(self):
         check_options("chosen_logprob", self)
@@ -72,7 +79,8 @@ class ChosenLogprobOptions:
 class StatsColumns(NamedTuple):
     """The columns of chosen_logprob_stats' [N, 4] output: a vocab shard's partials of each token's
     row (csrc/chosen_logprob/math.h, stats_column): the max m of its logits, s = sum exp(z - m),
-    t = sum exp(z - m) (z - m), and the chosen logit (0 when another shard holds the token)."""
+    t = sum exp(z - m) (z - m), and the chosen logit (0 when another shard holds the token). With
+    top_k the row's top follows them (_sampler_filter.TOP_HEADER + top_k columns)."""
     max: torch.Tensor
     sum: torch.Tensor
     ent: torch.Tensor
@@ -309,6 +317,36 @@ class _Autograd:
     def distributed(self) -> bool:
         return self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
 
+    def gather(self, t):
+        """The ranks' t stacked, [ranks, ...] ([1, ...] without a group)."""
+        if not self.distributed:
+            return t.unsqueeze(0)
+        gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(self.tp_group))]
+        dist.all_gather(gathered, t.contiguous(), group=self.tp_group)
+        return torch.stack(gathered)
+
+    def all_reduce(self, t):
+        if self.distributed:
+            dist.all_reduce(t, group=self.tp_group)
+
+    def combine(self, stats):
+        """The ranks' partials of chosen_logprob_stats merged: CombinedColumns. lse = row_max +
+        log_sum, kept apart: z - row_max is exact near the top of the row."""
+        return CombinedColumns(*ops.chosen_logprob_combine(self.gather(stats)).unbind(1))
+
+
+def _kept_set(hidden, weight, stats, row, options, call):
+    """The tokens' thresholds of the sampler's filter and with top_k the kept set's partials
+    (_sampler_filter.thresholds), from the stats pass's tops, with search passes where top_p alone
+    needs them."""
+
+    def search(window, hist, top):
+        ops.chosen_logprob_search(hidden, weight, row.row_max, window, hist, top, *op_arguments(options))
+
+    tops = stats[:, len(StatsColumns._fields):] if options.top_k is not None else None
+    return _sampler_filter.thresholds(tops, row.row_max, row.log_sum, options.top_k, options.top_p, search,
+                                      call.gather, call.all_reduce)
+
 
 def _gather(t, rows):
     """t's entries at rows (an index), or t itself when rows (or t) is None."""
@@ -329,36 +367,50 @@ class _ChosenLogprob(torch.autograd.Function):
         num_rows = hidden.shape[0]
         hidden, tokens, ignore = (_gather(t, scored_rows) for t in (hidden, tokens, ignore))
         stats = ops.chosen_logprob_stats(hidden, weight, tokens, *op_arguments(options))
-        if call.distributed:
-            gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(call.tp_group))]
-            dist.all_gather(gathered, stats, group=call.tp_group)
-            partials = torch.stack(gathered)
-        else:
-            partials = stats.unsqueeze(0)
-        # lse = row_max + log_sum, kept apart: z - row_max is exact near the top of the row.
-        row = CombinedColumns(*ops.chosen_logprob_combine(partials).unbind(1))
+        row = call.combine(stats[:, :len(StatsColumns._fields)])
+        threshold = None
+        if options.top_k is not None or options.top_p is not None:
+            # The kept set's threshold, then the partials of the logits at or above it.
+            threshold, kept = _kept_set(hidden, weight, stats, row, options, call)
+            if kept is None:
+                unfiltered = dataclasses.replace(options, top_k=None, top_p=None)
+                row = call.combine(ops.chosen_logprob_stats(hidden, weight, tokens, *op_arguments(unfiltered),
+                                                            threshold))
+            else:  # from the tops; rows that are not filtered (threshold -inf: a NaN or inf) as they are
+                filtered = torch.isfinite(threshold)
+                row = CombinedColumns(*(torch.where(filtered, k.to(c.dtype), c) for k, c in zip(kept, row[:3])),
+                                      row.chosen)
         logprob = torch.where(ignore, 0.0, (row.chosen - row.row_max) - row.log_sum)
-        # Both come from the same fp32 logit buffer, so a chosen maximum compares equal exactly.
-        is_max = _scatter((row.chosen == row.row_max) & ~ignore, scored_rows, num_rows)
-        ctx.mark_non_differentiable(is_max)
-        ctx.save_for_backward(hidden, weight, tokens, ignore, scored_rows, row.row_max, row.log_sum, row.entropy)
+        # Both come from the same fp32 logit buffer, so a chosen maximum compares equal exactly; and
+        # the threshold is one of those logits.
+        is_max = (row.chosen == row.row_max) & ~ignore
+        dropped = torch.zeros_like(ignore) if threshold is None else (row.chosen < threshold) & ~ignore
+        logprob = torch.where(dropped, -math.inf, logprob)
+        is_max, is_kept = _scatter(is_max, scored_rows, num_rows), _scatter(~(ignore | dropped), scored_rows, num_rows)
+        ctx.mark_non_differentiable(is_max, is_kept)
+        # Ignored tokens and tokens outside the kept set (logprob -inf) pass no logprob gradient.
+        no_logprob_grad = ignore | dropped
+        ctx.save_for_backward(hidden, weight, tokens, no_logprob_grad, scored_rows, row.row_max, row.log_sum,
+                              row.entropy, threshold)
         ctx.options, ctx.call, ctx.num_rows = options, call, num_rows
         # main_grad is the backward's output buffer, not an input of its math: kept on ctx, not saved
         # (autograd's version check would trip on its in-place updates).
         ctx.main_grad = main_grad
-        return _scatter(logprob, scored_rows, num_rows), _scatter(row.entropy, scored_rows, num_rows), is_max
+        return (_scatter(logprob, scored_rows, num_rows), _scatter(row.entropy, scored_rows, num_rows), is_max,
+                is_kept)
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy, grad_is_max):
-        hidden, weight, tokens, ignore, scored_rows, row_max, log_sum, entropy = ctx.saved_tensors
+    def backward(ctx, grad_logprob, grad_entropy, grad_is_max, grad_is_kept):
+        hidden, weight, tokens, no_logprob_grad, scored_rows, row_max, log_sum, entropy, threshold = ctx.saved_tensors
         call = ctx.call
         grad_logprob, grad_entropy = _gather(grad_logprob, scored_rows), _gather(grad_entropy, scored_rows)
-        grad_logprob = torch.zeros_like(entropy) if grad_logprob is None else torch.where(ignore, 0.0, grad_logprob)
+        grad_logprob = (torch.zeros_like(entropy) if grad_logprob is None
+                        else torch.where(no_logprob_grad, 0.0, grad_logprob))
         grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy
         # One [V_local, H] weight gradient, padded rows zeroed by the op; or none, added into main_grad.
         grad_hidden, grad_weight = ops.chosen_logprob_backward(
             hidden, weight, tokens, row_max, log_sum, log_sum - entropy, grad_logprob.to(entropy.dtype).contiguous(),
-            grad_entropy.to(entropy.dtype).contiguous(), ctx.main_grad, *op_arguments(ctx.options))
+            grad_entropy.to(entropy.dtype).contiguous(), ctx.main_grad, *op_arguments(ctx.options), threshold)
         if ctx.main_grad is not None:
             grad_weight = None
             if call.weight_placeholder == "zeros":
@@ -391,6 +443,9 @@ def chosen_logprob(
     workspace_bytes: Optional[int] = None,
     batch_invariant: bool = False,
     return_is_max: bool = False,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    return_is_kept: bool = False,
 ):
     """log softmax(z / temperature)[tokens] over the (vocab-parallel) vocabulary, z = hidden @ weight.T,
     or z = softcap * tanh(hidden @ weight.T / softcap) with a softcap (a positive finite number;
@@ -404,7 +459,9 @@ def chosen_logprob(
     Returns fp32 logprob [...] (float64 for float64 inputs), or a tuple: logprob, then entropy with
     return_entropy=True, then is_max with return_is_max=True (bool [...]: the token's logit equals
     its row's maximum over the valid rows, i.e. a greedy pick; every token tied for the maximum is
-    True; ignored positions, out-of-range ids and rows with a NaN logit are False). vocab_size is
+    True; ignored positions, out-of-range ids and rows with a NaN logit are False), then is_kept
+    with return_is_kept=True (bool [...]: the token is in the kept set of top_k / top_p; ignored
+    positions and out-of-range ids are False). vocab_size is
     the real vocabulary size: rows with global id >= vocab_size are padding and take no part in the
     softmax or entropy (default: every row of every rank).
     Positions whose token is ignore_index get logprob 0, entropy 0 and zero gradient rows, and never
@@ -446,6 +503,18 @@ def chosen_logprob(
     them (chunk_loop_bytes; with main_grad add a [chunk * grad_chunks, H] buffer in the weight's
     dtype); None: default_workspace_bytes(hidden, rows the kernels get).
 
+    top_k (a positive integer) and top_p (a number in (0, 1]) score the tokens under the distribution
+    a sampler with those settings drew them from: the softmax restricted to the tokens it keeps
+    (its top_k largest logits, ties included, then the most likely of those up to a cumulative
+    probability of top_p, ties decided together; the rule: fused_rl_ops/_sampler_filter.py) and
+    renormalised over them, logprob and entropy alike; the gradients treat the kept set as fixed.
+    Pass the rollout engine's values. A token outside the kept set gets logprob -inf and no logprob
+    gradient (is_kept counts them). None, top_k >= vocab_size and top_p = 1 filter nothing (today's
+    results, bitwise). top_k adds no pass over the vocabulary (the stats pass keeps each row's top
+    and the kept set's sums come from it; top_p with top_k is decided on it too). top_p without
+    top_k searches its threshold, typically two more passes, each with a host synchronisation (so
+    not under torch.compile(fullgraph=True) or CUDA graph capture), and one for the kept set.
+
     batch_invariant=True makes each token's logprob, entropy and hidden gradient bitwise
     independent of the other tokens of the call (their number, order, leading shape, ignored
     positions, whether they are skipped) and of workspace_bytes, on one machine with one library
@@ -480,8 +549,12 @@ def chosen_logprob(
             kernel_rows, hidden.shape[-1], hidden.element_size(), workspace_bytes, hidden.device, batch_invariant)
         # The weight's rows before vocab_size are vocabulary, the rest padding.
         valid_rows = min(max(vocab_size - vocab_start, 0), local_vocab)
+        check_option("chosen_logprob", ChosenLogprobOptions, "top_k", top_k)
+        check_option("chosen_logprob", ChosenLogprobOptions, "top_p", top_p)
+        top_k = None if top_k is None or top_k >= vocab_size else top_k
+        top_p = None if top_p is None or top_p == 1 else top_p
         options = ChosenLogprobOptions(temperature, vocab_start, chunk_size, row_block, pass_rows, softcap, valid_rows,
-                                       grad_chunks)
+                                       grad_chunks, top_k, top_p)
     except (TypeError, ValueError) as exc:
         error = exc
     if world > 1 and check_group:
@@ -503,8 +576,8 @@ def chosen_logprob(
         # position's hidden state) reaches the weight gradient; their results are dropped below.
         hidden2d = hidden2d.masked_fill(ignored[:, None], 0)
     call = _Autograd(tp_group, bool(reduce_hidden_grad), _main_grad_placeholder(weight, main_grad))
-    logprob, entropy, is_max = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, scored_rows, main_grad,
-                                                    options, call)
+    logprob, entropy, is_max, is_kept = _ChosenLogprob.apply(hidden2d, weight, tokens1d, ignored, scored_rows,
+                                                             main_grad, options, call)
     if skip_ignored:
         entropy = torch.where(ignored, 0.0, entropy)  # and no entropy gradient into the rows computed anyway
     if not check_tokens:
@@ -513,17 +586,34 @@ def chosen_logprob(
         out_of_range = ~ignored & ((tokens1d < 0) | (tokens1d >= vocab_size))
         logprob = logprob * torch.where(out_of_range, float("nan"), 1.0)
         is_max = is_max & ~out_of_range
-    outputs = [logprob] + [entropy] * return_entropy + [is_max] * return_is_max
+        is_kept = is_kept & ~out_of_range
+    outputs = [logprob] + [entropy] * return_entropy + [is_max] * return_is_max + [is_kept] * return_is_kept
     outputs = tuple(t.reshape(lead) for t in outputs)
     return outputs if len(outputs) > 1 else outputs[0]
 
 
+def _options_and_threshold(args, kwargs) -> tuple:
+    """(ChosenLogprobOptions, threshold) from the arguments after an op's tensors: its options, then
+    the optional threshold."""
+    count = len(ChosenLogprobOptions.OPTIONS)
+    threshold = args[count] if len(args) > count else kwargs.pop("threshold", None)
+    return ChosenLogprobOptions(*args[:count], **kwargs), threshold
+
+
 # The fake kernels check the options and the devices as the ops do.
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_stats")
-def _(hidden, weight, tokens, *options, **named_options):
+def _(hidden, weight, tokens, *args, **kwargs):
+    options, threshold = _options_and_threshold(args, kwargs)
+    check_device("chosen_logprob", hidden=hidden, weight=weight, tokens=tokens, threshold=threshold)
+    top = 0 if options.top_k is None else _sampler_filter.TOP_HEADER + options.top_k
+    columns = len(StatsColumns._fields) + top
+    return hidden.new_empty(hidden.shape[0], columns, dtype=acc_dtype(hidden.dtype))
+
+
+@torch.library.register_fake("fused_rl_ops::chosen_logprob_search")
+def _(hidden, weight, row_max, window, hist, top, *options, **named_options):
     ChosenLogprobOptions(*options, **named_options)
-    check_device("chosen_logprob", hidden=hidden, weight=weight, tokens=tokens)
-    return hidden.new_empty(hidden.shape[0], len(StatsColumns._fields), dtype=acc_dtype(hidden.dtype))
+    check_device("chosen_logprob", hidden=hidden, weight=weight, row_max=row_max, window=window, hist=hist, top=top)
 
 
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_combine")
@@ -533,8 +623,9 @@ def _(partials):
 
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_backward")
 def _(hidden, weight, tokens, row_max, log_sum, log_sum_minus_entropy, grad_logprob, grad_entropy, main_grad,
-      *options, **named_options):
-    ChosenLogprobOptions(*options, **named_options)
-    check_device("chosen_logprob", hidden=hidden, weight=weight, tokens=tokens, main_grad=main_grad)
+      *args, **kwargs):
+    _, threshold = _options_and_threshold(args, kwargs)
+    check_device("chosen_logprob", hidden=hidden, weight=weight, tokens=tokens, main_grad=main_grad,
+                 threshold=threshold)
     grad_weight = weight.new_empty(0, weight.shape[1]) if main_grad is not None else torch.empty_like(weight)
     return hidden.new_empty(hidden.shape, dtype=acc_dtype(hidden.dtype)), grad_weight

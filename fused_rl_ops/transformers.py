@@ -73,7 +73,7 @@ def _logit_transform(model, step) -> tuple[float, Optional[float]]:
 
 def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,
                        labels: Optional[torch.Tensor] = None, temperature: float = 1.0, return_entropy: bool = False,
-                       **forward_kwargs):
+                       top_k: Optional[int] = None, top_p: Optional[float] = None, **forward_kwargs):
     """log softmax(logits[:, t] / temperature)[labels[:, t + 1]] for t < seq - 1, without the logits.
 
     model is a transformers CausalLM of a class in LOGITS_AFTER_HEAD. Runs its base model (the
@@ -90,6 +90,9 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
     float64 model), or (logprob, entropy) with return_entropy=True (the entropy of the tempered
     next-token distribution). Differentiable in every parameter the logits depend on. A MoE model's
     router auxiliary loss, part of its CausalLM loss, is not included.
+    top_k, top_p: the rollout engine's sampler filter (pass its values; None: none): logprob and
+    entropy of the distribution the sampler drew from, the tokens it keeps renormalised (see
+    chosen_logprob). A token the filter drops gets logprob -inf and no logprob gradient.
     """
     decoder, head, step = _check_model(model)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
@@ -112,4 +115,4 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
     # As nn.Linear would need: the hidden states in the head's dtype.
     return chosen_logprob(hidden[:, :-1].to(weight.dtype), weight, scored_labels, temperature=temperature / scale,
                           ignore_index=IGNORE_INDEX, vocab_size=model.config.vocab_size,
-                          softcap=softcap, return_entropy=return_entropy)
+                          softcap=softcap, return_entropy=return_entropy, top_k=top_k, top_p=top_p)

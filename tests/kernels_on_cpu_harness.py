@@ -45,7 +45,7 @@ SANITIZER_ENV = {
 }
 # Dtype of a buffer: (name in case.txt, the launcher's DType value).
 DTYPES = {torch.float32: ("f32", 0), torch.bfloat16: ("bf16", 1), torch.float16: ("f16", 2),
-          torch.int64: ("i64", None)}
+          torch.int64: ("i64", None), torch.float64: ("f64", None)}
 FP32_EPS = 2.0**-23
 # Relative spacing of a dtype's values (one ulp, at worst): kernels compute in fp32 and round once.
 ULP = {torch.float32: FP32_EPS, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -276,12 +276,18 @@ def running_stats(earlier, has_earlier):
     return stats
 
 
-def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, temperature, passes, softcap=0.0):
-    """chosen_logprob_stats_rows_kernel merging logits [N, C] into stats (softcap 0: none); returns the stats it
-    wrote, in float64."""
+def threshold_buffer(threshold):
+    """The optional threshold buffer of a row kernel's case (the sampler's filter)."""
+    return {} if threshold is None else {"threshold": Buf(threshold.float())}
+
+
+def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, temperature, passes, softcap=0.0, threshold=None):
+    """chosen_logprob_stats_rows_kernel merging logits [N, C] into stats (softcap 0: none; threshold:
+    the logits below it dropped); returns the stats it wrote, in float64."""
     N, C = logits.shape
     out, [launch] = run_case(drivers, "chosen_logprob", "stats_rows",
-                             {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats)},
+                             {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats),
+                              **threshold_buffer(threshold)},
                              {"N": N, "C": C, "col0": col0, "temperature": temperature, "softcap": softcap},
                              passes=passes, tmp_dir=tmp_path)
     assert_passes(launch, N, passes, rows_per_block=launch.block[0] // 32)  # a warp per row
@@ -297,15 +303,16 @@ def combined_stats64(z):
 
 
 def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0,
-                  temperature, passes, softcap=0.0, grads=None, grads_col=0, offsets=(0, 0)):
+                  temperature, passes, softcap=0.0, grads=None, grads_col=0, offsets=(0, 0), threshold=None):
     """chosen_logprob_grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32; softcap 0:
-    none): in place by default, returning the gradients it wrote over the logits; or into columns
-    [grads_col, grads_col + C) of grads ([N, stride] in the gradient dtype), returning all of grads.
+    none; threshold: the logits below it pass no gradient): in place by default, returning the
+    gradients it wrote over the logits; or into columns [grads_col, grads_col + C) of grads ([N,
+    stride] in the gradient dtype), returning all of grads.
     offsets: the logits' and grads' elements past a 16-byte boundary. Returns (gradients, launch)."""
     N, C = logits.shape
     buffers = {"logits": Buf(logits, offsets[0]), "tokens": Buf(tokens), "row_max": Buf(row_max.float()),
                "log_sum": Buf(log_sum.float()), "log_sum_minus_entropy": Buf(log_sum_minus_entropy.float()),
-               "gl": Buf(gl), "ge": Buf(ge)}
+               "gl": Buf(gl), "ge": Buf(ge), **threshold_buffer(threshold)}
     scalars = {"N": N, "C": C, "col0": col0, "temperature": temperature, "softcap": softcap,
                "in_place": int(grads is None)}
     if grads is not None:

@@ -10,6 +10,7 @@ import torch
 
 import test_kernels_on_cpu_chosen_logprob as chosen_logprob_cases
 import test_kernels_on_cpu_clamped_swiglu as clamped_swiglu_cases
+import test_kernels_on_cpu_sampler_filter as sampler_filter_cases
 import test_kernels_on_cpu_value_head as value_head_cases
 from kernels_on_cpu_harness import BUILDS, CSRC, SANITIZER_ENV, build_drivers, drivers, pytestmark  # noqa: F401
 
@@ -71,8 +72,8 @@ DEFECTS = {
         "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
     # grad_rows' column loop one pack past the row (thread 0 reaches k = C with 16 packs a row).
     "grad_rows_loop_bound_le": (
-        "chosen_logprob/kernel.cuh", "k < C; k += int64_t(blockDim.x) * kWidth",
-        "k <= C; k += int64_t(blockDim.x) * kWidth", "chosen_logprob",
+        "chosen_logprob/kernel.cuh", "k < int(C); k += int(blockDim.x) * kWidth",
+        "k <= int(C); k += int(blockDim.x) * kWidth", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_grad_rows_into_a_gradient_buffer(
             d, tmp, 20, 64, 128, 64, (0, 0), "one", "vector", 0.0),
         "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
@@ -84,6 +85,22 @@ DEFECTS = {
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_grad_rows_into_a_gradient_buffer(
             d, tmp, 20, 64, 128, 64, (0, 0), "one", "vector", 0.0),
         "ThreadSanitizer: data race", "tsan"),
+    # hist_rows without the barrier between clearing the shared bins and adding to them.
+    "hist_rows_clear_barrier_deleted": (
+        "chosen_logprob/kernel.cuh", "bins[j] = 0;\n    __syncthreads();", "bins[j] = 0;", "chosen_logprob",
+        lambda d, tmp: sampler_filter_cases.test_hist_rows(d, tmp, 5, 300, "one", 1.0),
+        "ThreadSanitizer: data race", "tsan"),
+    # top_rows reading one column past the row (45 columns: lane 13 of the last 32 reaches k = C).
+    "top_rows_loop_bound_le": (
+        "chosen_logprob/kernel.cuh", "const float z = k < C ? logit(x[k])", "const float z = k <= C ? logit(x[k])",
+        "chosen_logprob", lambda d, tmp: sampler_filter_cases.test_top_rows(d, tmp, 21, 45, 5, "one", 1.0),
+        "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
+    # top_rows taking each given logit from the next lane: the tops hold other values.
+    "top_rows_shuffle_lane_off_by_one": (
+        "chosen_logprob/kernel.cuh", "__shfl_sync(0xffffffffu, z, __ffs(rest) - 1)",
+        "__shfl_sync(0xffffffffu, z, __ffs(rest))", "chosen_logprob",
+        lambda d, tmp: sampler_filter_cases.test_top_rows_threshold_and_window(d, tmp, "several"),
+        "top values", "plain"),
     # grad_rows' launcher taking the vector path without checking the buffer's alignment.
     "grad_rows_alignment_unchecked": (
         "chosen_logprob/kernel.cu", "is_aligned(p.grads, sizeof(Pack<G, kGradWidth>))", "true", "chosen_logprob",

@@ -11,19 +11,11 @@ from fused_rl_ops.megatron import attach, detach, rl_output_processor  # noqa: E
 from fused_rl_ops.reference.megatron import NaiveRLOutputProcessor  # noqa: E402
 from fused_rl_ops.testing.distributed import run_distributed  # noqa: E402
 from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
-from fused_rl_ops.testing.ppo import allreduce_sequence_parallel_grads, model_inputs  # noqa: E402
+from fused_rl_ops.testing.ppo import model_inputs, outputs_and_grads  # noqa: E402
 
 B, S, REAL_VOCAB = 2, 8, 200  # the model's vocabulary is padded to 256
 SOFTCAP = 0.5  # the tiny model's logits reach a few units: the cap changes them
 
-
-def forward_backward(model, tokens, coeff):
-    outputs = model(tokens, *model_inputs(tokens), labels=tokens)
-    (coeff[0] * outputs["logprobs"] + coeff[1] * outputs["entropy"]).sum().backward()
-    allreduce_sequence_parallel_grads(model)
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    return {name: t.detach() for name, t in outputs.items()}, grads
 
 
 def _processor_checks(rank, world_size):
@@ -38,7 +30,7 @@ def _processor_checks(rank, world_size):
         options = dict(softcap=SOFTCAP, temperature=0.8, vocab_size=REAL_VOCAB)
         attach(fused, rl_output_processor(**options))
         attach(naive, NaiveRLOutputProcessor(**options))
-        (fused_outputs, fused_grads), (naive_outputs, naive_grads) = [forward_backward(m, tokens, coeff)
+        (fused_outputs, fused_grads), (naive_outputs, naive_grads) = [outputs_and_grads(m, tokens, coeff)
                                                                       for m in (fused, naive)]
         assert list(fused_outputs) == list(naive_outputs) == ["logprobs", "entropy"]
         for name in fused_outputs:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fused_rl_ops._sampler_filter import SEARCH_BINS
 from fused_rl_ops.chosen_logprob import ChosenLogprobOptions
 from fused_rl_ops.clamped_swiglu import ClampedSwigluOptions
 
@@ -23,8 +24,13 @@ def chosen_logprob_tensors(device):
     hidden, weight = torch.randn(5, 8, device=device), torch.randn(20, 8, device=device)
     tokens = torch.tensor([0, 19, 3, 7, 12], device=device)
     per_token = [torch.zeros(5, device=device) for _ in range(5)]
-    return {"chosen_logprob_stats": ((hidden, weight, tokens), ()),
-            "chosen_logprob_backward": ((hidden, weight, tokens, *per_token, None), ())}
+    threshold = torch.full((5,), -1.0, device=device)
+    # A search window of the 32 logits below 0 (sigma 16, hi 0), its histogram and a top of 4.
+    window = torch.tensor([[16.0, 0.0]] * 5, dtype=torch.float64, device=device)
+    hist, top = torch.zeros(5, SEARCH_BINS, dtype=torch.int64, device=device), torch.zeros(5, 7, device=device)
+    return {"chosen_logprob_stats": ((hidden, weight, tokens), (threshold,)),
+            "chosen_logprob_backward": ((hidden, weight, tokens, *per_token, None), (threshold,)),
+            "chosen_logprob_search": ((hidden, weight, per_token[0], window, hist, top), ())}
 
 
 def clamped_swiglu_tensors(device):

@@ -11,6 +11,7 @@ import transformers  # noqa: E402
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig,  # noqa: E402
                           LlamaForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
+from fused_rl_ops.reference import sampler_filter  # noqa: E402
 from fused_rl_ops.testing.distributed import run_distributed  # noqa: E402
 from fused_rl_ops.testing.kernel_calls import KernelCalls, scored  # noqa: E402
 from fused_rl_ops.transformers import LOGITS_AFTER_HEAD, causal_lm_logprobs  # noqa: E402
@@ -63,36 +64,42 @@ def rl_batch(batch=3, seq=9, left_padding=True):
     return input_ids, attention_mask, position_ids, labels
 
 
-def reference(model, input_ids, labels, temperature, **forward_kwargs):
+def reference(model, input_ids, labels, temperature, top_k=None, top_p=None, **forward_kwargs):
     """(logprob, entropy) [b, s - 1] from the model's own logits: log_softmax(logits[:, :-1] / T)
-    at labels[:, 1:], both 0 where the label is -100."""
+    at labels[:, 1:] (with top_k / top_p, the tokens vLLM's sampler drops at -inf first), both 0
+    where the label is -100."""
     logits = model(input_ids=input_ids, use_cache=False, **forward_kwargs).logits[:, :-1]
-    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    logp = torch.log_softmax(sampler_filter(logits.double() / temperature, top_k, top_p), dim=-1)
     target = labels[:, 1:]
     chosen = logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(target == -100, 0.0, chosen), torch.where(target == -100, 0.0, -(logp.exp() * logp).sum(-1))
+    plogp = logp.exp() * torch.where(logp.isneginf(), 0.0, logp)  # dropped tokens add nothing
+    return torch.where(target == -100, 0.0, chosen), torch.where(target == -100, 0.0, -plogp.sum(-1))
 
 
 def values_and_grads(model, compute, grad_logprob, grad_entropy):
     """compute()'s (logprob, entropy) and every parameter's gradient of sum(g_lp * lp + g_ent * ent)."""
     model.zero_grad(set_to_none=True)
     logprob, entropy = compute()
-    ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
+    # A token the sampler's filter drops has logprob -inf by design: it takes no part in the loss.
+    ((torch.where(logprob.isneginf(), 0.0, logprob) * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
     return logprob.detach(), entropy.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def check_against_model(model, temperature=0.7, tolerance=TIGHT, reference_model=None, **batch_kwargs):
+def check_against_model(model, temperature=0.7, tolerance=TIGHT, reference_model=None, filter_=None, **batch_kwargs):
     """causal_lm_logprobs on model against reference() on reference_model (default model itself,
-    a float64 copy otherwise): logprob, entropy and the gradient of every parameter."""
+    a float64 copy otherwise): logprob, entropy and the gradient of every parameter; filter_: the
+    sampler's top_k / top_p, for both."""
+    filter_ = filter_ or {}
     reference_model = model if reference_model is None else reference_model
     input_ids, attention_mask, position_ids, labels = rl_batch(**batch_kwargs)
     kwargs = dict(attention_mask=attention_mask, position_ids=position_ids)
     grad_logprob = torch.randn(labels[:, 1:].shape, dtype=torch.float64)
     grad_entropy = torch.randn(labels[:, 1:].shape, dtype=torch.float64)
     expected = values_and_grads(reference_model, lambda: reference(reference_model, input_ids, labels, temperature,
-                                                                   **kwargs), grad_logprob, grad_entropy)
+                                                                   **filter_, **kwargs), grad_logprob, grad_entropy)
     got = values_and_grads(model, lambda: causal_lm_logprobs(model, input_ids, labels=labels, temperature=temperature,
-                                                             return_entropy=True, **kwargs), grad_logprob, grad_entropy)
+                                                             return_entropy=True, **filter_, **kwargs),
+                           grad_logprob, grad_entropy)
     assert got[0].shape == (input_ids.shape[0], input_ids.shape[1] - 1)
     assert bool((got[0][labels[:, 1:] == -100] == 0).all())
     assert_close(got[0].double(), expected[0], **tolerance)
@@ -171,6 +178,21 @@ def test_gemma2_softcap():
     capped = model(input_ids).logits
     assert (uncapped - capped).abs().max() > 1.0
     check_against_model(model, left_padding=False)
+
+
+@pytest.mark.parametrize("filter_", [dict(top_k=10), dict(top_p=0.6), dict(top_k=40, top_p=0.8)],
+                         ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_sampler_filter(filter_):
+    """top_k / top_p passed through: against the model's own logits with vLLM's masking, with the
+    softcap of Gemma 2 and the logit scale of Granite; the filter drops some of the sampled
+    tokens (logprob -inf, no logprob gradient)."""
+    for class_name in ("LlamaForCausalLM", "GraniteForCausalLM"):
+        got = check_against_model(tiny_model(class_name), filter_=filter_)
+        assert got[0].isneginf().any(), class_name
+    model = Gemma2ForCausalLM(Gemma2Config(final_logit_softcapping=30.0, tie_word_embeddings=False, **TINY))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1500.0)
+    check_against_model(model.double().eval(), filter_=filter_, left_padding=False)
 
 
 def test_defaults_and_no_grad():

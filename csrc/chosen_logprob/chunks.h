@@ -6,6 +6,8 @@
 //                                        for inputs of dtype (CPU: acc; CUDA: dtype itself)
 //   logits(h, w, out)                    out = h w^T, accumulated and stored in acc dtype
 //   stats_rows(params, acc)              merge a chunk into the row stats
+//   top_rows(params, acc)                give a chunk to the rows' tops (sampler's filter)
+//   hist_rows(params, acc)               add a chunk to the rows' search histograms (top_p)
 //   grad_rows(params, acc, grads)        logits -> d(loss)/d(logits), into params.grads in dtype grads
 //   add_mm(out, a, b)                    out += a b, out in acc dtype
 //   mm(out, a, b)                        out = a b, accumulated in acc dtype, stored in out's dtype
@@ -17,15 +19,16 @@
 
 #include "chosen_logprob/math.h"
 #include "chosen_logprob/params.h"
+#include "chosen_logprob/sampler_filter.h"
 #include "common/torch_utils.h"
 
 namespace fused_rl_ops::chosen_logprob {
 
 // The backward's per-token inputs, [N] each in the accumulation dtype: the global row max, the
 // log-sum relative to it (lse - row_max) and the log-sum minus the entropy, and the upstream
-// gradients of logprob and entropy.
+// gradients of logprob and entropy; and the thresholds of the sampler's filter (undefined: none).
 struct TokenGrads {
-  at::Tensor row_max, log_sum, log_sum_minus_entropy, grad_logprob, grad_entropy;
+  at::Tensor row_max, log_sum, log_sum_minus_entropy, grad_logprob, grad_entropy, threshold;
 };
 
 // How the token rows meet the GEMMs. Every GEMM takes exactly `block` rows (a last, shorter block
@@ -138,17 +141,22 @@ inline Params row_params(const at::Tensor& logits, int64_t rows, const at::Tenso
 }
 
 // The per-token partials (stats_column in chosen_logprob/math.h) of this shard's logits, over the
-// valid rows of weight (valid_rows; all without it). The row kernels take raw logits and apply the
-// logit map themselves.
+// valid rows of weight (valid_rows; all without it) and, with a threshold, the logits at or above
+// it. With top_k, followed by each row's top of those logits (top_k wide,
+// chosen_logprob/sampler_filter.h). The row kernels take raw logits and apply the logit map
+// themselves.
 template <class Kernels>
 at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                      const Options& opts) {
+                      const std::optional<at::Tensor>& threshold, const Options& opts) {
   const auto acc = acc_dtype(hidden.scalar_type());
-  const int64_t N = hidden.size(0), V = opts.valid_rows.value_or(weight.size(0));
+  const int64_t N = hidden.size(0), V = opts.valid_rows.value_or(weight.size(0)), width = opts.top_k.value_or(0);
   at::Tensor stats = at::zeros({N, stats_column::count}, hidden.options().dtype(acc));
   stats.select(1, stats_column::max).fill_(-INFINITY);
-  if (N == 0 || V == 0) return stats;
+  at::Tensor tops = width > 0 ? at::zeros({N, top_column::values + width}, stats.options()) : at::Tensor();
+  const auto result = [&] { return width > 0 ? at::cat({stats, tops}, 1) : stats; };
+  if (N == 0 || V == 0) return result();
   const at::Tensor tok = tokens.contiguous();
+  const at::Tensor tau = threshold ? threshold->contiguous() : at::Tensor();
   const RowTiling tiling(N, opts.row_block, opts.pass_rows);
   for_each_logits_chunk<Kernels>(
       aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling), weight.narrow(0, 0, V),
@@ -156,10 +164,52 @@ at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const 
       [&](const at::Tensor& logits, const ChunkStep& step) {
         Params p = row_params(logits, step.rows, tok, opts, step.c0, step.r0);
         p.stats = stats.narrow(0, step.r0, step.rows).mutable_data_ptr();
+        if (tau.defined()) p.threshold = tau.narrow(0, step.r0, step.rows).const_data_ptr();
         Kernels::stats_rows(p, acc);
+        if (width > 0) {
+          p.top = tops.narrow(0, step.r0, step.rows).mutable_data_ptr();
+          p.top_width = width;
+          Kernels::top_rows(p, acc);
+        }
       },
       [](const at::Tensor&, const ChunkStep&) {});
-  return stats;
+  return result();
+}
+
+// One round of the top_p search over this shard's logits (valid rows of weight): for each row with
+// a window (window [N, 2] double, SearchWindow), the mass of its logits in the window's cells,
+// relative to row_max, added to hist [N, kSearchBins] int64; with top, those logits given to
+// it ([N, top_column::values + K]).
+template <class Kernels>
+void search_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& row_max,
+                 const at::Tensor& window, at::Tensor& hist, const std::optional<at::Tensor>& top,
+                 const Options& opts) {
+  const auto acc = acc_dtype(hidden.scalar_type());
+  const int64_t N = hidden.size(0), V = opts.valid_rows.value_or(weight.size(0));
+  if (N == 0 || V == 0) return;
+  const at::Tensor m = row_max.contiguous(), windows = window.contiguous();
+  const RowTiling tiling(N, opts.row_block, opts.pass_rows);
+  for_each_logits_chunk<Kernels>(
+      aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling), weight.narrow(0, 0, V),
+      VocabTiling(V, opts.chunk_size, 1), tiling,
+      [&](const at::Tensor& logits, const ChunkStep& step) {
+        Params p;
+        p.logits = logits.data_ptr();
+        p.rows = step.rows;
+        p.cols = logits.size(1);
+        p.col0 = opts.vocab_start + step.c0;
+        p.options = opts;
+        p.row_max = m.narrow(0, step.r0, step.rows).const_data_ptr();
+        p.window = windows.narrow(0, step.r0, step.rows).const_data_ptr();
+        p.hist = hist.narrow(0, step.r0, step.rows).mutable_data_ptr();
+        Kernels::hist_rows(p, acc);
+        if (top) {
+          p.top = top->narrow(0, step.r0, step.rows).mutable_data_ptr();
+          p.top_width = top->size(1) - top_column::values;
+          Kernels::top_rows(p, acc);
+        }
+      },
+      [](const at::Tensor&, const ChunkStep&) {});
 }
 
 // Gradients of sum(grad_logprob * logprob + grad_entropy * entropy) for this shard, whose first
@@ -193,6 +243,7 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
   const at::Tensor row_max = token_grads.row_max.contiguous(), log_sum = token_grads.log_sum.contiguous();
   const at::Tensor log_sum_minus_entropy = token_grads.log_sum_minus_entropy.contiguous();
   const at::Tensor gl = token_grads.grad_logprob.contiguous(), ge = token_grads.grad_entropy.contiguous();
+  const at::Tensor tau = token_grads.threshold.defined() ? token_grads.threshold.contiguous() : at::Tensor();
   at::Tensor grad_h_tail = tiling.tail_rows() > 0 ? at::zeros({tiling.block, H}, grad_h.options()) : at::Tensor();
   const at::ScalarType grads_dtype = Kernels::grad_dtype(hidden.scalar_type());
   const bool in_place = grads_dtype == acc && opts.grad_chunks == 1;
@@ -213,6 +264,7 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
         p.log_sum_minus_entropy = row_ptr(log_sum_minus_entropy);
         p.grad_logprob = row_ptr(gl);
         p.grad_entropy = row_ptr(ge);
+        if (tau.defined()) p.threshold = row_ptr(tau);
         d = in_place ? logits : grads.narrow(0, 0, tiling.padded(step.rows) * step.k).view({-1, step.k});
         const at::Tensor d_chunk = d.narrow(1, step.c0 - step.g0, step.n);
         p.grads = d_chunk.data_ptr();

@@ -6,6 +6,7 @@
 
 #include "chosen_logprob/entry.h"
 #include "chosen_logprob/math.h"
+#include "chosen_logprob/sampler_filter.h"
 #include "common/vec_math.h"
 
 namespace fused_rl_ops::chosen_logprob {
@@ -37,21 +38,23 @@ void stats_rows_cpu(const Params& p, const Logit& logit) {
   auto* stats = static_cast<acc*>(p.stats);
   const int64_t N = p.rows, C = p.cols, col0 = p.col0;
   const int64_t* tokens = p.tokens;
+  const auto* threshold = static_cast<const acc*>(p.threshold);
   const int64_t C_vec = C - C % Vec::size();
   const auto vlogit = logit.template as<Vec>();
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const acc* x = logits + r * C;
+      const acc tau = threshold ? threshold[r] : acc(-INFINITY);
       Vec vmax(-INFINITY);
       for (int64_t k = 0; k < C_vec; k += Vec::size()) vmax = Math<Vec>::max(vmax, Vec::loadu(x + k));
       acc m = horizontal_max(vmax);
       for (int64_t k = C_vec; k < C; ++k) m = Math<acc>::max(m, x[k]);
-      m = logit(m);  // the map is nondecreasing: the largest z is the map of the largest x
-      const Vec vm(m);
+      m = kept_max(logit(m), tau);  // the map is nondecreasing: the largest z is the map of the largest x
+      const Vec vm(m), vtau(tau);
       Vec vs(0), vt(0);
-      for (int64_t k = 0; k < C_vec; k += Vec::size()) stats_add(vlogit(Vec::loadu(x + k)), vm, vs, vt);
+      for (int64_t k = 0; k < C_vec; k += Vec::size()) stats_add(vlogit(Vec::loadu(x + k)), vm, vs, vt, vtau);
       acc s = horizontal_sum(vs), t = horizontal_sum(vt);
-      for (int64_t k = C_vec; k < C; ++k) stats_add(logit(x[k]), m, s, t);
+      for (int64_t k = C_vec; k < C; ++k) stats_add(logit(x[k]), m, s, t, tau);
       stats_update_row(stats + stats_column::count * r, RowStats<acc>{m, s, t}, x, tokens[r] - col0, C, logit);
     }
   });
@@ -70,6 +73,7 @@ void grad_rows_cpu(const Params& p, const Logit& logit) {
   const auto *gl = static_cast<const acc*>(p.grad_logprob), *ge = static_cast<const acc*>(p.grad_entropy);
   const int64_t N = p.rows, C = p.cols, col0 = p.col0;
   const int64_t* tokens = p.tokens;
+  const auto* threshold = static_cast<const acc*>(p.threshold);
   const int64_t C_vec = C - C % Vec::size();
   const auto vlogit = logit.template as<Vec>();
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
@@ -80,15 +84,118 @@ void grad_rows_cpu(const Params& p, const Logit& logit) {
       const bool has_target = target >= 0 && target < C;
       const acc x_target = has_target ? x[target] : acc(0);
       const acc m = row_max[r], l = log_sum[r], l_minus_ent = log_sum_minus_entropy[r];
-      const Vec vm(m), vl(l), vl_minus_ent(l_minus_ent), vgl(gl[r]), vge(ge[r]);
+      const acc tau = threshold ? threshold[r] : acc(-INFINITY);
+      const Vec vm(m), vtau(tau), vl(l), vl_minus_ent(l_minus_ent), vgl(gl[r]), vge(ge[r]);
       for (int64_t k = 0; k < C_vec; k += Vec::size()) {
         const Vec xk = Vec::loadu(x + k);
-        (logit_grad(vlogit(xk) - vm, vl, vl_minus_ent, vgl, vge) * vlogit.slope(xk)).store(d + k);
+        (logit_grad(vlogit(xk), vm, vtau, vl, vl_minus_ent, vgl, vge) * vlogit.slope(xk)).store(d + k);
       }
       for (int64_t k = C_vec; k < C; ++k) {
-        d[k] = logit_grad(logit(x[k]) - m, l, l_minus_ent, gl[r], ge[r]) * logit.slope(x[k]);
+        d[k] = logit_grad(logit(x[k]), m, tau, l, l_minus_ent, gl[r], ge[r]) * logit.slope(x[k]);
       }
       if (has_target) d[target] += gl[r] * logit.slope(x_target);
+    }
+  });
+}
+
+// The window's bounds (SearchWindow::lowest, highest) rounded outwards to acc: every logit of the
+// window lies in [lo, hi], so a vector with none there is skipped.
+template <typename acc>
+std::pair<acc, acc> window_bounds(const SearchWindow& window) {
+  return {std::nextafter(acc(window.lowest()), acc(-INFINITY)), std::nextafter(acc(window.highest()), acc(INFINITY))};
+}
+
+// Gives each logit of a row that the filter keeps (threshold) and that lies in its window (window;
+// without one, every logit) to the row's top (chosen_logprob/sampler_filter.h), in column order.
+template <typename acc, class Logit>
+void top_rows_cpu(const Params& p, const Logit& logit) {
+  using Vec = at::vec::Vectorized<acc>;
+  const auto* logits = static_cast<const acc*>(p.logits);
+  const auto* threshold = static_cast<const acc*>(p.threshold);
+  const auto* windows = static_cast<const double*>(p.window);
+  auto* tops = static_cast<acc*>(p.top);
+  const int64_t N = p.rows, C = p.cols, K = p.top_width;
+  const int64_t C_vec = C - C % Vec::size();
+  const int no_lane = (1 << Vec::size()) - 1;  // the zero_mask of a comparison no lane passes
+  const auto vlogit = logit.template as<Vec>();
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    alignas(64) acc lanes[Vec::size()];
+    for (int64_t r = begin; r < end; ++r) {
+      const SearchWindow window = windows ? SearchWindow{windows[2 * r], windows[2 * r + 1]} : SearchWindow{1, 0};
+      if (!window.active()) continue;
+      const acc tau = threshold ? threshold[r] : acc(-INFINITY);
+      const acc* x = logits + r * C;
+      acc* top = tops + r * (top_column::values + K);
+      int64_t seen = 0;
+      const auto give = [&](acc z) {
+        if (z < tau || (windows && !SearchWindow::in_range(window.cell(z)))) return;
+        ++seen;
+        if (z >= top_floor(top, K)) top_push(top, K, z);
+      };
+      const auto [lo, hi] = windows ? window_bounds<acc>(window) : std::pair<acc, acc>(-INFINITY, INFINITY);
+      const Vec vlo(lo), vhi(hi), vtau(tau);
+      for (int64_t k = 0; k < C_vec; k += Vec::size()) {
+        const Vec z = vlogit(Vec::loadu(x + k));
+        if (!windows && !threshold) {  // every logit counts; one below the floor changes nothing
+          seen += Vec::size();
+          if ((z >= Vec(top_floor(top, K))).zero_mask() == no_lane) continue;
+          z.store(lanes);
+          for (int j = 0; j < Vec::size(); ++j) {
+            if (lanes[j] >= top_floor(top, K)) top_push(top, K, lanes[j]);
+          }
+          continue;
+        }
+        if (windows ? ((z >= vlo) & (z <= vhi)).zero_mask() == no_lane  // none in the window (nor a NaN)
+                    : (z < vtau).zero_mask() == 0) {                     // all dropped
+          continue;
+        }
+        z.store(lanes);
+        for (int j = 0; j < Vec::size(); ++j) give(lanes[j]);
+      }
+      for (int64_t k = C_vec; k < C; ++k) give(logit(x[k]));
+      top[top_column::seen] += acc(seen);
+    }
+  });
+}
+
+// Adds the mass (relative to the global row max) of each logit in a row's search window to the
+// row's histogram, in the bin of its cell.
+template <typename acc, class Logit>
+void hist_rows_cpu(const Params& p, const Logit& logit) {
+  using Vec = at::vec::Vectorized<acc>;
+  const auto* logits = static_cast<const acc*>(p.logits);
+  const auto* row_max = static_cast<const acc*>(p.row_max);
+  const auto* windows = static_cast<const double*>(p.window);
+  auto* hist = static_cast<int64_t*>(p.hist);
+  const int64_t N = p.rows, C = p.cols;
+  const int64_t C_vec = C - C % Vec::size();
+  const int no_lane = (1 << Vec::size()) - 1;
+  const auto vlogit = logit.template as<Vec>();
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    alignas(64) acc z[Vec::size()], mass[Vec::size()];
+    for (int64_t r = begin; r < end; ++r) {
+      const SearchWindow window{windows[2 * r], windows[2 * r + 1]};
+      if (!window.active()) continue;
+      const auto [lo, hi] = window_bounds<acc>(window);
+      const acc m = row_max[r];
+      const acc* x = logits + r * C;
+      int64_t* bins = hist + r * kSearchBins;
+      const auto add = [&](acc zk, acc mk) {
+        const double cell = window.cell(zk);
+        if (SearchWindow::in_range(cell)) bins[int64_t(cell)] += mass_units(mk);
+      };
+      const Vec vlo(lo), vhi(hi), vm(m);
+      for (int64_t k = 0; k < C_vec; k += Vec::size()) {
+        const Vec zk = vlogit(Vec::loadu(x + k));
+        if (((zk >= vlo) & (zk <= vhi)).zero_mask() == no_lane) continue;
+        zk.store(z);
+        Math<Vec>::exp(zk - vm).store(mass);
+        for (int j = 0; j < Vec::size(); ++j) add(z[j], mass[j]);
+      }
+      for (int64_t k = C_vec; k < C; ++k) {
+        const acc zk = logit(x[k]);
+        add(zk, Math<acc>::exp(zk - m));
+      }
     }
   });
 }
@@ -110,6 +217,18 @@ struct CpuKernels {
   static void grad_rows(const Params& p, at::ScalarType acc, at::ScalarType /* grads: grad_dtype, acc */) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_grad_cpu", [&] {
       with_logit_map<scalar_t>(p.options, [&](const auto& logit) { grad_rows_cpu<scalar_t>(p, logit); });
+    });
+  }
+
+  static void top_rows(const Params& p, at::ScalarType acc) {
+    AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_top_cpu", [&] {
+      with_logit_map<scalar_t>(p.options, [&](const auto& logit) { top_rows_cpu<scalar_t>(p, logit); });
+    });
+  }
+
+  static void hist_rows(const Params& p, at::ScalarType acc) {
+    AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_hist_cpu", [&] {
+      with_logit_map<scalar_t>(p.options, [&](const auto& logit) { hist_rows_cpu<scalar_t>(p, logit); });
     });
   }
 
@@ -137,6 +256,7 @@ TORCH_LIBRARY_IMPL(fused_rl_ops, CPU, m) {
   m.impl("chosen_logprob_stats", &stats<CpuKernels>);
   m.impl("chosen_logprob_backward", &backward<CpuKernels>);
   m.impl("chosen_logprob_combine", &combine<CpuKernels>);
+  m.impl("chosen_logprob_search", &search<CpuKernels>);
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

@@ -34,6 +34,12 @@ struct CudaKernels {
     C10_CUDA_CHECK(launch_chosen_logprob_grad_rows(p, to_dtype(grads), stream()));
   }
 
+  static void top_rows(const Params& p, at::ScalarType) { C10_CUDA_CHECK(launch_chosen_logprob_top_rows(p, stream())); }
+
+  static void hist_rows(const Params& p, at::ScalarType) {
+    C10_CUDA_CHECK(launch_chosen_logprob_hist_rows(p, stream()));
+  }
+
   static void add_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
     if (a.scalar_type() == at::kFloat) out.addmm_(a, b);
     else at::addmm_out(out, out, a, b, at::kFloat);
@@ -50,6 +56,7 @@ TORCH_LIBRARY_IMPL(fused_rl_ops, CUDA, m) {
   m.impl("chosen_logprob_stats", &stats<CudaKernels>);
   m.impl("chosen_logprob_backward", &backward<CudaKernels>);
   m.impl("chosen_logprob_combine", &combine<CudaKernels>);
+  m.impl("chosen_logprob_search", &search<CudaKernels>);
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

@@ -16,13 +16,14 @@ cudaError_t launch_chosen_logprob_stats_rows(const Params& p, cudaStream_t strea
   with_logit_map<float>(p.options, [&](auto logit) {
     launch_kernel(chosen_logprob_stats_rows_kernel<decltype(logit)>, grid, threads, 0, stream,
                   static_cast<const float*>(p.logits), N, p.cols, p.col0, p.tokens, logit,
-                  static_cast<float*>(p.stats));
+                  static_cast<const float*>(p.threshold), static_cast<float*>(p.stats));
   });
   return cudaGetLastError();
 }
 
 cudaError_t launch_chosen_logprob_grad_rows(const Params& p, DType grads_dtype, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
+  if (p.cols >= (int64_t(1) << 30)) return cudaErrorInvalidValue;  // the kernel's columns are 32-bit
   DeviceSize dev;
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   dispatch_dtype(grads_dtype, [&](auto* type_tag) {
@@ -39,7 +40,8 @@ cudaError_t launch_chosen_logprob_grad_rows(const Params& p, DType grads_dtype, 
                       static_cast<const float*>(p.logits), p.rows, p.cols, p.col0, p.tokens,
                       static_cast<const float*>(p.row_max), static_cast<const float*>(p.log_sum),
                       static_cast<const float*>(p.log_sum_minus_entropy), static_cast<const float*>(p.grad_logprob),
-                      static_cast<const float*>(p.grad_entropy), logit, static_cast<G*>(p.grads), p.grads_stride);
+                      static_cast<const float*>(p.grad_entropy), static_cast<const float*>(p.threshold), logit,
+                      static_cast<G*>(p.grads), p.grads_stride);
       };
       if (vectorised) launch(std::integral_constant<int, kGradWidth>{});
       else launch(std::integral_constant<int, 1>{});
@@ -56,6 +58,35 @@ cudaError_t launch_chosen_logprob_combine(const Params& p, cudaStream_t stream) 
   const unsigned grid = grid_for((N + kCombineThreads - 1) / kCombineThreads, kCombineThreads, dev);
   launch_kernel(chosen_logprob_combine_kernel, grid, kCombineThreads, 0, stream, static_cast<const float*>(p.partials),
                 p.ranks, N, static_cast<float*>(p.out));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_chosen_logprob_top_rows(const Params& p, cudaStream_t stream) {
+  const int64_t N = p.rows;
+  if (N == 0 || p.cols == 0) return cudaSuccess;
+  DeviceSize dev;
+  if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
+  const int threads = kTopRowsPerBlock * kWarp;
+  const unsigned grid = grid_for((N + kTopRowsPerBlock - 1) / kTopRowsPerBlock, threads, dev);
+  with_logit_map<float>(p.options, [&](auto logit) {
+    launch_kernel(chosen_logprob_top_rows_kernel<decltype(logit)>, grid, threads, 0, stream,
+                  static_cast<const float*>(p.logits), N, p.cols, logit, static_cast<const float*>(p.threshold),
+                  static_cast<const double*>(p.window), static_cast<float*>(p.top), p.top_width);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_chosen_logprob_hist_rows(const Params& p, cudaStream_t stream) {
+  const int64_t N = p.rows;
+  if (N == 0 || p.cols == 0) return cudaSuccess;
+  DeviceSize dev;
+  if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
+  const unsigned grid = grid_for(N, kHistThreads, dev);
+  with_logit_map<float>(p.options, [&](auto logit) {
+    launch_kernel(chosen_logprob_hist_rows_kernel<decltype(logit)>, grid, kHistThreads, 0, stream,
+                  static_cast<const float*>(p.logits), N, p.cols, logit, static_cast<const float*>(p.row_max),
+                  static_cast<const double*>(p.window), static_cast<int64_t*>(p.hist));
+  });
   return cudaGetLastError();
 }
 

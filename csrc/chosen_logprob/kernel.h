@@ -18,5 +18,10 @@ cudaError_t launch_chosen_logprob_stats_rows(const Params& p, cudaStream_t strea
 cudaError_t launch_chosen_logprob_grad_rows(const Params& p, DType grads_dtype, cudaStream_t stream);
 // Reads partials; writes out.
 cudaError_t launch_chosen_logprob_combine(const Params& p, cudaStream_t stream);
+// The sampler's filter (chosen_logprob/sampler_filter.h). Reads logits, threshold and window; gives
+// the chunk to top.
+cudaError_t launch_chosen_logprob_top_rows(const Params& p, cudaStream_t stream);
+// Reads logits, row_max and window; adds the chunk to hist.
+cudaError_t launch_chosen_logprob_hist_rows(const Params& p, cudaStream_t stream);
 
 }  // namespace fused_rl_ops::chosen_logprob

@@ -96,15 +96,24 @@ FRL_HD RowStats<T> stats_empty() {
   return {T(-INFINITY), T(0), T(0)};
 }
 
-// Adds one logit z to the sums taken against the row maximum m. A -inf logit adds nothing: computed,
-// it would add 0 * -inf = NaN to t (and NaN to both when m is -inf as well).
+// Adds one logit z to the sums taken against the row maximum m, unless the sampler's filter drops
+// it: z < tau, the token's threshold (-inf keeps every logit; a NaN is never dropped;
+// chosen_logprob/sampler_filter.h). A -inf logit adds nothing: computed, it would add 0 * -inf =
+// NaN to t (and NaN to both when m is -inf as well).
 template <typename T>
-FRL_HD void stats_add(T z, T m, T& s, T& t) {
+FRL_HD void stats_add(T z, T m, T& s, T& t, T tau) {
   const T d = z - m;
   const T e = Math<T>::exp(d);
-  const auto minus_inf = z == T(-INFINITY);
-  s = s + Math<T>::select(minus_inf, T(0), e);
-  t = t + Math<T>::select(minus_inf, T(0), e * d);
+  const auto dropped = (z == T(-INFINITY)) | (z < tau);
+  s = s + Math<T>::select(dropped, T(0), e);
+  t = t + Math<T>::select(dropped, T(0), e * d);
+}
+
+// The maximum m of a chunk's logits as the sums take it under the threshold tau: a chunk whose
+// largest logit is dropped keeps none, so its partial is the empty one (max -inf).
+template <typename T>
+FRL_HD T kept_max(T m, T tau) {
+  return m < tau ? T(-INFINITY) : m;
 }
 
 // Merges b into a: both sums are moved to the larger maximum. A partial marked empty (max = -inf)
@@ -160,15 +169,18 @@ FRL_HD void combine_row(const T* partials, int64_t ranks, int64_t N, int64_t r, 
 }
 
 // d(grad_logprob * logprob + grad_entropy * entropy) / dz for a column that is not the chosen
-// token, from the logit relative to the row max, z - m, the row's log-sum l = lse - m = log s, and
-// l - entropy = sum p (z - m): with p = exp(z - m - l),
+// token, from the logit z, the row max m, the row's log-sum l = lse - m = log s, and l - entropy =
+// sum p (z - m): with p = exp(z - m - l),
 //   -p (gl + ge (z - m - (l - entropy))) = -p (gl + ge (z - sum p z)).  The chosen column adds gl.
 // p = 0 (a -inf logit, or one far below the rest) passes no gradient: written out, the entropy term
-// is inf for a -inf logit and 0 * inf NaN. A NaN p (a NaN row) stays NaN.
+// is inf for a -inf logit and 0 * inf NaN. A NaN p (a NaN row) stays NaN. Under the sampler's
+// filter, l and the entropy are the kept set's and a logit it drops (z < tau) passes none.
 template <typename T>
-FRL_HD T logit_grad(T z_minus_max, T log_sum, T log_sum_minus_entropy, T gl, T ge) {
+FRL_HD T logit_grad(T z, T m, T tau, T log_sum, T log_sum_minus_entropy, T gl, T ge) {
+  const T z_minus_max = z - m;
   const T p = Math<T>::exp(z_minus_max - log_sum);
-  return Math<T>::select(p == T(0), T(0), T(0) - p * (gl + ge * (z_minus_max - log_sum_minus_entropy)));
+  return Math<T>::select((p == T(0)) | (z < tau), T(0),
+                         T(0) - p * (gl + ge * (z_minus_max - log_sum_minus_entropy)));
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

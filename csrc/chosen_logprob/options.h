@@ -11,6 +11,11 @@
 //   valid_rows: weight's first rows that are vocabulary, the rest padding; none: all of them.
 //   grad_chunks: the backward's gradient GEMMs take the logit gradients of this many chunks at once
 //     (chosen_logprob/chunks.h); the stats op ignores it.
+//   top_k, top_p: the sampler's filter: the softmax is restricted to the top_k largest logits (ties
+//     included), then to the most likely of those whose probability reaches top_p; none: no filter.
+//     chosen_logprob applies it through per-token thresholds (the ops' threshold tensors, found
+//     by fused_rl_ops/_sampler_filter.py; top_p's with the search op). The stats op reads top_k:
+//     it then also returns the shard's top_k largest logits (chosen_logprob/sampler_filter.h).
 #pragma once
 
 #include "common/options.h"
@@ -23,7 +28,9 @@
   X(int64_t, pass_rows, "int", "=0", NonNegativeInteger)                     \
   X(std::optional<double>, softcap, "float?", "=None", PositiveFinite)       \
   X(std::optional<int64_t>, valid_rows, "int?", "=None", NonNegativeInteger) \
-  X(int64_t, grad_chunks, "int", "=1", PositiveInteger)
+  X(int64_t, grad_chunks, "int", "=1", PositiveInteger)                      \
+  X(std::optional<int64_t>, top_k, "int?", "=None", PositiveInteger)         \
+  X(std::optional<double>, top_p, "float?", "=None", Probability)
 
 namespace fused_rl_ops::chosen_logprob {
 

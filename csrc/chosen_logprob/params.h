@@ -1,5 +1,5 @@
-// One launch of chosen_logprob's row kernels (stats_rows, grad_rows, combine), CPU or CUDA: its
-// buffers, sizes and options. Free of torch and CUDA headers: filled by chosen_logprob/chunks.h
+// One launch of chosen_logprob's row kernels (stats_rows, grad_rows, combine, and for the sampler's
+// filter top_rows and hist_rows), CPU or CUDA: its buffers, sizes and options. Free of torch and CUDA headers: filled by chosen_logprob/chunks.h
 // and chosen_logprob/entry.h, and by the kernels-on-CPU driver.
 #pragma once
 
@@ -10,8 +10,8 @@
 namespace fused_rl_ops::chosen_logprob {
 
 // Every buffer is contiguous in the accumulation type (fp32; fp64 for float64 inputs on the CPU)
-// except tokens (int64 global ids) and grads. A launch leaves the buffers it does not use null.
-// Stats rows have stats_column::count columns (chosen_logprob/math.h).
+// except tokens (int64 global ids), grads, window (double) and hist (int64). A launch leaves the
+// buffers it does not use null. Stats rows have stats_column::count columns (chosen_logprob/math.h).
 struct Params {
   // stats_rows and grad_rows: one pass of token rows against one vocab chunk.
   const void* logits = nullptr;     // [rows, cols] raw logits h . w
@@ -25,11 +25,22 @@ struct Params {
   int64_t grads_stride = 0;
   // grad_rows, [rows] each: the global row max, the log-sum relative to it (lse - row max) and the
   // log-sum minus the entropy, and the upstream gradients of logprob and entropy.
-  const void* row_max = nullptr;
+  const void* row_max = nullptr;  // and hist_rows
   const void* log_sum = nullptr;
   const void* log_sum_minus_entropy = nullptr;
   const void* grad_logprob = nullptr;
   const void* grad_entropy = nullptr;
+  // stats_rows, grad_rows and top_rows: [rows] the tokens' thresholds of the sampler's filter, the
+  // logits below them dropped (chosen_logprob/sampler_filter.h); null: none dropped.
+  const void* threshold = nullptr;
+  // top_rows: [rows, top_column::values + top_width] the rows' tops, the chunk given to them.
+  void* top = nullptr;
+  int64_t top_width = 0;
+  // hist_rows: [rows, kSearchBins] int64 search histograms, the chunk's mass added (relative to
+  // row_max, the global row max); hist_rows and top_rows: [rows, 2] double search windows
+  // (SearchWindow: sigma, hi), null for top_rows: every logit.
+  void* hist = nullptr;
+  const void* window = nullptr;
   // combine: [ranks, rows, stats_column::count] per-shard stats -> [rows, stats_column::count]
   // (combined_column).
   const void* partials = nullptr;

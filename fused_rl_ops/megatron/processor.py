@@ -76,6 +76,9 @@ class RLOutputProcessor:
     checked as in the constructor.
     softcap: None, or c for logits c * tanh(logits / c) before the temperature (Gemma 2's
     final_logit_softcapping), passed on to chosen_logprob.
+    top_k, top_p: the rollout engine's sampler filter (its top_k and top_p; None: none), passed on
+    to chosen_logprob: logprobs and entropy of the distribution the sampler drew from. A token the
+    filter drops gets logprob -inf (torch.isneginf counts them) and no logprob gradient.
     output_names: the keys of the returned dict, in order ("logprobs", then "entropy", "values").
     batch_invariant: passed on to chosen_logprob (a token's outputs bitwise independent of the rest
     of the batch); the naive reference processor has no such option.
@@ -87,10 +90,13 @@ class RLOutputProcessor:
     """
 
     def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
-                 vocab_size=None, softcap=None, batch_invariant=False, host_checks=True):
-        check_option(type(self).__name__, ChosenLogprobOptions, "softcap", softcap)
+                 vocab_size=None, softcap=None, batch_invariant=False, host_checks=True, top_k=None, top_p=None):
+        for name, value in [("softcap", softcap), ("top_k", top_k), ("top_p", top_p)]:
+            check_option(type(self).__name__, ChosenLogprobOptions, name, value)
         self.temperature = temperature
         self.softcap = softcap
+        self.top_k = top_k
+        self.top_p = top_p
         self.return_entropy = return_entropy
         self.value_head = value_head
         self.ignore_index = ignore_index
@@ -164,6 +170,8 @@ class RLOutputProcessor:
             hidden_states, weight, tokens,
             temperature=self.temperature,
             softcap=self.softcap,
+            top_k=self.top_k,
+            top_p=self.top_p,
             ignore_index=self.ignore_index,
             vocab_size=self.vocab_size,
             tp_group=tp_group,
@@ -209,7 +217,8 @@ def _fused_main_grad(output_layer, weight):
 
 
 def rl_output_processor(*, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
-                        vocab_size=None, softcap=None, batch_invariant=False, host_checks=True):
+                        vocab_size=None, softcap=None, batch_invariant=False, host_checks=True, top_k=None,
+                        top_p=None):
     """An output processor returning fp32 [b, s] logprobs (+ entropy, values); see the module docstring."""
     return RLOutputProcessor(
         temperature=temperature,
@@ -220,6 +229,8 @@ def rl_output_processor(*, temperature=1.0, return_entropy=True, value_head=None
         softcap=softcap,
         batch_invariant=batch_invariant,
         host_checks=host_checks,
+        top_k=top_k,
+        top_p=top_p,
     )
 
 

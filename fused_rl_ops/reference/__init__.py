@@ -27,30 +27,55 @@ def clamped_swiglu(x: torch.Tensor, limit: Optional[float] = 7.0, *, alpha: floa
     return (y * scale.reshape(*y.shape[:-1], 1)).to(x.dtype)
 
 
+def sampler_filter(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None) -> torch.Tensor:
+    """logits [..., V] with the tokens vLLM's sampler drops set to -inf: top-k keeps every logit at
+    least the k-th largest; top-p then keeps each token whose probability (softmax of what top-k
+    kept) carried by logits strictly above its own is below top_p, which is vLLM's rule (sort
+    ascending, drop the tokens whose cumulative probability is at most 1 - top_p, keep the largest)
+    where no logits tie, and keeps a tied group whole when vLLM keeps any of it. Rows whose largest
+    logit is not finite are left as they are."""
+    filterable = torch.isfinite(logits.max(-1, keepdim=True).values)
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(filterable & (logits < kth), float("-inf"))
+    if top_p is not None and top_p < 1:
+        descending = logits.sort(dim=-1, descending=True).values
+        cumulative = torch.softmax(descending, dim=-1).cumsum(-1)
+        cumulative = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative], -1)
+        # The mass above each logit: the cumulative before the first of the logits equal to it.
+        above = cumulative.gather(-1, torch.searchsorted(-descending.contiguous(), -logits.contiguous(), side="left"))
+        logits = logits.masked_fill(filterable & (above >= top_p), float("-inf"))
+    return logits
+
+
 def chosen_logprob(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0,
                    ignore_index: int = -100, vocab_size: Optional[int] = None, softcap: Optional[float] = None,
-                   skip_ignored: bool = True):
+                   top_k: Optional[int] = None, top_p: Optional[float] = None, skip_ignored: bool = True):
     """Materialised logits (GEMM in the inputs' dtype, then fp32; fp64 for fp64), capped to
-    softcap * tanh(logits / softcap) when softcap is given, divided by the temperature, log_softmax and
-    gather. Returns (logprob, entropy); rows of weight at or beyond vocab_size are padding.
-    ignore_index positions get logprob 0; by default (skip_ignored) their rows are left out
-    (entropy 0, no gradient), else every row is computed and they keep their entropy (as
-    fused_rl_ops.chosen_logprob gives them)."""
+    softcap * tanh(logits / softcap) when softcap is given, divided by the temperature, filtered
+    with top_k / top_p as vLLM's sampler does (sampler_filter), log_softmax and gather. Returns
+    (logprob, entropy); rows of weight at or beyond vocab_size are padding. A token the filter
+    drops has logprob -inf. ignore_index positions get logprob 0; by default (skip_ignored) their
+    rows are left out (entropy 0, no gradient), else every row is computed and they keep their
+    entropy (as fused_rl_ops.chosen_logprob gives them)."""
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     ignore = tokens == ignore_index
     if skip_ignored:
         scored = ~ignore
         logprob, entropy = chosen_logprob(hidden[scored], weight, tokens[scored], temperature=temperature,
                                           ignore_index=ignore_index, vocab_size=vocab_size, softcap=softcap,
-                                          skip_ignored=False)
+                                          top_k=top_k, top_p=top_p, skip_ignored=False)
         zeros = torch.zeros(tokens.shape, dtype=acc, device=hidden.device)
         return zeros.index_put((scored,), logprob), zeros.index_put((scored,), entropy)
     logits = (hidden @ weight.T).to(acc)
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits / temperature
-    if vocab_size is not None and vocab_size < weight.shape[0]:
-        padding = torch.arange(weight.shape[0], device=weight.device) >= vocab_size
+    valid = weight.shape[0] if vocab_size is None else vocab_size
+    if top_k is not None or top_p is not None:
+        logits = torch.cat([sampler_filter(logits[..., :valid], top_k, top_p), logits[..., valid:]], -1)
+    if valid < weight.shape[0]:
+        padding = torch.arange(weight.shape[0], device=weight.device) >= valid
         logits = logits.masked_fill(padding, float("-inf"))
     logp = torch.log_softmax(logits, dim=-1)
     chosen = logp.gather(-1, torch.where(ignore, 0, tokens).unsqueeze(-1)).squeeze(-1)

@@ -9,6 +9,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.utils import VocabUtility
 
+from . import sampler_filter
+
 __all__ = ["NaiveRLOutputProcessor"]
 
 
@@ -16,7 +18,8 @@ class NaiveRLOutputProcessor:
     """An output processor with the fused one's keywords and outputs ([b, s] fp32 "logprobs", then
     "entropy", "values" as asked), computed the plain way: the output layer's logits, capped to
     softcap * tanh(logits / softcap) when softcap is given, divided by the temperature, padded rows
-    at -inf, -vocab_parallel_cross_entropy for the chosen tokens,
+    at -inf, with top_k / top_p the tokens vLLM's sampler drops at -inf too (fused_rl_ops.reference's
+    sampler_filter on the TP-gathered logits), -vocab_parallel_cross_entropy for the chosen tokens,
     entropy from the TP-gathered logits, values by F.linear from the value head's weight (and bias).
     Logprob and entropy are 0 where the label is ignore_index or loss_mask is 0.
 
@@ -26,9 +29,10 @@ class NaiveRLOutputProcessor:
     """
 
     def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
-                 vocab_size=None, softcap=None):
+                 vocab_size=None, softcap=None, top_k=None, top_p=None):
         self.temperature = temperature
         self.softcap = softcap
+        self.top_k, self.top_p = top_k, top_p
         self.return_entropy = return_entropy
         self.value_head = value_head
         self.ignore_index = ignore_index
@@ -56,13 +60,22 @@ class NaiveRLOutputProcessor:
             first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(logits.shape[-1], rank, world)
             padded = torch.arange(first, last, device=logits.device) >= self.vocab_size
             logits = logits.masked_fill(padded, float("-inf"))
+        if self.top_k is not None or self.top_p is not None:
+            full_vocab_logits = gather_from_tensor_model_parallel_region(logits, group=tp_group)
+            valid = self.vocab_size or full_vocab_logits.shape[-1]
+            filtered = torch.cat([sampler_filter(full_vocab_logits[..., :valid], self.top_k, self.top_p),
+                                  full_vocab_logits[..., valid:]], -1)
+            rank = 0 if tp_group is None else tp_group.rank()
+            logits = filtered.narrow(-1, rank * logits.shape[-1], logits.shape[-1]).contiguous()
         # vocab_parallel_cross_entropy overwrites its input; the entropy needs the logits.
         cross_entropy = vocab_parallel_cross_entropy(logits.clone(), tokens.masked_fill(~keep, 0), tp_group=tp_group)
         outputs = {"logprobs": torch.where(keep, -cross_entropy, 0.0)}
         if self.return_entropy:
             full_vocab_logits = gather_from_tensor_model_parallel_region(logits, group=tp_group)[..., : self.vocab_size]
             log_probs = torch.log_softmax(full_vocab_logits, dim=-1)
-            outputs["entropy"] = torch.where(keep, -(log_probs.exp() * log_probs).sum(-1), 0.0)
+            # Tokens the filter drops have probability 0 and add nothing (0 * -inf would be NaN).
+            plogp = log_probs.exp() * torch.where(log_probs.isneginf(), 0.0, log_probs)
+            outputs["entropy"] = torch.where(keep, -plogp.sum(-1), 0.0)
         if self.value_head is not None:
             outputs["values"] = self._values(hidden_states, output_layer).transpose(0, 1)
         return {name: outputs[name].contiguous() for name in self.output_names}

@@ -88,6 +88,19 @@ def forward_backward(model, rollout, **forward_kwargs):
     return outputs, loss
 
 
+def outputs_and_grads(model, tokens, coeff):
+    """The attached processor's outputs for [b, s] tokens (their own labels) and every parameter's
+    gradient of sum(coeff[0] * logprobs + coeff[1] * entropy), the gradients then zeroed. A -inf
+    logprob (a token the sampler's filter drops) takes no part in the sum."""
+    outputs = model(tokens, *model_inputs(tokens), labels=tokens)
+    logprobs = outputs["logprobs"]
+    (coeff[0] * torch.where(logprobs.isneginf(), 0.0, logprobs) + coeff[1] * outputs["entropy"]).sum().backward()
+    allreduce_sequence_parallel_grads(model)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return {name: t.detach() for name, t in outputs.items()}, grads
+
+
 def ddp_train_step(ddp_model, optimizer, rollout):
     """One PPO step of a model inside Megatron's DistributedDataParallel, with a torch optimizer over
     its parameters: forward-backward, Megatron's finalize_model_grads (the data-parallel reduction

@@ -1,5 +1,7 @@
 // Calls chosen_logprob's launchers (csrc/chosen_logprob/kernel.cu) on the CPU: stats_rows,
-// grad_rows (in place, or into a buffer of the gradient GEMMs' dtype) and combine.
+// grad_rows (in place, or into a buffer of the gradient GEMMs' dtype), combine, top_rows and
+// hist_rows. A case's optional buffers: threshold (stats_rows, grad_rows, top_rows), window
+// (top_rows).
 #include "chosen_logprob/kernel.h"
 #include "driver.h"
 
@@ -16,11 +18,23 @@ int main(int argc, char** argv) {
       return launch_chosen_logprob_combine(p, nullptr);
     }
     p.logits = c.buf<float>("logits");
-    p.tokens = c.buf<int64_t>("tokens");
     p.cols = c.i("C");
-    p.col0 = c.i("col0");
     p.options.temperature = c.d("temperature");
     if (c.d("softcap") > 0) p.options.softcap = c.d("softcap");  // 0: none
+    if (c.has("threshold")) p.threshold = c.buf<float>("threshold");
+    if (c.has("window")) p.window = c.buf<double>("window");
+    if (c.kernel == "top_rows") {
+      p.top = c.buf<float>("top");
+      p.top_width = c.i("K");
+      return launch_chosen_logprob_top_rows(p, nullptr);
+    }
+    if (c.kernel == "hist_rows") {
+      p.row_max = c.buf<float>("row_max");
+      p.hist = c.buf<int64_t>("hist");
+      return launch_chosen_logprob_hist_rows(p, nullptr);
+    }
+    p.tokens = c.buf<int64_t>("tokens");
+    p.col0 = c.i("col0");
     if (c.kernel == "stats_rows") {
       p.stats = c.buf<float>("stats");
       return launch_chosen_logprob_stats_rows(p, nullptr);

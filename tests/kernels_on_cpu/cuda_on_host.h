@@ -19,12 +19,13 @@
 //     reference `name` to the copy of the block's slot (block_slot), so every block running at
 //     once has its own; `__shared__` is left undefined here, so a declaration the rewrite misses
 //     does not compile. Extern dynamic shared memory of shared_bytes bytes per block through
-//     dynamic_shared().
+//     dynamic_shared(). atomicAdd (64-bit unsigned) as the host's atomic addition.
 //   - __syncthreads(): a barrier of the whole block. A thread leaves the block when it returns;
 //     a barrier reached after some threads returned, a thread returning while others wait, and
 //     threads waiting at different __syncthreads() calls are reported errors.
 //   - warps of 32 lanes (linear thread index / 32): __shfl_sync, __shfl_xor_sync,
-//     __shfl_down_sync and __syncwarp exchange values through a per-warp barrier; a mask naming
+//     __shfl_down_sync, __ballot_sync and __syncwarp exchange values through a per-warp barrier
+//     (__popc and __ffs are the host's bit counts); a mask naming
 //     absent lanes, lanes that returned, or not the calling lane, and lanes of one warp passing
 //     different masks or waiting at different calls are reported errors.
 //   - a barrier waited on longer than CUDA_ON_HOST_TIMEOUT_S seconds (default 60) is a reported
@@ -415,4 +416,25 @@ T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32,
 template <typename T>
 T __ldg(const T* p) {
   return *p;
+}
+
+// A vote of the lanes of mask: bit l set where lane l's predicate holds. Made of one exchange per
+// lane of the mask, so it is checked as a shuffle is.
+inline unsigned __ballot_sync(unsigned mask, int predicate, cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
+  unsigned votes = 0;
+  for (int l = 0; l < 32; ++l) {
+    if (mask & (1u << l)) {
+      votes |= unsigned(cuda_on_host::shuffle(mask, predicate != 0, 32, at, [l](int) { return l; })) << l;
+    }
+  }
+  return votes;
+}
+
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+
+// An atomic read-modify-write of the host's (ThreadSanitizer orders it against other atomics and
+// reports it racing with plain accesses no barrier orders).
+inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_RELAXED);
 }

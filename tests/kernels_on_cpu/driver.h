@@ -7,7 +7,7 @@
 //   device SMS THREADS_PER_SM        the stand-in device the launcher sizes its grid for
 //   block_order_seed S               run the blocks in a shuffled order (0: in order)
 //   int NAME VALUE / float NAME VALUE    scalar arguments
-//   buffer NAME DTYPE COUNT OFFSET   NAME.bin holds COUNT elements (f32, bf16, f16, i64); the
+//   buffer NAME DTYPE COUNT OFFSET   NAME.bin holds COUNT elements (f32, f64, bf16, f16, i64); the
 //                                    driver places them OFFSET elements past a 16-byte boundary
 //                                    and with nothing after them, so a read past the end is an
 //                                    AddressSanitizer report; written back to NAME.out after
@@ -36,7 +36,7 @@ struct Buffer {
 inline size_t elem_size(const std::string& dtype) {
   if (dtype == "f32") return 4;
   if (dtype == "bf16" || dtype == "f16") return 2;
-  if (dtype == "i64") return 8;
+  if (dtype == "i64" || dtype == "f64") return 8;
   cuda_on_host::fail("unknown dtype " + dtype);
 }
 
@@ -72,6 +72,7 @@ class Case {
     if (it->second.elem != sizeof(T)) cuda_on_host::fail("buffer " + name + " is " + it->second.dtype);
     return reinterpret_cast<T*>(it->second.data);
   }
+  bool has(const std::string& name) const { return buffers_.count(name) > 0; }
   void* raw(const std::string& name) {
     const auto it = buffers_.find(name);
     if (it == buffers_.end()) cuda_on_host::fail("case has no buffer " + name);
