@@ -38,7 +38,7 @@ BENCH_VALUE_HEAD_S="${BENCH_VALUE_HEAD_S:-90}" BENCH_CLAMPED_SWIGLU_S="${BENCH_C
 BENCH_CHOSEN_LOGPROB_S="${BENCH_CHOSEN_LOGPROB_S:-300}" REPORT_S=60
 # The benchmarks before chosen_logprob (the project's main figures) leave it at least this much.
 CHOSEN_LOGPROB_FLOOR_S="${CHOSEN_LOGPROB_FLOOR_S:-150}"
-RESERVE_S=15 MIN_STAGE_S=20 GRACE_S="${GRACE_S:-15}" TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-60}"
+RESERVE_S=15 MIN_STAGE_S="${MIN_STAGE_S:-20}" GRACE_S="${GRACE_S:-15}" TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-60}"
 deadline=$((SECONDS + TOTAL_S))
 
 summary() { "$PY" scripts/gpu_check_summary.py "$OUT" "$@"; }

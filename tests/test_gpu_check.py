@@ -56,11 +56,12 @@ def test_rehearsal_leaves_every_result_of_a_cut_run(tmp_path):
     peer = stand_in_wheel(tmp_path / "wheelhouse")
     (tmp_path / "stand_in").mkdir()
     (tmp_path / "stand_in" / "test_stand_in.py").write_text(STAND_IN_TESTS)
-    # The stand-in tests never end, nor can the quick clamped_swiglu benchmark (several torch.compile
-    # graphs) in 25 s: both are cut. chosen_logprob's 10 s are less than a stage's minimum: skipped.
+    # The stand-in tests never end, nor can the quick clamped_swiglu benchmark (torch's import and
+    # several torch.compile graphs) in 3 s on any machine: both are cut. chosen_logprob's 1 s is less
+    # than a stage's minimum (2 s here): skipped.
     budgets = {"TOTAL_S": "400", "TESTS_S": "40", "SANITIZER_S": "200", "BENCH_VALUE_HEAD_S": "200",
-               "BENCH_CLAMPED_SWIGLU_S": "25", "BENCH_CHOSEN_LOGPROB_S": "10", "CHOSEN_LOGPROB_FLOOR_S": "10",
-               "GRACE_S": "10", "TEST_TIMEOUT_S": "3600"}
+               "BENCH_CLAMPED_SWIGLU_S": "3", "BENCH_CHOSEN_LOGPROB_S": "1", "CHOSEN_LOGPROB_FLOOR_S": "1",
+               "MIN_STAGE_S": "2", "GRACE_S": "10", "TEST_TIMEOUT_S": "3600"}
     env = {**os.environ, **budgets, "REHEARSAL": "1", "PYTHON": sys.executable,
            "WHEELHOUSE": str(tmp_path / "wheelhouse"), "PEERS_DIR": str(peers),
            "TEST_SELECTION": str(tmp_path / "stand_in" / "test_stand_in.py")}
@@ -101,14 +102,15 @@ def test_rehearsal_leaves_every_result_of_a_cut_run(tmp_path):
     assert stages["bench_value_head"]["status"] == "passed"
     assert stages["bench_clamped_swiglu"]["status"] == "cut"
     assert stages["bench_chosen_logprob"]["status"] == "skipped"
-    assert stages["bench_chosen_logprob"]["reason"] == "no time left: 10s for it"
+    assert stages["bench_chosen_logprob"]["reason"] == "no time left: 1s for it"
     for name in BENCHMARKS:
         stage = stages[name]
         assert stage["json_written"] == (stage["status"] == "passed"), (name, stage)
         if stage["status"] == "skipped":
             continue
-        logged = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
-        assert len(logged) == stage["rows"]
+        rows_file = out / f"{name}.jsonl"  # made once the benchmark has imported torch: a cut may come first
+        logged = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.exists() else []
+        assert len(logged) == stage.get("rows", 0)
         if stage["json_written"]:
             result = json.loads((out / f"{name}.json").read_text())
             assert [{k: v for k, v in row.items() if k != "table"} for row in logged if row["table"] == "results"] \
