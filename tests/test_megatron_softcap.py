@@ -3,15 +3,13 @@ parallel: logprobs, entropy and every parameter's gradient match the naive refer
 (fused_rl_ops.reference.megatron), which caps the materialised logits the plain way."""
 import pytest
 import torch
-from torch.testing import assert_close
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from fused_rl_ops.megatron import attach, detach, rl_output_processor  # noqa: E402
-from fused_rl_ops.reference.megatron import NaiveRLOutputProcessor  # noqa: E402
+from fused_rl_ops.megatron import detach, rl_output_processor  # noqa: E402
 from fused_rl_ops.testing.distributed import run_distributed  # noqa: E402
-from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
-from fused_rl_ops.testing.ppo import model_inputs, outputs_and_grads  # noqa: E402
+from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config  # noqa: E402
+from fused_rl_ops.testing.ppo import assert_matches_naive_processor, model_inputs  # noqa: E402
 
 B, S, REAL_VOCAB = 2, 8, 200  # the model's vocabulary is padded to 256
 SOFTCAP = 0.5  # the tiny model's logits reach a few units: the cap changes them
@@ -25,20 +23,9 @@ def _processor_checks(rank, world_size):
     coeff = torch.randn(2, B, S, generator=g)
     for sequence_parallel in (False, True):
         config = tiny_config(sequence_parallel=sequence_parallel, init_method_std=0.3)
-        fused, naive = tiny_model("gpt", config), tiny_model("gpt", config)
-        naive.load_state_dict(fused.state_dict())
         options = dict(softcap=SOFTCAP, temperature=0.8, vocab_size=REAL_VOCAB)
-        attach(fused, rl_output_processor(**options))
-        attach(naive, NaiveRLOutputProcessor(**options))
-        (fused_outputs, fused_grads), (naive_outputs, naive_grads) = [outputs_and_grads(m, tokens, coeff)
-                                                                      for m in (fused, naive)]
-        assert list(fused_outputs) == list(naive_outputs) == ["logprobs", "entropy"]
-        for name in fused_outputs:
-            assert_close(fused_outputs[name], naive_outputs[name], msg=lambda m: f"{name}: {m}")
-        assert fused_grads.keys() == naive_grads.keys() and "output_layer.weight" in fused_grads
-        for name, grad in naive_grads.items():
-            assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item() + 1e-9,
-                         msg=lambda m: f"{name}: {m}")
+        fused, fused_outputs = assert_matches_naive_processor(config, options, tokens, coeff)
+        assert list(fused_outputs) == ["logprobs", "entropy"]
         # The cap matters here: without it the logprobs are others.
         detach(fused)
         with torch.no_grad():
