@@ -224,7 +224,6 @@ def timed_rows(N, H, V, dtype, dev, peers, reps, log, ceilings=None) -> list:
             print_row(row, ["N", "H", "V", "entropy", "mode", "fused_ms"] + [c for c in ROOFLINE_COLUMNS if c in row]
                       + [c for c in times if c != "fused_ms" and c not in ROOFLINE_COLUMNS]
                       + [c for c in TIME_GOALS if c in row])
-    del gemms
     return rows
 
 
