@@ -47,11 +47,6 @@ struct Integer {  // any, negative too (ignore_index)
   static bool holds(int64_t) { return true; }
 };
 
-struct Probability {  // top_p: (0, 1]
-  static constexpr const char* requirement = "a number in (0, 1]";
-  static bool holds(double v) { return v > 0 && v <= 1; }
-};
-
 struct AnyBool {
   static constexpr const char* requirement = "True or False";
   static bool holds(bool) { return true; }

@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 class KernelCall(NamedTuple):
     op: str  # the operator's name in the fused_rl_ops namespace, e.g. "chosen_logprob_stats"
-    args: dict  # what it got, by the schema's argument names ("hidden", "tokens", "chunk_size", ...)
+    args: dict  # what it got, by the schema's argument names ("hidden", "tokens", "chunk_size", ...),
+    # defaults included
 
 
 class KernelCalls(TorchDispatchMode):
@@ -22,7 +23,9 @@ class KernelCalls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "fused_rl_ops":
-            by_name = dict(zip((argument.name for argument in func._schema.arguments), args), **(kwargs or {}))
+            # Trailing arguments at their defaults may come without a value: the schema has it.
+            defaults = {a.name: a.default_value for a in func._schema.arguments if a.has_default_value()}
+            by_name = dict(defaults, **dict(zip((a.name for a in func._schema.arguments), args)), **(kwargs or {}))
             self.calls.append(KernelCall(func._schema.name.split("::")[1], by_name))
         return func(*args, **(kwargs or {}))
 
