@@ -83,12 +83,6 @@ def _check(op: str, declared: Option, value) -> None:
     raise ValueError(f"{op}: {declared.name} must be {none}{declared.rule.requirement}, got {value!r}")
 
 
-def check_option(op: str, declaration, name: str, value) -> None:
-    """Raises ValueError "op: name must be <requirement>, got value" when value breaks the rule of
-    the option `name` of the options dataclass `declaration` (an optional one may also be None)."""
-    _check(op, next(o for o in declaration.OPTIONS if o.name == name), value)
-
-
 def check_options(op: str, options) -> None:
     """Checks every field of an options dataclass (from its __post_init__) and stores each value as
     the op takes it."""

@@ -50,8 +50,3 @@ class LogitOptions:
     def logit_map(self) -> LogitMap:
         """The ops' part: the fields LogitMap declares."""
         return LogitMap(**{declared.name: getattr(self, declared.name) for declared in LogitMap.OPTIONS})
-
-    @property
-    def filters(self) -> bool:
-        """Whether the sampler's filter keeps fewer than all tokens (top_k or top_p given)."""
-        return self.top_k is not None or self.top_p is not None

@@ -1,6 +1,6 @@
-"""Which rows reach the extension's operators: a record of the torch.ops.fused_rl_ops calls a
-piece of code makes, forward and backward, for the tests that check what the kernels compute
-(not only what the results say)."""
+"""What reaches the extension's operators: a record of the torch.ops.fused_rl_ops calls a piece of
+code makes, forward and backward, for the tests that check what the kernels compute (not only what
+the results say)."""
 from typing import NamedTuple
 
 import torch
@@ -31,12 +31,18 @@ class KernelCalls(TorchDispatchMode):
 
     def tokens(self, op: str) -> list:
         """The token ids of each call of a chosen_logprob operator (op: "chosen_logprob_stats" or
-        "chosen_logprob_backward"), on the CPU."""
+        "chosen_logprob_backward"), on the CPU: every row's."""
         return [call.args["tokens"].cpu() for call in self.calls if call.op == op]
+
+    def computed_tokens(self, op: str) -> list:
+        """The token ids of the rows each call of a chosen_logprob operator computes, on the CPU:
+        those not equal to the ignore_index it got (every row without one)."""
+        ignore = [call.args["ignore_index"] for call in self.calls if call.op == op]
+        return [t if i is None else t[t != i] for t, i in zip(self.tokens(op), ignore)]
 
 
 def scored(tokens: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """tokens flattened (in the [s, b] order of a Megatron processor's call: transpose first), less
-    the ignored ones: the ids the kernels should get."""
+    the ignored ones: the ids of the rows the ops should compute."""
     flat = tokens.reshape(-1).cpu()
     return flat[flat != ignore_index]
