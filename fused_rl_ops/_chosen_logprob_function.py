@@ -12,32 +12,33 @@ from ._vocab_parallel.group import CombinedColumns, StatsColumns
 from ._vocab_parallel.main_grad import placeholder_gradient
 
 
-def _kept_set(hidden, weight, stats, row, options, kernel_options, tp):
+def _kept_set(hidden, weight, stats, merged, options, kernel_options, tp):
     """The tokens' thresholds of the sampler's filter and with top_k the kept set's partials
     (sampler_filter.thresholds), from the stats pass's tops, with search passes where top_p alone
     needs them."""
 
     def search(window, hist, top):
-        ops.chosen_logprob_search(hidden, weight, row.row_max, window, hist, top, *kernel_options.search_arguments())
+        ops.chosen_logprob_search(hidden, weight, merged.row_max, window, hist, top, *kernel_options.search_arguments())
 
     tops = stats[:, len(StatsColumns._fields):] if options.top_k is not None else None
-    return sampler_filter.thresholds(tops, row.row_max, row.log_sum, options.top_k, options.top_p, search,
+    return sampler_filter.thresholds(tops, merged.row_max, merged.log_sum, options.top_k, options.top_p, search,
                                      tp.gather, tp.all_reduce)
 
 
-def _filtered_row(hidden, weight, tokens, stats, row, options, kernel_options, tp):
-    """(row, threshold): the merged row of the kept set, and its tokens' thresholds (None without a
-    filter)."""
+def _filtered(hidden, weight, tokens, stats, merged, options, kernel_options, tp):
+    """(merged, threshold): the ranks' partials of the kept set merged (CombinedColumns; merged
+    itself without a filter), and its tokens' thresholds (None without a filter)."""
     if options.top_k is None and options.top_p is None:
-        return row, None
-    threshold, kept = _kept_set(hidden, weight, stats, row, options, kernel_options, tp)
+        return merged, None
+    threshold, kept = _kept_set(hidden, weight, stats, merged, options, kernel_options, tp)
     if kept is None:  # a stats pass over the logits at or above the threshold
         unfiltered = kernel_options._replace(own=dataclasses.replace(kernel_options.own, top_width=0))
-        return tp.combine(ops.chosen_logprob_stats(hidden, weight, tokens, *unfiltered.arguments(), threshold)), threshold
+        stats = ops.chosen_logprob_stats(hidden, weight, tokens, *unfiltered.arguments(), threshold)
+        return tp.combine(stats), threshold
     # From the tops; rows that are not filtered (threshold -inf: a NaN or inf) as they are.
     filtered = torch.isfinite(threshold)
-    return CombinedColumns(*(torch.where(filtered, k.to(c.dtype), c) for k, c in zip(kept, row[:3])),
-                           row.chosen), threshold
+    return CombinedColumns(*(torch.where(filtered, k.to(c.dtype), c) for k, c in zip(kept, merged[:3])),
+                           merged.chosen), threshold
 
 
 class ChosenLogprobFunction(torch.autograd.Function):
@@ -46,28 +47,29 @@ class ChosenLogprobFunction(torch.autograd.Function):
                 weight_placeholder):
         """hidden [N, H], tokens [N] int64, ignore [N] (tokens == ignore_index); options the call's
         LogitOptions, kernel_options the ops' (chosen_logprob.KernelOptions), tp its
-        TensorParallelGroup. Returns
-        logprob, entropy, is_max and is_kept, [N] each; rows the ops leave out (kernel_options.own's
-        ignore_index) have empty partials: their entropy is the caller's to replace."""
+        TensorParallelGroup. Returns logprob, entropy, is_max and is_kept, [N] each; rows the ops
+        leave out (kernel_options.own's ignore_index) have empty partials: their entropy is the
+        caller's to replace."""
         stats = ops.chosen_logprob_stats(hidden, weight, tokens, *kernel_options.arguments())
-        row = tp.combine(stats[:, :len(StatsColumns._fields)])
-        row, threshold = _filtered_row(hidden, weight, tokens, stats, row, options, kernel_options, tp)
-        logprob = torch.where(ignore, 0.0, (row.chosen - row.row_max) - row.log_sum)
+        merged = tp.combine(stats[:, :len(StatsColumns._fields)])
+        merged, threshold = _filtered(hidden, weight, tokens, stats, merged, options, kernel_options, tp)
+        logprob = torch.where(ignore, 0.0, (merged.chosen - merged.row_max) - merged.log_sum)
         # Both come from the same fp32 logit buffer, so a chosen maximum compares equal exactly; and
         # the threshold is one of those logits.
-        is_max = (row.chosen == row.row_max) & ~ignore
-        dropped = torch.zeros_like(ignore) if threshold is None else (row.chosen < threshold) & ~ignore
+        is_max = (merged.chosen == merged.row_max) & ~ignore
+        dropped = torch.zeros_like(ignore) if threshold is None else (merged.chosen < threshold) & ~ignore
         logprob = torch.where(dropped, -math.inf, logprob)
         is_kept = ~(ignore | dropped)
         ctx.mark_non_differentiable(is_max, is_kept)
         # Ignored tokens and tokens outside the kept set (logprob -inf) pass no logprob gradient.
-        ctx.save_for_backward(hidden, weight, tokens, ignore | dropped, row.row_max, row.log_sum, row.entropy, threshold)
+        ctx.save_for_backward(hidden, weight, tokens, ignore | dropped, merged.row_max, merged.log_sum, merged.entropy,
+                              threshold)
         ctx.kernel_options, ctx.tp = kernel_options, tp
         ctx.reduce_hidden_grad, ctx.weight_placeholder = reduce_hidden_grad, weight_placeholder
         # main_grad is the backward's output buffer, not an input of its math: kept on ctx, not saved
         # (autograd's version check would trip on its in-place updates).
         ctx.main_grad = main_grad
-        return logprob, row.entropy, is_max, is_kept
+        return logprob, merged.entropy, is_max, is_kept
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, grad_is_max, grad_is_kept):

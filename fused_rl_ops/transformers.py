@@ -87,10 +87,11 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
     position t scores labels[:, t + 1]. Position t is skipped when labels[:, t + 1] is -100 or, with
     a [batch, seq] attention_mask, when the token it scores is padding (attention_mask[:, t + 1] ==
     0; a mask of another form, such as a 4-D one, goes to the model and skips nothing): it gets
-    logprob 0 and entropy 0, no gradient, and no work (chosen_logprob's skip_ignored). Returns logprob [batch, seq - 1] in float32 (float64 for a
-    float64 model), or (logprob, entropy) with return_entropy=True (the entropy of the tempered
-    next-token distribution). Differentiable in every parameter the logits depend on. A MoE model's
-    router auxiliary loss, part of its CausalLM loss, is not included.
+    logprob 0 and entropy 0, no gradient, and no work (chosen_logprob's skip_ignored). Returns
+    logprob [batch, seq - 1] in float32 (float64 for a float64 model), or (logprob, entropy) with
+    return_entropy=True (the entropy of the tempered next-token distribution). Differentiable in
+    every parameter the logits depend on. A MoE model's router auxiliary loss, part of its CausalLM
+    loss, is not included.
     top_k, top_p: the rollout engine's sampler filter (pass its values; None: none): logprob and
     entropy of the distribution the sampler drew from, the tokens it keeps renormalised (see
     chosen_logprob). A token the filter drops gets logprob -inf and no logprob gradient.

@@ -209,7 +209,8 @@ def test_opcheck(device):
     hidden, weight, tokens = make_inputs(9, 12, 200, torch.float32, device)
     ops = torch.ops.fused_rl_ops
     torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, None, 100, None, 128))
-    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, None, 100, None, 128, 4, 8))  # blocks of 4, passes of 8
+    # Blocks of 4, passes of 8.
+    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, None, 100, None, 128, 4, 8))
     torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, None, 100, 150, 128))
     # Rows left out inside the op (the tokens at 0 and the last valid id).
     torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, None, 0, None, 128),

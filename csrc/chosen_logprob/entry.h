@@ -142,11 +142,13 @@ void search(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor
   const at::DeviceGuard guard(hidden.device());
   // The row kernels pass over inactive rows themselves: compacting is the saving, capture need not.
   const RowSkipping skipping = RowSkipping::of<Kernels>(window.select(1, 0) == 0);
-  if (!skipping.compacts()) return search_impl<Kernels>(hidden, weight, row_max, window, hist, top, logit_map, shard, tiling);
+  if (!skipping.compacts()) {
+    return search_impl<Kernels>(hidden, weight, row_max, window, hist, top, logit_map, shard, tiling);
+  }
   at::Tensor hist_rows = skipping.rows(hist, 0);
   const std::optional<at::Tensor> top_rows = top ? std::optional(skipping.rows(*top, 0)) : std::nullopt;
-  search_impl<Kernels>(skipping.rows(hidden, 0), weight, skipping.rows(row_max, 0), skipping.rows(window, 0), hist_rows,
-                       top_rows, logit_map, shard, tiling);
+  search_impl<Kernels>(skipping.rows(hidden, 0), weight, skipping.rows(row_max, 0), skipping.rows(window, 0),
+                       hist_rows, top_rows, logit_map, shard, tiling);
   hist.index_copy_(0, skipping.computed, hist_rows);
   if (top) top->index_copy_(0, skipping.computed, *top_rows);
 }
@@ -180,9 +182,12 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
   // The skipped rows' per-token values (an empty partial's -inf and NaN) reach no kernel: left out,
   // or zeroed with their hidden rows, so that they pass exactly 0.
   const RowSkipping skipping = skipping_ignored<Kernels>(tokens, ignore_index);
-  const TokenGrads token_grads{skipping.rows(row_max, 0),      skipping.rows(log_sum, 0),
-                               skipping.rows(log_sum_minus_entropy, 0), skipping.rows(grad_logprob, 0),
-                               skipping.rows(grad_entropy, 0),  threshold ? skipping.rows(*threshold, 0) : at::Tensor()};
+  const TokenGrads token_grads{skipping.rows(row_max, 0),
+                               skipping.rows(log_sum, 0),
+                               skipping.rows(log_sum_minus_entropy, 0),
+                               skipping.rows(grad_logprob, 0),
+                               skipping.rows(grad_entropy, 0),
+                               threshold ? skipping.rows(*threshold, 0) : at::Tensor()};
   auto [grad_hidden, grad_weight] = backward_impl<Kernels>(skipping.rows(hidden, 0), weight, skipping.rows(tokens, 0),
                                                            token_grads, main_grad, logit_map, shard, tiling);
   return {skipping.all_rows(grad_hidden, at::zeros({}, grad_hidden.options())), grad_weight};
