@@ -31,7 +31,9 @@ peak memory (logprob only). fused skips the ignored rows; the naive path, compil
 Megatron compute every row; Cut Cross-Entropy leaves ignored rows out too (its
 linear_cross_entropy indexes the valid rows first). fused/unmasked is fused's time over its own at
 0% (same entropy setting); the masked goals: at 75% fused/unmasked at most 0.45, at 50% fused faster
-than every other path of the row.
+than every other path of the row. fused_compiled, timed in the same rounds, is the fused call under
+torch.compile(fullgraph=True) (its ops leave the ignored rows out inside the graph too);
+compiled/fused is its time over the eager call's, which should be about 1 at every masked share.
 
 The sampler's filter (--sampler-filter runs it alone, at the main shapes): forward+backward of the
 fused path, with entropy and logprob only, plain and with top_k=50, top_p=0.95 and both (the
@@ -86,8 +88,9 @@ SAMPLER_GOALS = {
 
 
 def other_paths(row):
-    """The paths timed on a row besides fused."""
-    return [c[:-3] for c in row if c.endswith("_ms") and not c.endswith("iqr_ms") and c not in ("fused_ms", "gemm_ms")]
+    """The paths timed on a row besides fused (and its compiled call)."""
+    return [c[:-3] for c in row if c.endswith("_ms") and not c.endswith("iqr_ms")
+            and c not in ("fused_ms", "fused_compiled_ms", "gemm_ms")]
 
 
 MASKED_GOALS = {
@@ -253,11 +256,13 @@ def measure_masked(N, H, V, dtype, dev, peers, reps, log) -> list:
             row = {"N": N, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "masked_%": round(100 * masked),
                    "entropy": entropy, "mode": "fwd+bwd"}
             hidden, weight, tokens = make_inputs(N, H, V, dtype, dev, masked=masked)
-            runs = {p: run_once(path_fn(p, entropy, peers), "fwd+bwd", hidden, weight, tokens) for p in paths}
+            runs = {p: run_once(path_fn(p, entropy, peers), "fwd+bwd", hidden, weight, tokens)
+                    for p in paths + ["fused_compiled"]}
             record_times(row, time_paths(runs, dev, reps=reps))
             del hidden, weight, tokens, runs
             unmasked = row if masked == 0 else next(r for r in rows if r["entropy"] == entropy and r["masked_%"] == 0)
             row["fused/unmasked"] = row["fused_ms"] / unmasked["fused_ms"]
+            row["compiled/fused"] = row["fused_compiled_ms"] / row["fused_ms"]
             for path in paths[1:]:
                 row[f"{path}/fused"] = row[f"{path}_ms"] / row["fused_ms"]
             if not entropy:
@@ -339,9 +344,11 @@ def masked_table(rows, all_paths):
     return summary_table(
         "chosen_logprob, RL-shaped batch: fwd+bwd time (ms) with 0/50/75% of positions ignored (fused skips them; "
         "Cut Cross-Entropy leaves them out too, the others compute every row), fused/unmasked = fused time over "
-        "its own at 0%, path time / fused time, extra peak memory (MiB, logprob only); goals: "
+        "its own at 0%, compiled/fused = fused under torch.compile(fullgraph=True) over eager, path time / fused "
+        "time, extra peak memory (MiB, logprob only); goals: "
         + "; ".join(f"{c}: {what}" for c, (what, _) in MASKED_GOALS.items()),
-        rows, ["N", "H", "V", "masked_%", "entropy"] + [f"{p}_ms" for p in all_paths] + ["fused/unmasked"]
+        rows, ["N", "H", "V", "masked_%", "entropy"] + [f"{p}_ms" for p in all_paths]
+        + ["fused_compiled_ms", "fused/unmasked", "compiled/fused"]
         + [f"{p}/fused" for p in all_paths[1:]] + [f"{p}_MiB" for p in all_paths] + list(MASKED_GOALS))
 
 
@@ -357,8 +364,9 @@ def shape_options(parser):
 
 
 def masked_headline(rows) -> list:
-    """The RL-shaped case's figures at one shape: fused at 75% masked over none masked, and the
-    fastest other path over fused at 50% masked, with entropy and logprob only."""
+    """The RL-shaped case's figures at one shape: fused at 75% masked over none masked, fused under
+    torch.compile(fullgraph=True) over eager at 75% masked, and the fastest other path over fused at
+    50% masked, with entropy and logprob only."""
     headline = []
     for entropy, what in ((True, "with entropy"), (False, "logprob only")):
         at = {r["masked_%"]: r for r in rows if r["entropy"] == entropy}
@@ -366,6 +374,8 @@ def masked_headline(rows) -> list:
         fastest = min(other_paths(at[50]), key=lambda p: at[50][f"{p}_ms"])
         headline += [{"metric": f"fused time, 75% / 0% of positions masked, fwd+bwd {what}, {shape}",
                       "value": at[75]["fused/unmasked"], "busy": at[75]["busy"] or at[0]["busy"]},
+                     {"metric": f"fused under torch.compile(fullgraph=True) / eager time, 75% masked, fwd+bwd "
+                                f"{what}, {shape}", "value": at[75]["compiled/fused"], "busy": at[75]["busy"]},
                      {"metric": f"fastest other path ({fastest}) / fused time, 50% masked, fwd+bwd {what}, {shape}",
                       "value": at[50][f"{fastest}/fused"], "busy": at[50]["busy"]}]
     return headline

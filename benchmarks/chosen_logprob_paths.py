@@ -100,7 +100,11 @@ def load_peers(device):
 
 
 def path_fn(path, entropy, peers):
-    """fn(hidden, weight, tokens) -> tuple of differentiable outputs (logprob[, entropy])."""
+    """fn(hidden, weight, tokens) -> tuple of differentiable outputs (logprob[, entropy]).
+    fused_compiled: the fused call under torch.compile(fullgraph=True), as a trainer's compiled
+    step would make it (a new compilation per call of path_fn)."""
+    if path == "fused_compiled":
+        return torch.compile(path_fn("fused", entropy, peers), fullgraph=True)
     if path in ("fused", "fused_invariant"):
         kw = dict(batch_invariant=path == "fused_invariant")
         return lambda h, w, t: fused_rl_ops.chosen_logprob(h, w, t, return_entropy=True, **kw) if entropy else (

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fused_rl_ops.chosen_logprob import default_workspace_bytes, tiling_for
+from fused_rl_ops._vocab_parallel.tiling import default_workspace_bytes, tiling_for
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,8 @@ def chosen_logprob_kernels(N: int, H: int, V: int, dtype: torch.dtype, mode: str
     if workspace_bytes is None:
         workspace_bytes = default_workspace_bytes(torch.empty(N, H, dtype=dtype, device="meta"))
     e = torch.empty(0, dtype=dtype).element_size()
-    chunk, _, _, grad_chunks = tiling_for(N, H, e, workspace_bytes, torch.device("cuda"), False)
+    tiling = tiling_for(N, H, e, workspace_bytes, torch.device("cuda"), False)
+    chunk, grad_chunks = tiling.chunk_size, tiling.grad_chunks
     group = chunk * grad_chunks
     chunks, groups = math.ceil(V / chunk), math.ceil(V / group)
     # The logit gradients: written over the fp32 logits in place, or in the inputs' dtype into

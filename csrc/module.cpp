@@ -1,6 +1,6 @@
 // The extension module and the op schemas. Each op's CPU and CUDA kernels register themselves
 // in their own files (TORCH_LIBRARY_IMPL); fake kernels and autograd are registered in Python.
-// The options after the tensors come from each op's declaration (<op>/options.h).
+// The options after the tensors come from their groups' declarations (common/options.h).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -16,7 +16,8 @@ PyObject* PyInit__C(void) {
 }
 
 #define CLAMPED_SWIGLU_OPTIONS FRL_CLAMPED_SWIGLU_OPTIONS(FRL_OPTION_SCHEMA)
-#define CHOSEN_LOGPROB_OPTIONS FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_SCHEMA)
+#define CHOSEN_LOGPROB_OPTIONS FRL_CHOSEN_LOGPROB_OP_OPTIONS(FRL_OPTION_SCHEMA)
+#define CHOSEN_LOGPROB_SEARCH_OPTIONS FRL_CHOSEN_LOGPROB_SEARCH_OPTIONS(FRL_OPTION_SCHEMA)
 
 TORCH_LIBRARY(fused_rl_ops, m) {
   // clamped_swiglu: scale (per row) makes it the weighted form, with its own backward.
@@ -25,11 +26,9 @@ TORCH_LIBRARY(fused_rl_ops, m) {
   m.def("clamped_swiglu_scaled_backward(Tensor grad_out, Tensor x, Tensor scale" CLAMPED_SWIGLU_OPTIONS
         ") -> (Tensor, Tensor)");
   // chosen_logprob: per-shard partials (stats), their merge across shards (combine), and the
-  // chunked backward from the merged row max, log-sum and entropy. The stats' columns:
-  // stats_column and combined_column in chosen_logprob/math.h.
-  // threshold: the sampler's filter (top_k, top_p) as per-token thresholds, the logits below them
-  // dropped; search: one round of top_p's threshold search, updating hist and top
-  // (chosen_logprob/sampler_filter.h).
+  // chunked backward from the merged row max, log-sum and entropy; search: one round of top_p's
+  // threshold search, updating hist and top. What each takes: docs/chosen_logprob.md, "The ops
+  // underneath".
   m.def("chosen_logprob_stats(Tensor hidden, Tensor weight, Tensor tokens" CHOSEN_LOGPROB_OPTIONS
         ", Tensor? threshold=None) -> Tensor");
   m.def("chosen_logprob_combine(Tensor partials) -> Tensor");
@@ -38,7 +37,7 @@ TORCH_LIBRARY(fused_rl_ops, m) {
       "Tensor log_sum_minus_entropy, Tensor grad_logprob, Tensor grad_entropy, Tensor(a!)? main_grad"
       CHOSEN_LOGPROB_OPTIONS ", Tensor? threshold=None) -> (Tensor, Tensor)");
   m.def("chosen_logprob_search(Tensor hidden, Tensor weight, Tensor row_max, Tensor window, Tensor(a!) hist, "
-        "Tensor(b!)? top" CHOSEN_LOGPROB_OPTIONS ") -> ()");
+        "Tensor(b!)? top" CHOSEN_LOGPROB_SEARCH_OPTIONS ") -> ()");
   m.def("value_head(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor");
   m.def("value_head_backward_hidden(Tensor grad_out, Tensor weight, ScalarType dtype) -> Tensor");
   m.def("value_head_backward_params(Tensor grad_out, Tensor hidden) -> (Tensor, Tensor)");

@@ -2,6 +2,8 @@
 from ._library import has_cuda_kernels
 from .chosen_logprob import DEFAULT_WORKSPACE_BYTES, chosen_logprob
 from .clamped_swiglu import clamped_swiglu
+from .logit_options import LogitOptions
 from .value_head import ValueHead, value_head
 
-__all__ = ["DEFAULT_WORKSPACE_BYTES", "ValueHead", "chosen_logprob", "clamped_swiglu", "has_cuda_kernels", "value_head"]
+__all__ = ["DEFAULT_WORKSPACE_BYTES", "LogitOptions", "ValueHead", "chosen_logprob", "clamped_swiglu",
+           "has_cuda_kernels", "value_head"]

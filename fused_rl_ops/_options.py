@@ -1,11 +1,11 @@
-"""How an op's options (its non-tensor arguments) are declared in Python: one frozen dataclass per
-op, made by @options_dataclass, its fields in the order of the op's schema, each made by option()
-with the rule its value must meet. Constructing it (its __post_init__ calls check_options) is where
-these arguments are checked: every field, in the words the C++ op uses for the same rule
-(csrc/common/options.h and csrc/<op>/options.h declare the options for C++; tests/test_op_contract.py
-checks that the two declarations agree). Each value is then stored as the op takes it (float, int,
-bool). The checks read only plain records made when the class is defined, so that torch.compile
-traces them."""
+"""How options are declared in Python: a frozen dataclass per group of options, made by
+@options_dataclass, each field made by option() with the rule its value must meet. An op's schema
+takes its groups one after the other (LogitMap, VocabShard, Tiling, then the op's own), each group's
+fields in order (csrc/common/options.h: each group is declared once for C++ too;
+tests/test_op_contract.py checks that the two declarations agree). Constructing one (its
+__post_init__ calls check_options) is where these values are checked, in the words the C++ op uses
+for the same rule; each value is then stored as the op takes it (float, int, bool). The checks read
+only plain records made when the class is defined, so that torch.compile traces them."""
 import dataclasses
 import math
 import typing
@@ -19,12 +19,13 @@ class Rule(NamedTuple):
 
 
 # As csrc/common/options.h: PositiveFinite, Positive, Finite, PositiveInteger, NonNegativeInteger,
-# Probability, AnyBool.
+# Integer, AnyBool; PROBABILITY is LogitOptions' alone (no op takes top_p).
 POSITIVE_FINITE = Rule("a positive finite number", lambda v: 0 < v < math.inf)
 POSITIVE = Rule("a positive number", lambda v: v > 0)  # +inf included
 FINITE = Rule("a finite number", math.isfinite)
 POSITIVE_INTEGER = Rule("a positive integer", lambda v: v > 0)
 NON_NEGATIVE_INTEGER = Rule("a non-negative integer", lambda v: v >= 0)
+INTEGER = Rule("an integer", lambda v: True)
 PROBABILITY = Rule("a number in (0, 1]", lambda v: 0 < v <= 1)
 ANY_BOOL = Rule("True or False", lambda v: True)
 
@@ -44,9 +45,12 @@ def option(rule: Rule, *, default=dataclasses.MISSING, agreed: bool = False):
     return dataclasses.field(default=default, metadata={"rule": rule, "agreed": agreed})
 
 
-def options_dataclass(cls):
-    """cls as a frozen dataclass, with OPTIONS: its fields as Option records, in order."""
-    cls = dataclasses.dataclass(frozen=True)(cls)
+def options_dataclass(cls=None, *, kw_only: bool = False):
+    """cls as a frozen dataclass (keyword-only with kw_only), with OPTIONS: its fields as Option
+    records, in order."""
+    if cls is None:
+        return lambda cls: options_dataclass(cls, kw_only=kw_only)
+    cls = dataclasses.dataclass(frozen=True, kw_only=kw_only)(cls)
     hints = typing.get_type_hints(cls)
     options = []
     for f in dataclasses.fields(cls):
@@ -79,12 +83,6 @@ def _check(op: str, declared: Option, value) -> None:
     raise ValueError(f"{op}: {declared.name} must be {none}{declared.rule.requirement}, got {value!r}")
 
 
-def check_option(op: str, declaration, name: str, value) -> None:
-    """Raises ValueError "op: name must be <requirement>, got value" when value breaks the rule of
-    the option `name` of the options dataclass `declaration` (an optional one may also be None)."""
-    _check(op, next(o for o in declaration.OPTIONS if o.name == name), value)
-
-
 def check_options(op: str, options) -> None:
     """Checks every field of an options dataclass (from its __post_init__) and stores each value as
     the op takes it."""
@@ -95,6 +93,24 @@ def check_options(op: str, options) -> None:
             object.__setattr__(options, declared.name, declared.kind(value))
 
 
-def op_arguments(options) -> tuple:
-    """The options' values in the op schema's order, to follow the op's tensors."""
-    return tuple(getattr(options, declared.name) for declared in type(options).OPTIONS)
+def op_arguments(*groups) -> tuple:
+    """The values of an op's option groups, in the schema's order, to follow the op's tensors."""
+    return tuple(getattr(group, declared.name) for group in groups for declared in type(group).OPTIONS)
+
+
+def groups_from_arguments(declarations, args: tuple, kwargs: dict) -> tuple:
+    """(groups, rest): the option groups of the given declarations built from an op's arguments
+    after its tensors (as a fake kernel gets them: by position, the ones with defaults perhaps by
+    name), and the arguments after the options (a tuple of those by position, then kwargs less the
+    options)."""
+    kwargs, groups, position = dict(kwargs), [], 0
+    for declaration in declarations:
+        values = {}
+        for declared in declaration.OPTIONS:
+            if position < len(args):
+                values[declared.name] = args[position]
+                position += 1
+            elif declared.name in kwargs:
+                values[declared.name] = kwargs.pop(declared.name)
+        groups.append(declaration(**values))
+    return tuple(groups), (args[position:], kwargs)

@@ -2,13 +2,15 @@
 
 Needs the optional extra: pip install "fused_rl_ops[transformers]".
 """
+import dataclasses
 from typing import Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._options import check_option, is_positive_finite
-from .chosen_logprob import ChosenLogprobOptions, chosen_logprob
+from ._options import is_positive_finite
+from .chosen_logprob import chosen_logprob
+from .logit_options import LogitOptions
 
 IGNORE_INDEX = -100
 
@@ -85,11 +87,11 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
     position t scores labels[:, t + 1]. Position t is skipped when labels[:, t + 1] is -100 or, with
     a [batch, seq] attention_mask, when the token it scores is padding (attention_mask[:, t + 1] ==
     0; a mask of another form, such as a 4-D one, goes to the model and skips nothing): it gets
-    logprob 0 and entropy 0, no gradient, and no work (chosen_logprob's skip_ignored: one host
-    synchronisation on CUDA). Returns logprob [batch, seq - 1] in float32 (float64 for a
-    float64 model), or (logprob, entropy) with return_entropy=True (the entropy of the tempered
-    next-token distribution). Differentiable in every parameter the logits depend on. A MoE model's
-    router auxiliary loss, part of its CausalLM loss, is not included.
+    logprob 0 and entropy 0, no gradient, and no work (chosen_logprob's skip_ignored). Returns
+    logprob [batch, seq - 1] in float32 (float64 for a float64 model), or (logprob, entropy) with
+    return_entropy=True (the entropy of the tempered next-token distribution). Differentiable in
+    every parameter the logits depend on. A MoE model's router auxiliary loss, part of its CausalLM
+    loss, is not included.
     top_k, top_p: the rollout engine's sampler filter (pass its values; None: none): logprob and
     entropy of the distribution the sampler drew from, the tokens it keeps renormalised (see
     chosen_logprob). A token the filter drops gets logprob -inf and no logprob gradient.
@@ -103,8 +105,9 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
         got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise ValueError(f"causal_lm_logprobs: labels must have input_ids' shape {tuple(input_ids.shape)} "
                          f"(unshifted), got {got}")
-    check_option("causal_lm_logprobs", ChosenLogprobOptions, "temperature", temperature)
+    options = LogitOptions(temperature=temperature, top_k=top_k, top_p=top_p)
     scale, softcap = _logit_transform(model, step)
+    options = dataclasses.replace(options, temperature=options.temperature / scale, softcap=softcap)
     scored_labels = labels[:, 1:]
     if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == input_ids.shape:
         scored_labels = scored_labels.masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX)  # padding scores nothing
@@ -113,6 +116,5 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs).last_hidden_state
     weight = head.weight
     # As nn.Linear would need: the hidden states in the head's dtype.
-    return chosen_logprob(hidden[:, :-1].to(weight.dtype), weight, scored_labels, temperature=temperature / scale,
-                          ignore_index=IGNORE_INDEX, vocab_size=model.config.vocab_size,
-                          softcap=softcap, return_entropy=return_entropy, top_k=top_k, top_p=top_p)
+    return chosen_logprob(hidden[:, :-1].to(weight.dtype), weight, scored_labels, logit_options=options,
+                          ignore_index=IGNORE_INDEX, vocab_size=model.config.vocab_size, return_entropy=return_entropy)

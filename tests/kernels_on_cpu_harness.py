@@ -11,6 +11,7 @@ planted defects it must catch).
 Run them alone with `python -m pytest -m kernels_on_cpu tests`. The drivers are built once per
 session into build/kernels_on_cpu/<hash of the sources>/ (reused while the sources are unchanged)."""
 import concurrent.futures
+import dataclasses
 import hashlib
 import math
 import os
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 from fused_rl_ops._cuda_home import find_cuda_home
+from fused_rl_ops.logit_options import LogitMap
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
@@ -276,19 +278,26 @@ def running_stats(earlier, has_earlier):
     return stats
 
 
+def logit_map_scalars(temperature, softcap=None) -> dict:
+    """A case's logit map, as the driver reads it: a scalar per option of LogitMap (FRL_LOGIT_MAP),
+    an optional one left out when None."""
+    options = dataclasses.asdict(LogitMap(temperature, softcap))
+    return {name: value for name, value in options.items() if value is not None}
+
+
 def threshold_buffer(threshold):
     """The optional threshold buffer of a row kernel's case (the sampler's filter)."""
     return {} if threshold is None else {"threshold": Buf(threshold.float())}
 
 
-def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, temperature, passes, softcap=0.0, threshold=None):
-    """chosen_logprob_stats_rows_kernel merging logits [N, C] into stats (softcap 0: none; threshold:
+def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, temperature, passes, softcap=None, threshold=None):
+    """chosen_logprob_stats_rows_kernel merging logits [N, C] into stats (softcap None: none; threshold:
     the logits below it dropped); returns the stats it wrote, in float64."""
     N, C = logits.shape
     out, [launch] = run_case(drivers, "chosen_logprob", "stats_rows",
                              {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats),
                               **threshold_buffer(threshold)},
-                             {"N": N, "C": C, "col0": col0, "temperature": temperature, "softcap": softcap},
+                             {"N": N, "C": C, "col0": col0, **logit_map_scalars(temperature, softcap)},
                              passes=passes, tmp_dir=tmp_path)
     assert_passes(launch, N, passes, rows_per_block=launch.block[0] // 32)  # a warp per row
     return out["stats"].double()
@@ -303,8 +312,8 @@ def combined_stats64(z):
 
 
 def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, log_sum_minus_entropy, gl, ge, col0,
-                  temperature, passes, softcap=0.0, grads=None, grads_col=0, offsets=(0, 0), threshold=None):
-    """chosen_logprob_grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32; softcap 0:
+                  temperature, passes, softcap=None, grads=None, grads_col=0, offsets=(0, 0), threshold=None):
+    """chosen_logprob_grad_rows_kernel on logits [N, C] with the per-row values (rounded to fp32; softcap None:
     none; threshold: the logits below it pass no gradient): in place by default, returning the
     gradients it wrote over the logits; or into columns [grads_col, grads_col + C) of grads ([N,
     stride] in the gradient dtype), returning all of grads.
@@ -313,8 +322,7 @@ def run_grad_rows(drivers, tmp_path, logits, tokens, row_max, log_sum, log_sum_m
     buffers = {"logits": Buf(logits, offsets[0]), "tokens": Buf(tokens), "row_max": Buf(row_max.float()),
                "log_sum": Buf(log_sum.float()), "log_sum_minus_entropy": Buf(log_sum_minus_entropy.float()),
                "gl": Buf(gl), "ge": Buf(ge), **threshold_buffer(threshold)}
-    scalars = {"N": N, "C": C, "col0": col0, "temperature": temperature, "softcap": softcap,
-               "in_place": int(grads is None)}
+    scalars = {"N": N, "C": C, "col0": col0, **logit_map_scalars(temperature, softcap), "in_place": int(grads is None)}
     if grads is not None:
         buffers["grads"] = Buf(grads, offsets[1])
         scalars.update(dtype=dtype_scalar(grads.dtype), grads_stride=grads.shape[1], grads_col=grads_col)

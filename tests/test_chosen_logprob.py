@@ -5,7 +5,7 @@ import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from fused_rl_ops.chosen_logprob import CombinedColumns
+from fused_rl_ops._vocab_parallel.group import CombinedColumns
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
              torch.float16: dict(atol=5e-3, rtol=5e-3)}
@@ -208,21 +208,26 @@ def per_token_inputs(stats):
 def test_opcheck(device):
     hidden, weight, tokens = make_inputs(9, 12, 200, torch.float32, device)
     ops = torch.ops.fused_rl_ops
-    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, 100, 128))
-    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, 100, 128, 4, 8))  # blocks of 4, passes of 8
-    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, 100, 128), dict(valid_rows=150))
-    stats = ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, 0, 128)
+    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, None, 100, None, 128))
+    # Blocks of 4, passes of 8.
+    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, None, 100, None, 128, 4, 8))
+    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, None, 100, 150, 128))
+    # Rows left out inside the op (the tokens at 0 and the last valid id).
+    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, None, 0, None, 128),
+                          dict(ignore_index=int(tokens[0]), top_width=3))
+    stats = ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, None, 0, None, 128)
     torch.library.opcheck(ops.chosen_logprob_combine, (torch.stack([stats, stats]),))
     per_token = per_token_inputs(stats)
-    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, None, 0.9, 0, 128),
-                          dict(valid_rows=150))
-    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, None, 0.9, 0, 128, 4, 8),
-                          dict(valid_rows=150))
-    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, None, 0.9, 0, 128),
-                          dict(valid_rows=150, grad_chunks=2))  # a gradient buffer of two chunks
+    options = (0.9, None, 0, 150, 128)
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, None, *options))
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, None, *options, 4, 8))
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, None, *options),
+                          dict(grad_chunks=2))  # a gradient buffer of two chunks
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, None, *options),
+                          dict(ignore_index=int(tokens[0])))
     main_grad = torch.randn(weight.shape, device=device)
-    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, main_grad, 0.9, 0, 128, 4,
-                                                        8), dict(valid_rows=150))
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, main_grad, *options, 4,
+                                                        8))
 
 
 def test_valid_rows_are_the_first_rows_of_weight(device):
@@ -230,16 +235,16 @@ def test_valid_rows_are_the_first_rows_of_weight(device):
     alone, and the backward's padded rows get zero gradient."""
     hidden, weight, tokens = make_inputs(9, 12, 200, torch.float32, device, vocab_size=150)
     ops = torch.ops.fused_rl_ops
-    stats = ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, 0, 128, valid_rows=150)
-    assert torch.equal(stats, ops.chosen_logprob_stats(hidden, weight[:150], tokens, 0.9, 0, 128))
+    stats = ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, None, 0, 150, 128)
+    assert torch.equal(stats, ops.chosen_logprob_stats(hidden, weight[:150], tokens, 0.9, None, 0, None, 128))
     per_token = per_token_inputs(stats)
-    grad_h, grad_w = ops.chosen_logprob_backward(hidden, weight, tokens, *per_token, None, 0.9, 0, 128, valid_rows=150)
-    grad_h_valid, grad_w_valid = ops.chosen_logprob_backward(hidden, weight[:150], tokens, *per_token, None, 0.9, 0,
-                                                             128)
+    grad_h, grad_w = ops.chosen_logprob_backward(hidden, weight, tokens, *per_token, None, 0.9, None, 0, 150, 128)
+    grad_h_valid, grad_w_valid = ops.chosen_logprob_backward(hidden, weight[:150], tokens, *per_token, None, 0.9, None,
+                                                             0, None, 128)
     assert torch.equal(grad_h, grad_h_valid) and torch.equal(grad_w[:150], grad_w_valid)
     assert grad_w[150:].eq(0).all()
     with pytest.raises(ValueError, match="valid_rows must be None or at most weight's rows 200, got 201"):
-        ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, 0, 128, valid_rows=201)
+        ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, None, 0, 201, 128)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -252,14 +257,14 @@ def test_gradient_gemms_over_several_chunks(device, dtype, grad_chunks, row_bloc
     N, H, V, valid = 37, 24, 700, 690
     hidden, weight, tokens = make_inputs(N, H, V, dtype, device, vocab_size=valid)
     ops = torch.ops.fused_rl_ops
-    options = (0.8, 0, 128, row_block, pass_rows)
-    stats = ops.chosen_logprob_stats(hidden, weight, tokens, *options, valid_rows=valid)
+    options = (0.8, None, 0, valid, 128, row_block, pass_rows)
+    stats = ops.chosen_logprob_stats(hidden, weight, tokens, *options)
     row = CombinedColumns(*ops.chosen_logprob_combine(stats[None]).unbind(1))
     grad_lp = torch.where(tokens == -100, 0.0, torch.randn(N, device=device))  # as chosen_logprob passes them
     grad_ent = torch.randn(N, device=device)
     per_token = [row.row_max.contiguous(), row.log_sum.contiguous(), (row.log_sum - row.entropy).contiguous(),
                  grad_lp, grad_ent]
-    kw = dict(valid_rows=valid, grad_chunks=grad_chunks)
+    kw = dict(grad_chunks=grad_chunks)
     grad_h, grad_w = ops.chosen_logprob_backward(hidden, weight, tokens, *per_token, None, *options, **kw)
     _, _, want_h, want_w = reference_outputs_and_grads(hidden, weight, tokens, grad_lp, grad_ent, temperature=0.8,
                                                        vocab_size=valid, skip_ignored=False)  # the ops: every row
@@ -286,8 +291,8 @@ def test_ops_called_directly_refuse_what_the_kernels_cannot_read(device):
             ((hidden, weight.double(), tokens), TypeError, "weight must have hidden's dtype"),
             ((hidden, weight.to("meta"), tokens), ValueError, "all tensors must be on one device")]:
         with pytest.raises(error, match=message):
-            ops.chosen_logprob_stats(*args, 1.0, 0, 128)
-    stats = ops.chosen_logprob_stats(hidden, weight, tokens, 1.0, 0, 128)
+            ops.chosen_logprob_stats(*args, 1.0, None, 0, None, 128)
+    stats = ops.chosen_logprob_stats(hidden, weight, tokens, 1.0, None, 0, None, 128)
     with pytest.raises(ValueError, match="partials must be \\[ranks, N, 4\\]"):
         ops.chosen_logprob_combine(stats)
     with pytest.raises(TypeError, match="partials must be float32"):
@@ -295,10 +300,10 @@ def test_ops_called_directly_refuse_what_the_kernels_cannot_read(device):
     per_token = per_token_inputs(stats)
     for bad in (torch.randn(8, device=device), torch.randn(9, device=device).bfloat16()):
         with pytest.raises(ValueError, match="must be \\[N\\] in the accumulation dtype"):
-            ops.chosen_logprob_backward(hidden, weight, tokens, *per_token[:4], bad, None, 1.0, 0, 128)
+            ops.chosen_logprob_backward(hidden, weight, tokens, *per_token[:4], bad, None, 1.0, None, 0, None, 128)
     for main_grad in (torch.zeros(200, 11, device=device), torch.zeros(200, 12, device=device, dtype=torch.float64)):
         with pytest.raises(ValueError, match="main_grad must be a float32 \\(or weight-dtype\\) tensor"):
-            ops.chosen_logprob_backward(hidden, weight, tokens, *per_token, main_grad, 1.0, 0, 128)
+            ops.chosen_logprob_backward(hidden, weight, tokens, *per_token, main_grad, 1.0, None, 0, None, 128)
 
 
 @pytest.mark.parametrize("op", ["chosen_logprob_stats", "chosen_logprob_backward"])
@@ -307,13 +312,13 @@ def test_ops_called_directly_refuse_what_the_kernels_cannot_read(device):
 def test_ops_called_directly_refuse_a_bad_temperature_or_softcap(device, op, temperature, softcap):
     """As chosen_logprob does: a softcap of -1 is not "no cap", and a temperature of 0 does not run."""
     hidden, weight, tokens = make_inputs(9, 12, 200, torch.float32, device)
-    stats = torch.ops.fused_rl_ops.chosen_logprob_stats(hidden, weight, tokens, 1.0, 0, 128)
+    stats = torch.ops.fused_rl_ops.chosen_logprob_stats(hidden, weight, tokens, 1.0, None, 0, None, 128)
     tensors = (hidden, weight, tokens) + ((*per_token_inputs(stats), None) if op == "chosen_logprob_backward" else ())
     name, value = ("temperature", temperature) if softcap is None else ("softcap", softcap)
     optional = "None or " if name == "softcap" else ""
     with pytest.raises(ValueError, match=f"chosen_logprob: {name} must be {optional}a positive finite number, got"):
-        getattr(torch.ops.fused_rl_ops, op)(*tensors, temperature, 0, 128, softcap=softcap)
-    with pytest.raises(ValueError, match=f"chosen_logprob: {name} must be {optional}a positive finite number, got"):
+        getattr(torch.ops.fused_rl_ops, op)(*tensors, temperature, softcap, 0, None, 128)
+    with pytest.raises(ValueError, match=f"LogitOptions: {name} must be {optional}a positive finite number, got"):
         fused_rl_ops.chosen_logprob(hidden, weight, tokens, temperature=temperature, softcap=softcap)
 
 
@@ -430,6 +435,9 @@ def test_cuda_peak_memory_within_workspace_at_large_vocab():
     weight.requires_grad_(True)
     grads = (torch.empty_like(hidden), torch.empty_like(weight))  # the gradients' own memory
     del grads
+    # A small call first: cuBLAS's workspace, made at a stream's first GEMM of a kind, is not the op's.
+    fused_rl_ops.chosen_logprob(hidden[:8].detach().requires_grad_(True), weight[:8].detach().requires_grad_(True),
+                                tokens[:8].clamp(max=7), vocab_size=8).sum().backward()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() + 2 * N * H + 2 * V * H
@@ -437,8 +445,14 @@ def test_cuda_peak_memory_within_workspace_at_large_vocab():
     (lp.sum() + ent.sum()).backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    # workspace + the fp32 hidden-gradient accumulator + per-token state; the logits alone would be 2 GiB
-    assert extra <= workspace + 4 * N * H + 2**20 * 8, extra
+    # What the ops hold at the backward's peak, in its chunk loop: the buffers the workspace bounds,
+    # the fp32 hidden-gradient accumulator of the scored rows (4 bytes per element) and the copy of
+    # hidden's scored rows that leaving out the ignored one makes (make_inputs has one -100 token; 2
+    # bytes per element, the forward's copy freed by then); the per-token state (the ops' index,
+    # masks and gathered per-token inputs, the Function's saved rows, logprob and entropy: a few
+    # dozen [N] tensors of at most 8 bytes) within 1 MiB. The logits alone would be 2 GiB.
+    scored = int((tokens != -100).sum())
+    assert extra <= workspace + 4 * scored * H + 2 * scored * H + 2**20, extra
 
 
 @pytest.mark.parametrize("V", [1, 3, 300])

@@ -6,7 +6,7 @@ import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from fused_rl_ops.chosen_logprob import INVARIANT_TILING
+from fused_rl_ops._vocab_parallel.tiling import INVARIANT_TILING
 
 PROBES = 6  # the tokens followed through every call
 H = 40

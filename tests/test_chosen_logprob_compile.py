@@ -222,7 +222,7 @@ def test_temperature_must_be_a_positive_finite_number(temperature):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     from fused_rl_ops.megatron import rl_output_processor
 
-    with pytest.raises(ValueError, match="RLOutputProcessor: " + match):
+    with pytest.raises(ValueError, match="LogitOptions: " + match):
         rl_output_processor(temperature=temperature)
 
 

@@ -1,6 +1,8 @@
-"""chosen_logprob synchronises with the host only in its two checks: with check_tokens=False and
-check_group=False no op of a forward and backward reads a tensor's value on the host or shapes its
-output by values (what would wait for a CUDA stream), so a CUDA graph can capture the call."""
+"""chosen_logprob's Python code synchronises with the host only in its two checks: with
+check_tokens=False and check_group=False no op it dispatches in a forward and backward reads a
+tensor's value on the host or shapes its output by values (what would wait for a CUDA stream).
+Inside its ops, leaving out the ignored rows reads their count (a synchronisation on CUDA), except
+while a CUDA graph is captured, where every row is computed: so a CUDA graph can capture the call."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -145,9 +145,10 @@ def test_logprob_combine_merges_nan_and_skips_only_empty_partials(device):
     stats = torch.ops.fused_rl_ops.chosen_logprob_stats
     hidden, weight, tokens, _, _ = make_inputs()
     hidden, weight, tokens = hidden.to(device), weight.to(device), tokens.to(device).clamp(min=0)
-    full = torch.ops.fused_rl_ops.chosen_logprob_combine(stats(hidden, weight[:VOCAB], tokens, 1.0, 0, 128)[None])
-    shards = [stats(hidden, weight[a:b], tokens, 1.0, a, 128) for a, b in ((0, 100), (100, 200), (200, VOCAB))]
-    empty = stats(hidden, weight[:0], tokens, 1.0, VOCAB, 128)
+    full = torch.ops.fused_rl_ops.chosen_logprob_combine(
+        stats(hidden, weight[:VOCAB], tokens, 1.0, None, 0, None, 128)[None])
+    shards = [stats(hidden, weight[a:b], tokens, 1.0, None, a, None, 128) for a, b in ((0, 100), (100, 200), (200, VOCAB))]
+    empty = stats(hidden, weight[:0], tokens, 1.0, None, VOCAB, None, 128)
     assert empty[:, 0].eq(-math.inf).all() and empty[:, 1:].eq(0).all()
     merged = torch.ops.fused_rl_ops.chosen_logprob_combine(torch.stack([empty] + shards + [empty]))
     torch.testing.assert_close(merged, full, atol=1e-5, rtol=1e-5)

@@ -11,9 +11,10 @@ import torch.distributed as dist
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from fused_rl_ops._sampler_filter import TOP_HEADER, TOP_P_CANDIDATES
+from fused_rl_ops._vocab_parallel.sampler_filter import TOP_HEADER, TOP_P_CANDIDATES
 from fused_rl_ops.testing.distributed import run_distributed
-from fused_rl_ops.testing.kernel_calls import KernelCalls, scored
+from fused_rl_ops.testing.kernel_calls import KernelCalls
+from test_chosen_logprob_skip import gemm_dims
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
              torch.float64: dict(atol=1e-10, rtol=1e-10)}
@@ -173,26 +174,28 @@ def test_ties_are_kept_or_dropped_together():
 
 @pytest.mark.parametrize("filter_", [dict(top_k=12), dict(top_p=0.7), dict(top_k=40, top_p=0.9)],
                          ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
-def test_ignored_rows_never_reach_the_kernels(filter_):
-    """With ignored positions (half of them) only the scored rows reach every operator, the search
-    included, forward and backward, and the scored rows' results are the float64 reference's; without
-    a host read (check_tokens=False) every row is computed, with the same results. With
-    main_grad the weight gradient is added into it."""
+def test_the_ops_leave_the_ignored_rows_out(filter_):
+    """With ignored positions (half of them) every op gets every row, and leaves the ignored ones
+    out itself: every GEMM, the search's included, forward and backward, takes the scored rows, and
+    their results are the float64 reference's; without the wrapper's host read (check_tokens=False)
+    the same results."""
     N, H, V = 40, 16, 300
     hidden, weight, tokens = make_inputs(N, H, V, scale=6.0, seed=14)
     tokens[::2] = -100
     assert_clear_boundaries(reference_logits(hidden[1::2], weight, 0.9), **filter_)
     grads = torch.randn(N), torch.randn(N)
     kw = dict(temperature=0.9, **filter_)
+    results = []
     with KernelCalls() as calls:
-        skipped = run_ours(hidden, weight, tokens, *grads, **kw)
+        gemms = gemm_dims(lambda: results.append(run_ours(hidden, weight, tokens, *grads, **kw)))
+    skipped = results[0]
     for call in calls.calls:
         rows = call.args.get("hidden", call.args.get("partials"))
-        assert rows.shape[-2 if call.op == "chosen_logprob_combine" else 0] == N // 2, call.op
+        assert rows.shape[-2 if call.op == "chosen_logprob_combine" else 0] == N, call.op
     assert {call.op for call in calls.calls} >= {"chosen_logprob_stats", "chosen_logprob_backward"}
-    if "top_k" not in filter_:
-        assert any(call.op == "chosen_logprob_search" for call in calls.calls)
-    assert [len(t) for t in calls.tokens("chosen_logprob_backward")] == [len(scored(tokens))]
+    searches = sum(call.op == "chosen_logprob_search" for call in calls.calls)
+    assert searches > 0 if "top_k" not in filter_ else searches == 0
+    assert gemms and all(N // 2 in sizes and N not in sizes for sizes in gemms), gemms
     assert_matches(skipped, run_reference(hidden, weight, tokens, *grads, **kw), TOLERANCE[torch.float32])
     assert skipped[0][::2].eq(0).all() and skipped[1][::2].eq(0).all() and skipped[2][::2].eq(0).all()
     computed = run_ours(hidden, weight, tokens, *grads, check_tokens=False, **kw)
@@ -263,17 +266,17 @@ def test_invalid_filters_are_refused(bad):
     hidden, weight, tokens = make_inputs(4, 8, 50, scale=1.0)
     (name, value), = bad.items()
     requirement = "a positive integer" if name == "top_k" else r"a number in \(0, 1\]"
-    with pytest.raises(ValueError, match=rf"chosen_logprob: {name} must be None or {requirement}, got"):
+    with pytest.raises(ValueError, match=rf"LogitOptions: {name} must be None or {requirement}, got"):
         fused_rl_ops.chosen_logprob(hidden, weight, tokens, **bad)
 
 
 def test_stats_op_returns_the_candidates():
-    """Called directly, the stats op appends each row's top to its partials with top_k: its top_k
-    largest logits and their counts."""
+    """Called directly, the stats op appends each row's top to its partials with a top width (top_k):
+    its top_width largest logits and their counts."""
     hidden, weight, tokens = make_inputs(6, 8, 3000, scale=3.0, seed=9)
     ops = torch.ops.fused_rl_ops
-    for top_k, top_p, width in [(5, None, 5), (1200, 0.5, 1200), (None, 0.5, 0), (None, None, 0)]:
-        stats = ops.chosen_logprob_stats(hidden, weight, tokens, 1.0, 0, 128, top_k=top_k, top_p=top_p)
+    for width in (5, 1200, 0):
+        stats = ops.chosen_logprob_stats(hidden, weight, tokens, 1.0, None, 0, None, 128, top_width=width)
         assert stats.shape == (6, 4 + (TOP_HEADER + width if width else 0))
         if width:
             top = stats[:, 4:]

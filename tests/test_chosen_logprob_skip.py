@@ -1,22 +1,24 @@
-"""chosen_logprob's skip_ignored (the default): rows whose token is ignore_index never reach the
-kernels, checked by the rows the torch.ops.fused_rl_ops calls get (forward and backward), and
-give logprob 0, entropy 0 and zero gradient rows; the scored rows are the float64 reference's.
-Without a host read (check_tokens=False, torch.compile) every row is computed with the same
-results; skip_ignored=False computes every row as it is."""
+"""chosen_logprob's skip_ignored (the default): the ops get every row and ignore_index, and leave
+out the rows whose token is ignore_index themselves (the count read inside the op), checked by
+the GEMMs they run (torch.profiler sees the aten calls inside an op, with their shapes), eager and
+under torch.compile(fullgraph=True); those rows give logprob 0, entropy 0 and zero gradient rows;
+the scored rows are the float64 reference's. skip_ignored=False computes every row as it is."""
 import math
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.testing import assert_close
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from fused_rl_ops.chosen_logprob import default_workspace_bytes, tiling_for
+from fused_rl_ops._vocab_parallel.tiling import default_workspace_bytes, tiling_for
 from fused_rl_ops.testing.kernel_calls import KernelCalls, scored
 
 H, V, VOCAB = 24, 300, 290
 KERNELS = ("chosen_logprob_stats", "chosen_logprob_backward")
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+GEMMS = ("aten::mm", "aten::addmm", "aten::addmm_")
 
 
 def rl_batch(device, dtype=torch.float32, batch=3, seq=20, seed=0):
@@ -66,46 +68,87 @@ def assert_ignored_rows_give_nothing(results, labels):
     assert lp[ignored].eq(0).all() and ent[ignored].eq(0).all() and grad_h[ignored].eq(0).all()
 
 
+def gemm_dims(fn) -> list:
+    """The sizes of the inputs of each GEMM fn() runs (on the CPU), inside the ops too: one set of
+    sizes per GEMM."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [{size for shape in event.input_shapes for size in shape} for event in prof.events() if event.name in GEMMS]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_only_scored_rows_reach_the_kernels(device, dtype, batch_invariant):
+def test_the_ops_get_every_row_and_leave_out_the_ignored_ones(device, dtype, batch_invariant):
     batch = rl_batch(device, dtype)
     labels = batch[2]
     results, calls = run(*batch, batch_invariant=batch_invariant, workspace_bytes=1)
-    want = scored(labels)
-    assert 0 < len(want) < labels.numel() // 2 + 10
+    assert 0 < len(scored(labels)) < labels.numel() // 2 + 10
     for op in KERNELS:
-        [tokens] = calls.tokens(op)
-        assert torch.equal(tokens, want), op
-    assert all(call.args["hidden"].shape == (len(want), H) for call in calls.calls if call.op in KERNELS)
+        [call] = [call for call in calls.calls if call.op == op]
+        assert torch.equal(call.args["tokens"].cpu(), labels.reshape(-1).cpu()) and call.args["ignore_index"] == -100
     assert_close_to(results, float64(*batch), TOLERANCE[dtype])
     assert_ignored_rows_give_nothing(results, labels)
     assert results[3][VOCAB:].eq(0).all()
 
 
+def compiled_call(hidden, weight, labels, grad_lp, grad_ent):
+    """The defaults under torch.compile(fullgraph=True): no host read in the traced code."""
+    def step(h, w):
+        lp, ent = fused_rl_ops.chosen_logprob(h, w, labels, temperature=0.8, vocab_size=VOCAB, return_entropy=True)
+        return lp, ent, (lp * grad_lp + ent * grad_ent).sum()
+
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp, ent, loss = torch.compile(step, fullgraph=True, backend="aot_eager")(h, w)
+    loss.backward()
+    return lp.detach(), ent.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("call", ["eager", "torch.compile"])
+def test_the_work_follows_the_scored_rows_inside_the_op(call):
+    """Forward and backward, every GEMM of the ops takes the scored rows only: 3 of 4 positions
+    ignored, eager and compiled with fullgraph=True (the count is read inside the op, where the
+    traced graph cannot see it); the results are the eager call's."""
+    hidden, weight, labels, grad_lp, grad_ent = rl_batch("cpu", seq=40)
+    labels[:, :30] = -100
+    count = len(scored(labels))
+    assert count == 3 * 9  # the last position of each row is ignored too
+    calls = {"eager": lambda: run(hidden, weight, labels, grad_lp, grad_ent)[0],
+             "torch.compile": lambda: compiled_call(hidden, weight, labels, grad_lp, grad_ent)}
+    calls[call]()  # compiles, where it does
+    results = []
+    gemms = gemm_dims(lambda: results.append(calls[call]()))
+    # The logits GEMM per chunk, and the two gradient GEMMs: each takes the scored rows, none all 120.
+    assert len(gemms) >= 3 and all(count in sizes and labels.numel() not in sizes for sizes in gemms), gemms
+    eager, _ = run(hidden, weight, labels, grad_lp, grad_ent)
+    for got, want in zip(results[0], eager):
+        assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 def test_the_default_workspace_follows_the_scored_rows(device):
-    """The chunk width the kernels get is the one for the scored rows' count and their size."""
+    """Where the token check counts the scored rows, the chunk width the ops get is the one for
+    their count and their size."""
     batch = rl_batch(device, batch=3, seq=400)
     hidden, labels = batch[0], batch[2]
     labels[:, :300] = -100
     _, calls = run(*batch)
     count = len(scored(labels))
-    chunk_size, _, _, _ = tiling_for(count, H, 4, default_workspace_bytes(hidden, count), hidden.device, False)
-    assert chunk_size != tiling_for(labels.numel(), H, 4, default_workspace_bytes(hidden), hidden.device, False)[0]
+    chunk_size = tiling_for(count, H, 4, default_workspace_bytes(hidden, count), hidden.device, False).chunk_size
+    assert chunk_size != tiling_for(labels.numel(), H, 4, default_workspace_bytes(hidden), hidden.device,
+                                    False).chunk_size
     for call in calls.calls:
         if call.op in KERNELS:
-            assert call.args["hidden"].shape[0] == count and call.args["chunk_size"] == chunk_size
+            assert call.args["chunk_size"] == chunk_size
 
 
 @pytest.mark.parametrize("megatron_ddp", [False, True])
 def test_every_row_ignored(device, megatron_ddp):
-    """No row reaches the kernels; the outputs still carry autograd history: the hidden and weight
-    gradients are zeros, and main_grad is left as it was, with Megatron's placeholder when the
-    weight carries grad_added_to_main_grad."""
+    """The ops compute no row (no GEMM runs); the outputs still carry autograd history: the hidden
+    and weight gradients are zeros, and main_grad is left as it was, with Megatron's placeholder
+    when the weight carries grad_added_to_main_grad."""
     hidden, weight, labels, grad_lp, grad_ent = rl_batch(device)
     labels[:] = -100
-    _, calls = run(hidden, weight, labels, grad_lp, grad_ent)
-    assert {call.args["hidden"].shape[0] for call in calls.calls if call.op in KERNELS} == {0}
+    if device == "cpu":
+        assert gemm_dims(lambda: run(hidden, weight, labels, grad_lp, grad_ent)) == []
     (lp, ent, grad_h, grad_w), _ = run(hidden, weight, labels, grad_lp, grad_ent)
     assert lp.eq(0).all() and ent.eq(0).all() and grad_h.eq(0).all() and grad_w.eq(0).all()
 
@@ -134,35 +177,23 @@ def test_main_grad_gets_the_scored_rows_weight_gradient(device):
         lp, ent = fused_rl_ops.chosen_logprob(h, w, batch[2], temperature=0.8, vocab_size=VOCAB, return_entropy=True,
                                               main_grad=main_grad)
         (lp * batch[3] + ent * batch[4]).sum().backward()
-    assert [len(tokens) for tokens in calls.tokens("chosen_logprob_backward")] == [len(scored(batch[2]))]
+    [call] = [call for call in calls.calls if call.op == "chosen_logprob_backward"]
+    assert call.args["main_grad"] is main_grad and call.args["ignore_index"] == -100
     assert w.grad is None
     assert_close_to((lp.detach(), ent.detach(), h.grad, main_grad), want, TOLERANCE[torch.float32])
 
 
-def compiled_call(hidden, weight, labels, grad_lp, grad_ent):
-    """The defaults under torch.compile(fullgraph=True): no host read there."""
-    def step(h, w):
-        lp, ent = fused_rl_ops.chosen_logprob(h, w, labels, temperature=0.8, vocab_size=VOCAB, return_entropy=True)
-        return lp, ent, (lp * grad_lp + ent * grad_ent).sum()
-
-    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    lp, ent, loss = torch.compile(step, fullgraph=True, backend="aot_eager")(h, w)
-    loss.backward()
-    return lp.detach(), ent.detach(), h.grad, w.grad
-
-
 @pytest.mark.parametrize("without_a_host_read", ["check_tokens=False", "torch.compile"])
-def test_without_a_host_read_every_row_is_computed_with_the_same_results(device, without_a_host_read):
-    """Every row reaches the kernels, the ignored ones zeroed: the same results as skipping them,
-    also with a NaN in an ignored position's hidden state (it reaches no gradient)."""
+def test_without_the_token_check_the_ops_still_skip(device, without_a_host_read):
+    """Without the wrapper's host read the ops still leave the ignored rows out (the tiling is then
+    planned for every row): the same results, also with a NaN in an ignored position's hidden
+    state (it reaches no gradient)."""
     batch = list(rl_batch(device))
     labels = batch[2]
     batch[0][0, 2, 5] = math.nan  # a prompt position
     if without_a_host_read == "check_tokens=False":
         results, calls = run(*batch, check_tokens=False)
-        for op in KERNELS:
-            [tokens] = calls.tokens(op)
-            assert torch.equal(tokens, labels.reshape(-1).cpu()), op
+        assert {call.args["ignore_index"] for call in calls.calls if call.op in KERNELS} == {-100}
     else:
         results = compiled_call(*batch)
     skipped, _ = run(*batch)
@@ -174,14 +205,12 @@ def test_without_a_host_read_every_row_is_computed_with_the_same_results(device,
 
 
 def test_skip_ignored_false_computes_every_row_as_it_is(device):
-    """Today's full computation: every row reaches the kernels and the ignored ones keep their
-    entropy and its gradient (logprob 0, no logprob gradient), as the reference computing every row."""
+    """The full computation: the ops get no ignore_index, and the ignored rows keep their entropy
+    and its gradient (logprob 0, no logprob gradient), as the reference computing every row."""
     batch = rl_batch(device)
     labels = batch[2]
     results, calls = run(*batch, skip_ignored=False)
-    for op in KERNELS:
-        [tokens] = calls.tokens(op)
-        assert torch.equal(tokens, labels.reshape(-1).cpu()), op
+    assert {call.args["ignore_index"] for call in calls.calls if call.op in KERNELS} == {None}
     assert_close_to(results, float64(*batch, skip_ignored=False), TOLERANCE[torch.float32])
     ignored = labels == -100
     assert results[0][ignored].eq(0).all() and (results[1][ignored] > 0).all()
@@ -191,8 +220,8 @@ def test_skip_ignored_false_computes_every_row_as_it_is(device):
 @pytest.mark.per_device
 @pytest.mark.skipif(not (torch.cuda.is_available() and fused_rl_ops.has_cuda_kernels()), reason="needs a GPU")
 def test_cuda_graph_capture_computes_every_row_with_the_same_results():
-    """Under CUDA graph capture no value may be read: the defaults compute every row (replayed
-    graph against the eager call that skips)."""
+    """Under CUDA graph capture no value may be read: the ops compute every row, the ignored ones
+    on zeroed hidden rows (replayed graph against the eager call that skips)."""
     hidden, weight, labels, grad_lp, grad_ent = rl_batch("cuda")
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
 

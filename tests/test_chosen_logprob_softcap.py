@@ -9,7 +9,7 @@ import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from fused_rl_ops.chosen_logprob import CombinedColumns
+from fused_rl_ops._vocab_parallel.group import CombinedColumns
 from fused_rl_ops.testing.distributed import run_distributed
 
 TOLERANCE = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=2e-5, rtol=2e-5),
@@ -189,7 +189,7 @@ def test_capped_minus_inf_logits_keep_probability():
 @pytest.mark.parametrize("softcap", [0, -1.0, math.inf, math.nan, True, "30", torch.tensor(30.0)])
 def test_invalid_softcap_is_refused(softcap):
     hidden, weight, tokens, _ = make_inputs(1.0, n=8)
-    with pytest.raises(ValueError, match=r"chosen_logprob: softcap must be None or a positive finite number, got"):
+    with pytest.raises(ValueError, match=r"LogitOptions: softcap must be None or a positive finite number, got"):
         fused_rl_ops.chosen_logprob(hidden, weight, tokens, softcap=softcap)
 
 
@@ -225,13 +225,13 @@ def test_opcheck_and_gradcheck(device):
     hidden, weight, tokens, _ = make_inputs(2.0, n=9, v=200, vocab=200)
     hidden, weight, tokens = hidden.to(device), weight.to(device), tokens.to(device)
     ops = torch.ops.fused_rl_ops
-    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, 0, 128), dict(softcap=2.0))
-    stats = ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, 0, 128, softcap=2.0)
+    torch.library.opcheck(ops.chosen_logprob_stats, (hidden, weight, tokens, 0.9, 2.0, 0, None, 128))
+    stats = ops.chosen_logprob_stats(hidden, weight, tokens, 0.9, 2.0, 0, None, 128)
     row = CombinedColumns(*ops.chosen_logprob_combine(stats[None]).unbind(1))
     per_token = [row.row_max.contiguous(), row.log_sum.contiguous(), (row.log_sum - row.entropy).contiguous(),
                  torch.randn(9, device=device), torch.randn(9, device=device)]
-    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, None, 0.9, 0, 128, 4, 8),
-                          dict(softcap=2.0, valid_rows=150))
+    torch.library.opcheck(ops.chosen_logprob_backward, (hidden, weight, tokens, *per_token, None, 0.9, 2.0, 0, 150, 128,
+                                                        4, 8))
     h, w = hidden[:4].double().cpu().requires_grad_(True), weight[:40].double().cpu().requires_grad_(True)
     ids = torch.tensor([0, 39, 17, -100])
 

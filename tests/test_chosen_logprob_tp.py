@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import fused_rl_ops
 from fused_rl_ops.testing.distributed import run_distributed
-from fused_rl_ops.testing.kernel_calls import KernelCalls, scored
+from fused_rl_ops.testing.kernel_calls import KernelCalls
 
 H, LOCAL_V, S, B = 24, 100, 6, 3
 
@@ -62,8 +62,9 @@ def tensor_parallel_checks(rank, world):
 
 
 def skipped_rows_checks(rank, hidden, weight, tokens, grad_lp, grad_ent, kw):
-    """Half the positions ignored: every rank's kernels get the scored rows only (the same on every
-    rank), and the results are the single-rank op's (itself tested against float64)."""
+    """Half the positions ignored: every rank's ops get every row and ignore_index (and leave the
+    same rows out on every rank), and the results are the single-rank op's (itself tested against
+    float64)."""
     shard = slice(rank * LOCAL_V, (rank + 1) * LOCAL_V)
     masked = tokens.clone()
     masked[: S // 2] = -100
@@ -71,7 +72,8 @@ def skipped_rows_checks(rank, hidden, weight, tokens, grad_lp, grad_ent, kw):
     with KernelCalls() as calls:
         tp = fwd_bwd(hidden, weight[shard], masked, grad_lp, grad_ent, tp_group=dist.group.WORLD, **kw)
     for op in ("chosen_logprob_stats", "chosen_logprob_backward"):
-        assert [t.tolist() for t in calls.tokens(op)] == [scored(masked).tolist()], op
+        assert [t.tolist() for t in calls.tokens(op)] == [masked.reshape(-1).tolist()], op
+        assert {call.args["ignore_index"] for call in calls.calls if call.op == op} == {-100}
     full = fwd_bwd(hidden, weight, masked, grad_lp, grad_ent, **kw)
     for ours, single in zip(tp[:3], full[:3]):
         torch.testing.assert_close(ours, single, atol=1e-5, rtol=1e-5)
@@ -131,9 +133,8 @@ BAD_GROUP_CALLS = [
     ({1: lambda c: c.update(temperature=0.5)}, r"disagree on the temperature \(per rank: \[1.0, 0.5\]\)"),
     ({1: lambda c: c.update(tokens=c["tokens"].flip(0))}, "disagree on the token ids"),
     ({1: lambda c: c.update(reduce_hidden_grad=False)}, "disagree on the reduce_hidden_grad"),
-    ({1: lambda c: c.update(check_tokens=False)},
-     r"disagree on the skipping of ignored rows \(skip_ignored and check_tokens\) \(per rank: \[1, 0\]\)"),
-    ({0: lambda c: c.update(skip_ignored=False)}, r"disagree on the skipping of ignored rows .*\[0, 1\]"),
+    ({0: lambda c: c.update(skip_ignored=False)},
+     r"disagree on the skipping of ignored rows \(skip_ignored\) \(per rank: \[0, 1\]\)"),
     ({0: lambda c: c.update(vocab_start=0), 1: lambda c: c.update(vocab_start=0)}, "tile"),
     ({1: lambda c: c.update(vocab_start=3 * LOCAL_V)}, "tile"),
     ({0: lambda c: c.update(vocab_size=2 * LOCAL_V + 1), 1: lambda c: c.update(vocab_size=2 * LOCAL_V + 1)},

@@ -1,5 +1,5 @@
 """The workspace accounting of chosen_logprob (chunk_loop_bytes, tiling_for in
-fused_rl_ops/chosen_logprob.py) against what the chunk loop (csrc/chosen_logprob/chunks.h) allocates:
+fused_rl_ops/_vocab_parallel/tiling.py) against what the chunk loop (csrc/chosen_logprob/chunks.h) allocates:
 measured on the CPU through the profiler's record of every allocation, and for CUDA against the
 buffers chunks.h creates there (CudaKernels in csrc/chosen_logprob/cuda.cpp: the GEMMs take the
 inputs as they are and the logit gradients in the inputs' dtype)."""
@@ -11,8 +11,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fused_rl_ops  # noqa: F401  (registers the ops)
-from fused_rl_ops.chosen_logprob import (INVARIANT_TILING, SEPARATE_GRAD_CHUNKS, chunk_loop_bytes,
-                                         default_workspace_bytes, tiling_for)
+from fused_rl_ops._vocab_parallel.tiling import (INVARIANT_TILING, SEPARATE_GRAD_CHUNKS, Tiling, chunk_loop_bytes,
+                                                 default_workspace_bytes, tiling_for)
 from test_chosen_logprob import make_inputs, per_token_inputs
 
 ops = torch.ops.fused_rl_ops
@@ -52,7 +52,7 @@ def test_the_cpu_chunk_loop_allocates_what_chunk_loop_bytes_counts(tmp_path, dty
     H, V = 24, 1100  # the vocabulary holds several groups, the last one partial
     hidden, weight, tokens = make_inputs(N, H, V, dtype, "cpu")
     e, acc = hidden.element_size(), 8 if dtype == torch.float64 else 4
-    options = (1.0, 0, chunk, row_block, pass_rows)
+    options = (1.0, None, 0, None, chunk, row_block, pass_rows)
     block = row_block or N
     passes_rows = min(pass_rows // block * block if pass_rows else N, -(-N // block) * block)
     several_passes = passes_rows < N
@@ -103,10 +103,10 @@ def test_tiling_at_the_training_shape():
     N, H = 8192, 4096
     workspace = default_workspace_bytes(torch.empty(N, H, dtype=torch.bfloat16, device="meta"))
     assert workspace == 64 * 2**20
-    assert tiling_for(N, H, 2, workspace, CUDA, False) == (1024, 0, 0, SEPARATE_GRAD_CHUNKS) == (1024, 0, 0, 2)
+    assert tiling_for(N, H, 2, workspace, CUDA, False) == Tiling(1024, 0, 0, SEPARATE_GRAD_CHUNKS) == Tiling(1024, 0, 0, 2)
     assert chunk_loop_bytes("cuda", 2, H, N, 1024, 2) == workspace
-    assert tiling_for(N, H, 4, workspace, CUDA, False) == (2048, 0, 0, 1)
-    assert tiling_for(N, H, 2, workspace, CPU, False) == (1024, 0, 0, 1)  # 64 MiB / (4 N + 8 H)
+    assert tiling_for(N, H, 4, workspace, CUDA, False) == Tiling(2048, 0, 0, 1)
+    assert tiling_for(N, H, 2, workspace, CPU, False) == Tiling(1024, 0, 0, 1)  # 64 MiB / (4 N + 8 H)
 
 
 @pytest.mark.parametrize("device_type,element_size", [("cpu", 2), ("cpu", 4), ("cpu", 8), ("cuda", 2), ("cuda", 4)],
@@ -116,18 +116,18 @@ def test_tiling_at_the_training_shape():
 def test_tiling_fits_the_workspace(device_type, element_size, N, H, workspace):
     """The widest chunk (a multiple of 128, at least 128) whose buffers fit; batch-invariant, the
     device's fixed tiling with as many whole row blocks per pass as fit (at least one)."""
-    chunk, row_block, pass_rows, grad_chunks = tiling_for(N, H, element_size, workspace, torch.device(device_type), False)
-    assert (row_block, pass_rows) == (0, 0) and chunk % 128 == 0
-    assert grad_chunks == (SEPARATE_GRAD_CHUNKS if device_type == "cuda" and element_size == 2 else 1)
+    tiling = tiling_for(N, H, element_size, workspace, torch.device(device_type), False)
+    assert (tiling.row_block, tiling.pass_rows) == (0, 0) and tiling.chunk_size % 128 == 0
+    assert tiling.grad_chunks == (SEPARATE_GRAD_CHUNKS if device_type == "cuda" and element_size == 2 else 1)
     fits = [c for c in range(128, 2**16, 128)
-            if chunk_loop_bytes(device_type, element_size, H, N, c, grad_chunks) <= workspace]
-    assert chunk == (fits[-1] if fits else 128)
+            if chunk_loop_bytes(device_type, element_size, H, N, c, tiling.grad_chunks) <= workspace]
+    assert tiling.chunk_size == (fits[-1] if fits else 128)
     invariant = tiling_for(N, H, element_size, workspace, torch.device(device_type), True)
     row_block, chunk = INVARIANT_TILING[device_type]
-    assert invariant[:2] == (chunk, row_block) and invariant[3] == 1
+    assert (invariant.chunk_size, invariant.row_block, invariant.grad_chunks) == (chunk, row_block, 1)
     per_pass = [p for p in range(row_block, 2**17, row_block)
                 if chunk_loop_bytes(device_type, element_size, H, p, chunk, 1, several_passes=True) <= workspace]
-    assert invariant[2] == (per_pass[-1] if per_pass else row_block)
+    assert invariant.pass_rows == (per_pass[-1] if per_pass else row_block)
 
 
 if __name__ == "__main__":

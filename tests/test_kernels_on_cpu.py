@@ -75,7 +75,7 @@ DEFECTS = {
         "chosen_logprob/kernel.cuh", "k < int(C); k += int(blockDim.x) * kWidth",
         "k <= int(C); k += int(blockDim.x) * kWidth", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_grad_rows_into_a_gradient_buffer(
-            d, tmp, 20, 64, 128, 64, (0, 0), "one", "vector", 0.0),
+            d, tmp, 20, 64, 128, 64, (0, 0), "one", "vector", None),
         "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
     # A race between blocks: grad_rows' grid-stride loop stepping one block's rows, so every block
     # also writes the rows of the blocks after it (the same values: only ThreadSanitizer, with
@@ -83,7 +83,7 @@ DEFECTS = {
     "grad_rows_blocks_overlap": (
         "chosen_logprob/kernel.cuh", "r += int64_t(gridDim.x) * blockDim.y", "r += blockDim.y", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_grad_rows_into_a_gradient_buffer(
-            d, tmp, 20, 64, 128, 64, (0, 0), "one", "vector", 0.0),
+            d, tmp, 20, 64, 128, 64, (0, 0), "one", "vector", None),
         "ThreadSanitizer: data race", "tsan"),
     # hist_rows without the barrier between clearing the shared bins and adding to them.
     "hist_rows_clear_barrier_deleted": (
@@ -105,7 +105,7 @@ DEFECTS = {
     "grad_rows_alignment_unchecked": (
         "chosen_logprob/kernel.cu", "is_aligned(p.grads, sizeof(Pack<G, kGradWidth>))", "true", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_grad_rows_into_a_gradient_buffer(
-            d, tmp, 20, 64, 128, 64, (0, 1), "several", "scalar", 0.0),
+            d, tmp, 20, 64, 128, 64, (0, 1), "several", "scalar", None),
         "misaligned address", "asan_ubsan"),
     # warp_sum's butterfly starting at offset 8: each half-warp sums only itself (a row of more
     # than 16 packs).

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from fused_rl_ops._sampler_filter import SEARCH_BINS, TOP_HEADER
+from fused_rl_ops._vocab_parallel.sampler_filter import SEARCH_BINS, TOP_HEADER
 from kernels_on_cpu_harness import (Buf, assert_passes, assert_within, combined_stats64, drivers,  # noqa: F401
-                                    grad_rows_reference, lse_entropy64, pytestmark, run_case, run_grad_rows,
-                                    run_stats_rows, running_stats, stats_tolerance)
+                                    grad_rows_reference, logit_map_scalars, lse_entropy64, pytestmark, run_case,
+                                    run_grad_rows, run_stats_rows, running_stats, stats_tolerance)
 
 FP32_INV = {0.7: float(torch.tensor(1 / 0.7, dtype=torch.float32)), 1.0: 1.0}
 
@@ -33,7 +33,7 @@ def top_of(values, K):
     return len(values), held, ties, kept
 
 
-def run_top_rows(drivers, tmp_path, logits, top, K, temperature, passes, threshold=None, window=None, softcap=0.0):
+def run_top_rows(drivers, tmp_path, logits, top, K, temperature, passes, threshold=None, window=None, softcap=None):
     """chosen_logprob_top_rows_kernel giving logits [N, C] to top [N, TOP_HEADER + K]; returns the tops
     (in a new folder of tmp_path each call)."""
     N, C = logits.shape
@@ -45,7 +45,7 @@ def run_top_rows(drivers, tmp_path, logits, top, K, temperature, passes, thresho
     if window is not None:
         buffers["window"] = Buf(window)
     out, [launch] = run_case(drivers, "chosen_logprob", "top_rows", buffers,
-                             {"N": N, "C": C, "K": K, "temperature": temperature, "softcap": softcap},
+                             {"N": N, "C": C, "K": K, **logit_map_scalars(temperature, softcap)},
                              passes=passes, tmp_dir=tmp_path)
     assert_passes(launch, N, passes, rows_per_block=launch.block[0] // 32)  # a warp per row
     return out["top"]
@@ -125,12 +125,12 @@ def test_top_rows_threshold_and_window(drivers, tmp_path, passes):
         check_top(got[r], nothing, z[(cell >= 0) & (cell < SEARCH_BINS)], K)
 
 
-def run_hist_rows(drivers, tmp_path, logits, row_max, window, hist, temperature, passes, softcap=0.0):
+def run_hist_rows(drivers, tmp_path, logits, row_max, window, hist, temperature, passes, softcap=None):
     N, C = logits.shape
     out, [launch] = run_case(drivers, "chosen_logprob", "hist_rows",
                              {"logits": Buf(logits), "row_max": Buf(row_max), "window": Buf(window),
                               "hist": Buf(hist)},
-                             {"N": N, "C": C, "temperature": temperature, "softcap": softcap},
+                             {"N": N, "C": C, **logit_map_scalars(temperature, softcap)},
                              passes=passes, tmp_dir=tmp_path)
     assert_passes(launch, N, passes, rows_per_block=1)  # a block per row
     return out["hist"]

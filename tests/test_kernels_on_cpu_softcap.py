@@ -1,7 +1,7 @@
 """chosen_logprob's CUDA row kernels with a softcap, executed on the CPU by the kernels-on-CPU
 harness (tests/kernels_on_cpu_harness.py: its drivers, builds and sanitizers): the stats and grad
 kernels on raw logits x, z = c tanh(x / c) / T, against float64, with several grid-stride passes
-and one, column tails, saturated and non-finite logits; and softcap 0 launches the kernels without
+and one, column tails, saturated and non-finite logits; and without a softcap the kernels launch without
 tanh. The row kernels read the fp32 logits the GEMMs write for every input dtype, so fp32 is their
 only dtype."""
 import math
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kernels_on_cpu_harness import (FP32_EPS, Buf, assert_within, combined_stats64, drivers,  # noqa: F401
-                                    logit_grads64, lse_entropy64, pytestmark, run_case, run_grad_rows,
-                                    run_stats_rows, running_stats, stats_tolerance)
+                                    logit_grads64, logit_map_scalars, lse_entropy64, pytestmark, run_case,
+                                    run_grad_rows, run_stats_rows, running_stats, stats_tolerance)
 
 COL0 = 100  # the chunk holds global ids [COL0, COL0 + C)
 STATS_SHAPES = [
@@ -125,19 +125,18 @@ def test_grad_rows_with_softcap(drivers, tmp_path, N, C, passes, softcap, temper
 
 
 @pytest.mark.parametrize("kernel", ["stats_rows", "grad_rows"])
-def test_softcap_zero_launches_the_kernel_without_tanh(drivers, tmp_path, kernel):  # noqa: F811
+def test_no_softcap_launches_the_kernel_without_tanh(drivers, tmp_path, kernel):  # noqa: F811
     N, C = 5, 40
     x = torch.randn(N, C) * 3
     tokens = tokens_for(N, C, x)
     per_row = {"stats": Buf(torch.zeros(N, 4))} if kernel == "stats_rows" else {
         name: Buf(torch.zeros(N)) for name in ("row_max", "log_sum", "log_sum_minus_entropy", "gl", "ge")}
     names = []
-    for softcap in (0.0, 2.0):
+    for softcap in (None, 2.0):
         case_dir = tmp_path / f"softcap{softcap}"
         case_dir.mkdir()
         _, [launch] = run_case(drivers, "chosen_logprob", kernel, {"logits": Buf(x), "tokens": Buf(tokens), **per_row},
-                               {"N": N, "C": C, "col0": COL0, "temperature": 0.9, "softcap": softcap, "in_place": 1},
+                               {"N": N, "C": C, "col0": COL0, **logit_map_scalars(0.9, softcap), "in_place": 1},
                                tmp_dir=case_dir)
         names.append(launch.template_args[0])
-    assert names == ["fused_rl_ops::chosen_logprob::PlainLogit<float>",
-                     "fused_rl_ops::chosen_logprob::SoftcappedLogit<float>"]
+    assert names == ["fused_rl_ops::PlainLogit<float>", "fused_rl_ops::SoftcappedLogit<float>"]

@@ -154,8 +154,8 @@ def test_processor_on_one_rank_matches_float64():
 
 @pytest.mark.parametrize("host_checks", [True, False])
 def test_processor_skips_masked_positions(host_checks):
-    """loss_mask 0 is an ignored label: logprob and entropy 0, no gradient, and (with the host
-    checks; without, every row is computed with the same results) no row in the kernels."""
+    """loss_mask 0 is an ignored label: logprob and entropy 0, no gradient, and no row the ops
+    compute (they get every position and leave these out, with the host checks or without)."""
     g = torch.Generator().manual_seed(6)
     hidden, weight = torch.randn(S, B, 16, generator=g), torch.randn(VOCAB, 16, generator=g)
     output_layer = types.SimpleNamespace(weight=weight, tp_group=None, sequence_parallel=False)
@@ -169,11 +169,11 @@ def test_processor_skips_masked_positions(host_checks):
         outputs = rl_output_processor(vocab_size=REAL_VOCAB, host_checks=host_checks)(
             hidden_states=h, output_layer=output_layer, labels=tokens, loss_mask=loss_mask)
         (coeffs[0] * outputs["logprobs"] + coeffs[1] * outputs["entropy"]).sum().backward()
-    # In the processor's [s, b] order: the scored tokens, or every position (the masked ones ignored).
-    want = scored(scored_tokens.t()) if host_checks else scored_tokens.t().reshape(-1)
+    # In the processor's [s, b] order: every position (the masked ones ignored), of which the ops
+    # compute the scored ones, host checks or not.
     for op in ("chosen_logprob_stats", "chosen_logprob_backward"):
-        [got] = calls.tokens(op)
-        assert torch.equal(got, want), op
+        [got], [computed] = calls.tokens(op), calls.computed_tokens(op)
+        assert torch.equal(got, scored_tokens.t().reshape(-1)) and torch.equal(computed, scored(scored_tokens.t())), op
     kept = scored_tokens != -100
     logprobs, entropy = float64_reference(hidden, weight, tokens.clamp(min=0), 1.0, REAL_VOCAB)
     assert_close(outputs["logprobs"], torch.where(kept, logprobs, 0.0).float())

@@ -88,7 +88,7 @@ def labels_accepted_by_megatron(model, tokens, depths):
 
 def _check_against_megatron(depths, *, tied=False, masked=False, labels_from_input_ids=False, **settings):
     """One step through Megatron's own path, then through the attached processor with the main
-    loss -mean(logprobs): the output layer never runs, the kernels get the positions with
+    loss -mean(logprobs): the output layer never runs, the ops compute the positions with
     loss_mask 1 only (each MTP depth's, then the main head's), gradients and logged metrics match,
     and detach brings Megatron's path back."""
     model = mtp_model(depths, tied=tied, **settings)
@@ -122,8 +122,9 @@ def _check_against_megatron(depths, *, tied=False, masked=False, labels_from_inp
     metrics = logged_metrics()
     # The MTP depths' positions with loss_mask 1 (Megatron counts them: total_values), then the main head's.
     scored_rows = metrics["total_values"].long().tolist() + [int(mask.sum())]
-    for op in ("chosen_logprob_stats", "chosen_logprob_backward"):
-        rows = [tokens.tolist() for tokens in kernel_calls.tokens(op)]
+    for op in ("chosen_logprob_stats", "chosen_logprob_backward"):  # every position, the scored ones computed
+        assert {len(tokens) for tokens in kernel_calls.tokens(op)} == {S * B}, op
+        rows = [tokens.tolist() for tokens in kernel_calls.computed_tokens(op)]
         assert sorted(map(len, rows)) == sorted(scored_rows) and all(-100 not in r for r in rows), op
     assert_close(metrics["loss_values"], megatron_metrics["loss_values"])
     assert torch.equal(metrics["total_values"], megatron_metrics["total_values"])

@@ -37,5 +37,5 @@ def test_processor_with_the_sampler_filter_matches_the_naive_reference():
 @pytest.mark.parametrize("bad,message", [(dict(top_k=0), "top_k must be None or a positive integer, got 0"),
                                          (dict(top_p=1.5), r"top_p must be None or a number in \(0, 1\], got 1.5")])
 def test_processor_refuses_a_bad_filter(bad, message):
-    with pytest.raises(ValueError, match=f"RLOutputProcessor: {message}"):
+    with pytest.raises(ValueError, match=f"LogitOptions: {message}"):
         rl_output_processor(**bad)

@@ -39,6 +39,6 @@ def test_processor_with_softcap_matches_the_naive_reference():
 
 
 def test_processor_refuses_a_bad_softcap():
-    with pytest.raises(ValueError, match=r"RLOutputProcessor: softcap must be None or a positive finite number, "
+    with pytest.raises(ValueError, match=r"LogitOptions: softcap must be None or a positive finite number, "
                                          r"got -1.0"):
         rl_output_processor(softcap=-1.0)

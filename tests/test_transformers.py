@@ -218,13 +218,14 @@ def fused_and_calls(model, input_ids, labels, **kwargs):
     return logprob.detach(), entropy.detach(), calls
 
 
-def assert_kernels_got(calls, want):
+def assert_kernels_computed(calls, want):
+    """The ops got every position and computed the rows of want (the scored ids)."""
     for op in ("chosen_logprob_stats", "chosen_logprob_backward"):
-        [tokens] = calls.tokens(op)
-        assert torch.equal(tokens, want), op
+        [tokens], [computed] = calls.tokens(op), calls.computed_tokens(op)
+        assert len(tokens) > len(want) and torch.equal(computed, want), op
 
 
-def test_prompt_and_padding_positions_never_reach_the_kernels():
+def test_prompt_and_padding_positions_are_not_computed():
     """-100 labels (the prompts) and padding, marked by attention_mask alone (the padding's labels
     left as its ids): position t is skipped when labels[:, t + 1] is -100 or attention_mask[:, t + 1]
     is 0; logprob and entropy 0 there, the model's own numbers elsewhere."""
@@ -233,7 +234,7 @@ def test_prompt_and_padding_positions_never_reach_the_kernels():
     unmarked_padding = torch.where(attention_mask == 0, input_ids, labels)
     logprob, entropy, calls = fused_and_calls(
         model, input_ids, unmarked_padding, attention_mask=attention_mask, position_ids=position_ids)
-    assert_kernels_got(calls, scored(labels[:, 1:]))
+    assert_kernels_computed(calls, scored(labels[:, 1:]))
     expected = reference(model, input_ids, labels, 1.0, attention_mask=attention_mask, position_ids=position_ids)
     assert_close(logprob, expected[0], **TIGHT)
     assert_close(entropy, expected[1], **TIGHT)
@@ -250,7 +251,7 @@ def test_packed_sequences():
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
     labels = input_ids.masked_fill(position_ids == 0, -100)
     logprob, entropy, calls = fused_and_calls(model, input_ids, labels, position_ids=position_ids)
-    assert_kernels_got(calls, scored(labels[:, 1:]))
+    assert_kernels_computed(calls, scored(labels[:, 1:]))
     assert len(scored(labels[:, 1:])) == sum(lengths) - 3
     expected = reference(model, input_ids, labels, 1.0, position_ids=position_ids)
     assert_close(logprob, expected[0], **TIGHT)

@@ -12,7 +12,8 @@
 //   add_mm(out, a, b)                    out += a b, out in acc dtype
 //   mm(out, a, b)                        out = a b, accumulated in acc dtype, stored in out's dtype
 // One workspace of logits (and in the backward one of logit gradients) lives at a time; a fused
-// tensor-core kernel can replace this loop without touching the Python API.
+// tensor-core kernel can replace this loop without touching the Python API. The loop reads the
+// Tiling options (common/vocab_parallel.h); the row kernels get the logit map and the shard.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -127,29 +128,32 @@ void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, const 
 }
 
 // The Params of a row kernel over rows [r0, r0 + rows) of one chunk's logits (the workspace's
-// first `rows` rows), whose column 0 is vocabulary row c0 of this shard.
-inline Params row_params(const at::Tensor& logits, int64_t rows, const at::Tensor& tokens, const Options& opts,
-                         int64_t c0, int64_t r0) {
+// first `rows` rows), whose column 0 is vocabulary row c0 of this shard; tokens (undefined: none)
+// are the rows' [N] ids.
+inline Params row_params(const at::Tensor& logits, int64_t rows, const at::Tensor& tokens, const LogitMap& logit_map,
+                         const VocabShard& shard, int64_t c0, int64_t r0) {
   Params p;
   p.logits = logits.const_data_ptr();
-  p.tokens = tokens.const_data_ptr<int64_t>() + r0;
+  if (tokens.defined()) p.tokens = tokens.const_data_ptr<int64_t>() + r0;
   p.rows = rows;
   p.cols = logits.size(1);
-  p.col0 = opts.vocab_start + c0;
-  p.options = opts;
+  p.col0 = shard.vocab_start + c0;
+  p.logit_map = logit_map;
+  p.shard = shard;
   return p;
 }
 
 // The per-token partials (stats_column in chosen_logprob/math.h) of this shard's logits, over the
 // valid rows of weight (valid_rows; all without it) and, with a threshold, the logits at or above
-// it. With top_k, followed by each row's top of those logits (top_k wide,
+// it. With a top width, followed by each row's top of those logits (width wide,
 // chosen_logprob/sampler_filter.h). The row kernels take raw logits and apply the logit map
 // themselves.
 template <class Kernels>
 at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
-                      const std::optional<at::Tensor>& threshold, const Options& opts) {
+                      const std::optional<at::Tensor>& threshold, const LogitMap& logit_map, const VocabShard& shard,
+                      const Tiling& tiling_options, int64_t width) {
   const auto acc = acc_dtype(hidden.scalar_type());
-  const int64_t N = hidden.size(0), V = opts.valid_rows.value_or(weight.size(0)), width = opts.top_k.value_or(0);
+  const int64_t N = hidden.size(0), V = shard.valid_rows.value_or(weight.size(0));
   at::Tensor stats = at::zeros({N, stats_column::count}, hidden.options().dtype(acc));
   stats.select(1, stats_column::max).fill_(-INFINITY);
   at::Tensor tops = width > 0 ? at::zeros({N, top_column::values + width}, stats.options()) : at::Tensor();
@@ -157,12 +161,12 @@ at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const 
   if (N == 0 || V == 0) return result();
   const at::Tensor tok = tokens.contiguous();
   const at::Tensor tau = threshold ? threshold->contiguous() : at::Tensor();
-  const RowTiling tiling(N, opts.row_block, opts.pass_rows);
+  const RowTiling tiling(N, tiling_options.row_block, tiling_options.pass_rows);
   for_each_logits_chunk<Kernels>(
       aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling), weight.narrow(0, 0, V),
-      VocabTiling(V, opts.chunk_size, 1), tiling,
+      VocabTiling(V, tiling_options.chunk_size, 1), tiling,
       [&](const at::Tensor& logits, const ChunkStep& step) {
-        Params p = row_params(logits, step.rows, tok, opts, step.c0, step.r0);
+        Params p = row_params(logits, step.rows, tok, logit_map, shard, step.c0, step.r0);
         p.stats = stats.narrow(0, step.r0, step.rows).mutable_data_ptr();
         if (tau.defined()) p.threshold = tau.narrow(0, step.r0, step.rows).const_data_ptr();
         Kernels::stats_rows(p, acc);
@@ -183,22 +187,17 @@ at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const 
 template <class Kernels>
 void search_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& row_max,
                  const at::Tensor& window, at::Tensor& hist, const std::optional<at::Tensor>& top,
-                 const Options& opts) {
+                 const LogitMap& logit_map, const VocabShard& shard, const Tiling& tiling_options) {
   const auto acc = acc_dtype(hidden.scalar_type());
-  const int64_t N = hidden.size(0), V = opts.valid_rows.value_or(weight.size(0));
+  const int64_t N = hidden.size(0), V = shard.valid_rows.value_or(weight.size(0));
   if (N == 0 || V == 0) return;
   const at::Tensor m = row_max.contiguous(), windows = window.contiguous();
-  const RowTiling tiling(N, opts.row_block, opts.pass_rows);
+  const RowTiling tiling(N, tiling_options.row_block, tiling_options.pass_rows);
   for_each_logits_chunk<Kernels>(
       aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling), weight.narrow(0, 0, V),
-      VocabTiling(V, opts.chunk_size, 1), tiling,
+      VocabTiling(V, tiling_options.chunk_size, 1), tiling,
       [&](const at::Tensor& logits, const ChunkStep& step) {
-        Params p;
-        p.logits = logits.data_ptr();
-        p.rows = step.rows;
-        p.cols = logits.size(1);
-        p.col0 = opts.vocab_start + step.c0;
-        p.options = opts;
+        Params p = row_params(logits, step.rows, at::Tensor(), logit_map, shard, step.c0, step.r0);
         p.row_max = m.narrow(0, step.r0, step.rows).const_data_ptr();
         p.window = windows.narrow(0, step.r0, step.rows).const_data_ptr();
         p.hist = hist.narrow(0, step.r0, step.rows).mutable_data_ptr();
@@ -228,15 +227,16 @@ void search_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::T
 template <class Kernels>
 std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
                                                  const at::Tensor& tokens, const TokenGrads& token_grads,
-                                                 const std::optional<at::Tensor>& main_grad, const Options& opts) {
+                                                 const std::optional<at::Tensor>& main_grad, const LogitMap& logit_map,
+                                                 const VocabShard& shard, const Tiling& tiling_options) {
   const auto acc = acc_dtype(hidden.scalar_type());
-  const int64_t N = hidden.size(0), V = weight.size(0), H = weight.size(1), valid_rows = opts.valid_rows.value_or(V);
+  const int64_t N = hidden.size(0), V = weight.size(0), H = weight.size(1), valid_rows = shard.valid_rows.value_or(V);
   at::Tensor grad_h = at::zeros({N, H}, hidden.options().dtype(acc));
   at::Tensor grad_w = main_grad ? at::empty({0, H}, weight.options()) : at::empty(weight.sizes(), weight.options());
   const bool any_chunk = N > 0 && valid_rows > 0;
   if (!main_grad) grad_w.narrow(0, any_chunk ? valid_rows : 0, any_chunk ? V - valid_rows : V).zero_();
   if (!any_chunk) return {grad_h, grad_w};
-  const RowTiling tiling(N, opts.row_block, opts.pass_rows);
+  const RowTiling tiling(N, tiling_options.row_block, tiling_options.pass_rows);
   const bool one_pass = tiling.pass >= N;
   const at::Tensor h = aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling);
   const at::Tensor tok = tokens.contiguous();
@@ -246,8 +246,8 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
   const at::Tensor tau = token_grads.threshold.defined() ? token_grads.threshold.contiguous() : at::Tensor();
   at::Tensor grad_h_tail = tiling.tail_rows() > 0 ? at::zeros({tiling.block, H}, grad_h.options()) : at::Tensor();
   const at::ScalarType grads_dtype = Kernels::grad_dtype(hidden.scalar_type());
-  const bool in_place = grads_dtype == acc && opts.grad_chunks == 1;
-  const VocabTiling vocab(valid_rows, opts.chunk_size, in_place ? 1 : opts.grad_chunks);
+  const bool in_place = grads_dtype == acc && tiling_options.grad_chunks == 1;
+  const VocabTiling vocab(valid_rows, tiling_options.chunk_size, in_place ? 1 : tiling_options.grad_chunks);
   const at::Tensor grads =
       in_place ? at::Tensor() : at::empty({tiling.pass * vocab.group}, hidden.options().dtype(grads_dtype));
   // The weight group's gradient summed over passes (several passes only), one buffer for every group.
@@ -257,7 +257,7 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
   for_each_logits_chunk<Kernels>(
       h, weight.narrow(0, 0, valid_rows), vocab, tiling,
       [&](const at::Tensor& logits, const ChunkStep& step) {
-        Params p = row_params(logits, step.rows, tok, opts, step.c0, step.r0);
+        Params p = row_params(logits, step.rows, tok, logit_map, shard, step.c0, step.r0);
         const auto row_ptr = [&](const at::Tensor& t) { return t.narrow(0, step.r0, step.rows).const_data_ptr(); };
         p.row_max = row_ptr(row_max);
         p.log_sum = row_ptr(log_sum);

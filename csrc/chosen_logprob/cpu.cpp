@@ -30,7 +30,7 @@ acc horizontal_sum(const at::vec::Vectorized<acc>& v) {
   return s;
 }
 
-// Logit: the PlainLogit or SoftcappedLogit of chosen_logprob/math.h, in acc.
+// Logit: the PlainLogit or SoftcappedLogit of common/logit_map.h, in acc.
 template <typename acc, class Logit>
 void stats_rows_cpu(const Params& p, const Logit& logit) {
   using Vec = at::vec::Vectorized<acc>;
@@ -201,13 +201,15 @@ void hist_rows_cpu(const Params& p, const Logit& logit) {
 }
 
 struct CpuKernels {
+  static bool capturing() { return false; }  // no graphs on the CPU
+
   static at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
 
   static void logits(const at::Tensor& h, const at::Tensor& w, at::Tensor& out) { at::mm_out(out, h, w.t()); }
 
   static void stats_rows(const Params& p, at::ScalarType acc) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_stats_cpu", [&] {
-      with_logit_map<scalar_t>(p.options, [&](const auto& logit) { stats_rows_cpu<scalar_t>(p, logit); });
+      with_logit_map<scalar_t>(p.logit_map, [&](const auto& logit) { stats_rows_cpu<scalar_t>(p, logit); });
     });
   }
 
@@ -216,19 +218,19 @@ struct CpuKernels {
 
   static void grad_rows(const Params& p, at::ScalarType acc, at::ScalarType /* grads: grad_dtype, acc */) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_grad_cpu", [&] {
-      with_logit_map<scalar_t>(p.options, [&](const auto& logit) { grad_rows_cpu<scalar_t>(p, logit); });
+      with_logit_map<scalar_t>(p.logit_map, [&](const auto& logit) { grad_rows_cpu<scalar_t>(p, logit); });
     });
   }
 
   static void top_rows(const Params& p, at::ScalarType acc) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_top_cpu", [&] {
-      with_logit_map<scalar_t>(p.options, [&](const auto& logit) { top_rows_cpu<scalar_t>(p, logit); });
+      with_logit_map<scalar_t>(p.logit_map, [&](const auto& logit) { top_rows_cpu<scalar_t>(p, logit); });
     });
   }
 
   static void hist_rows(const Params& p, at::ScalarType acc) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_hist_cpu", [&] {
-      with_logit_map<scalar_t>(p.options, [&](const auto& logit) { hist_rows_cpu<scalar_t>(p, logit); });
+      with_logit_map<scalar_t>(p.logit_map, [&](const auto& logit) { hist_rows_cpu<scalar_t>(p, logit); });
     });
   }
 

@@ -2,6 +2,7 @@
 // inputs accumulate into fp32 outputs via the out_dtype overloads) and the row kernels of
 // chosen_logprob/kernel.cu (which stays free of torch headers) on the current stream.
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -15,6 +16,12 @@ cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
 
 // The ops' checks (entry.h) leave fp32 the only accumulation dtype on CUDA.
 struct CudaKernels {
+  // While a CUDA graph is captured on the current stream no value may be read on the host (the
+  // ops then compute every row, entry.h's RowSkipping).
+  static bool capturing() {
+    return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  }
+
   static at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType) { return t; }
 
   static void logits(const at::Tensor& h, const at::Tensor& w, at::Tensor& out) {

@@ -1,7 +1,8 @@
 // chosen_logprob's ops, one implementation for the CPU and CUDA kernels (cpu.cpp's, cuda.cpp's),
 // each device file registering these templates with its own Kernels. Each op checks its contract
-// first: the options as chosen_logprob/options.h declares them, and the shapes, dtypes and devices
-// its kernels rely on, in the words of fused_rl_ops/chosen_logprob.py's checks.
+// first: its option groups as they are declared (chosen_logprob/options.h), and the shapes, dtypes
+// and devices its kernels rely on, in the words of fused_rl_ops/chosen_logprob.py's checks. Then it
+// leaves out the rows it need not compute (RowSkipping) and runs the chunk loop (chosen_logprob/chunks.h).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,16 +11,19 @@
 #include <optional>
 
 #include "chosen_logprob/chunks.h"
+#include "chosen_logprob/options.h"
 
 namespace fused_rl_ops::chosen_logprob {
 
 constexpr const char* kOp = "chosen_logprob";
 
 // hidden [N, H] (H >= 1), weight [V, H] in hidden's floating dtype, int64 tokens [N] (the search
-// op takes none: null), on one device, and the options, valid_rows at most V.
+// op takes none: null), on one device, and the option groups every op takes, valid_rows at most V.
 inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor* tokens,
-                         const Options& options) {
-  check_options(kOp, options);
+                         const LogitMap& logit_map, const VocabShard& shard, const Tiling& tiling) {
+  check_options(kOp, logit_map);
+  check_options(kOp, shard);
+  check_options(kOp, tiling);
   check_float_dtype(kOp, "hidden", hidden);
   TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(), kOp, ": weight must have hidden's dtype ",
                    hidden.scalar_type(), ", got ", weight.scalar_type());
@@ -33,8 +37,8 @@ inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, con
   TORCH_CHECK_VALUE(weight.device() == hidden.device() && (!tokens || tokens->device() == hidden.device()), kOp,
                     ": all tensors must be on one device, got hidden on ", hidden.device(), ", weight on ",
                     weight.device(), tokens ? ", tokens on " : "", tokens ? tokens->device() : hidden.device());
-  TORCH_CHECK_VALUE(options.valid_rows.value_or(0) <= weight.size(0), kOp, ": valid_rows must be None or at most ",
-                    "weight's rows ", weight.size(0), ", got ", *options.valid_rows);
+  TORCH_CHECK_VALUE(shard.valid_rows.value_or(0) <= weight.size(0), kOp, ": valid_rows must be None or at most ",
+                    "weight's rows ", weight.size(0), ", got ", *shard.valid_rows);
 }
 
 // An optional per-token tensor t (threshold): [N] in the accumulation dtype on hidden's device.
@@ -44,24 +48,84 @@ inline void check_per_token(const char* what, const std::optional<at::Tensor>& t
                     kOp, ": ", what, " must be [N] in the accumulation dtype, on hidden's device");
 }
 
+// The rows an op leaves out (skipped: [N] bool; undefined, none) and how. Its count is read here,
+// inside the op, so that a traced caller (torch.compile) keeps the saving: the other rows are
+// gathered (compact: index_select by `computed`), computed and put back. During CUDA graph capture
+// no count may be read: every row is computed, the skipped ones on zeroed hidden rows and with
+// zeroed per-token inputs, and their results replaced after, so that the results are the same.
+struct RowSkipping {
+  at::Tensor skipped;   // [N] bool, undefined: no row skipped
+  at::Tensor computed;  // [count] int64, the rows computed when compacting; undefined: every row
+
+  template <class Kernels>
+  static RowSkipping of(const at::Tensor& skipped) {
+    if (Kernels::capturing()) return {skipped, at::Tensor()};
+    at::Tensor computed = at::nonzero(skipped.logical_not()).squeeze(1);  // the host reads its length
+    if (computed.size(0) == skipped.size(0)) return {};
+    return {skipped, computed};
+  }
+  bool compacts() const { return computed.defined(); }
+  // skipped as a mask of t's rows.
+  at::Tensor mask_of(const at::Tensor& t) const { return t.dim() > 1 ? skipped.unsqueeze(1) : skipped; }
+  // t's rows as the chunk loop takes them: the computed ones; or where every row is computed,
+  // t with the skipped rows set to `fill` (hidden's to 0, so that nothing in them reaches a sum).
+  at::Tensor rows(const at::Tensor& t, double fill) const {
+    if (compacts()) return t.index_select(0, computed);
+    return skipped.defined() ? t.masked_fill(mask_of(t), fill) : t;
+  }
+  // A result of the computed rows as one of every row: `skipped_row` ([columns], or a scalar) at the
+  // rows left out.
+  at::Tensor all_rows(const at::Tensor& result, const at::Tensor& skipped_row) const {
+    if (compacts()) {
+      std::vector<int64_t> shape = result.sizes().vec();
+      shape[0] = skipped.size(0);
+      return skipped_row.expand(shape).clone(at::MemoryFormat::Contiguous).index_copy_(0, computed, result);
+    }
+    if (!skipped.defined()) return result;
+    return at::where(mask_of(result), skipped_row, result);
+  }
+};
+
+// The rows of tokens equal to ignore_index (none without one) as an op leaves them out.
+template <class Kernels>
+RowSkipping skipping_ignored(const at::Tensor& tokens, std::optional<int64_t> ignore_index) {
+  return ignore_index ? RowSkipping::of<Kernels>(tokens == *ignore_index) : RowSkipping{};
+}
+
+// A stats row of no logits: the empty partial (stats_empty), and with a top an empty top.
+inline at::Tensor empty_stats_row(int64_t columns, const at::TensorOptions& options) {
+  at::Tensor row = at::zeros({columns}, options);
+  row.select(0, stats_column::max).fill_(-INFINITY);
+  return row;
+}
+
 template <class Kernels>
 at::Tensor stats(const at::Tensor& hidden, const at::Tensor& weight,
-                 const at::Tensor& tokens FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_PARAM),
+                 const at::Tensor& tokens FRL_CHOSEN_LOGPROB_OP_OPTIONS(FRL_OPTION_PARAM),
                  const std::optional<at::Tensor>& threshold) {
-  const Options options{FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VALUE)};
-  check_inputs(hidden, weight, &tokens, options);
+  const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
+  const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
+  const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
+  check_inputs(hidden, weight, &tokens, logit_map, shard, tiling);
+  check_options(kOp, Options{FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VALUE)});
   check_per_token("threshold", threshold, hidden);
   const at::DeviceGuard guard(hidden.device());
-  return stats_impl<Kernels>(hidden, weight, tokens, threshold, options);
+  const RowSkipping skipping = skipping_ignored<Kernels>(tokens, ignore_index);
+  const std::optional<at::Tensor> tau = threshold ? std::optional(skipping.rows(*threshold, 0)) : std::nullopt;
+  const at::Tensor result = stats_impl<Kernels>(skipping.rows(hidden, 0), weight, skipping.rows(tokens, 0), tau,
+                                                logit_map, shard, tiling, top_width);
+  return skipping.all_rows(result, empty_stats_row(result.size(1), result.options()));
 }
 
 // One round of the top_p search (search_impl in chosen_logprob/chunks.h): hist and top are updated
-// in place.
+// in place. Rows whose window is inactive (sigma 0) are left out.
 template <class Kernels>
 void search(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& row_max, const at::Tensor& window,
-            at::Tensor hist, const std::optional<at::Tensor>& top FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_PARAM)) {
-  const Options options{FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VALUE)};
-  check_inputs(hidden, weight, nullptr, options);
+            at::Tensor hist, const std::optional<at::Tensor>& top FRL_CHOSEN_LOGPROB_SEARCH_OPTIONS(FRL_OPTION_PARAM)) {
+  const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
+  const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
+  const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
+  check_inputs(hidden, weight, nullptr, logit_map, shard, tiling);
   const int64_t N = hidden.size(0);
   check_per_token("row_max", row_max, hidden);
   TORCH_CHECK_VALUE(window.dim() == 2 && window.size(0) == N && window.size(1) == 2 &&
@@ -76,7 +140,17 @@ void search(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor
                     kOp, ": top must be a contiguous [N, ", int(top_column::values), " + K] tensor (K >= 1) in the ",
                     "accumulation dtype, on hidden's device");
   const at::DeviceGuard guard(hidden.device());
-  search_impl<Kernels>(hidden, weight, row_max, window, hist, top, options);
+  // The row kernels pass over inactive rows themselves: compacting is the saving, capture need not.
+  const RowSkipping skipping = RowSkipping::of<Kernels>(window.select(1, 0) == 0);
+  if (!skipping.compacts()) {
+    return search_impl<Kernels>(hidden, weight, row_max, window, hist, top, logit_map, shard, tiling);
+  }
+  at::Tensor hist_rows = skipping.rows(hist, 0);
+  const std::optional<at::Tensor> top_rows = top ? std::optional(skipping.rows(*top, 0)) : std::nullopt;
+  search_impl<Kernels>(skipping.rows(hidden, 0), weight, skipping.rows(row_max, 0), skipping.rows(window, 0),
+                       hist_rows, top_rows, logit_map, shard, tiling);
+  hist.index_copy_(0, skipping.computed, hist_rows);
+  if (top) top->index_copy_(0, skipping.computed, *top_rows);
 }
 
 template <class Kernels>
@@ -85,13 +159,14 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
                                             const at::Tensor& log_sum, const at::Tensor& log_sum_minus_entropy,
                                             const at::Tensor& grad_logprob, const at::Tensor& grad_entropy,
                                             const std::optional<at::Tensor>& main_grad
-                                                FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_PARAM),
+                                                FRL_CHOSEN_LOGPROB_OP_OPTIONS(FRL_OPTION_PARAM),
                                             const std::optional<at::Tensor>& threshold) {
-  const Options options{FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VALUE)};
-  check_inputs(hidden, weight, &tokens, options);
+  const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
+  const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
+  const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
+  check_inputs(hidden, weight, &tokens, logit_map, shard, tiling);
+  check_options(kOp, Options{FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VALUE)});
   check_per_token("threshold", threshold, hidden);
-  const TokenGrads token_grads{row_max,      log_sum,      log_sum_minus_entropy,
-                               grad_logprob, grad_entropy, threshold.value_or(at::Tensor())};
   for (const at::Tensor* t : {&row_max, &log_sum, &log_sum_minus_entropy, &grad_logprob, &grad_entropy}) {
     TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == hidden.size(0) &&
                           t->scalar_type() == acc_dtype(hidden.scalar_type()) && t->device() == hidden.device(),
@@ -104,7 +179,18 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
                     kOp, ": main_grad must be a float32 (or weight-dtype) tensor of weight's shape ", weight.sizes(),
                     " on ", weight.device());
   const at::DeviceGuard guard(hidden.device());
-  return backward_impl<Kernels>(hidden, weight, tokens, token_grads, main_grad, options);
+  // The skipped rows' per-token values (an empty partial's -inf and NaN) reach no kernel: left out,
+  // or zeroed with their hidden rows, so that they pass exactly 0.
+  const RowSkipping skipping = skipping_ignored<Kernels>(tokens, ignore_index);
+  const TokenGrads token_grads{skipping.rows(row_max, 0),
+                               skipping.rows(log_sum, 0),
+                               skipping.rows(log_sum_minus_entropy, 0),
+                               skipping.rows(grad_logprob, 0),
+                               skipping.rows(grad_entropy, 0),
+                               threshold ? skipping.rows(*threshold, 0) : at::Tensor()};
+  auto [grad_hidden, grad_weight] = backward_impl<Kernels>(skipping.rows(hidden, 0), weight, skipping.rows(tokens, 0),
+                                                           token_grads, main_grad, logit_map, shard, tiling);
+  return {skipping.all_rows(grad_hidden, at::zeros({}, grad_hidden.options())), grad_weight};
 }
 
 template <class Kernels>

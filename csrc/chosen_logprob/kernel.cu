@@ -13,7 +13,7 @@ cudaError_t launch_chosen_logprob_stats_rows(const Params& p, cudaStream_t strea
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   const int threads = kStatsRowsPerBlock * kWarp;
   const unsigned grid = grid_for((N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock, threads, dev);
-  with_logit_map<float>(p.options, [&](auto logit) {
+  with_logit_map<float>(p.logit_map, [&](auto logit) {
     launch_kernel(chosen_logprob_stats_rows_kernel<decltype(logit)>, grid, threads, 0, stream,
                   static_cast<const float*>(p.logits), N, p.cols, p.col0, p.tokens, logit,
                   static_cast<const float*>(p.threshold), static_cast<float*>(p.stats));
@@ -32,7 +32,7 @@ cudaError_t launch_chosen_logprob_grad_rows(const Params& p, DType grads_dtype, 
     const bool vectorised = p.cols % kGradWidth == 0 && p.grads_stride % kGradWidth == 0 &&
                             is_aligned(p.logits, sizeof(Pack<float, kGradWidth>)) &&
                             is_aligned(p.grads, sizeof(Pack<G, kGradWidth>));
-    with_logit_map<float>(p.options, [&](auto logit) {
+    with_logit_map<float>(p.logit_map, [&](auto logit) {
       const auto launch = [&](auto width) {
         constexpr int kWidth = decltype(width)::value;
         const RowLaunch cfg = row_launch(p.rows, p.cols / kWidth, kGradThreads, dev);
@@ -68,7 +68,7 @@ cudaError_t launch_chosen_logprob_top_rows(const Params& p, cudaStream_t stream)
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   const int threads = kTopRowsPerBlock * kWarp;
   const unsigned grid = grid_for((N + kTopRowsPerBlock - 1) / kTopRowsPerBlock, threads, dev);
-  with_logit_map<float>(p.options, [&](auto logit) {
+  with_logit_map<float>(p.logit_map, [&](auto logit) {
     launch_kernel(chosen_logprob_top_rows_kernel<decltype(logit)>, grid, threads, 0, stream,
                   static_cast<const float*>(p.logits), N, p.cols, logit, static_cast<const float*>(p.threshold),
                   static_cast<const double*>(p.window), static_cast<float*>(p.top), p.top_width);
@@ -82,7 +82,7 @@ cudaError_t launch_chosen_logprob_hist_rows(const Params& p, cudaStream_t stream
   DeviceSize dev;
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   const unsigned grid = grid_for(N, kHistThreads, dev);
-  with_logit_map<float>(p.options, [&](auto logit) {
+  with_logit_map<float>(p.logit_map, [&](auto logit) {
     launch_kernel(chosen_logprob_hist_rows_kernel<decltype(logit)>, grid, kHistThreads, 0, stream,
                   static_cast<const float*>(p.logits), N, p.cols, logit, static_cast<const float*>(p.row_max),
                   static_cast<const double*>(p.window), static_cast<int64_t*>(p.hist));

@@ -1,7 +1,7 @@
 // Torch-free launchers of the chosen_logprob CUDA row kernels (math in chosen_logprob/math.h), one
 // Params each (chosen_logprob/params.h; fp32 buffers, grads in the dtype given). The kernels map
-// the raw logits with the logit map of Params::options (with_logit_map, chosen_logprob/math.h), one
-// kernel per map. Return the launch's cudaError_t.
+// the raw logits with Params::logit_map (with_logit_map, common/logit_map.h), one kernel per map.
+// Return the launch's cudaError_t.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,6 +1,6 @@
 // Chosen-token log-softmax and entropy, per-row math shared by the CPU and CUDA kernels.
-// The GEMMs give raw logits x = h . w; the softmax takes z = x / T, or with a softcap c
-// z = c tanh(x / c) / T (PlainLogit, SoftcappedLogit below).
+// The GEMMs give raw logits x = h . w; the softmax takes z = map(x), the logit map of
+// common/logit_map.h (PlainLogit, SoftcappedLogit).
 // For a row of logits z the kernels keep, per token,
 //   m = max z,  s = sum exp(z - m),  t = sum exp(z - m) (z - m)
 // over the vocabulary seen so far; partials from vocab chunks and TP ranks merge exactly. Then
@@ -21,7 +21,7 @@
 // NaN stays NaN.
 #pragma once
 
-#include "chosen_logprob/options.h"
+#include "common/logit_map.h"
 #include "common/math.h"
 
 namespace fused_rl_ops::chosen_logprob {
@@ -34,53 +34,6 @@ enum : int { max, sum, ent, chosen, count };
 }
 namespace combined_column {
 enum : int { row_max, log_sum, entropy, chosen };
-}
-
-// z = x / T. Without a softcap the kernels run this map, which has no tanh.
-// T may be a scalar or an at::vec::Vectorized; as<V>() broadcasts a scalar map to V.
-template <typename T>
-struct PlainLogit {
-  T inv_temp;
-
-  template <typename V>
-  PlainLogit<V> as() const {
-    return {V(inv_temp)};
-  }
-  FRL_HD T operator()(T x) const { return x * inv_temp; }
-  FRL_HD T slope(T) const { return inv_temp; }  // dz / dx
-};
-
-// z = c tanh(x / c) / T (Gemma 2's final_logit_softcapping; the sampler's temperature acts on the
-// capped logit). Both maps are nondecreasing, so a row's largest z is the map of its largest x.
-template <typename T>
-struct SoftcappedLogit {
-  T inv_cap, cap_over_temp, inv_temp;
-
-  template <typename V>
-  SoftcappedLogit<V> as() const {
-    return {V(inv_cap), V(cap_over_temp), V(inv_temp)};
-  }
-  FRL_HD T operator()(T x) const { return Math<T>::tanh(x * inv_cap) * cap_over_temp; }
-  // dz / dx = (1 - tanh^2(x / c)) / T, written 4 e / (1 + e)^2 with e = exp(-2 |x / c|): near
-  // saturation 1 - tanh^2 would subtract two numbers within an ulp of 1 and keep no significant
-  // digit, where this keeps full relative precision down to underflow. 0 at x = +-inf, NaN at NaN.
-  FRL_HD T slope(T x) const {
-    const T e = Math<T>::exp(T(-2) * Math<T>::abs(x * inv_cap));
-    const T one_plus_e = T(1) + e;
-    return T(4) * e / (one_plus_e * one_plus_e) * inv_temp;
-  }
-};
-
-// Calls fn with the logit map of the options, in T: PlainLogit without a softcap, else
-// SoftcappedLogit. Its constants are taken in double and rounded once.
-template <typename T, class Fn>
-void with_logit_map(const Options& options, const Fn& fn) {
-  const double temperature = options.temperature;
-  if (const std::optional<double> cap = options.softcap) {
-    fn(SoftcappedLogit<T>{T(1.0 / *cap), T(*cap / temperature), T(1.0 / temperature)});
-  } else {
-    fn(PlainLogit<T>{T(1.0 / temperature)});
-  }
 }
 
 template <typename T>

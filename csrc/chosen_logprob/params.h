@@ -1,11 +1,13 @@
 // One launch of chosen_logprob's row kernels (stats_rows, grad_rows, combine, and for the sampler's
-// filter top_rows and hist_rows), CPU or CUDA: its buffers, sizes and options. Free of torch and CUDA headers: filled by chosen_logprob/chunks.h
-// and chosen_logprob/entry.h, and by the kernels-on-CPU driver.
+// filter top_rows and hist_rows), CPU or CUDA: its buffers, sizes, logit map and shard. Free of
+// torch and CUDA headers: filled by chosen_logprob/chunks.h and chosen_logprob/entry.h, and by the
+// kernels-on-CPU driver.
 #pragma once
 
 #include <cstdint>
 
-#include "chosen_logprob/options.h"
+#include "common/logit_map.h"
+#include "common/vocab_parallel.h"
 
 namespace fused_rl_ops::chosen_logprob {
 
@@ -49,7 +51,8 @@ struct Params {
   int64_t cols = 0;   // the chunk's vocabulary rows
   int64_t col0 = 0;   // the global id of column 0
   int64_t ranks = 0;  // combine: the shards
-  Options options;    // stats_rows and grad_rows: the op's, for the logit map
+  LogitMap logit_map;  // stats_rows, grad_rows, top_rows and hist_rows: the logits' map (with_logit_map)
+  VocabShard shard;    // the weight's rows (col0 is shard.vocab_start + the chunk's first row)
 };
 
 }  // namespace fused_rl_ops::chosen_logprob

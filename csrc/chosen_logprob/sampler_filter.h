@@ -1,7 +1,8 @@
-// The sampler's filter (top_k, top_p in chosen_logprob/options.h), per row, shared by the CPU and
-// CUDA kernels. The kept set of a token's row is {z >= tau}, tau the token's threshold, which
-// chosen_logprob finds over the whole vocabulary (fused_rl_ops/_sampler_filter.py, where the rule
-// is) from two kinds of per-row partials, summed over vocab chunks and tensor-parallel shards:
+// The sampler's filter (LogitOptions' top_k and top_p, fused_rl_ops/logit_options.py), per row,
+// shared by the CPU and CUDA kernels. The kept set of a token's row is {z >= tau}, tau the token's
+// threshold, which chosen_logprob finds over the whole vocabulary
+// (fused_rl_ops/_vocab_parallel/sampler_filter.py, where the rule is) from two kinds of per-row
+// partials, summed over vocab chunks and tensor-parallel shards:
 // - the row's top: the K largest logits seen (of a window) and how many more equal the smallest of
 //   them, which merge across shards exactly: top-k's threshold, and top-p's candidates;
 // - a search histogram: the probability mass of the logits in a window of z, in bins of a grid,

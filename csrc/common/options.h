@@ -1,11 +1,14 @@
-// How an op's options (its non-tensor arguments) are declared: once, as a list in <op>/options.h,
-//   #define FRL_<OP>_OPTIONS(X) X(C++ type, name, schema type, schema default, rule) ...
-// in the order the op's schema takes them, from which the macros below make the schema's argument
-// list (module.cpp), the Options struct the kernels take, the parameters of the typed op functions
-// (entry.h) and their checks (check_options, common/torch_utils.h). A rule is one of the structs
-// below: what the option must be, in the words of the error, and the test. Python declares the same
-// options with the same rules (fused_rl_ops/_options.py); tests/test_op_contract.py compares the
-// two. Free of torch and CUDA headers.
+// How an op's options (its non-tensor arguments) are declared: in groups, each once as a list
+//   #define FRL_<GROUP>(X) X(C++ type, name, schema type, schema default, rule) ...
+// in the order the schema takes them: the groups every vocab-parallel op shares (FRL_LOGIT_MAP in
+// common/logit_map.h, FRL_VOCAB_SHARD and FRL_TILING in common/vocab_parallel.h) and an op's own
+// (FRL_<OP>_OPTIONS in <op>/options.h). An op's schema takes its groups one after the other. From
+// a list the macros below make the schema's arguments (module.cpp), the group's struct, the
+// parameters of the typed op functions (entry.h) and their checks (check_options,
+// common/torch_utils.h). A rule is one of the structs below: what the option must be, in the words
+// of the error, and the test. Python declares each group as an options dataclass with the same
+// rules (fused_rl_ops/_options.py); tests/test_op_contract.py compares the two. Free of torch and
+// CUDA headers.
 #pragma once
 
 #include <cmath>
@@ -39,9 +42,9 @@ struct NonNegativeInteger {
   static bool holds(int64_t v) { return v >= 0; }
 };
 
-struct Probability {  // top_p: (0, 1]
-  static constexpr const char* requirement = "a number in (0, 1]";
-  static bool holds(double v) { return v > 0 && v <= 1; }
+struct Integer {  // any, negative too (ignore_index)
+  static constexpr const char* requirement = "an integer";
+  static bool holds(int64_t) { return true; }
 };
 
 struct AnyBool {
@@ -51,13 +54,13 @@ struct AnyBool {
 
 }  // namespace fused_rl_ops
 
-// A field of the Options struct (an optional option is std::optional: none means None).
+// A field of a group's struct (an optional option is std::optional: none means None).
 #define FRL_OPTION_FIELD(type, name, schema_type, schema_default, rule) type name{};
 // ", float alpha", ", float? limit=None": the option in the schema, after the op's tensors.
 #define FRL_OPTION_SCHEMA(type, name, schema_type, schema_default, rule) ", " schema_type " " #name schema_default
 // The option as a parameter of a typed op function, after its tensors.
 #define FRL_OPTION_PARAM(type, name, schema_type, schema_default, rule) , type name
-// The parameter of the same name, as an initializer: Options{LIST(FRL_OPTION_VALUE)}.
+// The parameter of the same name, as an initializer: Group{FRL_GROUP(FRL_OPTION_VALUE)}.
 #define FRL_OPTION_VALUE(type, name, schema_type, schema_default, rule) name,
 // In visit_options: calls fn(name, value, rule) for the option.
 #define FRL_OPTION_VISIT(type, name, schema_type, schema_default, rule) fn(#name, options.name, rule{});

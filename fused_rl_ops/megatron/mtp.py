@@ -43,7 +43,9 @@ _routes = weakref.WeakKeyDictionary()
 
 class FusedMTPLoss:
     """`process_mtp_loss` with chosen_logprob in place of the output layer and cross entropy (module
-    docstring). ignore_index, batch_invariant, host_checks: as for RLOutputProcessor."""
+    docstring). ignore_index, batch_invariant, host_checks: as for RLOutputProcessor. The loss is
+    Megatron's cross entropy of the output layer's own logits, so chosen_logprob takes the default
+    LogitOptions (no temperature, map or filter), whatever the processor's."""
 
     def __init__(self, *, ignore_index=-100, batch_invariant=False, host_checks=True):
         self.ignore_index = ignore_index

@@ -7,7 +7,8 @@ keys in `output_names` order: "logprobs", then "entropy" and "values" when asked
 
 Tokens come from `labels` or `context["tokens"]` (exactly one), [b, s] like `loss_mask`. Positions
 with loss_mask 0 or ignore_index get logprob 0, entropy 0 and no gradient, and are not computed
-(chosen_logprob's skip_ignored; with host_checks=False every position is, with the same results). The
+(chosen_logprob's skip_ignored: its ops leave them out; under CUDA graph capture every position
+is computed, with the same results). The
 weight is the local vocab shard (tied embedding or output_layer.weight) over the output layer's TP
 group. With sequence parallel the hidden states are gathered as Megatron's gather does (all-gather
 along the sequence; the backward reduce-scatters), so chosen_logprob leaves its hidden gradient
@@ -17,13 +18,13 @@ it the model's submodule). MuP output scaling is refused. Under Megatron's DDP w
 gradient_accumulation_fusion the output weight's gradient is added into its `main_grad` chunk by
 chunk, as Megatron's own output layer does, instead of being returned as a [V_local, H] tensor.
 """
+import dataclasses
 
 import torch
 import torch.distributed as dist
 
 import fused_rl_ops
-from fused_rl_ops._options import check_option
-from fused_rl_ops.chosen_logprob import ChosenLogprobOptions
+from fused_rl_ops.logit_options import LogitOptions
 
 __all__ = ["RLOutputProcessor", "rl_output_processor"]
 
@@ -72,31 +73,24 @@ class _ScaleGrad(torch.autograd.Function):
 class RLOutputProcessor:
     """What `rl_output_processor` returns (module docstring).
 
-    temperature: the logits' divisor; assign a new one between steps (`processor.temperature = 0.7`),
-    checked as in the constructor.
-    softcap: None, or c for logits c * tanh(logits / c) before the temperature (Gemma 2's
-    final_logit_softcapping), passed on to chosen_logprob.
-    top_k, top_p: the rollout engine's sampler filter (its top_k and top_p; None: none), passed on
-    to chosen_logprob: logprobs and entropy of the distribution the sampler drew from. A token the
-    filter drops gets logprob -inf (torch.isneginf counts them) and no logprob gradient.
+    logit_options: the LogitOptions its keywords make (temperature, the logit map and the rollout
+    sampler's filter; LogitOptions documents them), passed on to chosen_logprob: logprobs and
+    entropy of the distribution the sampler drew from. A token the filter drops gets logprob -inf
+    (torch.isneginf counts them) and no logprob gradient.
+    temperature: assign a new one between steps (`processor.temperature = 0.7`): logit_options is
+    replaced, checked as in the constructor.
     output_names: the keys of the returned dict, in order ("logprobs", then "entropy", "values").
     batch_invariant: passed on to chosen_logprob (a token's outputs bitwise independent of the rest
     of the batch); the naive reference processor has no such option.
-    host_checks: chosen_logprob's token-range and TP group checks, the processor's only host
-    synchronisations on CUDA (the first also reads how many positions are scored, so that only those
-    are computed); False skips both (for CUDA graphs): an out-of-range token then gets a NaN logprob
-    and NaN gradients, a rank with invalid arguments raises alone, and every position is computed.
-    Under torch.compile both are skipped whatever host_checks says (see chosen_logprob's check_tokens).
+    host_checks: chosen_logprob's token-range and TP group checks; False skips both: an
+    out-of-range token then gets a NaN logprob and NaN gradients, and a rank with invalid arguments
+    raises alone. Under torch.compile and CUDA graph capture both are skipped whatever host_checks
+    says (see chosen_logprob's check_tokens).
     """
 
-    def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
-                 vocab_size=None, softcap=None, batch_invariant=False, host_checks=True, top_k=None, top_p=None):
-        for name, value in [("softcap", softcap), ("top_k", top_k), ("top_p", top_p)]:
-            check_option(type(self).__name__, ChosenLogprobOptions, name, value)
-        self.temperature = temperature
-        self.softcap = softcap
-        self.top_k = top_k
-        self.top_p = top_p
+    def __init__(self, *, return_entropy=True, value_head=None, ignore_index=-100, vocab_size=None,
+                 batch_invariant=False, host_checks=True, **logit_options):
+        self.logit_options = LogitOptions(**logit_options)
         self.return_entropy = return_entropy
         self.value_head = value_head
         self.ignore_index = ignore_index
@@ -111,12 +105,11 @@ class RLOutputProcessor:
 
     @property
     def temperature(self):
-        return self._temperature
+        return self.logit_options.temperature
 
     @temperature.setter
     def temperature(self, temperature):
-        check_option(type(self).__name__, ChosenLogprobOptions, "temperature", temperature)
-        self._temperature = temperature
+        self.logit_options = dataclasses.replace(self.logit_options, temperature=temperature)
 
     def __call__(self, *, hidden_states, output_layer, output_weight=None, labels=None, loss_mask=None,
                  context=None, config=None, **unused_keywords):
@@ -168,10 +161,7 @@ class RLOutputProcessor:
             hidden_states = _gather_sequence_parallel(hidden_states, tp_group)
         result = fused_rl_ops.chosen_logprob(
             hidden_states, weight, tokens,
-            temperature=self.temperature,
-            softcap=self.softcap,
-            top_k=self.top_k,
-            top_p=self.top_p,
+            logit_options=self.logit_options,
             ignore_index=self.ignore_index,
             vocab_size=self.vocab_size,
             tp_group=tp_group,
@@ -216,21 +206,12 @@ def _fused_main_grad(output_layer, weight):
     return None
 
 
-def rl_output_processor(*, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
-                        vocab_size=None, softcap=None, batch_invariant=False, host_checks=True, top_k=None,
-                        top_p=None):
-    """An output processor returning fp32 [b, s] logprobs (+ entropy, values); see the module docstring."""
-    return RLOutputProcessor(
-        temperature=temperature,
-        return_entropy=return_entropy,
-        value_head=value_head,
-        ignore_index=ignore_index,
-        vocab_size=vocab_size,
-        softcap=softcap,
-        batch_invariant=batch_invariant,
-        host_checks=host_checks,
-        top_k=top_k,
-        top_p=top_p,
-    )
+def rl_output_processor(*, return_entropy=True, value_head=None, ignore_index=-100, vocab_size=None,
+                        batch_invariant=False, host_checks=True, **logit_options):
+    """An output processor returning fp32 [b, s] logprobs (+ entropy, values); see the module
+    docstring. logit_options: the keywords of fused_rl_ops.LogitOptions (temperature=1.0, ...)."""
+    return RLOutputProcessor(return_entropy=return_entropy, value_head=value_head, ignore_index=ignore_index,
+                             vocab_size=vocab_size, batch_invariant=batch_invariant, host_checks=host_checks,
+                             **logit_options)
 
 

@@ -4,6 +4,8 @@ from typing import Optional
 
 import torch
 
+from ..logit_options import LogitMap, LogitOptions
+
 
 def clamped_swiglu(x: torch.Tensor, limit: Optional[float] = 7.0, *, alpha: float = 1.702,
                    linear_offset: float = 1.0, interleaved: bool = False,
@@ -48,12 +50,19 @@ def sampler_filter(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Opt
     return logits
 
 
-def chosen_logprob(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0,
-                   ignore_index: int = -100, vocab_size: Optional[int] = None, softcap: Optional[float] = None,
-                   top_k: Optional[int] = None, top_p: Optional[float] = None, skip_ignored: bool = True):
-    """Materialised logits (GEMM in the inputs' dtype, then fp32; fp64 for fp64), capped to
-    softcap * tanh(logits / softcap) when softcap is given, divided by the temperature, filtered
-    with top_k / top_p as vLLM's sampler does (sampler_filter), log_softmax and gather. Returns
+def apply_logit_map(logits: torch.Tensor, logit_map: LogitMap) -> torch.Tensor:
+    """The logits capped to softcap * tanh(logits / softcap) when the map has a softcap, then
+    divided by its temperature, written out in torch."""
+    if logit_map.softcap is not None:
+        logits = logit_map.softcap * torch.tanh(logits / logit_map.softcap)
+    return logits / logit_map.temperature
+
+
+def chosen_logprob(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, ignore_index: int = -100,
+                   vocab_size: Optional[int] = None, skip_ignored: bool = True, **logit_options):
+    """Materialised logits (GEMM in the inputs' dtype, then fp32; fp64 for fp64) under the logit
+    options (keywords of fused_rl_ops.LogitOptions): the logit map (apply_logit_map), filtered with
+    top_k / top_p as vLLM's sampler does (sampler_filter), log_softmax and gather. Returns
     (logprob, entropy); rows of weight at or beyond vocab_size are padding. A token the filter
     drops has logprob -inf. ignore_index positions get logprob 0; by default (skip_ignored) their
     rows are left out (entropy 0, no gradient), else every row is computed and they keep their
@@ -62,18 +71,15 @@ def chosen_logprob(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Ten
     ignore = tokens == ignore_index
     if skip_ignored:
         scored = ~ignore
-        logprob, entropy = chosen_logprob(hidden[scored], weight, tokens[scored], temperature=temperature,
-                                          ignore_index=ignore_index, vocab_size=vocab_size, softcap=softcap,
-                                          top_k=top_k, top_p=top_p, skip_ignored=False)
+        logprob, entropy = chosen_logprob(hidden[scored], weight, tokens[scored], ignore_index=ignore_index,
+                                          vocab_size=vocab_size, skip_ignored=False, **logit_options)
         zeros = torch.zeros(tokens.shape, dtype=acc, device=hidden.device)
         return zeros.index_put((scored,), logprob), zeros.index_put((scored,), entropy)
-    logits = (hidden @ weight.T).to(acc)
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    logits = logits / temperature
+    options = LogitOptions(**logit_options)
+    logits = apply_logit_map((hidden @ weight.T).to(acc), options.logit_map)
     valid = weight.shape[0] if vocab_size is None else vocab_size
-    if top_k is not None or top_p is not None:
-        logits = torch.cat([sampler_filter(logits[..., :valid], top_k, top_p), logits[..., valid:]], -1)
+    if options.top_k is not None or options.top_p is not None:
+        logits = torch.cat([sampler_filter(logits[..., :valid], options.top_k, options.top_p), logits[..., valid:]], -1)
     if valid < weight.shape[0]:
         padding = torch.arange(weight.shape[0], device=weight.device) >= valid
         logits = logits.masked_fill(padding, float("-inf"))

@@ -9,30 +9,29 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.utils import VocabUtility
 
-from . import sampler_filter
+from ..logit_options import LogitOptions
+from . import apply_logit_map, sampler_filter
 
 __all__ = ["NaiveRLOutputProcessor"]
 
 
 class NaiveRLOutputProcessor:
     """An output processor with the fused one's keywords and outputs ([b, s] fp32 "logprobs", then
-    "entropy", "values" as asked), computed the plain way: the output layer's logits, capped to
-    softcap * tanh(logits / softcap) when softcap is given, divided by the temperature, padded rows
-    at -inf, with top_k / top_p the tokens vLLM's sampler drops at -inf too (fused_rl_ops.reference's
-    sampler_filter on the TP-gathered logits), -vocab_parallel_cross_entropy for the chosen tokens,
+    "entropy", "values" as asked), computed the plain way: the output layer's logits under the
+    logit map of its logit options (keywords of fused_rl_ops.LogitOptions, held as logit_options;
+    fused_rl_ops.reference.apply_logit_map), padded rows at -inf, with top_k / top_p the tokens
+    vLLM's sampler drops at -inf too (fused_rl_ops.reference's sampler_filter on the TP-gathered
+    logits), -vocab_parallel_cross_entropy for the chosen tokens,
     entropy from the TP-gathered logits, values by F.linear from the value head's weight (and bias).
     Logprob and entropy are 0 where the label is ignore_index or loss_mask is 0.
 
     value_head: None, a [H] / [1, H] weight, or a module holding `weight` (and optionally `bias`)
     in nn.Linear(H, 1)'s layout, such as fused_rl_ops.ValueHead (its weight is read, the module is
-    not called). temperature is a plain attribute: set it between steps.
+    not called).
     """
 
-    def __init__(self, *, temperature=1.0, return_entropy=True, value_head=None, ignore_index=-100,
-                 vocab_size=None, softcap=None, top_k=None, top_p=None):
-        self.temperature = temperature
-        self.softcap = softcap
-        self.top_k, self.top_p = top_k, top_p
+    def __init__(self, *, return_entropy=True, value_head=None, ignore_index=-100, vocab_size=None, **logit_options):
+        self.logit_options = LogitOptions(**logit_options)
         self.return_entropy = return_entropy
         self.value_head = value_head
         self.ignore_index = ignore_index
@@ -50,20 +49,18 @@ class NaiveRLOutputProcessor:
         # The output layer gathers sequence-parallel hidden states itself: logits are [s, b, V/tp].
         logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=False)
         # [b, s, V/tp], contiguous: vocab_parallel_cross_entropy views it as [b * s, V/tp].
-        logits = logits.transpose(0, 1).contiguous().float()
-        if self.softcap is not None:
-            logits = self.softcap * torch.tanh(logits / self.softcap)
-        logits = logits / self.temperature
+        logits = apply_logit_map(logits.transpose(0, 1).contiguous().float(), self.logit_options.logit_map)
         tp_group = output_layer.tp_group
         if self.vocab_size is not None:
             rank, world = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
             first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(logits.shape[-1], rank, world)
             padded = torch.arange(first, last, device=logits.device) >= self.vocab_size
             logits = logits.masked_fill(padded, float("-inf"))
-        if self.top_k is not None or self.top_p is not None:
+        top_k, top_p = self.logit_options.top_k, self.logit_options.top_p
+        if top_k is not None or top_p is not None:
             full_vocab_logits = gather_from_tensor_model_parallel_region(logits, group=tp_group)
             valid = self.vocab_size or full_vocab_logits.shape[-1]
-            filtered = torch.cat([sampler_filter(full_vocab_logits[..., :valid], self.top_k, self.top_p),
+            filtered = torch.cat([sampler_filter(full_vocab_logits[..., :valid], top_k, top_p),
                                   full_vocab_logits[..., valid:]], -1)
             rank = 0 if tp_group is None else tp_group.rank()
             logits = filtered.narrow(-1, rank * logits.shape[-1], logits.shape[-1]).contiguous()

@@ -1,11 +1,15 @@
 // Calls chosen_logprob's launchers (csrc/chosen_logprob/kernel.cu) on the CPU: stats_rows,
 // grad_rows (in place, or into a buffer of the gradient GEMMs' dtype), combine, top_rows and
 // hist_rows. A case's optional buffers: threshold (stats_rows, grad_rows, top_rows), window
-// (top_rows).
+// (top_rows). Its logit map: a scalar per option of FRL_LOGIT_MAP (common/logit_map.h), an optional
+// one left out for none.
 #include "chosen_logprob/kernel.h"
 #include "driver.h"
 
 using namespace fused_rl_ops::chosen_logprob;
+
+#define SET_LOGIT_MAP_OPTION(type, name, schema_type, schema_default, rule) \
+  if (c.has_scalar(#name)) p.logit_map.name = c.d(#name);
 
 int main(int argc, char** argv) {
   return driver::main(argc, argv, [](driver::Case& c) {
@@ -19,8 +23,7 @@ int main(int argc, char** argv) {
     }
     p.logits = c.buf<float>("logits");
     p.cols = c.i("C");
-    p.options.temperature = c.d("temperature");
-    if (c.d("softcap") > 0) p.options.softcap = c.d("softcap");  // 0: none
+    FRL_LOGIT_MAP(SET_LOGIT_MAP_OPTION)
     if (c.has("threshold")) p.threshold = c.buf<float>("threshold");
     if (c.has("window")) p.window = c.buf<double>("window");
     if (c.kernel == "top_rows") {

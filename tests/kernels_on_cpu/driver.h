@@ -79,6 +79,7 @@ class Case {
     return it->second.data;
   }
 
+  bool has_scalar(const std::string& name) const { return scalars_.count(name) > 0; }
   int64_t i(const std::string& name) const { return static_cast<int64_t>(scalar(name)); }
   float f(const std::string& name) const { return static_cast<float>(scalar(name)); }
   double d(const std::string& name) const { return scalar(name); }

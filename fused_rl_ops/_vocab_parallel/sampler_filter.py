@@ -1,8 +1,8 @@
 """The sampler's filter of chosen_logprob (top_k, top_p): per token, the threshold tau of the kept set
 {z >= tau} over the whole (vocab-parallel) vocabulary, found without the logits.
 
-The rule is the one of vLLM's sampler, with ties decided together. z are the logits after the softcap
-and the temperature (the fp32 values the row kernels compute). top_k keeps every logit at least the
+The rule is the one of vLLM's sampler, with ties decided together. z are the logits after the logit
+map (the fp32 values the row kernels compute). top_k keeps every logit at least the
 k-th largest. top_p then keeps, of those, every token whose logits strictly above its own carry a
 probability mass below top_p (the masses renormalised over what top_k kept): sorted descending, the
 tokens up to and including the first at which the cumulative probability reaches top_p, with every

@@ -1,0 +1,50 @@
+// The option groups of every op over a vocab-parallel shard of the output layer (weight [V, H]
+// holding global vocabulary rows vocab_start .. vocab_start + V - 1), declared once each (how:
+// common/options.h), mirrored in Python by VocabShard (fused_rl_ops/_vocab_parallel/shard.py) and
+// Tiling (fused_rl_ops/_vocab_parallel/tiling.py), which document them:
+//   FRL_VOCAB_SHARD: which rows of the vocabulary the shard holds:
+//     vocab_start: the global id of weight's row 0;
+//     valid_rows: weight's first rows that are vocabulary, the rest padding; none: all of them.
+//   FRL_TILING: how the chunk loop walks the rows (no row kernel reads it):
+//     chunk_size: vocab rows per chunk (one logits GEMM each);
+//     row_block, pass_rows: token rows per GEMM and per workspace pass, 0: all rows;
+//     grad_chunks: chunks whose logit gradients one gradient GEMM takes (a backward's).
+// Free of torch and CUDA headers.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "common/options.h"
+
+#define FRL_VOCAB_SHARD(X)                                  \
+  X(int64_t, vocab_start, "int", "", NonNegativeInteger) \
+  X(std::optional<int64_t>, valid_rows, "int?", "", NonNegativeInteger)
+
+#define FRL_TILING(X)                                        \
+  X(int64_t, chunk_size, "int", "", PositiveInteger)        \
+  X(int64_t, row_block, "int", "=0", NonNegativeInteger)    \
+  X(int64_t, pass_rows, "int", "=0", NonNegativeInteger)    \
+  X(int64_t, grad_chunks, "int", "=1", PositiveInteger)
+
+namespace fused_rl_ops {
+
+struct VocabShard {
+  FRL_VOCAB_SHARD(FRL_OPTION_FIELD)
+};
+
+struct Tiling {
+  FRL_TILING(FRL_OPTION_FIELD)
+};
+
+template <class Fn>
+void visit_options(const VocabShard& options, const Fn& fn) {
+  FRL_VOCAB_SHARD(FRL_OPTION_VISIT)
+}
+
+template <class Fn>
+void visit_options(const Tiling& options, const Fn& fn) {
+  FRL_TILING(FRL_OPTION_VISIT)
+}
+
+}  // namespace fused_rl_ops

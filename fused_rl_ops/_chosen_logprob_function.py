@@ -1,0 +1,88 @@
+"""chosen_logprob's autograd Function: the stats pass, the tensor-parallel merge, the sampler's filter
+and the backward, over every row (the ops leave out the ignored ones themselves)."""
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+from ._library import ops
+from ._vocab_parallel import sampler_filter
+from ._vocab_parallel.group import CombinedColumns, StatsColumns
+from ._vocab_parallel.main_grad import placeholder_gradient
+
+
+def _kept_set(hidden, weight, stats, merged, options, kernel_options, tp):
+    """The tokens' thresholds of the sampler's filter and with top_k the kept set's partials
+    (sampler_filter.thresholds), from the stats pass's tops, with search passes where top_p alone
+    needs them."""
+
+    def search(window, hist, top):
+        ops.chosen_logprob_search(hidden, weight, merged.row_max, window, hist, top, *kernel_options.search_arguments())
+
+    tops = stats[:, len(StatsColumns._fields):] if options.top_k is not None else None
+    return sampler_filter.thresholds(tops, merged.row_max, merged.log_sum, options.top_k, options.top_p, search,
+                                     tp.gather, tp.all_reduce)
+
+
+def _filtered(hidden, weight, tokens, stats, merged, options, kernel_options, tp):
+    """(merged, threshold): the ranks' partials of the kept set merged (CombinedColumns; merged
+    itself without a filter), and its tokens' thresholds (None without a filter)."""
+    if options.top_k is None and options.top_p is None:
+        return merged, None
+    threshold, kept = _kept_set(hidden, weight, stats, merged, options, kernel_options, tp)
+    if kept is None:  # a stats pass over the logits at or above the threshold
+        unfiltered = kernel_options._replace(own=dataclasses.replace(kernel_options.own, top_width=0))
+        stats = ops.chosen_logprob_stats(hidden, weight, tokens, *unfiltered.arguments(), threshold)
+        return tp.combine(stats), threshold
+    # From the tops; rows that are not filtered (threshold -inf: a NaN or inf) as they are.
+    filtered = torch.isfinite(threshold)
+    return CombinedColumns(*(torch.where(filtered, k.to(c.dtype), c) for k, c in zip(kept, merged[:3])),
+                           merged.chosen), threshold
+
+
+class ChosenLogprobFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, ignore, main_grad, options, kernel_options, tp, reduce_hidden_grad,
+                weight_placeholder):
+        """hidden [N, H], tokens [N] int64, ignore [N] (tokens == ignore_index); options the call's
+        LogitOptions, kernel_options the ops' (chosen_logprob.KernelOptions), tp its
+        TensorParallelGroup. Returns logprob, entropy, is_max and is_kept, [N] each; rows the ops
+        leave out (kernel_options.own's ignore_index) have empty partials: their entropy is the
+        caller's to replace."""
+        stats = ops.chosen_logprob_stats(hidden, weight, tokens, *kernel_options.arguments())
+        merged = tp.combine(stats[:, :len(StatsColumns._fields)])
+        merged, threshold = _filtered(hidden, weight, tokens, stats, merged, options, kernel_options, tp)
+        logprob = torch.where(ignore, 0.0, (merged.chosen - merged.row_max) - merged.log_sum)
+        # Both come from the same fp32 logit buffer, so a chosen maximum compares equal exactly; and
+        # the threshold is one of those logits.
+        is_max = (merged.chosen == merged.row_max) & ~ignore
+        dropped = torch.zeros_like(ignore) if threshold is None else (merged.chosen < threshold) & ~ignore
+        logprob = torch.where(dropped, -math.inf, logprob)
+        is_kept = ~(ignore | dropped)
+        ctx.mark_non_differentiable(is_max, is_kept)
+        # Ignored tokens and tokens outside the kept set (logprob -inf) pass no logprob gradient.
+        ctx.save_for_backward(hidden, weight, tokens, ignore | dropped, merged.row_max, merged.log_sum, merged.entropy,
+                              threshold)
+        ctx.kernel_options, ctx.tp = kernel_options, tp
+        ctx.reduce_hidden_grad, ctx.weight_placeholder = reduce_hidden_grad, weight_placeholder
+        # main_grad is the backward's output buffer, not an input of its math: kept on ctx, not saved
+        # (autograd's version check would trip on its in-place updates).
+        ctx.main_grad = main_grad
+        return logprob, merged.entropy, is_max, is_kept
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy, grad_is_max, grad_is_kept):
+        hidden, weight, tokens, no_logprob_grad, row_max, log_sum, entropy, threshold = ctx.saved_tensors
+        grad_logprob = (torch.zeros_like(entropy) if grad_logprob is None
+                        else torch.where(no_logprob_grad, 0.0, grad_logprob))
+        grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy
+        # One [V_local, H] weight gradient, padded rows zeroed by the op; or none, added into main_grad.
+        grad_hidden, grad_weight = ops.chosen_logprob_backward(
+            hidden, weight, tokens, row_max, log_sum, log_sum - entropy, grad_logprob.to(entropy.dtype).contiguous(),
+            grad_entropy.to(entropy.dtype).contiguous(), ctx.main_grad, *ctx.kernel_options.arguments(), threshold)
+        if ctx.main_grad is not None:
+            grad_weight = placeholder_gradient(weight, ctx.weight_placeholder)
+        if ctx.reduce_hidden_grad and ctx.tp.distributed:
+            dist.all_reduce(grad_hidden, group=ctx.tp.group)  # fp32: the sum is taken before rounding
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None, None, None

@@ -1,0 +1,99 @@
+"""How the ops' chunk loop (csrc/chosen_logprob/chunks.h) walks the rows, and the memory that takes:
+the Tiling option group, the workspace model (chunk_loop_bytes) and the tiling a workspace allows
+(tiling_for)."""
+from typing import Optional
+
+import torch
+
+from .._options import NON_NEGATIVE_INTEGER, POSITIVE_INTEGER, check_options, option, options_dataclass
+
+DEFAULT_WORKSPACE_BYTES = 64 * 2**20  # the largest default workspace
+_MIN_DEFAULT_WORKSPACE_BYTES = 2**20
+_MIN_CHUNK = 128
+# batch_invariant=True: (token rows per GEMM, vocab rows per chunk) by device, fixed so that every
+# GEMM has one shape whatever the batch (see RowTiling in csrc/chosen_logprob/chunks.h). Row blocks are
+# multiples of 128, so every block of an aligned hidden starts aligned (aligned_rows there).
+INVARIANT_TILING = {"cpu": (512, 2048), "cuda": (512, 4096)}
+# Chunks per gradient GEMM where the logit gradients have a buffer of their own (CUDA, bfloat16 or
+# float16 inputs: the GEMMs take them in the inputs' dtype, half the bytes of the fp32 logits). Two
+# give that buffer as many bytes as the logits and halve the gradient GEMMs of a chunk-per-GEMM
+# loop, each of which reads and writes the whole fp32 hidden gradient (docs/chosen_logprob.md,
+# "Memory" and "Speed on CUDA").
+SEPARATE_GRAD_CHUNKS = 2
+
+
+@options_dataclass
+class Tiling:
+    """An option group of the vocab-parallel ops (declared for C++ as FRL_TILING in
+    csrc/common/vocab_parallel.h), read by the chunk loop alone: chunk_size vocab rows per chunk
+    (one logits GEMM each); row_block and pass_rows token rows per GEMM and per workspace pass, 0:
+    all rows; grad_chunks chunks per gradient GEMM (a backward's; the forward ignores it)."""
+    chunk_size: int = option(POSITIVE_INTEGER)
+    row_block: int = option(NON_NEGATIVE_INTEGER, default=0)
+    pass_rows: int = option(NON_NEGATIVE_INTEGER, default=0)
+    grad_chunks: int = option(POSITIVE_INTEGER, default=1)
+
+    def __post_init__(self):
+        check_options(type(self).__name__, self)
+
+
+def default_workspace_bytes(hidden: torch.Tensor, rows: Optional[int] = None) -> int:
+    """The workspace when workspace_bytes is None: the size of the rows of hidden the kernels
+    compute (rows of them; None: all), within [1 MiB, DEFAULT_WORKSPACE_BYTES]. The extra memory
+    then stays below the input's size at small shapes (as torch's chunked linear_cross_entropy sizes
+    its chunks), while training-sized inputs (8192 tokens x 4096 in bf16 is 64 MiB) get the largest
+    workspace and so the widest GEMMs."""
+    elements = hidden.numel() if rows is None else rows * hidden.shape[-1]
+    return min(DEFAULT_WORKSPACE_BYTES, max(_MIN_DEFAULT_WORKSPACE_BYTES, elements * hidden.element_size()))
+
+
+def chunk_loop_bytes(device_type: str, element_size: int, hidden_size: int, pass_rows: int, chunk: int,
+                     grad_chunks: int, several_passes: bool = False) -> int:
+    """The bytes of the buffers csrc/chosen_logprob/chunks.h allocates whose size follows the chunk
+    width, on device_type ("cpu" or "cuda") for inputs of element_size bytes, passes of pass_rows
+    token rows, chunks of `chunk` vocab rows and groups of grad_chunks chunks (group = chunk *
+    grad_chunks rows; at most the vocabulary's, which these bytes assume it has): the backward's,
+    which hold the forward's. In the accumulation dtype (acc: fp32, fp64 for float64 inputs):
+      - the logits, [pass_rows, chunk] acc (the forward's too);
+      - the logit gradients, in the dtype the gradient GEMMs take (CUDA: the inputs'; CPU: acc):
+        written over the logits when that is acc and grad_chunks is 1, else [pass_rows, group];
+      - on the CPU with reduced-precision inputs, the group's weight rows converted for the GEMMs,
+        [group, H] acc (the forward's: [chunk, H]);
+      - the group's weight gradient before it is rounded, [group, H] acc, when the rows take
+        several passes (summed over them) or on the CPU with reduced-precision inputs.
+    Not counted: what follows the tokens or the row block alone (the copy of the scored rows of
+    hidden, a hidden copy in acc on the CPU, the hidden-gradient accumulator, a padded last block),
+    and main_grad's [group, H] buffer in the weight's dtype, left out so that main_grad changes no
+    chunk width (its sums are then bitwise those of the returned weight gradient)."""
+    acc_size = 8 if element_size == 8 else 4
+    cuda = device_type == "cuda"
+    grad_size = element_size if cuda else acc_size
+    group = chunk * grad_chunks
+    reduced_cpu_copy = not cuda and element_size != acc_size
+    logits = acc_size * pass_rows * chunk
+    grads = 0 if grad_size == acc_size and grad_chunks == 1 else grad_size * pass_rows * group
+    weight_rows = acc_size * hidden_size * group if reduced_cpu_copy else 0
+    weight_grad = acc_size * hidden_size * group if several_passes or reduced_cpu_copy else 0
+    return logits + grads + weight_rows + weight_grad
+
+
+def tiling_for(num_tokens: int, hidden_size: int, element_size: int, workspace_bytes: int, device: torch.device,
+               batch_invariant: bool) -> Tiling:
+    """The Tiling for num_tokens rows, so that the chunk loop's buffers on hidden's device
+    (chunk_loop_bytes) fit in workspace_bytes (fewer rows take less). By default one GEMM per chunk
+    takes all rows (row_block = pass_rows = 0) and the chunk is the widest multiple of 128 that
+    fits (at least 128), with SEPARATE_GRAD_CHUNKS chunks per gradient GEMM where the logit
+    gradients have a buffer of their own (CUDA, bfloat16 / float16), else one. Batch-invariant:
+    the device's fixed row block and chunk width, one chunk per gradient GEMM, and as many row
+    blocks per pass as fit (at least one); the pass size changes no result."""
+    device_type = "cuda" if device.type == "cuda" else "cpu"
+    if batch_invariant:
+        row_block, chunk = INVARIANT_TILING[device_type]
+        fixed, with_one_row = (chunk_loop_bytes(device_type, element_size, hidden_size, rows, chunk, 1,
+                                                several_passes=True) for rows in (0, 1))
+        fitting_rows = (workspace_bytes - fixed) // (with_one_row - fixed)
+        return Tiling(chunk, row_block, max(row_block, fitting_rows // row_block * row_block), 1)
+    grad_chunks = SEPARATE_GRAD_CHUNKS if device_type == "cuda" and element_size < 4 else 1
+    per_vocab_row = chunk_loop_bytes(device_type, element_size, hidden_size, num_tokens, 1, grad_chunks)
+    rows = workspace_bytes // max(per_vocab_row, 1)
+    return Tiling(max(_MIN_CHUNK, rows // _MIN_CHUNK * _MIN_CHUNK), 0, 0, grad_chunks)
