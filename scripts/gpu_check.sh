@@ -133,13 +133,16 @@ else
 fi
 # The benchmark stages, from the op table: STAGE BUDGET_S MODULE [ARGUMENT...] a line; a budget
 # overridden by <STAGE>_S.
-BENCH_RUNS=() bench_plan=""
-if [ "$ready" = yes ]; then
+BENCH_RUNS=() bench_plan="" bench_ready=$ready
+if [ "$ready" = yes ] && ! table="$("$PY" -m fused_rl_ops.testing.op_table benchmark-runs)"; then
+  bench_ready="the op table does not read (python -m fused_rl_ops.testing.op_table benchmark-runs)"
+fi
+if [ "$bench_ready" = yes ]; then
   while read -r name budget rest; do
     override="${name^^}_S"
     BENCH_RUNS+=("$name ${!override:-$budget} $rest")
     bench_plan+="$name ${!override:-$budget}, "
-  done < <("$PY" -m fused_rl_ops.testing.op_table benchmark-runs)
+  done <<<"$table"
 fi
 summary run per_test_timeout="${TEST_TIMEOUT[1]:-none: pytest-timeout is not installed}" \
   plan="peers ${PEERS_S} beside build ${BUILD_S}; tests ${TESTS_S} beside 3 sanitizers ${SANITIZER_S} each; ${bench_plan}report ${REPORT_S}; all within ${TOTAL_S}"
@@ -169,7 +172,7 @@ else
 fi
 
 # --- the kernel benchmarks, in the op table's order (the headline first), alone on the machine ---
-[ "$ready" = yes ] || skip benchmarks "$ready"
+[ "$bench_ready" = yes ] || skip benchmarks "$bench_ready"
 for run in "${BENCH_RUNS[@]}"; do
   read -r name budget module args <<<"$run"
   read -ra args <<<"$args"
