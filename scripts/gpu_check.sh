@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # The first run on a GPU machine, one call of about 8 minutes (TOTAL_S, default 480) that yields
-# every number. Needs Python 3.12 with torch, nvcc, ninja and pytest (pytest-timeout if present); no
-# package registry: megatron-core and the benchmark peers come from wheelhouse/
+# every number. Needs Python 3.12 with torch, nvcc, ninja and pytest; no package registry:
+# megatron-core, the benchmark peers and pytest-timeout come from wheelhouse/
 # (scripts/fetch_peer_wheels.sh), installed into build/peers. The stages, in order:
 #   peers (beside the build), build for the local GPU only, build_info;
 #   tests: the CUDA tests only (-m per_device), beside the three compute-sanitizer tools (memcheck
-#     with PYTORCH_NO_CUDA_MEMORY_CACHING=1, racecheck, synccheck) on scripts/sanitizer_cases.py;
-#   the kernel benchmarks, cheapest first (value_head, clamped_swiglu, chosen_logprob's main
-#     shape), then REPORT.md.
+#     with PYTORCH_NO_CUDA_MEMORY_CACHING=1; racecheck and synccheck on the package's kernels only)
+#     on scripts/sanitizer_cases.py;
+#   the kernel benchmarks, in the op table's order (python -m fused_rl_ops.testing.op_table
+#     benchmark-runs): the headline, chosen_logprob's main shape, first; then REPORT.md.
 # Each stage has a budget, cut to what is left before the deadline; a stage out of time gets SIGINT
 # (pytest then writes its junit report and failure list; a benchmark has logged its rows so far)
-# and SIGKILL GRACE_S later. OUTDIR gets each stage's log, junit.xml, bench_<op>.jsonl (each row as
-# it is measured), bench_<op>.json / .png, REPORT.md and summary.json, rewritten after every change:
-# the run's facts and plan, each stage's status (running, passed, failed, cut, skipped), exit code,
-# seconds and why it was skipped. The time plan is in docs/testing.md.
+# and SIGKILL GRACE_S later. A test that hangs where no signal is serviced (a CUDA synchronisation)
+# still leaves its traceback (faulthandler) and the counts of the tests before it (pytest -v's
+# lines, which the summary counts where no junit report was written). OUTDIR gets each stage's log,
+# junit.xml, bench_<op>.jsonl (each row as it is measured), bench_<op>.json / .png, REPORT.md and
+# summary.json, rewritten after every change: the run's facts and plan, each stage's status
+# (running, passed, failed, cut, skipped), exit code, seconds and why it was skipped. The time plan
+# is in docs/testing.md.
 # REHEARSAL=1 runs the same stages on this machine's CPU against stand-ins: the extension already
 # built here (no build), the CPU as the device, the benchmarks' quick shapes, and
 # scripts/rehearsal/compute-sanitizer, which runs the cases and checks nothing.
@@ -32,13 +36,11 @@ PEERS="$(realpath -m "${PEERS_DIR:-build/peers}")"
 TOTAL_S="${TOTAL_S:-480}"
 # Budgets (seconds), each cut to what is left before the deadline less RESERVE_S (the report and
 # the summary at the end) and GRACE_S (a stage out of its time gets SIGINT, then SIGKILL GRACE_S
-# later); a stage with less than MIN_STAGE_S left is skipped.
+# later); a stage with less than MIN_STAGE_S left is skipped. The benchmarks' budgets are the op
+# table's; <STAGE>_S (e.g. BENCH_VALUE_HEAD_S) overrides one.
 PEERS_S="${PEERS_S:-60}" BUILD_S="${BUILD_S:-200}" TESTS_S="${TESTS_S:-150}" SANITIZER_S="${SANITIZER_S:-150}"
-BENCH_VALUE_HEAD_S="${BENCH_VALUE_HEAD_S:-90}" BENCH_CLAMPED_SWIGLU_S="${BENCH_CLAMPED_SWIGLU_S:-150}"
-BENCH_CHOSEN_LOGPROB_S="${BENCH_CHOSEN_LOGPROB_S:-300}" REPORT_S=60
-# The benchmarks before chosen_logprob (the project's main figures) leave it at least this much.
-CHOSEN_LOGPROB_FLOOR_S="${CHOSEN_LOGPROB_FLOOR_S:-150}"
-RESERVE_S=15 MIN_STAGE_S="${MIN_STAGE_S:-20}" GRACE_S="${GRACE_S:-15}" TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-60}"
+REPORT_S=60 RESERVE_S=15 MIN_STAGE_S="${MIN_STAGE_S:-20}" GRACE_S="${GRACE_S:-15}"
+TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-60}"  # per test, with pytest-timeout; faulthandler dumps the stacks then too
 deadline=$((SECONDS + TOTAL_S))
 
 summary() { "$PY" scripts/gpu_check_summary.py "$OUT" "$@"; }
@@ -89,10 +91,6 @@ else
 fi
 # What the test stage runs: the CUDA tests (tests/test_gpu_check.py gives a stand-in).
 read -ra TEST_SELECTION <<<"${TEST_SELECTION:--m per_device tests}"
-TEST_TIMEOUT=()
-if "$PY" -c 'import pytest_timeout' 2>/dev/null; then
-  TEST_TIMEOUT=(--timeout "$TEST_TIMEOUT_S")
-fi
 mapfile -t facts < <("$PY" - <<'EOF'
 import platform, sys, torch
 print(f"python={platform.python_version()}")
@@ -101,11 +99,9 @@ print(f"gpu={torch.cuda.get_device_name() if torch.cuda.is_available() else 'non
 EOF
 )
 summary run rehearsal="$REHEARSAL" total_s="$TOTAL_S" device="$DEVICE" cpus="$(nproc)" "${facts[@]}" \
-  cuda_home="${CUDA_HOME:-none}" cuda_archs="${TORCH_CUDA_ARCH_LIST:-none}" \
-  per_test_timeout="${TEST_TIMEOUT[1]:-none: pytest-timeout is not installed}" \
-  plan="peers ${PEERS_S} beside build ${BUILD_S}; tests ${TESTS_S} beside 3 sanitizers ${SANITIZER_S} each; bench_value_head ${BENCH_VALUE_HEAD_S}, bench_clamped_swiglu ${BENCH_CLAMPED_SWIGLU_S}, bench_chosen_logprob ${BENCH_CHOSEN_LOGPROB_S} (at least ${CHOSEN_LOGPROB_FLOOR_S}); report ${REPORT_S}; all within ${TOTAL_S}"
+  cuda_home="${CUDA_HOME:-none}" cuda_archs="${TORCH_CUDA_ARCH_LIST:-none}"
 
-# --- peers (megatron-core, packaging, Cut Cross-Entropy, Liger-Kernel) beside the build ---
+# --- peers (megatron-core, packaging, Cut Cross-Entropy, Liger-Kernel, pytest-timeout) beside the build ---
 if "$PY" -m pip --version >/dev/null 2>&1; then
   INSTALL_WHEELS=("$PY" -m pip install --no-index --no-deps --target "$PEERS")
 else  # a wheel is a zip of the files to install
@@ -123,6 +119,11 @@ else
 fi
 wait
 export PYTHONPATH="$PWD:$PEERS${PYTHONPATH:+:$PYTHONPATH}"
+# pytest-timeout: the machine's, or the wheelhouse's just installed.
+TEST_TIMEOUT=()
+if "$PY" -c 'import pytest_timeout' 2>/dev/null; then
+  TEST_TIMEOUT=(--timeout "$TEST_TIMEOUT_S")
+fi
 if ! stage build_info 60 "$PY" -m fused_rl_ops; then
   ready="the extension does not import (build_info.log)"
 elif [ "$DEVICE" = cuda ] && ! "$PY" -c 'import fused_rl_ops, sys; sys.exit(not fused_rl_ops.has_cuda_kernels())'; then
@@ -130,39 +131,56 @@ elif [ "$DEVICE" = cuda ] && ! "$PY" -c 'import fused_rl_ops, sys; sys.exit(not 
 else
   ready=yes
 fi
+# The benchmark stages, from the op table: STAGE BUDGET_S MODULE [ARGUMENT...] a line; a budget
+# overridden by <STAGE>_S.
+BENCH_RUNS=() bench_plan="" bench_ready=$ready
+if [ "$ready" = yes ] && ! table="$("$PY" -m fused_rl_ops.testing.op_table benchmark-runs)"; then
+  bench_ready="the op table does not read (python -m fused_rl_ops.testing.op_table benchmark-runs)"
+fi
+if [ "$bench_ready" = yes ]; then
+  while read -r name budget rest; do
+    override="${name^^}_S"
+    BENCH_RUNS+=("$name ${!override:-$budget} $rest")
+    bench_plan+="$name ${!override:-$budget}, "
+  done <<<"$table"
+fi
+summary run per_test_timeout="${TEST_TIMEOUT[1]:-none: pytest-timeout is not installed}" \
+  plan="peers ${PEERS_S} beside build ${BUILD_S}; tests ${TESTS_S} beside 3 sanitizers ${SANITIZER_S} each; ${bench_plan}report ${REPORT_S}; all within ${TOTAL_S}"
 
 # --- the CUDA tests beside the sanitizers ---
 SANITIZERS=(sanitizer_memcheck sanitizer_racecheck sanitizer_synccheck)
 if [ "$ready" = yes ]; then
-  stage tests "$TESTS_S" env FUSED_RL_OPS_TEST_DEVICES="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider \
-    --maxfail=50 --durations=15 "${TEST_TIMEOUT[@]}" --junitxml="$OUT/junit.xml" "${TEST_SELECTION[@]}" &
+  # -v: each test's line as it ends, so a run killed before pytest writes its junit report still
+  # has its counts, and names the test it was in; faulthandler prints every thread's stack of a
+  # test past the timeout, even where pytest-timeout's signal cannot interrupt it (a CUDA sync).
+  stage tests "$TESTS_S" env FUSED_RL_OPS_TEST_DEVICES="$DEVICE" "$PY" -m pytest -v -p no:cacheprovider \
+    --maxfail=50 --durations=15 -o faulthandler_timeout="$TEST_TIMEOUT_S" "${TEST_TIMEOUT[@]}" \
+    --junitxml="$OUT/junit.xml" "${TEST_SELECTION[@]}" &
   # memcheck sees an overrun inside torch's cached blocks only when every tensor has its own allocation.
   stage sanitizer_memcheck "$SANITIZER_S" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
     "$SANITIZER" --tool memcheck --error-exitcode 1 "$PY" scripts/sanitizer_cases.py "$DEVICE" &
+  # racecheck and synccheck on the package's kernels only (their mangled names hold its namespace,
+  # fused_rl_ops): not cuBLAS's and ATen's, which they would slow down and whose reports would
+  # fail the stage.
   for tool in racecheck synccheck; do
-    stage "sanitizer_$tool" "$SANITIZER_S" "$SANITIZER" --tool "$tool" --error-exitcode 1 \
-      "$PY" scripts/sanitizer_cases.py "$DEVICE" &
+    stage "sanitizer_$tool" "$SANITIZER_S" "$SANITIZER" --tool "$tool" --kernel-name kns=fused_rl_ops \
+      --error-exitcode 1 "$PY" scripts/sanitizer_cases.py "$DEVICE" &
   done
   wait
 else
   for name in tests "${SANITIZERS[@]}"; do skip "$name" "$ready"; done
 fi
 
-# --- the kernel benchmarks, cheapest first, alone on the machine ---
-declare -A BENCH_BUDGET=([bench_value_head]=$BENCH_VALUE_HEAD_S [bench_clamped_swiglu]=$BENCH_CLAMPED_SWIGLU_S
-                         [bench_chosen_logprob]=$BENCH_CHOSEN_LOGPROB_S)
-for name in bench_value_head bench_clamped_swiglu bench_chosen_logprob; do
-  if [ "$ready" != yes ]; then
-    skip "$name" "$ready"
+# --- the kernel benchmarks, in the op table's order (the headline first), alone on the machine ---
+[ "$bench_ready" = yes ] || skip benchmarks "$bench_ready"
+for run in "${BENCH_RUNS[@]}"; do
+  read -r name budget module args <<<"$run"
+  read -ra args <<<"$args"
+  if [ ! -f "benchmarks/$module.py" ]; then  # an op of the table whose benchmark is not written yet
+    skip "$name" "benchmarks/$module.py does not exist"
     continue
   fi
-  budget=${BENCH_BUDGET[$name]} extra=()
-  if [ "$name" = bench_chosen_logprob ]; then
-    extra=(--no-sweeps)  # the V and N sweeps do not fit: a later run
-  elif [ $(($(left) - GRACE_S - CHOSEN_LOGPROB_FLOOR_S)) -lt "$budget" ]; then
-    budget=$(($(left) - GRACE_S - CHOSEN_LOGPROB_FLOOR_S))
-  fi
-  stage "$name" "$budget" "$PY" -m "benchmarks.$name" "${BENCH_ARGS[@]}" "${extra[@]}" --json "$OUT/$name.json"
+  stage "$name" "$budget" "$PY" -m "benchmarks.$module" "${BENCH_ARGS[@]}" "${args[@]}" --json "$OUT/$name.json"
   grep '^peer ' "$OUT/$name.log" || true  # which peers ran, which are missing and why
 done
 if compgen -G "$OUT/bench_*.json" >/dev/null; then

@@ -6,8 +6,10 @@ what ran, what was skipped and why.
     python scripts/gpu_check_summary.py OUTDIR stage NAME KEY=VALUE...   a stage's status, exit, seconds, ...
 
 VALUEs made of digits are stored as integers. A stage's entry also gets what its files in OUTDIR
-say: the tests' counts from junit.xml, a benchmark's rows logged so far (NAME.jsonl) and whether
-its whole JSON was written (NAME.json), a sanitizer's error count (its ERROR SUMMARY line)."""
+say: the tests' counts from junit.xml, or, where pytest wrote none (killed in a test that services
+no signal, or still running), from the result lines of its -v log (counts_from says which), and
+the test it was in when it ended (unfinished); a benchmark's rows logged so far (NAME.jsonl) and
+whether its whole JSON was written (NAME.json); a sanitizer's error count (its ERROR SUMMARY line)."""
 import fcntl
 import json
 import os
@@ -34,11 +36,35 @@ def junit_counts(path):
     return {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
 
 
+# pytest -v's line of a test: its node id, then its result once it has ended.
+TEST_LINE = re.compile(r"^(\S+::\S+)(?: (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b)?", re.M)
+LOG_COUNTS = {"tests": ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"), "failures": ("FAILED",),
+              "errors": ("ERROR",), "skipped": ("SKIPPED", "XFAIL")}
+
+
+def log_results(path):
+    """The counts of the tests a pytest -v log says have ended, in junit's terms, and the test
+    it started last without a result (None when there is none)."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = TEST_LINE.findall(f.read())
+    except OSError:
+        return {}, None
+    results = [result for _, result in lines if result]
+    counts = {key: sum(result in kinds for result in results) for key, kinds in LOG_COUNTS.items()}
+    unfinished = lines[-1][0] if lines and not lines[-1][1] else None
+    return counts, unfinished
+
+
 def stage_files(out, name):
     """What the stage's files in out say so far."""
     found = {}
     if name == "tests":
-        found.update(junit_counts(os.path.join(out, "junit.xml")))
+        counts = junit_counts(os.path.join(out, "junit.xml"))
+        logged, unfinished = log_results(os.path.join(out, "tests.log"))
+        found.update(counts or logged, counts_from="junit.xml" if counts else "tests.log")
+        if unfinished:
+            found["unfinished"] = unfinished
     if name.startswith("bench_"):
         rows = os.path.join(out, name + ".jsonl")
         if os.path.exists(rows):

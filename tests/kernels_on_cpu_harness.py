@@ -26,6 +26,7 @@ import torch
 
 from fused_rl_ops._cuda_home import find_cuda_home
 from fused_rl_ops.logit_options import LogitMap
+from fused_rl_ops.testing import op_table
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
@@ -33,8 +34,13 @@ HARNESS = ROOT / "tests" / "kernels_on_cpu"
 CUDA_HOME = find_cuda_home()
 CUDA_INCLUDE = Path(CUDA_HOME or "", "include")
 CXX = os.environ.get("CXX", "g++")
-OPS = ("chosen_logprob", "clamped_swiglu", "value_head")
-DRIVERS = (*OPS, "harness_selftest")
+# The ops whose kernels the harness runs, and each one's driver (the op table's).
+OP_DRIVERS = {op.name: op.kernels_on_cpu_driver for op in op_table.OPS if op.kernels_on_cpu_driver}
+DRIVERS = (*OP_DRIVERS, "harness_selftest")
+# Every build's flags. -rdynamic: cuda_on_host names the kernels launched from their symbols. -g1:
+# line tables only, what the sanitizers' reports print (file:line); full -g, for a debugger, cost a
+# third more of the compile time.
+COMMON_FLAGS = ["-std=c++17", "-O1", "-g1", "-pthread", "-rdynamic", "-Wall", "-Wno-unknown-pragmas"]
 BUILDS = {
     "plain": [],
     "tsan": ["-fsanitize=thread"],
@@ -94,7 +100,7 @@ def host_sources(csrc, out_dir):
 
 
 def build_drivers(csrc, out_dir, drivers=DRIVERS, variants=tuple(BUILDS)):
-    """Compiles each driver (tests/kernels_on_cpu/NAME.cpp; for an op, <op>_driver.cpp with the op's
+    """Compiles each driver (tests/kernels_on_cpu/NAME.cpp; for an op, its driver with the op's
     csrc/<op>/kernel.cu) against the sources in csrc (host_sources' copies, in out_dir/src), in each
     build variant, into out_dir/<variant>/NAME, in parallel."""
     csrc, harness = host_sources(csrc, out_dir / "src")
@@ -103,10 +109,9 @@ def build_drivers(csrc, out_dir, drivers=DRIVERS, variants=tuple(BUILDS)):
         flags = BUILDS[variant]
         (out_dir / variant).mkdir(parents=True, exist_ok=True)
         for d in drivers:
-            name = f"{d}_driver" if d in OPS else d
-            launchers = ["-x", "c++", str(csrc / d / "kernel.cu")] if d in OPS else []
-            # -rdynamic: cuda_on_host names the kernels launched from their symbols.
-            cmd = [CXX, "-std=c++17", "-O1", "-g", "-pthread", "-rdynamic", "-Wall", "-Wno-unknown-pragmas", *flags,
+            name = OP_DRIVERS.get(d, d)
+            launchers = ["-x", "c++", str(csrc / d / "kernel.cu")] if d in OP_DRIVERS else []
+            cmd = [CXX, *COMMON_FLAGS, *flags,
                    f"-I{CUDA_INCLUDE}", f"-I{csrc}", f"-I{harness}", "-include", "cuda_on_host.h",
                    str(harness / f"{name}.cpp"), *launchers, "-o", str(out_dir / variant / name)]
             jobs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -116,7 +121,7 @@ def build_drivers(csrc, out_dir, drivers=DRIVERS, variants=tuple(BUILDS)):
 
 
 def sources_hash():
-    h = hashlib.sha256(" ".join([CXX, str(CUDA_INCLUDE), repr(BUILDS)]).encode())
+    h = hashlib.sha256(" ".join([CXX, str(CUDA_INCLUDE), repr(COMMON_FLAGS), repr(BUILDS)]).encode())
     h.update(subprocess.run([CXX, "--version"], capture_output=True).stdout)
     for path in sorted([*CSRC.rglob("*.h"), *CSRC.rglob("*.cuh"), *CSRC.rglob("*.cu"), *HARNESS.iterdir()]):
         h.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
@@ -177,7 +182,7 @@ def run_case(drivers, op, kernel, buffers, scalars, *, passes="one", block_order
     def run(variant):
         out_dir = tmp_dir / variant
         out_dir.mkdir()
-        return subprocess.run([str(drivers / variant / f"{op}_driver"), str(case_dir), str(out_dir)],
+        return subprocess.run([str(drivers / variant / OP_DRIVERS[op]), str(case_dir), str(out_dir)],
                               capture_output=True, text=True, env=env, timeout=600)
 
     with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:

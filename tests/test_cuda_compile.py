@@ -1,5 +1,6 @@
-"""Compile gate: every CUDA source compiles for sm_90 with warnings as errors, and no kernel spills
-registers (read from ptxas's resource report). Needs nvcc, not a GPU."""
+"""Compile gate: every CUDA source compiles for sm_90 with warnings as errors, no kernel spills
+registers (read from ptxas's resource report), and every kernel is in namespace fused_rl_ops (the
+filter of gpu_check.sh's racecheck and synccheck). Needs nvcc, not a GPU."""
 import glob
 import os
 import re
@@ -30,6 +31,9 @@ def test_compiles_for_sm90_without_warnings_or_spills(source, tmp_path):
     report = result.stderr
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
     assert kernels, "ptxas reported no kernels"
+    # gpu_check.sh's racecheck and synccheck check the kernels whose mangled names hold the namespace.
+    outside = [k for k in kernels if "fused_rl_ops" not in k]
+    assert not outside, f"kernels outside namespace fused_rl_ops (gpu_check.sh's sanitizers skip them): {outside}"
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert len(spills) >= len(kernels)
     spilling = [k for k, (st, ld) in zip(kernels, spills) if int(st) or int(ld)]

@@ -96,14 +96,17 @@ def test_a_rank_ends_the_processes_it_started(tmp_path, raising_rank):
     each rank's child and grandchild (inheriting its stdout) are gone, whether the rank leaves through
     exit_rank or raises. A hang check, not a timing: before, the read waited for the 600-second
     sleepers (the timeout ends it)."""
+    # Run from the checkout's root, which `python -c` puts first on the path: this file is then the
+    # module tests.test_distributed_harness there (tests/ a namespace package), and fused_rl_ops the
+    # checkout's, as for this test.
     program = (
-        f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r}); "
-        "import test_distributed_harness as t; from fused_rl_ops.testing.distributed import run_distributed; "
-        f"run_distributed(t._start_processes_that_hold_stdout, 2, {str(tmp_path)!r}, {raising_rank})"
+        "from tests.test_distributed_harness import _start_processes_that_hold_stdout as ranks; "
+        "from fused_rl_ops.testing.distributed import run_distributed; "
+        f"run_distributed(ranks, 2, {str(tmp_path)!r}, {raising_rank})"
     )
     try:
-        run = subprocess.run([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             timeout=120)
+        run = subprocess.run([sys.executable, "-c", program], cwd=pathlib.Path(__file__).parent.parent,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     finally:
         pids = [int(path.read_text()) for path in tmp_path.glob("*.pid")]
         running = [pid for pid in pids if _running(pid)]

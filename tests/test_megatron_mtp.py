@@ -27,7 +27,7 @@ from fused_rl_ops.megatron import attach, detach, rl_output_processor  # noqa: E
 from fused_rl_ops.megatron.mtp import FusedMTPLoss  # noqa: E402
 from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
 from fused_rl_ops.testing.ppo import model_inputs  # noqa: E402
-from test_megatron import assert_close_by_name, same_on_all_ranks, take_grads  # noqa: E402
+from megatron_helpers import assert_close_by_name, same_on_all_ranks, take_grads  # noqa: E402
 
 B, S = 2, 8
 VOCAB = 256

@@ -9,4 +9,7 @@
   tests check.
 - peak_memory: peak resident memory growth of a call, in this process or a fresh one.
 - kernel_calls: a record of the torch.ops.fused_rl_ops calls (and what they got) of a piece of code.
+- op_table: the package's ops with what the tooling needs about each (operators, options
+  declarations, benchmark runs, kernels-on-CPU driver, sanitizer cases), read by the scripts and tests.
+- sanitizer_cases: small calls of each op's CUDA kernels for compute-sanitizer.
 """

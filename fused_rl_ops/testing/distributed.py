@@ -1,19 +1,30 @@
 """Runs a test body in several real processes on gloo (CPU), as tensor-parallel ranks."""
 import collections
+import multiprocessing
 import os
 import signal
 import sys
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _HOST = "127.0.0.1"
+# The ranks are forked from a forkserver that has imported those of these the caller has: a
+# spawned rank imported them itself, about 3 s of CPU for torch and 6 more for megatron-core, in
+# every rank of every run, most of a multi-rank test's time (docs/testing.md). Only third-party
+# modules: a rank imports fused_rl_ops and the test's module from the caller's sys.path, which the
+# forkserver's imports do not follow.
+_PRELOAD = ["torch", "torch.distributed", "megatron.core"]
 # After a rank fails, how long the others get to leave by themselves (their collectives with it fail
 # once it is gone), ending their processes on the way, before the parent stops them with SIGTERM.
 _GRACE_PERIOD_S = 10
 
 
 def _entry(rank, world_size, port, fn, args):
+    # One thread a rank: the ranks share the machine's cores. torch was imported in the forkserver,
+    # so the variable reaches only the processes the rank starts.
+    torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
     store = dist.TCPStore(_HOST, port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
@@ -90,10 +101,14 @@ def run_distributed(fn, world_size: int, *args):
     as soon as that rank raises (the other ranks leave, or are stopped, even inside a collective).
     Each rank ends the processes it started before it leaves (_end_child_processes).
     The ranks meet at a store this process serves on a port the system picks as it binds (picking a
-    free port first and binding it later lets a concurrent run take it in between)."""
+    free port first and binding it later lets a concurrent run take it in between).
+    The ranks are forked from this process's forkserver (started at the first call, with torch and,
+    if this process has imported it, megatron-core imported): they get its environment as it was
+    then, and this process's sys.path and working directory as they are now."""
     server = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
+    multiprocessing.set_forkserver_preload([name for name in _PRELOAD if name in sys.modules])  # read at its start
     ranks = mp.start_processes(
-        _entry, args=(world_size, server.port, fn, args), nprocs=world_size, start_method="spawn", join=False
+        _entry, args=(world_size, server.port, fn, args), nprocs=world_size, start_method="forkserver", join=False
     )
     while not ranks.join(grace_period=_GRACE_PERIOD_S):
         pass

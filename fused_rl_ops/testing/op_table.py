@@ -1,0 +1,93 @@
+"""The package's ops, one entry each, with what the tooling needs about them: the one place that
+scripts/gpu_check.sh (the benchmark runs), scripts/sanitizer_cases.py, the kernels-on-CPU harness
+(tests/kernels_on_cpu_harness.py) and the contract test (tests/test_op_contract.py) read the ops
+from; tests/test_op_table.py holds the table to the extension and the sources (every registered
+operator in one entry, every kernel source with a harness driver, every op's sanitizer cases
+reaching each of its operators).
+
+A new op adds its entry here (and its sanitizer cases in fused_rl_ops/testing/sanitizer_cases.py).
+
+`python -m fused_rl_ops.testing.op_table benchmark-runs` prints gpu_check.sh's benchmark stages in
+order, one a line: STAGE BUDGET_S MODULE [ARGUMENT...]."""
+import dataclasses
+import sys
+from typing import Callable, Optional
+
+from ..chosen_logprob import OP_GROUPS as CHOSEN_LOGPROB_GROUPS
+from ..clamped_swiglu import ClampedSwigluOptions
+from . import sanitizer_cases
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkRun:
+    """A run of an op's benchmark on a GPU machine: a stage of scripts/gpu_check.sh (its log,
+    JSON and summary entry take the stage's name), within budget_s seconds there (cut to what the
+    run has left; a stage's budget is overridden by the variable <STAGE>_S in capitals)."""
+    stage: str
+    budget_s: int
+    args: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """name: the public function, its csrc/<name>/ sources and its tests/test_<name>.py.
+    torch_ops: its operators, torch.ops.fused_rl_ops.<each>.
+    options: its options declarations (dataclasses mirroring the C++ X-macro lists), in the order
+        the schemas take them.
+    benchmark: its module in benchmarks/ (python -m benchmarks.<benchmark>); None: none.
+    gpu_runs: the runs of that benchmark on a GPU machine (scripts/gpu_check.sh).
+    kernels_on_cpu_driver: tests/kernels_on_cpu/<driver>.cpp, which runs csrc/<name>/kernel.cu's
+        launchers on the CPU (the harness builds it; its cases are in
+        tests/test_kernels_on_cpu_<name>*.py); None: the op launches no kernels of its own.
+    sanitizer_cases: small calls of its CUDA kernels for compute-sanitizer, (device) -> None."""
+    name: str
+    torch_ops: tuple
+    options: tuple
+    benchmark: Optional[str]
+    gpu_runs: tuple
+    kernels_on_cpu_driver: Optional[str]
+    sanitizer_cases: Callable[[str], None]
+
+
+# In the order gpu_check.sh runs the benchmarks: the headline (chosen_logprob's main shape) first,
+# then by what a first GPU run most needs; clamped_swiglu's, the longest (28 torch.compile
+# graphs), last: it is the one cut when the run's time is short.
+OPS = (
+    Op("chosen_logprob",
+       torch_ops=("chosen_logprob_stats", "chosen_logprob_combine", "chosen_logprob_backward",
+                  "chosen_logprob_search"),
+       options=CHOSEN_LOGPROB_GROUPS,
+       benchmark="bench_chosen_logprob",
+       # The V and N sweeps do not fit in the run: a later one.
+       gpu_runs=(BenchmarkRun("bench_chosen_logprob", 200, ("--no-sweeps",)),
+                 BenchmarkRun("bench_chosen_logprob_sampler_filter", 60, ("--sampler-filter",))),
+       kernels_on_cpu_driver="chosen_logprob_driver",
+       sanitizer_cases=sanitizer_cases.chosen_logprob),
+    Op("value_head",
+       torch_ops=("value_head", "value_head_backward_hidden", "value_head_backward_params"),
+       options=(),
+       benchmark="bench_value_head",
+       gpu_runs=(BenchmarkRun("bench_value_head", 60),),
+       kernels_on_cpu_driver="value_head_driver",
+       sanitizer_cases=sanitizer_cases.value_head),
+    Op("clamped_swiglu",
+       torch_ops=("clamped_swiglu", "clamped_swiglu_backward", "clamped_swiglu_scaled_backward"),
+       options=(ClampedSwigluOptions,),
+       benchmark="bench_clamped_swiglu",
+       gpu_runs=(BenchmarkRun("bench_clamped_swiglu", 150),),
+       kernels_on_cpu_driver="clamped_swiglu_driver",
+       sanitizer_cases=sanitizer_cases.clamped_swiglu),
+)
+BY_NAME = {op.name: op for op in OPS}
+
+
+def benchmark_runs():
+    """(stage, budget_s, module, args) of every op's GPU benchmark runs, in gpu_check.sh's order."""
+    return [(run.stage, run.budget_s, op.benchmark, run.args) for op in OPS for run in op.gpu_runs]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["benchmark-runs"]:
+        sys.exit("usage: python -m fused_rl_ops.testing.op_table benchmark-runs")
+    for stage, budget_s, module, args in benchmark_runs():
+        print(stage, budget_s, module, *args)

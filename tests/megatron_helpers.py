@@ -1,0 +1,97 @@
+"""What the Megatron integration tests (tests/test_megatron_*.py) share: a batch identical on every
+rank, a processor that records the hidden states it gets, the hidden states a model feeds its output
+layer, parameter gradients by name and their comparison, Megatron's own logprobs and gradients, and
+the float64 logprobs and entropy from hidden states and the full output weight."""
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from fused_rl_ops.testing.ppo import model_inputs
+
+B, S = 2, 8  # b != s, so a [b, s] / [s, b] mix-up cannot pass
+VOCAB = 256  # the model's (padded) vocabulary
+REAL_VOCAB = 200  # the tokenizer's, for the padded-vocab checks
+
+
+def make_batch(vocab=VOCAB, seed=0):
+    """Tokens, position ids and a causal mask, identical on every rank."""
+    tokens = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(seed))
+    return (tokens, *model_inputs(tokens))
+
+
+def same_on_all_ranks(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+class RecordingProcessor:
+    """Wraps a processor and keeps the hidden states of every call; shows attach its value head."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.value_head = getattr(processor, "value_head", None)
+        self.hidden_states = []
+
+    def __call__(self, **kwargs):
+        self.hidden_states.append(kwargs["hidden_states"].detach().clone())
+        return self.processor(**kwargs)
+
+
+@contextlib.contextmanager
+def output_layer_inputs(model):
+    """Collects the hidden states the model feeds its output layer."""
+    inputs = []
+    handle = model.output_layer.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach().clone()))
+    try:
+        yield inputs
+    finally:
+        handle.remove()
+
+
+def grads_by_name(model):
+    return {name: param.grad for name, param in model.named_parameters() if param.grad is not None}
+
+
+def take_grads(model):
+    """The model's parameter gradients by name; clears them."""
+    grads = {name: grad.clone() for name, grad in grads_by_name(model).items()}
+    model.zero_grad()
+    return grads
+
+
+def assert_close_by_name(actual, expected):
+    """Dicts of named tensors (gradients, parameters) agree to fp32 rounding, relative to each tensor's scale."""
+    assert actual.keys() == expected.keys() and expected
+    for name, tensor in expected.items():
+        assert_close(actual[name], tensor, rtol=1e-4, atol=1e-5 * tensor.abs().max().item() + 1e-9,
+                     msg=lambda message: f"{name}: {message}")
+
+
+def megatron_own(model, batch, coeff):
+    """Megatron's own logprobs (-its cross entropy, from labels), the hidden states its output layer
+    received, and the gradients of sum(coeff * logprobs)."""
+    tokens, position_ids, attention_mask = batch
+    with output_layer_inputs(model) as inputs:
+        logprobs = -model(tokens, position_ids, attention_mask, labels=tokens)
+    (coeff * logprobs).sum().backward()
+    [hidden_states] = inputs
+    return logprobs.detach(), hidden_states, take_grads(model)
+
+
+def full_vocab_weight(weight_shard):
+    """The output weight of all TP ranks (the default group's), concatenated along the vocab."""
+    if not dist.is_initialized():
+        return weight_shard.detach()
+    shards = [torch.empty_like(weight_shard) for _ in range(dist.get_world_size())]
+    dist.all_gather(shards, weight_shard.detach().contiguous())
+    return torch.cat(shards)
+
+
+def float64_reference(hidden_states, weight, tokens, temperature=1.0, vocab_size=None):
+    """Logprobs and entropy [b, s] in float64 from [s, b, h] hidden states and the full weight."""
+    logits = hidden_states.double() @ weight[:vocab_size].double().t() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
+    chosen = log_probs.gather(-1, tokens.t().unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return chosen.t(), entropy.t()

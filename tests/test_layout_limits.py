@@ -1,0 +1,93 @@
+"""The limits that hold for the whole tree (docs/testing.md): no module of fused_rl_ops/ over 400
+lines and no function there over 80 (its docstring aside), no file of tests/ over 600 lines, and no
+edit of `sys.path` in any of the checkout's Python (a module that must be importable is made so by
+where it lives, not by a path added at run time)."""
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULE_LINES, FUNCTION_LINES, TEST_FILE_LINES = 400, 80, 600
+# Not the checkout's own sources: build outputs (the copy for another torch among them), venvs, results.
+NOT_SOURCES = {"build", "wheelhouse", "bench_results", "gpu_results", "__pycache__"}
+
+
+def python_files(under=ROOT):
+    for path in sorted(under.rglob("*.py")):
+        parts = path.relative_to(ROOT).parts[:-1]
+        if not any(part in NOT_SOURCES or part.startswith(".") for part in parts):
+            yield path
+
+
+def line_count(path):
+    return len(path.read_text().splitlines())
+
+
+def function_lengths(path):
+    """(qualified name, lines from its def to its end less its docstring's) of every function and
+    method in path, nested ones too."""
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    lines = child.end_lineno - child.lineno + 1
+                    first = child.body[0]
+                    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                            and isinstance(first.value.value, str):
+                        lines -= first.end_lineno - first.lineno + 1
+                    yield name, lines
+                yield from visit(child, name + ".")
+            else:
+                yield from visit(child, prefix)
+
+    yield from visit(ast.parse(path.read_text()), "")
+
+
+def test_no_package_module_over_the_limit():
+    too_long = {str(path.relative_to(ROOT)): lines for path in python_files(ROOT / "fused_rl_ops")
+                if (lines := line_count(path)) > MODULE_LINES}
+    assert not too_long, f"modules over {MODULE_LINES} lines: {too_long}"
+
+
+def test_no_package_function_over_the_limit():
+    too_long = {f"{path.relative_to(ROOT)}:{name}": lines for path in python_files(ROOT / "fused_rl_ops")
+                for name, lines in function_lengths(path) if lines > FUNCTION_LINES}
+    assert not too_long, f"functions over {FUNCTION_LINES} lines, docstrings aside: {too_long}"
+
+
+def test_no_test_file_over_the_limit():
+    too_long = {str(path.relative_to(ROOT)): lines for path in python_files(ROOT / "tests")
+                if (lines := line_count(path)) > TEST_FILE_LINES}
+    assert not too_long, f"test files over {TEST_FILE_LINES} lines: {too_long}"
+
+
+# sys.path changed in place, assigned or added to, or site.addsitedir; in code or in a program
+# handed to another interpreter as a string.
+PATH_EDIT = re.compile(r"\bsys\s*\.\s*path\s*(\.\s*(insert|append|extend|remove|pop|clear)\s*\(|(\[[^\]]*\])?\s*\+?=(?!=))"
+                       r"|\bsite\s*\.\s*addsitedir\s*\(")
+
+
+def test_no_sys_path_edits():
+    edits = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in python_files()
+             for number, line in enumerate(path.read_text().splitlines(), 1) if PATH_EDIT.search(line)]
+    assert not edits, "sys.path edits:\n" + "\n".join(edits)
+
+
+def test_the_checks_find_what_they_look_for(tmp_path):
+    """The checks themselves: a long function with a long docstring is measured without it, nested
+    functions are measured too, and each form of a sys.path edit is found (none in a comparison)."""
+    body = "\n".join(f"    x{i} = {i}" for i in range(5))
+    source = f'def f():\n    """one\n    two\n    three"""\n{body}\n    def g():\n        return 1\n    return g\n'
+    (tmp_path / "m.py").write_text(source)
+    assert dict(function_lengths(tmp_path / "m.py")) == {"f": 12 - 3, "f.g": 2}
+    # Written with stand-ins (PATH, SITE), so that this file holds no edit itself.
+    edits = ["PATH.insert(0, here)", "PATH.append(here)", "PATH = [here]", "PATH += [here]", "PATH[:0] = [here]",
+             'program = "import sys; PATH.insert(0, {here!r})"', "SITE.addsitedir(here)"]
+    reads = ["print(PATH)", "if PATH == old:", "PATH_hooks", "paths = list(PATH)"]
+
+    def code(line):
+        return line.replace("PATH", "sys.path").replace("SITE", "site")
+
+    assert all(PATH_EDIT.search(code(line)) for line in edits)
+    assert not any(PATH_EDIT.search(code(line)) for line in reads)
