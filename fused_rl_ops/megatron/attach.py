@@ -35,6 +35,7 @@ from megatron.core.utils import unwrap_model
 
 from .mlp import check_clamp_not_dropped
 from .mtp import route_mtp_loss
+from .param_sync import register_read_modules
 from .value_head_owner import TrainingCheck, claim, refuse_if_owned
 
 __all__ = ["attach", "detach"]
@@ -56,6 +57,8 @@ def attach(model, processor):
         undo = _attach_by_substituting_output_layer(language_model, processor)
     if value_head is not None:
         undo += _register_value_head(language_model, value_head)
+    if getattr(language_model, "post_process", True):
+        undo.append(register_read_modules(language_model.output_layer, _read_without_forward(language_model)))
     setattr(language_model, _ATTACHMENT, undo)
 
 
@@ -68,6 +71,18 @@ def detach(model):
     for step in undo:
         step()
     delattr(language_model, _ATTACHMENT)
+
+
+def _read_without_forward(language_model):
+    """The modules besides the output layer whose parameters the processor (or the MTP loss) reads
+    without calling them: the one holding a tied output weight, a value head's weight holder."""
+    modules = []
+    if getattr(language_model, "share_embeddings_and_output_weights", False):
+        tied = language_model.shared_embedding_or_output_weight()
+        modules += [m for m in language_model.modules() if any(p is tied for p in m.parameters(recurse=False))]
+    if isinstance(getattr(language_model, _VALUE_HEAD, None), _ValueHeadWeight):
+        modules.append(language_model.value_head)
+    return [module for module in modules if module is not language_model.output_layer]
 
 
 def _value_head_to_register(model, language_model, processor):

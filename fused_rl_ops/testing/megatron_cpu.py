@@ -173,14 +173,14 @@ def tiny_config(**overrides):
 
 
 def megatron_bf16_training(model, *, distributed_optimizer: bool, lr: float = 1e-3, processor=None,
-                           **optimizer_settings):
+                           ddp_settings=None, **optimizer_settings):
     """model (built from a config with bf16=True) set up as a bf16 Megatron run sets it up: inside
     Float16Module (bf16 parameters) and Megatron's DistributedDataParallel (gradients reduced in
     fp32), trained by the optimizer megatron.core.optimizer.get_megatron_optimizer builds (a
     ChainedOptimizer of Adam with fp32 main parameters: a DistributedOptimizer, its state sharded
     over the data-parallel ranks, or Float16OptimizerWithFloat16Params; optimizer_settings go to its
     OptimizerConfig). processor: attached in between, as docs/rl_recipe.md does (a value head stays
-    fp32). Returns (ddp_model, optimizer); save_sharded / load_sharded take model itself and the
+    fp32). ddp_settings: more DistributedDataParallelConfig fields (overlap_param_gather...). Returns (ddp_model, optimizer); save_sharded / load_sharded take model itself and the
     optimizer. Needs the shims (set_parallel_degrees installs them)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -192,7 +192,7 @@ def megatron_bf16_training(model, *, distributed_optimizer: bool, lr: float = 1e
     if processor is not None:
         attach(bf16_model, processor)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
-                                               grad_reduce_in_fp32=True)
+                                               grad_reduce_in_fp32=True, **(ddp_settings or {}))
     ddp_model = DistributedDataParallel(model.config, ddp_config, bf16_model)
     config = OptimizerConfig(optimizer="adam", lr=lr, bf16=True, use_distributed_optimizer=distributed_optimizer,
                              **optimizer_settings)
