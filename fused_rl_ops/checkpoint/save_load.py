@@ -15,8 +15,8 @@ the module, each state tensor stored and resharded as its parameter (optimizer.p
 DistributedOptimizer's ranges as chunks, chunks.py). A load of the weights alone into parameters
 that a megatron-core optimizer keeps fp32 main copies of (`param.main_param`) needs
 `main_params_of=` that optimizer, whose main copies it then refreshes from the loaded weights
-(megatron-core's reload_model_params): left stale, the next step would write them back over the load. The planners (planners.py) tell DCP where each
-rank's chunks lie in the global tensors.
+(megatron-core's reload_model_params): left stale, the next step would write them back over the
+load. The planners (planners.py) tell DCP where each rank's chunks lie in the global tensors.
 
 Both check first, collectively (ranks.py); a load checks the checkpoint's metadata (its checksum and
 structure, metadata.py) and the checkpoint against the module (names, global shapes, dtypes,

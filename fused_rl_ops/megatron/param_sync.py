@@ -46,7 +46,7 @@ def run_forward_pre_hooks_of_read_modules(output_layer):
 def _run_forward_pre_hooks(module):
     # torch keeps a module's pre-hooks in _forward_pre_hooks, those registered with_kwargs marked in
     # _forward_pre_hooks_with_kwargs; there is no public way to run them without the forward.
-    for hook_id, hook in list(getattr(module, "_forward_pre_hooks", {}).items()):
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
         if hook_id in module._forward_pre_hooks_with_kwargs:
             hook(module, (), {})
         else:
