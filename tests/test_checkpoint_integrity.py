@@ -4,12 +4,10 @@ Every failed load must leave the module unchanged on both load paths (staged or 
 failing in the middle of a direct load, which must say the module may be partially loaded.
 Multi-process checks run in real processes on gloo (fused_rl_ops.testing.distributed).
 """
-import contextlib
 import itertools
 import os
 import re
 import shutil
-import signal
 
 import pytest
 import torch
@@ -18,9 +16,9 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from fused_rl_ops.checkpoint import integrity, load_sharded, save_load, save_sharded
-from fused_rl_ops.testing.checkpoint import (Toy, add_parameter, annotated, assert_all_same, data_file, flip_bits,
-                                             legacy, logical_state, random_bits, same_bits, stored_items, tensors_of,
-                                             tp_group_of_size)
+from fused_rl_ops.testing.checkpoint import (Toy, add_parameter, annotated, assert_all_same, data_file,
+                                             die_after_file_operation, flip_bits, legacy, logical_state, random_bits,
+                                             same_bits, stored_items, tensors_of, tp_group_of_size)
 from fused_rl_ops.testing.distributed import run_distributed
 
 pytestmark = pytest.mark.usefixtures("checkpoint_dependencies")
@@ -186,41 +184,9 @@ def test_failed_loads_leave_the_module_unchanged(tmp_path):
 
 # --- saves killed at every step (SIGKILL), one rank and two ----------------------------------------
 
-def _die_after_file_operation(k):
-    """Makes this process SIGKILL itself right after its k-th file operation of a save: making the
-    directory, creating a file, finishing it (written, synced, closed), the commit's rename, the
-    directory's sync, each removal (integrity._CommittingFileSystem's operations, through which
-    every file operation of a save goes)."""
-    done = itertools.count(1)
-
-    def after_operation():
-        if next(done) == k:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def counted(operation):
-        def run(self, *args):
-            operation(self, *args)
-            after_operation()
-        return run
-
-    file_system = integrity._CommittingFileSystem
-    create_stream = file_system.create_stream
-
-    @contextlib.contextmanager
-    def counted_create_stream(self, path, mode):
-        with create_stream(self, path, mode) as stream:
-            after_operation()
-            yield stream
-        after_operation()
-
-    file_system.create_stream = counted_create_stream
-    for name in ("mkdir", "replace", "sync_directory", "rm_file"):
-        setattr(file_system, name, counted(getattr(file_system, name)))
-
-
 def _save_killed(rank, world_size, path, killed_rank, k):
     if rank == killed_rank:
-        _die_after_file_operation(k)
+        die_after_file_operation(k)
     save_sharded(Toy(logical_state(seed=3), world_size, rank, step=9), path, tp_group=dist.group.WORLD)
 
 

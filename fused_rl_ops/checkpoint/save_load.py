@@ -12,8 +12,11 @@ one rank (more ranks need a tp_group), no expert or pipeline parallelism, `exper
 `optimizer=` (a torch.optim optimizer over the module's parameters, or one of megatron-core's with
 fp32 main copies, distributed over the data-parallel ranks or not) saves and loads its state with
 the module, each state tensor stored and resharded as its parameter (optimizer.py; a
-DistributedOptimizer's ranges as chunks, chunks.py). The planners (planners.py) tell DCP where each
-rank's chunks lie in the global tensors.
+DistributedOptimizer's ranges as chunks, chunks.py). A load of the weights alone into parameters
+that a megatron-core optimizer keeps fp32 main copies of (`param.main_param`) needs
+`main_params_of=` that optimizer, whose main copies it then refreshes from the loaded weights
+(megatron-core's reload_model_params): left stale, the next step would write them back over the
+load. The planners (planners.py) tell DCP where each rank's chunks lie in the global tensors.
 
 Both check first, collectively (ranks.py); a load checks the checkpoint's metadata (its checksum and
 structure, metadata.py) and the checkpoint against the module (names, global shapes, dtypes,
@@ -192,14 +195,18 @@ def _install(module: torch.nn.Module, entries: dict, loaded: dict, staged: bool)
 
 
 def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=None, expert_tp_group=None,
-                 pp_group=None, staged: bool = False, optimizer=None, strict: bool = True) -> IncompatibleKeys:
+                 pp_group=None, staged: bool = False, optimizer=None, strict: bool = True,
+                 main_params_of=None) -> IncompatibleKeys:
     """Loads a save_sharded checkpoint into module at its (TP, EP, PP) layout, in place or staged, and
     into optimizer its state and hyperparameters (module docstring); every data-parallel replica reads
     its own copy. strict=False loads the entries the module and the checkpoint share, leaving the
     module's others as they are; the entries either lacks are returned (strict=True raises naming
-    them). An optimizer= needs state for all its parameters either way."""
+    them). An optimizer= needs state for all its parameters either way. main_params_of: without
+    optimizer=, the megatron-core optimizer whose fp32 main copies of the parameters take the loaded
+    weights (required where it keeps such copies)."""
     require_xxhash()
     check_optimizer_type(optimizer)
+    _check_main_params_of(main_params_of, optimizer)
     check_grouped_glu_not_interleaved(module)
     state = module.state_dict(keep_vars=True)
     with raised_together():
@@ -219,6 +226,8 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
                              f"{unexpected} (strict=False loads what matches)")
         missing = sorted(entries.pop(n).module_name for n in missing)
         _check_fits(entries, metadata)
+        if optimizer is None and main_params_of is None:
+            _refuse_stale_main_params(entries)
         check_data_files(metadata, path)
         if optimizer is not None:
             optimizer_objects = read_optimizer_objects(optimizer_load, metadata, path)
@@ -226,4 +235,32 @@ def load_sharded(module: torch.nn.Module, path: str, *, tp_group=None, ep_group=
     _install(module, entries, loaded, staged)
     if optimizer is not None:
         install_optimizer_state(optimizer_load, optimizer_objects)
+    if main_params_of is not None:
+        main_params_of.reload_model_params()
     return IncompatibleKeys(missing, unexpected)
+
+
+def _check_main_params_of(main_params_of, optimizer):
+    if main_params_of is None:
+        return
+    if optimizer is not None:
+        raise ValueError("load_sharded: give optimizer= (a checkpoint with its state, main copies included) or "
+                         "main_params_of= (a checkpoint of weights alone), not both")
+    if not callable(getattr(main_params_of, "reload_model_params", None)):
+        raise TypeError(f"load_sharded: main_params_of must be a megatron-core optimizer (it keeps fp32 main copies "
+                        f"of the parameters), got {type(main_params_of).__name__}")
+
+
+def _refuse_stale_main_params(entries: dict):
+    """A ValueError where the load would overwrite parameters that a megatron-core optimizer keeps fp32
+    main copies of (its Float16OptimizerWithFloat16Params and DistributedOptimizer set param.main_param
+    on each bf16 / fp16 parameter they train, on every data-parallel rank)."""
+    kept = sorted(entry.module_name for entry in entries.values() if hasattr(entry.local, "main_param"))
+    if kept:
+        raise ValueError(
+            f"load_sharded: a megatron-core optimizer keeps fp32 main copies of {kept[0]}"
+            f"{f' and {len(kept) - 1} more parameters' if len(kept) > 1 else ''} (param.main_param); a load of the "
+            "weights alone would leave them as they were, and the next optimizer step would write them back over "
+            "the loaded weights. Pass main_params_of=optimizer (the load then copies the loaded weights into its "
+            "main copies), or optimizer=optimizer for a checkpoint saved with the optimizer's state, or load "
+            "before building the optimizer")

@@ -1,7 +1,8 @@
 """attach / detach: make every forward (and schedule plan) of a Megatron model use an output processor.
 
-`attach` unwraps Megatron's DDP / FSDP / Float16Module wrappers to the language model, refuses a model
-whose configured SwiGLU clamp some module would ignore (mlp.check_clamp_not_dropped), then:
+`attach` unwraps Megatron's DDP / FSDP / Float16Module wrappers to the language model (a megatron-core
+LanguageModule: anything else is refused, a Hugging Face model pointed to causal_lm_logprobs), refuses
+a model whose configured SwiGLU clamp some module would ignore (mlp.check_clamp_not_dropped), then:
 
 - GPTModel with the native hook (megatron-core >= 0.18): a forward pre-hook adds
   `output_processor=processor` to every call, and the model's `build_schedule_plan` gets the same
@@ -18,10 +19,16 @@ A value head on the processor (`processor.value_head`: a module, or a weight nn.
 the language model's submodule `value_head` on the stage that holds the output layer, so
 `parameters()`, `state_dict()`, optimizers, Megatron's DDP and checkpoints see it; its parameters
 are marked replicated over TP (each TP rank computes the values of the whole sequence, so their
-gradients are complete and equal there). Hence attach before wrapping the model in Megatron's
-DistributedDataParallel (attach refuses a wrapped one). A value head has one model at a time: attach
-refuses one that another model owns, detach releases it; and a forward after an optimizer step warns
-once if the head is in no optimizer that stepped (value_head_owner).
+gradients are complete and equal there), and must be the same on every TP rank (checked, a
+collective over the TP group). Hence attach before wrapping the model in Megatron's
+DistributedDataParallel (attach refuses a wrapped one), after Float16Module (the first forward warns
+about a head whose dtype changed since attach: value_head_checks). A value head has one model at a
+time: attach refuses one that another model owns, detach releases it; and a forward after an
+optimizer step warns once if the head is in no optimizer that stepped (value_head_owner).
+
+The processor and the MTP loss read the output weight (the tied embedding's) and a weight value head
+without their modules' forwards; they run those modules' forward pre-hooks first, so that Megatron
+DDP's overlapped parameter all-gather is waited for (param_sync).
 
 Hooks run on `model(...)` calls, as Megatron's schedules make them; `model.forward(...)` bypasses them.
 """
@@ -30,11 +37,14 @@ import inspect
 
 import torch
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.utils import unwrap_model
 
 from .mlp import check_clamp_not_dropped
 from .mtp import route_mtp_loss
+from .param_sync import register_read_modules
+from .value_head_checks import DtypeCheck, check_same_on_tensor_parallel_ranks
 from .value_head_owner import TrainingCheck, claim, refuse_if_owned
 
 __all__ = ["attach", "detach"]
@@ -46,6 +56,12 @@ _VALUE_HEAD = "value_head"  # the submodule name a processor's value head gets
 def attach(model, processor):
     """Makes every forward (and schedule plan) of `model` use `processor`; see the module docstring."""
     language_model = unwrap_model(model)
+    if not isinstance(language_model, LanguageModule):
+        raise TypeError(
+            f"attach: expected a megatron-core GPTModel or HybridModel (bare or inside Megatron's DDP, FSDP or "
+            f"Float16Module), got {type(language_model).__module__}.{type(language_model).__qualname__}; for a "
+            "Hugging Face model use fused_rl_ops.transformers.causal_lm_logprobs"
+        )
     if getattr(language_model, _ATTACHMENT, None) is not None:
         raise RuntimeError("attach: this model already has an output processor attached; detach it first")
     check_clamp_not_dropped(language_model)
@@ -56,6 +72,8 @@ def attach(model, processor):
         undo = _attach_by_substituting_output_layer(language_model, processor)
     if value_head is not None:
         undo += _register_value_head(language_model, value_head)
+    if getattr(language_model, "post_process", True):
+        undo.append(register_read_modules(language_model.output_layer, _read_without_forward(language_model)))
     setattr(language_model, _ATTACHMENT, undo)
 
 
@@ -68,6 +86,18 @@ def detach(model):
     for step in undo:
         step()
     delattr(language_model, _ATTACHMENT)
+
+
+def _read_without_forward(language_model):
+    """The modules besides the output layer whose parameters the processor (or the MTP loss) reads
+    without calling them: the one holding a tied output weight, a value head's weight holder."""
+    modules = []
+    if getattr(language_model, "share_embeddings_and_output_weights", False):
+        tied = language_model.shared_embedding_or_output_weight()
+        modules += [m for m in language_model.modules() if any(p is tied for p in m.parameters(recurse=False))]
+    if isinstance(getattr(language_model, _VALUE_HEAD, None), _ValueHeadWeight):
+        modules.append(language_model.value_head)
+    return [module for module in modules if module is not language_model.output_layer]
 
 
 def _value_head_to_register(model, language_model, processor):
@@ -94,6 +124,7 @@ def _value_head_to_register(model, language_model, processor):
         )
     if hasattr(language_model, _VALUE_HEAD):
         raise RuntimeError(f"attach: the model already has an attribute {_VALUE_HEAD!r}; the value head would replace it")
+    check_same_on_tensor_parallel_ranks(value_head, language_model.output_layer.tp_group)  # last: collective
     return value_head
 
 
@@ -108,7 +139,8 @@ def _register_value_head(language_model, value_head):
     language_model.add_module(_VALUE_HEAD, value_head)
     release = claim(language_model, value_head)
     training_check = TrainingCheck(language_model, value_head)
-    return [functools.partial(delattr, language_model, _VALUE_HEAD), release, training_check.remove]
+    dtype_check = DtypeCheck(language_model, value_head)
+    return [functools.partial(delattr, language_model, _VALUE_HEAD), release, training_check.remove, dtype_check.remove]
 
 
 class _ValueHeadWeight(torch.nn.Module):

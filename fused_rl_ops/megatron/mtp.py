@@ -32,6 +32,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, 
 
 import fused_rl_ops
 
+from .param_sync import run_forward_pre_hooks_of_read_modules
 from .processor import RLOutputProcessor, _fused_main_grad, _gather_sequence_parallel
 
 __all__ = ["FusedMTPLoss", "route_mtp_loss"]
@@ -81,6 +82,7 @@ class FusedMTPLoss:
             loss_mask = torch.ones_like(labels)
         if labels_from_input_ids:
             loss_mask, _ = roll(loss_mask)  # the last position has no next token
+        run_forward_pre_hooks_of_read_modules(output_layer)  # as in the processor
         weight = output_weight if output_weight is not None else output_layer.weight
         main_grad = None
         if config.mtp_detach_heads:

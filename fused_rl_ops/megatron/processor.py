@@ -26,6 +26,8 @@ import torch.distributed as dist
 import fused_rl_ops
 from fused_rl_ops.logit_options import LogitOptions
 
+from .param_sync import run_forward_pre_hooks_of_read_modules
+
 __all__ = ["RLOutputProcessor", "rl_output_processor"]
 
 
@@ -124,6 +126,8 @@ class RLOutputProcessor:
         if loss_mask is not None:
             self._check_batch_shape("loss_mask", loss_mask, expected_shape, hidden_states)
             tokens = tokens.masked_fill(loss_mask == 0, self.ignore_index)
+        # Megatron's DDP hooks (overlap_param_gather) wait for the weights' all-gather (param_sync.py).
+        run_forward_pre_hooks_of_read_modules(output_layer)
         weight = output_weight if output_weight is not None else output_layer.weight
         # Work in the model's [s, b] layout and transpose only the small per-token results.
         per_token = self._per_token(hidden_states, output_layer, weight, tokens.t())

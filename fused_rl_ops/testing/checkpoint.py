@@ -1,16 +1,22 @@
-"""Reference splits, bit-exact comparisons and toy modules for the checkpoint tests.
+"""Reference splits, bit-exact comparisons, toy modules and saves killed part-way for the checkpoint tests.
 
 Shards come from the tests' own reference split (Megatron's rule: chunks of N / (stride * tp), rank
 r takes chunks r, r + tp, ...), not from the code under test; data is random bit patterns (NaN
 payloads, -0.0 and infinities included) compared through integer views. megatron_training_state
 assembles what megatron-core's optimizers hold through megatron-core's own accessors.
 """
+import contextlib
+import itertools
+import os
 import pickle
 import re
+import signal
 import zlib
 
 import torch
 import torch.distributed as dist
+
+from fused_rl_ops.checkpoint import integrity
 
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -331,3 +337,35 @@ class SerialisedState(torch.nn.Module):
 
     def set_extra_state(self, tensor):
         self.state = pickle.loads(tensor.numpy().tobytes())
+
+
+def die_after_file_operation(k):
+    """Makes this process SIGKILL itself right after its k-th file operation of a save: making the
+    directory, creating a file, finishing it (written, synced, closed), the commit's rename, the
+    directory's sync, each removal (integrity._CommittingFileSystem's operations, through which
+    every file operation of a save goes)."""
+    done = itertools.count(1)
+
+    def after_operation():
+        if next(done) == k:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def counted(operation):
+        def run(self, *args):
+            operation(self, *args)
+            after_operation()
+        return run
+
+    file_system = integrity._CommittingFileSystem
+    create_stream = file_system.create_stream
+
+    @contextlib.contextmanager
+    def counted_create_stream(self, path, mode):
+        with create_stream(self, path, mode) as stream:
+            after_operation()
+            yield stream
+        after_operation()
+
+    file_system.create_stream = counted_create_stream
+    for name in ("mkdir", "replace", "sync_directory", "rm_file"):
+        setattr(file_system, name, counted(getattr(file_system, name)))

@@ -125,10 +125,11 @@ def install_cpu_shims():
     WrappedTorchNorm.__new__ = sequence_parallel_torch_norm
 
 
-def set_parallel_degrees(tp: int, pp: int = 1, ep: int = 1, expert_tp=None):
+def set_parallel_degrees(tp: int, pp: int = 1, ep: int = 1, expert_tp=None, cp: int = 1):
     """Installs the shims and (re)initialises megatron-core's parallel state over the default group
-    with TP degree tp, pp pipeline stages, and for MoE layers ep expert-parallel ranks and expert
-    TP degree expert_tp (default: tp) (the remaining ranks are data-parallel replicas)."""
+    with TP degree tp, pp pipeline stages, cp context-parallel ranks, and for MoE layers ep
+    expert-parallel ranks and expert TP degree expert_tp (default: tp) (the remaining ranks are
+    data-parallel replicas)."""
     from megatron.core import parallel_state
 
     install_cpu_shims()
@@ -136,13 +137,14 @@ def set_parallel_degrees(tp: int, pp: int = 1, ep: int = 1, expert_tp=None):
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=expert_tp,
     )
 
 
 def tiny_config(**overrides):
-    """A 2-layer, hidden-32 TransformerConfig at the current TP / PP / EP / expert-TP degrees, no
+    """A 2-layer, hidden-32 TransformerConfig at the current TP / PP / CP / EP / expert-TP degrees, no
     fusions, no dropout."""
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
@@ -154,6 +156,7 @@ def tiny_config(**overrides):
         num_attention_heads=4,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         use_cpu_initialization=True,
@@ -173,14 +176,14 @@ def tiny_config(**overrides):
 
 
 def megatron_bf16_training(model, *, distributed_optimizer: bool, lr: float = 1e-3, processor=None,
-                           **optimizer_settings):
+                           ddp_settings=None, **optimizer_settings):
     """model (built from a config with bf16=True) set up as a bf16 Megatron run sets it up: inside
     Float16Module (bf16 parameters) and Megatron's DistributedDataParallel (gradients reduced in
     fp32), trained by the optimizer megatron.core.optimizer.get_megatron_optimizer builds (a
     ChainedOptimizer of Adam with fp32 main parameters: a DistributedOptimizer, its state sharded
     over the data-parallel ranks, or Float16OptimizerWithFloat16Params; optimizer_settings go to its
     OptimizerConfig). processor: attached in between, as docs/rl_recipe.md does (a value head stays
-    fp32). Returns (ddp_model, optimizer); save_sharded / load_sharded take model itself and the
+    fp32). ddp_settings: more DistributedDataParallelConfig fields (overlap_param_gather...). Returns (ddp_model, optimizer); save_sharded / load_sharded take model itself and the
     optimizer. Needs the shims (set_parallel_degrees installs them)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -192,11 +195,31 @@ def megatron_bf16_training(model, *, distributed_optimizer: bool, lr: float = 1e
     if processor is not None:
         attach(bf16_model, processor)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
-                                               grad_reduce_in_fp32=True)
+                                               grad_reduce_in_fp32=True, **(ddp_settings or {}))
     ddp_model = DistributedDataParallel(model.config, ddp_config, bf16_model)
     config = OptimizerConfig(optimizer="adam", lr=lr, bf16=True, use_distributed_optimizer=distributed_optimizer,
                              **optimizer_settings)
     return ddp_model, get_megatron_optimizer(config, [ddp_model])
+
+
+class SelfOnlyAttention(torch.nn.Module):
+    """A core attention in which each position attends to itself alone: its output is its value.
+    A model built with it (with_self_only_attention) computes every position on its own, so it runs
+    at context parallel and on packed sequences on the CPU, where Megatron's local attention refuses
+    both, and gives each position the same result however the sequence is split or packed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    def forward(self, query, key, value, *args, **kwargs):
+        return value.reshape(*value.shape[:-2], -1)  # [s, b, heads, d] -> [s, b, h]; THD [t, heads, d] -> [t, h]
+
+
+def with_self_only_attention(layer_spec):
+    """A copy of a GPT layer spec (get_gpt_layer_local_spec()) with SelfOnlyAttention as its core attention."""
+    spec = copy.deepcopy(layer_spec)
+    spec.submodules.self_attention.submodules.core_attention = SelfOnlyAttention
+    return spec
 
 
 def local_hybrid_stack_spec():

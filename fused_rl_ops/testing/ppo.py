@@ -12,13 +12,16 @@ VALUE_COEFF = 0.5
 
 
 def ppo_loss(outputs, rollout):
-    """Clipped surrogate, minus an entropy bonus, plus a value loss; averaged over rollout["mask"]."""
-    ratio = torch.exp(outputs["logprobs"] - rollout["old_logprobs"])
+    """Clipped surrogate, minus an entropy bonus, plus a value loss; averaged over rollout["mask"]
+    without the tokens the sampler's filter (top_k / top_p) drops: their logprob is -inf, and
+    exp(-inf - -inf) would make the loss NaN."""
+    logprobs, old_logprobs = outputs["logprobs"], rollout["old_logprobs"]
+    mask = rollout["mask"] * ~(torch.isneginf(logprobs) | torch.isneginf(old_logprobs))
+    ratio = torch.exp(torch.where(mask > 0, logprobs - old_logprobs, 0.0))
     advantages = rollout["advantages"]
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - CLIP, 1 + CLIP) * advantages)
     value_error = (outputs["values"] - rollout["returns"]) ** 2
     per_token = -surrogate - ENTROPY_COEFF * outputs["entropy"] + VALUE_COEFF * value_error
-    mask = rollout["mask"]
     return (per_token * mask).sum() / mask.sum()
 
 
