@@ -24,6 +24,10 @@ struct CudaKernels {
 
   static at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType) { return t; }
 
+  // The chunk loop's GEMMs take whole row blocks, in order on the stream, and each row kernel all
+  // the rows of a pass (chosen_logprob/chunks.h).
+  static constexpr int64_t kPieceRows = 0;
+
   static void logits(const at::Tensor& h, const at::Tensor& w, at::Tensor& out) {
     if (h.scalar_type() == at::kFloat) at::mm_out(out, h, w.t());
     else at::mm_out(out, h, w.t(), at::kFloat);
