@@ -309,6 +309,8 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
   // The weight group's gradient summed over passes (several passes only), one buffer for every group.
   const at::Tensor grad_w_acc = one_pass ? at::Tensor() : at::empty({vocab.group, H}, grad_h.options());
   const at::Tensor group_grad = main_grad ? at::empty({vocab.group, H}, weight.options()) : at::Tensor();
+  // The weight gradient's GEMMs round into weight's dtype (CPU, reduced-precision weights).
+  const bool rounded = weight.scalar_type() != grads_dtype;
   // The group's logit gradients in this pass, [padded rows, k]: the logits (of its one chunk), or in grads.
   const auto grads_of = [&](const at::Tensor& logits, const ChunkStep& step) {
     return in_place ? logits : grads.narrow(0, 0, tiling.padded(step.rows) * step.k).view({-1, step.k});
@@ -332,10 +334,11 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
       },
       [&](const at::Tensor& w_group, const at::Tensor& logits, const ChunkStep& step) {
         // The hidden gradient's GEMMs by row pieces (blocks on CUDA) and the weight gradient's by
-        // pieces of the group's rows (all of them on CUDA), one task each.
+        // pieces of the group's rows (all of them on CUDA, and where the GEMM rounds into weight's
+        // dtype through a temporary: one [group, H] as chunk_loop_bytes counts), one task each.
         const at::Tensor d = grads_of(logits, step);
         const RowPieces row_pieces(tiling, tiling.padded(step.rows), Kernels::kPieceRows);
-        const int64_t vocab_piece = Kernels::kPieceRows > 0 ? Kernels::kPieceRows : step.k;
+        const int64_t vocab_piece = Kernels::kPieceRows > 0 && !rounded ? Kernels::kPieceRows : step.k;
         for_each_piece<Kernels>(row_pieces.count + (step.k + vocab_piece - 1) / vocab_piece, [&](int64_t i) {
           if (i < row_pieces.count) {
             // The padding rows of a last block (of d: the logits of zero rows, or unwritten) reach
