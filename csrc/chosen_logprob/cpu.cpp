@@ -1,5 +1,6 @@
 // chosen_logprob, CPU: the chunk loop with ATen GEMMs (in fp32, or fp64 for float64 inputs) and
-// SIMD row kernels running the shared formulas of chosen_logprob/math.h.
+// SIMD row kernels running the shared formulas of chosen_logprob/math.h, both on pieces of rows
+// handed to the threads as they come free (RowPieces in chosen_logprob/chunks.h).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
