@@ -16,6 +16,9 @@
 //                                        cut into pieces of at most that many, run by
 //   for_each_piece(count, fn)            fn(i) for each piece i, on threads as they come free (CPU;
 //                                        see RowPieces)
+//   fuses_main_grad                      whether the weight-gradient GEMMs add into an acc-dtype
+//                                        main_grad themselves (CUDA), or hand over a gradient in
+//                                        weight's dtype that is added (CPU)
 // One workspace of logits (and in the backward one of logit gradients) lives at a time; a fused
 // tensor-core kernel can replace this loop without touching the Python API. The loop reads the
 // Tiling options (common/vocab_parallel.h); the row kernels get the logit map and the shard.
@@ -270,16 +273,21 @@ void search_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::T
 // valid_rows rows of weight are vocabulary (the rest padding; all without valid_rows): the hidden
 // gradient (in the accumulation dtype, a partial sum over this shard's vocabulary) and the weight
 // gradient (in weight's dtype, one [V, H] tensor whose padded rows alone are zeroed). With
-// main_grad ([V, H], Megatron's gradient-accumulation buffer) each group's weight gradient, in
-// weight's dtype as an unfused backward hands it over, is added into main_grad's rows instead,
-// through a [group, H] buffer, and the returned weight gradient is empty [0, H].
+// main_grad ([V, H], Megatron's gradient-accumulation buffer) the weight gradient goes into
+// main_grad's rows instead, and the returned weight gradient is empty [0, H]: where
+// Kernels::fuses_main_grad and main_grad is in the accumulation dtype, the weight-gradient GEMMs add
+// into it themselves (Megatron's gradient_accumulation_fusion: no rounding to weight's dtype on the
+// way); else each group's weight gradient, in weight's dtype as an unfused backward hands it over,
+// is added through a [group, H] buffer.
 // The row kernel writes each chunk's logit gradients in the dtype the gradient GEMMs take: over
 // the logits in place when that is the accumulation dtype and a gradient GEMM takes one chunk
 // (grad_chunks = 1); else into a buffer of a group's grad_chunks chunks, [pass, group], so that
 // each gradient GEMM takes the whole group (K = group rows). The hidden gradient takes one GEMM per
-// row block (row piece on the CPU) and group, summed over groups in vocab order; the weight gradient
-// one per group (piece of the group's rows on the CPU) and pass, summed over passes in order in the
-// accumulation dtype.
+// row block (row piece on the CPU) and group, summed over groups in vocab order. The weight gradient
+// takes one GEMM per group over all rows (K = N) when they take one pass, or when they take several
+// and that buffer, made [N, group] to hold every pass's gradients, is no larger than the [group, H]
+// accumulator it spares; else one per group and pass, summed over passes in order in the
+// accumulation dtype (on the CPU each by pieces of the group's rows).
 template <class Kernels>
 std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
                                                  const at::Tensor& tokens, const TokenGrads& token_grads,
@@ -293,7 +301,6 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
   if (!main_grad) grad_w.narrow(0, any_chunk ? valid_rows : 0, any_chunk ? V - valid_rows : V).zero_();
   if (!any_chunk) return {grad_h, grad_w};
   const RowTiling tiling(N, tiling_options.row_block, tiling_options.pass_rows);
-  const bool one_pass = tiling.pass >= N;
   const at::Tensor h = aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling);
   const at::Tensor tok = tokens.contiguous();
   const at::Tensor row_max = token_grads.row_max.contiguous(), log_sum = token_grads.log_sum.contiguous();
@@ -304,16 +311,33 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
   const at::ScalarType grads_dtype = Kernels::grad_dtype(hidden.scalar_type());
   const bool in_place = grads_dtype == acc && tiling_options.grad_chunks == 1;
   const VocabTiling vocab(valid_rows, tiling_options.chunk_size, in_place ? 1 : tiling_options.grad_chunks);
+  // One weight-gradient GEMM per group (K = N), or one per group and pass into grad_w_acc.
+  const bool one_pass = tiling.pass >= N;
+  const auto size_of = [](at::ScalarType t) { return static_cast<int64_t>(at::elementSize(t)); };
+  const bool every_row_held = !in_place && !one_pass &&
+                              tiling.padded(N) * size_of(grads_dtype) <=
+                                  tiling.pass * size_of(grads_dtype) + H * size_of(acc);
+  const bool dw_per_group = one_pass || every_row_held;
+  const bool fused_main_grad = main_grad && Kernels::fuses_main_grad && main_grad->scalar_type() == acc;
   const at::Tensor grads =
-      in_place ? at::Tensor() : at::empty({tiling.pass * vocab.group}, hidden.options().dtype(grads_dtype));
-  // The weight group's gradient summed over passes (several passes only), one buffer for every group.
-  const at::Tensor grad_w_acc = one_pass ? at::Tensor() : at::empty({vocab.group, H}, grad_h.options());
-  const at::Tensor group_grad = main_grad ? at::empty({vocab.group, H}, weight.options()) : at::Tensor();
+      in_place ? at::Tensor()
+               : at::empty({(every_row_held ? tiling.padded(N) : tiling.pass) * vocab.group},
+                           hidden.options().dtype(grads_dtype));
+  const at::Tensor grad_w_acc =
+      dw_per_group || fused_main_grad ? at::Tensor() : at::empty({vocab.group, H}, grad_h.options());
+  const at::Tensor group_grad =
+      main_grad && !fused_main_grad ? at::empty({vocab.group, H}, weight.options()) : at::Tensor();
   // The weight gradient's GEMMs round into weight's dtype (CPU, reduced-precision weights).
   const bool rounded = weight.scalar_type() != grads_dtype;
+  // The group's logit gradients of every row, [padded N, k] (every_row_held).
+  const auto held_rows = [&](const ChunkStep& step) {
+    return grads.narrow(0, 0, tiling.padded(N) * step.k).view({-1, step.k});
+  };
   // The group's logit gradients in this pass, [padded rows, k]: the logits (of its one chunk), or in grads.
   const auto grads_of = [&](const at::Tensor& logits, const ChunkStep& step) {
-    return in_place ? logits : grads.narrow(0, 0, tiling.padded(step.rows) * step.k).view({-1, step.k});
+    if (in_place) return logits;
+    if (every_row_held) return held_rows(step).narrow(0, step.r0, tiling.padded(step.rows));
+    return grads.narrow(0, 0, tiling.padded(step.rows) * step.k).view({-1, step.k});
   };
   for_each_logits_chunk<Kernels>(
       h, weight.narrow(0, 0, valid_rows), vocab, tiling,
@@ -338,8 +362,14 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
         // dtype through a temporary: one [group, H] as chunk_loop_bytes counts), one task each.
         const at::Tensor d = grads_of(logits, step);
         const RowPieces row_pieces(tiling, tiling.padded(step.rows), Kernels::kPieceRows);
+        const bool last_pass = step.r0 + step.rows >= N;
+        // The weight-gradient GEMMs' rows: every row (once per group, after the last pass), or this pass's.
+        const bool dw_now = !every_row_held || last_pass;
+        const at::Tensor d_all = every_row_held ? held_rows(step).narrow(0, 0, N) : d.narrow(0, 0, step.rows);
+        const at::Tensor h_rows = every_row_held ? h.narrow(0, 0, N) : h.narrow(0, step.r0, step.rows);
         const int64_t vocab_piece = Kernels::kPieceRows > 0 && !rounded ? Kernels::kPieceRows : step.k;
-        for_each_piece<Kernels>(row_pieces.count + (step.k + vocab_piece - 1) / vocab_piece, [&](int64_t i) {
+        const int64_t vocab_pieces = dw_now ? (step.k + vocab_piece - 1) / vocab_piece : 0;
+        for_each_piece<Kernels>(row_pieces.count + vocab_pieces, [&](int64_t i) {
           if (i < row_pieces.count) {
             // The padding rows of a last block (of d: the logits of zero rows, or unwritten) reach
             // only grad_h_tail's padding.
@@ -349,17 +379,21 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
             return;
           }
           const int64_t v0 = (i - row_pieces.count) * vocab_piece, n = std::min(vocab_piece, step.k - v0);
+          const at::Tensor d_rows = d_all.narrow(1, v0, n).t();
+          if (fused_main_grad) {
+            at::Tensor rows = main_grad->narrow(0, step.g0 + v0, n);
+            Kernels::add_mm(rows, d_rows, h_rows);
+            return;
+          }
           at::Tensor grad_w_rows =
               (main_grad ? group_grad.narrow(0, 0, step.k) : grad_w.narrow(0, step.g0, step.k)).narrow(0, v0, n);
-          const at::Tensor d_rows = d.narrow(0, 0, step.rows).narrow(1, v0, n).t();
-          const at::Tensor h_rows = h.narrow(0, step.r0, step.rows);
-          if (one_pass) {
+          if (dw_per_group) {
             Kernels::mm(grad_w_rows, d_rows, h_rows);
           } else {
             at::Tensor summed = grad_w_acc.narrow(0, v0, n);
             if (step.r0 == 0) summed.zero_();
             Kernels::add_mm(summed, d_rows, h_rows);
-            if (step.r0 + step.rows < N) return;
+            if (!last_pass) return;
             grad_w_rows.copy_(summed);
           }
           if (main_grad) main_grad->narrow(0, step.g0 + v0, n).add_(grad_w_rows);

@@ -217,6 +217,10 @@ struct CpuKernels {
     });
   }
 
+  // main_grad gets the weight gradient rounded to weight's dtype, as Megatron's unfused path
+  // (gradient_accumulation_fusion needs CUDA) hands it over.
+  static constexpr bool fuses_main_grad = false;
+
   static at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
 
   static void logits(const at::Tensor& h, const at::Tensor& w, at::Tensor& out) { at::mm_out(out, h, w.t()); }
