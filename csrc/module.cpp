@@ -38,6 +38,10 @@ TORCH_LIBRARY(fused_rl_ops, m) {
       CHOSEN_LOGPROB_OPTIONS ", Tensor? threshold=None) -> (Tensor, Tensor)");
   m.def("chosen_logprob_search(Tensor hidden, Tensor weight, Tensor row_max, Tensor window, Tensor(a!) hist, "
         "Tensor(b!)? top" CHOSEN_LOGPROB_SEARCH_OPTIONS ") -> ()");
+  // top_logprobs: each row's partials (as chosen_logprob_stats's, without tokens) and its k largest
+  // logits with their global ids.
+  m.def("top_logprobs_stats(Tensor hidden, Tensor weight, int k" CHOSEN_LOGPROB_SEARCH_OPTIONS
+        ") -> (Tensor, Tensor, Tensor)");
   m.def("value_head(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor");
   m.def("value_head_backward_hidden(Tensor grad_out, Tensor weight, ScalarType dtype) -> Tensor");
   m.def("value_head_backward_params(Tensor grad_out, Tensor hidden) -> (Tensor, Tensor)");

@@ -15,7 +15,7 @@ cudaError_t launch_chosen_logprob_stats_rows(const Params& p, cudaStream_t strea
   const unsigned grid = grid_for((N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock, threads, dev);
   with_logit_map<float>(p.logit_map, [&](auto logit) {
     launch_kernel(chosen_logprob_stats_rows_kernel<decltype(logit)>, grid, threads, 0, stream,
-                  static_cast<const float*>(p.logits), N, p.cols, p.col0, p.tokens, logit,
+                  static_cast<const float*>(p.logits), N, p.cols, p.col0, p.tokens, p.tokens_per_row, logit,
                   static_cast<const float*>(p.threshold), static_cast<float*>(p.stats));
   });
   return cudaGetLastError();
@@ -24,8 +24,26 @@ cudaError_t launch_chosen_logprob_stats_rows(const Params& p, cudaStream_t strea
 cudaError_t launch_chosen_logprob_grad_rows(const Params& p, DType grads_dtype, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
   if (p.cols >= (int64_t(1) << 30)) return cudaErrorInvalidValue;  // the kernel's columns are 32-bit
+  // Several tokens per position: through entry_grads (kernel.cuh), which the caller provides.
+  const bool entries = p.tokens_per_row > 1;
+  if (entries && p.entry_grads == nullptr) return cudaErrorInvalidValue;
   DeviceSize dev;
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
+  const unsigned entry_grid = grid_for((p.rows + kEntryThreads - 1) / kEntryThreads, kEntryThreads, dev);
+  auto* entry_grads = static_cast<float*>(p.entry_grads);
+  if (entries) {
+    with_logit_map<float>(p.logit_map, [&](auto logit) {
+      launch_kernel(chosen_logprob_gather_entry_grads_kernel<decltype(logit)>, entry_grid, kEntryThreads, 0, stream,
+                    static_cast<const float*>(p.logits), p.rows, p.cols, p.col0, p.tokens, p.tokens_per_row,
+                    static_cast<const float*>(p.row_max), static_cast<const float*>(p.log_sum),
+                    static_cast<const float*>(p.log_sum_minus_entropy), static_cast<const float*>(p.grad_logprob),
+                    static_cast<const float*>(p.grad_entropy), static_cast<const float*>(p.threshold), logit,
+                    entry_grads);
+    });
+  }
+  // The grad kernel's tokens and logprob gradients: the row's one, or none and the summed G.
+  const int64_t* tokens = entries ? nullptr : p.tokens;
+  const auto* gl = static_cast<const float*>(entries ? p.entry_grads : p.grad_logprob);
   dispatch_dtype(grads_dtype, [&](auto* type_tag) {
     using G = std::remove_pointer_t<decltype(type_tag)>;
     // kGradWidth columns per access where every row of logits and grads starts aligned for it.
@@ -37,15 +55,20 @@ cudaError_t launch_chosen_logprob_grad_rows(const Params& p, DType grads_dtype, 
         constexpr int kWidth = decltype(width)::value;
         const RowLaunch cfg = row_launch(p.rows, p.cols / kWidth, kGradThreads, dev);
         launch_kernel(chosen_logprob_grad_rows_kernel<decltype(logit), G, kWidth>, cfg.grid, cfg.block, 0, stream,
-                      static_cast<const float*>(p.logits), p.rows, p.cols, p.col0, p.tokens,
+                      static_cast<const float*>(p.logits), p.rows, p.cols, p.col0, tokens,
                       static_cast<const float*>(p.row_max), static_cast<const float*>(p.log_sum),
-                      static_cast<const float*>(p.log_sum_minus_entropy), static_cast<const float*>(p.grad_logprob),
+                      static_cast<const float*>(p.log_sum_minus_entropy), gl,
                       static_cast<const float*>(p.grad_entropy), static_cast<const float*>(p.threshold), logit,
                       static_cast<G*>(p.grads), p.grads_stride);
       };
       if (vectorised) launch(std::integral_constant<int, kGradWidth>{});
       else launch(std::integral_constant<int, 1>{});
     });
+    if (entries) {
+      launch_kernel(chosen_logprob_scatter_entry_grads_kernel<G>, entry_grid, kEntryThreads, 0, stream, p.rows,
+                    p.cols, p.col0, p.tokens, p.tokens_per_row, static_cast<const float*>(p.entry_grads),
+                    static_cast<G*>(p.grads), p.grads_stride);
+    }
   });
   return cudaGetLastError();
 }
@@ -57,7 +80,7 @@ cudaError_t launch_chosen_logprob_combine(const Params& p, cudaStream_t stream) 
   if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
   const unsigned grid = grid_for((N + kCombineThreads - 1) / kCombineThreads, kCombineThreads, dev);
   launch_kernel(chosen_logprob_combine_kernel, grid, kCombineThreads, 0, stream, static_cast<const float*>(p.partials),
-                p.ranks, N, static_cast<float*>(p.out));
+                p.ranks, N, stats_column::chosen + p.tokens_per_row, static_cast<float*>(p.out));
   return cudaGetLastError();
 }
 
@@ -86,6 +109,21 @@ cudaError_t launch_chosen_logprob_hist_rows(const Params& p, cudaStream_t stream
     launch_kernel(chosen_logprob_hist_rows_kernel<decltype(logit)>, grid, kHistThreads, 0, stream,
                   static_cast<const float*>(p.logits), N, p.cols, logit, static_cast<const float*>(p.row_max),
                   static_cast<const double*>(p.window), static_cast<int64_t*>(p.hist));
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_chosen_logprob_top_ids_rows(const Params& p, cudaStream_t stream) {
+  const int64_t N = p.rows;
+  if (N == 0 || p.cols == 0) return cudaSuccess;
+  DeviceSize dev;
+  if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
+  const int threads = kTopIdsRowsPerBlock * kWarp;
+  const unsigned grid = grid_for((N + kTopIdsRowsPerBlock - 1) / kTopIdsRowsPerBlock, threads, dev);
+  with_logit_map<float>(p.logit_map, [&](auto logit) {
+    launch_kernel(chosen_logprob_top_ids_rows_kernel<decltype(logit)>, grid, threads, 0, stream,
+                  static_cast<const float*>(p.logits), N, p.cols, p.col0, logit, static_cast<float*>(p.top),
+                  p.top_ids, p.top_width);
   });
   return cudaGetLastError();
 }

@@ -55,7 +55,7 @@ class Op:
 OPS = (
     Op("chosen_logprob",
        torch_ops=("chosen_logprob_stats", "chosen_logprob_combine", "chosen_logprob_backward",
-                  "chosen_logprob_search"),
+                  "chosen_logprob_search", "top_logprobs_stats"),
        options=CHOSEN_LOGPROB_GROUPS,
        benchmark="bench_chosen_logprob",
        # The V and N sweeps do not fit in the run: a later one.
