@@ -27,10 +27,11 @@ __device__ __forceinline__ float warp_max(float v) {
 // A warp reads its row twice (max, then sums); the second pass mostly hits L1/L2. Lanes take
 // columns lane, lane + 32, ... and the butterfly reductions fix the order: deterministic.
 // Logit: PlainLogit<float> or SoftcappedLogit<float> (chosen_logprob/math.h), raw logits -> z.
-// tokens [N, k] (k may be 0: none); the lanes take the chosen logits of entries lane, lane + 32, ...
+// tokens [N, entries] (entries may be 0: none); the lanes take the chosen logits of entries lane,
+// lane + 32, ...
 template <class Logit>
 __global__ void chosen_logprob_stats_rows_kernel(const float* __restrict__ logits, int64_t N, int64_t C, int64_t col0,
-                                                 const int64_t* __restrict__ tokens, int64_t k, Logit logit,
+                                                 const int64_t* __restrict__ tokens, int64_t entries, Logit logit,
                                                  const float* __restrict__ threshold, float* __restrict__ stats) {
   const int lane = threadIdx.x % kWarp;
   for (int64_t r = blockIdx.x * int64_t(kStatsRowsPerBlock) + threadIdx.x / kWarp; r < N;
@@ -44,9 +45,11 @@ __global__ void chosen_logprob_stats_rows_kernel(const float* __restrict__ logit
     for (int64_t k = lane; k < C; k += kWarp) stats_add(logit(x[k]), m, s, t, tau);
     s = warp_sum(s);
     t = warp_sum(t);
-    float* row = stats + (stats_column::chosen + k) * r;
+    float* row = stats + (stats_column::chosen + entries) * r;
     if (lane == 0) stats_update_row(row, RowStats<float>{m, s, t});
-    if (k > 0) stats_pick_chosen(row + stats_column::chosen, tokens + k * r, k, lane, kWarp, x, col0, C, logit);
+    if (entries > 0) {
+      stats_pick_chosen(row + stats_column::chosen, tokens + entries * r, entries, lane, kWarp, x, col0, C, logit);
+    }
   }
 }
 
