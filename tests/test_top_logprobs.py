@@ -73,8 +73,8 @@ def test_bad_k_and_shapes():
 
 def test_opcheck_top_logprobs_stats():
     hidden, weight = torch.randn(9, H), torch.randn(70, H)
-    torch.library.opcheck(ops.top_logprobs_stats, (hidden, weight, 5, 0.8, None, 0, 64, 32))
-    torch.library.opcheck(ops.top_logprobs_stats, (hidden, weight, 3, 1.0, 2.0, 0, None, 16, 0, 0, 1))
+    torch.library.opcheck(ops.top_logprobs_stats, (hidden, weight, 0.8, None, 0, 64, 32, 0, 0, 1, 5))
+    torch.library.opcheck(ops.top_logprobs_stats, (hidden, weight, 1.0, 2.0, 0, None, 16, 0, 0, 1, 3))
 
 
 def tensor_parallel_checks(rank, world):

@@ -203,14 +203,14 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
 // The top_logprobs op: each row's partials (stats_column, no chosen logits: [N, 3]) and its k largest
 // logits with their global ids (top_ids.h), [N, k] each, over this shard's valid rows.
 template <class Kernels>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> top_logprobs_stats(const at::Tensor& hidden, const at::Tensor& weight,
-                                                                  int64_t k FRL_CHOSEN_LOGPROB_SEARCH_OPTIONS(
-                                                                      FRL_OPTION_PARAM)) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> top_logprobs_stats(const at::Tensor& hidden,
+                                                                  const at::Tensor& weight
+                                                                      FRL_TOP_LOGPROBS_OP_OPTIONS(FRL_OPTION_PARAM)) {
   const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
   const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
   const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
   check_inputs(hidden, weight, nullptr, logit_map, shard, tiling);
-  TORCH_CHECK_VALUE(k >= 1, "top_logprobs: k must be a positive integer, got ", k);
+  check_options(kOp, TopLogprobsOptions{FRL_TOP_LOGPROBS_OPTIONS(FRL_OPTION_VALUE)});
   const at::DeviceGuard guard(hidden.device());
   TopIds top(hidden.size(0), k, hidden.options().dtype(acc_dtype(hidden.scalar_type())));
   const at::Tensor stats = stats_impl<Kernels>(hidden, weight, at::Tensor(), std::nullopt, logit_map, shard, tiling, 0,
