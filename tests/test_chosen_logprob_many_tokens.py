@@ -173,3 +173,23 @@ def test_nonfinite_row_is_nan_for_every_entry():
     lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, tokens, return_entropy=True)
     assert lp[0, 1].isnan().all() and ent[0, 1].isnan() and lp[0, 2].isfinite().all()
 
+
+
+def test_many_tokens_and_top_logprobs_under_torch_compile():
+    """fullgraph=True (the fake kernels give the [N, 3 + k] and top shapes): eager's values and
+    gradients."""
+    hidden, weight, tokens = inputs(dtype=torch.float32)
+
+    def step(h, w):
+        lp, ent = fused_rl_ops.chosen_logprob(h, w, tokens, return_entropy=True, top_k=9)
+        _, top = fused_rl_ops.top_logprobs(h, w, 5)
+        return torch.where(lp.isfinite(), lp, 0.0).sum() + ent.sum() + top.sum()
+
+    results = []
+    for fn in (torch.compile(step, fullgraph=True, backend="aot_eager"), step):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss = fn(h, w)
+        loss.backward()
+        results.append((loss, h.grad, w.grad))
+    for compiled, eager in zip(*results):
+        torch.testing.assert_close(compiled, eager)
