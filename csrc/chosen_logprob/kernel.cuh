@@ -144,14 +144,15 @@ __global__ void chosen_logprob_top_ids_rows_kernel(const float* __restrict__ log
     int64_t* top_id = ids + r * K;
     float last = __shfl_sync(0xffffffffu, lane == 0 ? top[0] : 0.f, 0);
     int64_t last_id = __shfl_sync(0xffffffffu, lane == 0 ? top_id[0] : 0, 0);
-    for (int64_t k0 = 0; k0 < C; k0 += kWarp) {
-      const int64_t k = k0 + lane;
-      const float z = k < C ? logit(x[k]) : -INFINITY;
-      const unsigned given = __ballot_sync(0xffffffffu, k < C && top_before(z, col0 + k, last, last_id));
+    for (int64_t c0 = 0; c0 < C; c0 += kWarp) {
+      const int64_t c = c0 + lane;
+      const bool column = c < C;
+      const float z = column ? logit(x[c]) : -INFINITY;
+      const unsigned given = __ballot_sync(0xffffffffu, column && top_before(z, col0 + c, last, last_id));
       for (unsigned rest = given; rest != 0; rest &= rest - 1) {
         const int from = __ffs(rest) - 1;
         const float v = __shfl_sync(0xffffffffu, z, from);
-        if (lane == 0) top_ids_push(top, top_id, K, v, col0 + k0 + from);
+        if (lane == 0) top_ids_push(top, top_id, K, v, col0 + c0 + from);
       }
       if (given != 0) {
         last = __shfl_sync(0xffffffffu, lane == 0 ? top[0] : 0.f, 0);
