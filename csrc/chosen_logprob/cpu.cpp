@@ -1,8 +1,12 @@
 // chosen_logprob, CPU: the chunk loop with ATen GEMMs (in fp32, or fp64 for float64 inputs) and
-// SIMD row kernels running the shared formulas of chosen_logprob/math.h.
+// SIMD row kernels running the shared formulas of chosen_logprob/math.h, both on pieces of rows
+// handed to the threads as they come free (RowPieces in chosen_logprob/chunks.h).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
+
+#include <atomic>
 
 #include "chosen_logprob/entry.h"
 #include "chosen_logprob/math.h"
@@ -42,25 +46,23 @@ void stats_rows_cpu(const Params& p, const Logit& logit) {
   const auto* threshold = static_cast<const acc*>(p.threshold);
   const int64_t C_vec = C - C % Vec::size();
   const auto vlogit = logit.template as<Vec>();
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const acc* x = logits + r * C;
-      const acc tau = threshold ? threshold[r] : acc(-INFINITY);
-      Vec vmax(-INFINITY);
-      for (int64_t k = 0; k < C_vec; k += Vec::size()) vmax = Math<Vec>::max(vmax, Vec::loadu(x + k));
-      acc m = horizontal_max(vmax);
-      for (int64_t k = C_vec; k < C; ++k) m = Math<acc>::max(m, x[k]);
-      m = kept_max(logit(m), tau);  // the map is nondecreasing: the largest z is the map of the largest x
-      const Vec vm(m), vtau(tau);
-      Vec vs(0), vt(0);
-      for (int64_t k = 0; k < C_vec; k += Vec::size()) stats_add(vlogit(Vec::loadu(x + k)), vm, vs, vt, vtau);
-      acc s = horizontal_sum(vs), t = horizontal_sum(vt);
-      for (int64_t k = C_vec; k < C; ++k) stats_add(logit(x[k]), m, s, t, tau);
-      acc* row = stats + (stats_column::chosen + k) * r;
-      stats_update_row(row, RowStats<acc>{m, s, t});
-      if (k > 0) stats_pick_chosen(row + stats_column::chosen, tokens + k * r, k, 0, 1, x, col0, C, logit);
-    }
-  });
+  for (int64_t r = 0; r < N; ++r) {
+    const acc* x = logits + r * C;
+    const acc tau = threshold ? threshold[r] : acc(-INFINITY);
+    Vec vmax(-INFINITY);
+    for (int64_t c = 0; c < C_vec; c += Vec::size()) vmax = Math<Vec>::max(vmax, Vec::loadu(x + c));
+    acc m = horizontal_max(vmax);
+    for (int64_t c = C_vec; c < C; ++c) m = Math<acc>::max(m, x[c]);
+    m = kept_max(logit(m), tau);  // the map is nondecreasing: the largest z is the map of the largest x
+    const Vec vm(m), vtau(tau);
+    Vec vs(0), vt(0);
+    for (int64_t c = 0; c < C_vec; c += Vec::size()) stats_add(vlogit(Vec::loadu(x + c)), vm, vs, vt, vtau);
+    acc s = horizontal_sum(vs), t = horizontal_sum(vt);
+    for (int64_t c = C_vec; c < C; ++c) stats_add(logit(x[c]), m, s, t, tau);
+    acc* row = stats + (stats_column::chosen + k) * r;
+    stats_update_row(row, RowStats<acc>{m, s, t});
+    if (k > 0) stats_pick_chosen(row + stats_column::chosen, tokens + k * r, k, 0, 1, x, col0, C, logit);
+  }
 }
 
 // Into p.grads (acc; may be p.logits itself: each row's chosen columns are computed before the row
@@ -79,27 +81,25 @@ void grad_rows_cpu(const Params& p, const Logit& logit) {
   const auto* threshold = static_cast<const acc*>(p.threshold);
   const int64_t C_vec = C - C % Vec::size();
   const auto vlogit = logit.template as<Vec>();
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    std::vector<acc> chosen(k);
-    for (int64_t r = begin; r < end; ++r) {
-      const acc* x = logits + r * C;
-      acc* d = grads + r * p.grads_stride;
-      const int64_t* targets = tokens + k * r;
-      const acc m = row_max[r], l = log_sum[r], l_minus_ent = log_sum_minus_entropy[r];
-      const acc tau = threshold ? threshold[r] : acc(-INFINITY);
-      const acc G = gather_chosen_grads(x, targets, gl + k * r, k, col0, C, m, tau, l, l_minus_ent, ge[r], logit,
-                                        chosen.data());
-      const Vec vm(m), vtau(tau), vl(l), vl_minus_ent(l_minus_ent), vG(G), vge(ge[r]);
-      for (int64_t c = 0; c < C_vec; c += Vec::size()) {
-        const Vec xc = Vec::loadu(x + c);
-        (logit_grad(vlogit(xc), vm, vtau, vl, vl_minus_ent, vG, vge) * vlogit.slope(xc)).store(d + c);
-      }
-      for (int64_t c = C_vec; c < C; ++c) {
-        d[c] = logit_grad(logit(x[c]), m, tau, l, l_minus_ent, G, ge[r]) * logit.slope(x[c]);
-      }
-      scatter_chosen_grads(d, targets, chosen.data(), k, col0, C, [](acc v) { return v; });
+  std::vector<acc> chosen(k);
+  for (int64_t r = 0; r < N; ++r) {
+    const acc* x = logits + r * C;
+    acc* d = grads + r * p.grads_stride;
+    const int64_t* targets = tokens + k * r;
+    const acc m = row_max[r], l = log_sum[r], l_minus_ent = log_sum_minus_entropy[r];
+    const acc tau = threshold ? threshold[r] : acc(-INFINITY);
+    const acc G = gather_chosen_grads(x, targets, gl + k * r, k, col0, C, m, tau, l, l_minus_ent, ge[r], logit,
+                                      chosen.data());
+    const Vec vm(m), vtau(tau), vl(l), vl_minus_ent(l_minus_ent), vG(G), vge(ge[r]);
+    for (int64_t c = 0; c < C_vec; c += Vec::size()) {
+      const Vec xc = Vec::loadu(x + c);
+      (logit_grad(vlogit(xc), vm, vtau, vl, vl_minus_ent, vG, vge) * vlogit.slope(xc)).store(d + c);
     }
-  });
+    for (int64_t c = C_vec; c < C; ++c) {
+      d[c] = logit_grad(logit(x[c]), m, tau, l, l_minus_ent, G, ge[r]) * logit.slope(x[c]);
+    }
+    scatter_chosen_grads(d, targets, chosen.data(), k, col0, C, [](acc v) { return v; });
+  }
 }
 
 // The window's bounds (SearchWindow::lowest, highest) rounded outwards to acc: every logit of the
@@ -122,44 +122,42 @@ void top_rows_cpu(const Params& p, const Logit& logit) {
   const int64_t C_vec = C - C % Vec::size();
   const int no_lane = (1 << Vec::size()) - 1;  // the zero_mask of a comparison no lane passes
   const auto vlogit = logit.template as<Vec>();
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    alignas(64) acc lanes[Vec::size()];
-    for (int64_t r = begin; r < end; ++r) {
-      const SearchWindow window = windows ? SearchWindow{windows[2 * r], windows[2 * r + 1]} : SearchWindow{1, 0};
-      if (!window.active()) continue;
-      const acc tau = threshold ? threshold[r] : acc(-INFINITY);
-      const acc* x = logits + r * C;
-      acc* top = tops + r * (top_column::values + K);
-      int64_t seen = 0;
-      const auto give = [&](acc z) {
-        if (z < tau || (windows && !SearchWindow::in_range(window.cell(z)))) return;
-        ++seen;
-        if (z >= top_floor(top, K)) top_push(top, K, z);
-      };
-      const auto [lo, hi] = windows ? window_bounds<acc>(window) : std::pair<acc, acc>(-INFINITY, INFINITY);
-      const Vec vlo(lo), vhi(hi), vtau(tau);
-      for (int64_t k = 0; k < C_vec; k += Vec::size()) {
-        const Vec z = vlogit(Vec::loadu(x + k));
-        if (!windows && !threshold) {  // every logit counts; one below the floor changes nothing
-          seen += Vec::size();
-          if ((z >= Vec(top_floor(top, K))).zero_mask() == no_lane) continue;
-          z.store(lanes);
-          for (int j = 0; j < Vec::size(); ++j) {
-            if (lanes[j] >= top_floor(top, K)) top_push(top, K, lanes[j]);
-          }
-          continue;
-        }
-        if (windows ? ((z >= vlo) & (z <= vhi)).zero_mask() == no_lane  // none in the window (nor a NaN)
-                    : (z < vtau).zero_mask() == 0) {                     // all dropped
-          continue;
-        }
+  alignas(64) acc lanes[Vec::size()];
+  for (int64_t r = 0; r < N; ++r) {
+    const SearchWindow window = windows ? SearchWindow{windows[2 * r], windows[2 * r + 1]} : SearchWindow{1, 0};
+    if (!window.active()) continue;
+    const acc tau = threshold ? threshold[r] : acc(-INFINITY);
+    const acc* x = logits + r * C;
+    acc* top = tops + r * (top_column::values + K);
+    int64_t seen = 0;
+    const auto give = [&](acc z) {
+      if (z < tau || (windows && !SearchWindow::in_range(window.cell(z)))) return;
+      ++seen;
+      if (z >= top_floor(top, K)) top_push(top, K, z);
+    };
+    const auto [lo, hi] = windows ? window_bounds<acc>(window) : std::pair<acc, acc>(-INFINITY, INFINITY);
+    const Vec vlo(lo), vhi(hi), vtau(tau);
+    for (int64_t k = 0; k < C_vec; k += Vec::size()) {
+      const Vec z = vlogit(Vec::loadu(x + k));
+      if (!windows && !threshold) {  // every logit counts; one below the floor changes nothing
+        seen += Vec::size();
+        if ((z >= Vec(top_floor(top, K))).zero_mask() == no_lane) continue;
         z.store(lanes);
-        for (int j = 0; j < Vec::size(); ++j) give(lanes[j]);
+        for (int j = 0; j < Vec::size(); ++j) {
+          if (lanes[j] >= top_floor(top, K)) top_push(top, K, lanes[j]);
+        }
+        continue;
       }
-      for (int64_t k = C_vec; k < C; ++k) give(logit(x[k]));
-      top[top_column::seen] += acc(seen);
+      if (windows ? ((z >= vlo) & (z <= vhi)).zero_mask() == no_lane  // none in the window (nor a NaN)
+                  : (z < vtau).zero_mask() == 0) {                     // all dropped
+        continue;
+      }
+      z.store(lanes);
+      for (int j = 0; j < Vec::size(); ++j) give(lanes[j]);
     }
-  });
+    for (int64_t k = C_vec; k < C; ++k) give(logit(x[k]));
+    top[top_column::seen] += acc(seen);
+  }
 }
 
 // Gives each logit of a row, with its global id, to the row's top of top_width (top_ids.h), in
@@ -174,22 +172,20 @@ void top_ids_rows_cpu(const Params& p, const Logit& logit) {
   const int64_t C_vec = C - C % Vec::size();
   const int no_lane = (1 << Vec::size()) - 1;
   const auto vlogit = logit.template as<Vec>();
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    alignas(64) acc lanes[Vec::size()];
-    for (int64_t r = begin; r < end; ++r) {
-      const acc* x = logits + r * C;
-      acc* top = values + r * K;
-      int64_t* ids = p.top_ids + r * K;
-      for (int64_t c = 0; c < C_vec; c += Vec::size()) {
-        const Vec z = vlogit(Vec::loadu(x + c));
-        // A placeholder root (id kNoId) takes a -inf logit too.
-        if (ids[0] != kNoId && (z > Vec(top[0])).zero_mask() == no_lane) continue;
-        z.store(lanes);
-        for (int j = 0; j < Vec::size(); ++j) top_ids_push(top, ids, K, lanes[j], col0 + c + j);
-      }
-      for (int64_t c = C_vec; c < C; ++c) top_ids_push(top, ids, K, logit(x[c]), col0 + c);
+  alignas(64) acc lanes[Vec::size()];
+  for (int64_t r = 0; r < N; ++r) {
+    const acc* x = logits + r * C;
+    acc* top = values + r * K;
+    int64_t* ids = p.top_ids + r * K;
+    for (int64_t c = 0; c < C_vec; c += Vec::size()) {
+      const Vec z = vlogit(Vec::loadu(x + c));
+      // A placeholder root (id kNoId) takes a -inf logit too.
+      if (ids[0] != kNoId && (z > Vec(top[0])).zero_mask() == no_lane) continue;
+      z.store(lanes);
+      for (int j = 0; j < Vec::size(); ++j) top_ids_push(top, ids, K, lanes[j], col0 + c + j);
     }
-  });
+    for (int64_t c = C_vec; c < C; ++c) top_ids_push(top, ids, K, logit(x[c]), col0 + c);
+  }
 }
 
 // Adds the mass (relative to the global row max) of each logit in a row's search window to the
@@ -205,37 +201,57 @@ void hist_rows_cpu(const Params& p, const Logit& logit) {
   const int64_t C_vec = C - C % Vec::size();
   const int no_lane = (1 << Vec::size()) - 1;
   const auto vlogit = logit.template as<Vec>();
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    alignas(64) acc z[Vec::size()], mass[Vec::size()];
-    for (int64_t r = begin; r < end; ++r) {
-      const SearchWindow window{windows[2 * r], windows[2 * r + 1]};
-      if (!window.active()) continue;
-      const auto [lo, hi] = window_bounds<acc>(window);
-      const acc m = row_max[r];
-      const acc* x = logits + r * C;
-      int64_t* bins = hist + r * kSearchBins;
-      const auto add = [&](acc zk, acc mk) {
-        const double cell = window.cell(zk);
-        if (SearchWindow::in_range(cell)) bins[int64_t(cell)] += mass_units(mk);
-      };
-      const Vec vlo(lo), vhi(hi), vm(m);
-      for (int64_t k = 0; k < C_vec; k += Vec::size()) {
-        const Vec zk = vlogit(Vec::loadu(x + k));
-        if (((zk >= vlo) & (zk <= vhi)).zero_mask() == no_lane) continue;
-        zk.store(z);
-        Math<Vec>::exp(zk - vm).store(mass);
-        for (int j = 0; j < Vec::size(); ++j) add(z[j], mass[j]);
-      }
-      for (int64_t k = C_vec; k < C; ++k) {
-        const acc zk = logit(x[k]);
-        add(zk, Math<acc>::exp(zk - m));
-      }
+  alignas(64) acc z[Vec::size()], mass[Vec::size()];
+  for (int64_t r = 0; r < N; ++r) {
+    const SearchWindow window{windows[2 * r], windows[2 * r + 1]};
+    if (!window.active()) continue;
+    const auto [lo, hi] = window_bounds<acc>(window);
+    const acc m = row_max[r];
+    const acc* x = logits + r * C;
+    int64_t* bins = hist + r * kSearchBins;
+    const auto add = [&](acc zk, acc mk) {
+      const double cell = window.cell(zk);
+      if (SearchWindow::in_range(cell)) bins[int64_t(cell)] += mass_units(mk);
+    };
+    const Vec vlo(lo), vhi(hi), vm(m);
+    for (int64_t k = 0; k < C_vec; k += Vec::size()) {
+      const Vec zk = vlogit(Vec::loadu(x + k));
+      if (((zk >= vlo) & (zk <= vhi)).zero_mask() == no_lane) continue;
+      zk.store(z);
+      Math<Vec>::exp(zk - vm).store(mass);
+      for (int j = 0; j < Vec::size(); ++j) add(z[j], mass[j]);
     }
-  });
+    for (int64_t k = C_vec; k < C; ++k) {
+      const acc zk = logit(x[k]);
+      add(zk, Math<acc>::exp(zk - m));
+    }
+  }
 }
 
 struct CpuKernels {
   static bool capturing() { return false; }  // no graphs on the CPU
+
+  // Rows per piece (chosen_logprob/chunks.h, RowPieces): a divisor of the batch-invariant row
+  // block, and enough pieces per chunk (16 at N = 2048) to even out a slowed thread's share.
+  static constexpr int64_t kPieceRows = 128;
+
+  // fn(i) for each piece i < count, taken in order by whichever thread is free: one parallel region,
+  // in which the GEMMs (ATen's, in a parallel region) run on the calling thread alone. The threads
+  // run with the caller's thread-local state (dispatch keys, grad mode), which ATen's parallel_for
+  // does not pass on.
+  template <class Fn>
+  static void for_each_piece(int64_t count, const Fn& fn) {
+    std::atomic<int64_t> next{0};
+    const at::ThreadLocalState state;
+    at::parallel_for(0, std::min<int64_t>(count, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+      const at::ThreadLocalStateGuard guard(state);
+      for (int64_t i = next++; i < count; i = next++) fn(i);
+    });
+  }
+
+  // main_grad gets the weight gradient rounded to weight's dtype, as Megatron's unfused path
+  // (gradient_accumulation_fusion needs CUDA) hands it over.
+  static constexpr bool fuses_main_grad = false;
 
   static at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
 
