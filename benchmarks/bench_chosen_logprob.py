@@ -49,6 +49,11 @@ filters of chosen_logprob: the distribution a sampler with those settings drew f
 rounds; <filter>/plain is its time over the plain call's. The goals: top_k at most 1.5x of the plain
 call, top_p (alone or after top_k) at most 2.5x.
 
+The distillation case (--distillation runs it alone, at the main shapes; chosen_logprob_distillation):
+forward+backward of chosen_logprob with k = 1, 8 and 64 tokens per position and of top_logprobs
+(k = 64), fused and naive (materialised logits, log_softmax, gather / topk), in the same rounds;
+goals: k = 64 at most 1.15x k = 1, top_logprobs at most 1.3x chosen_logprob with one token.
+
 The plot (--json PATH -> PATH.png) draws time and peak memory of forward+backward (logprob only)
 against V and against N for every path (the sweeps), and against the masked share at the last main
 shape (the RL-shaped case, with entropy dashed). On a CUDA device whose ceilings
@@ -64,6 +69,8 @@ import fused_rl_ops
 from fused_rl_ops import reference
 
 from . import contention, roofline
+from .chosen_logprob_distillation import (DISTILLATION_GOALS, distillation_headline, distillation_table,
+                                          measure_distillation)
 from .chosen_logprob_paths import gemm_runs, load_peers, make_inputs, path_fn, paths_for, peak_mib, run_once
 from .plots import pyplot, save_figure
 from .results import RowLog, parse_args, png_path, write_json
@@ -393,6 +400,8 @@ def shape_options(parser):
                         help="the RL-shaped case only (at the main shapes): no main rows, no sweeps")
     parser.add_argument("--sampler-filter", action="store_true",
                         help="the sampler's filter only (top_k, top_p against the plain call, at the main shapes)")
+    parser.add_argument("--distillation", action="store_true",
+                        help="only the distillation case: k tokens per position and top_logprobs")
     parser.add_argument("--contention", action="store_true",
                         help="the CPU path with a core taken only (benchmarks/contention.py): fused against its "
                              "four GEMMs, 1 and 2 threads, quiet and with a busy process, at the first --shape "
@@ -477,6 +486,11 @@ def main():
         rows = [row for N, H, V in shapes for row in measure_sampler_filter(N, H, V, dtype, dev, reps, log)]
         write_json(args.json, "chosen_logprob", dev, rows, headline=sampler_filter_headline(rows),
                    tables=[sampler_filter_table(rows)], goals={c: what for c, (what, _) in SAMPLER_GOALS.items()})
+        return
+    if args.distillation:
+        rows = [row for N, H, V in shapes for row in measure_distillation(N, H, V, dtype, dev, reps, log)]
+        write_json(args.json, "chosen_logprob", dev, rows, headline=distillation_headline(rows),
+                   tables=[distillation_table(rows)], goals=DISTILLATION_GOALS)
         return
     peers, versions = load_peers(dev)
     all_paths = paths_for(False, peers)

@@ -18,6 +18,7 @@ PyObject* PyInit__C(void) {
 #define CLAMPED_SWIGLU_OPTIONS FRL_CLAMPED_SWIGLU_OPTIONS(FRL_OPTION_SCHEMA)
 #define CHOSEN_LOGPROB_OPTIONS FRL_CHOSEN_LOGPROB_OP_OPTIONS(FRL_OPTION_SCHEMA)
 #define CHOSEN_LOGPROB_SEARCH_OPTIONS FRL_CHOSEN_LOGPROB_SEARCH_OPTIONS(FRL_OPTION_SCHEMA)
+#define TOP_LOGPROBS_OPTIONS FRL_TOP_LOGPROBS_OP_OPTIONS(FRL_OPTION_SCHEMA)
 
 TORCH_LIBRARY(fused_rl_ops, m) {
   // clamped_swiglu: scale (per row) makes it the weighted form, with its own backward.
@@ -38,6 +39,9 @@ TORCH_LIBRARY(fused_rl_ops, m) {
       CHOSEN_LOGPROB_OPTIONS ", Tensor? threshold=None) -> (Tensor, Tensor)");
   m.def("chosen_logprob_search(Tensor hidden, Tensor weight, Tensor row_max, Tensor window, Tensor(a!) hist, "
         "Tensor(b!)? top" CHOSEN_LOGPROB_SEARCH_OPTIONS ") -> ()");
+  // top_logprobs: each row's partials (as chosen_logprob_stats's, without tokens) and its k largest
+  // logits with their global ids.
+  m.def("top_logprobs_stats(Tensor hidden, Tensor weight" TOP_LOGPROBS_OPTIONS ") -> (Tensor, Tensor, Tensor)");
   m.def("value_head(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor");
   m.def("value_head_backward_hidden(Tensor grad_out, Tensor weight, ScalarType dtype) -> Tensor");
   m.def("value_head_backward_params(Tensor grad_out, Tensor hidden) -> (Tensor, Tensor)");

@@ -3,7 +3,8 @@ from ._library import has_cuda_kernels
 from .chosen_logprob import DEFAULT_WORKSPACE_BYTES, chosen_logprob
 from .clamped_swiglu import clamped_swiglu
 from .logit_options import LogitOptions
+from .top_logprobs import top_logprobs
 from .value_head import ValueHead, value_head
 
 __all__ = ["DEFAULT_WORKSPACE_BYTES", "LogitOptions", "ValueHead", "chosen_logprob", "clamped_swiglu",
-           "has_cuda_kernels", "value_head"]
+           "has_cuda_kernels", "top_logprobs", "value_head"]

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from ._library import ops
 from ._vocab_parallel import sampler_filter
-from ._vocab_parallel.group import CombinedColumns, StatsColumns
+from ._vocab_parallel.group import CHOSEN, CombinedColumns
 from ._vocab_parallel.main_grad import placeholder_gradient
 
 
@@ -20,7 +20,7 @@ def _kept_set(hidden, weight, stats, merged, options, kernel_options, tp):
     def search(window, hist, top):
         ops.chosen_logprob_search(hidden, weight, merged.row_max, window, hist, top, *kernel_options.search_arguments())
 
-    tops = stats[:, len(StatsColumns._fields):] if options.top_k is not None else None
+    tops = stats[:, CHOSEN + merged.chosen.shape[1]:] if options.top_k is not None else None
     return sampler_filter.thresholds(tops, merged.row_max, merged.log_sum, options.top_k, options.top_p, search,
                                      tp.gather, tp.all_reduce)
 
@@ -45,19 +45,25 @@ class ChosenLogprobFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, ignore, main_grad, options, kernel_options, tp, reduce_hidden_grad,
                 weight_placeholder):
-        """hidden [N, H], tokens [N] int64, ignore [N] (tokens == ignore_index); options the call's
-        LogitOptions, kernel_options the ops' (chosen_logprob.KernelOptions), tp its
-        TensorParallelGroup. Returns logprob, entropy, is_max and is_kept, [N] each; rows the ops
-        leave out (kernel_options.own's ignore_index) have empty partials: their entropy is the
-        caller's to replace."""
+        """hidden [N, H], tokens [N] int64 (one per position) or [N, k] (k per position), ignore
+        (tokens == ignore_index) of tokens' shape; options the call's LogitOptions, kernel_options
+        the ops' (chosen_logprob.KernelOptions), tp its TensorParallelGroup. Returns logprob,
+        is_max and is_kept of tokens' shape and entropy [N]; rows the ops leave out
+        (kernel_options.own's ignore_index: every entry ignored) have empty partials: their
+        entropy is the caller's to replace."""
+        per_position = tokens.dim() == 1
         stats = ops.chosen_logprob_stats(hidden, weight, tokens, *kernel_options.arguments())
-        merged = tp.combine(stats[:, :len(StatsColumns._fields)])
+        merged = tp.combine(stats[:, :CHOSEN + (1 if per_position else tokens.shape[1])])
         merged, threshold = _filtered(hidden, weight, tokens, stats, merged, options, kernel_options, tp)
-        logprob = torch.where(ignore, 0.0, (merged.chosen - merged.row_max) - merged.log_sum)
+        # Per-position values against the entries: [N] against [N], or [N, 1] against [N, k].
+        per_entry = (lambda t: t) if per_position else (lambda t: t[:, None])
+        chosen = merged.chosen[:, 0] if per_position else merged.chosen
+        row_max = per_entry(merged.row_max)
+        logprob = torch.where(ignore, 0.0, (chosen - row_max) - per_entry(merged.log_sum))
         # Both come from the same fp32 logit buffer, so a chosen maximum compares equal exactly; and
         # the threshold is one of those logits.
-        is_max = (merged.chosen == merged.row_max) & ~ignore
-        dropped = torch.zeros_like(ignore) if threshold is None else (merged.chosen < threshold) & ~ignore
+        is_max = (chosen == row_max) & ~ignore
+        dropped = torch.zeros_like(ignore) if threshold is None else (chosen < per_entry(threshold)) & ~ignore
         logprob = torch.where(dropped, -math.inf, logprob)
         is_kept = ~(ignore | dropped)
         ctx.mark_non_differentiable(is_max, is_kept)
@@ -74,7 +80,7 @@ class ChosenLogprobFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, grad_is_max, grad_is_kept):
         hidden, weight, tokens, no_logprob_grad, row_max, log_sum, entropy, threshold = ctx.saved_tensors
-        grad_logprob = (torch.zeros_like(entropy) if grad_logprob is None
+        grad_logprob = (torch.zeros_like(tokens, dtype=entropy.dtype) if grad_logprob is None
                         else torch.where(no_logprob_grad, 0.0, grad_logprob))
         grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy
         # One [V_local, H] weight gradient, padded rows zeroed by the op; or none, added into main_grad.

@@ -13,7 +13,7 @@ from ._library import acc_dtype, check_device, check_float_dtype
 from ._options import (INTEGER, NON_NEGATIVE_INTEGER, check_options, groups_from_arguments, op_arguments, option,
                        options_dataclass)
 from ._vocab_parallel import agreement
-from ._vocab_parallel.group import CombinedColumns, StatsColumns, TensorParallelGroup
+from ._vocab_parallel.group import CHOSEN, CombinedColumns, StatsColumns, TensorParallelGroup
 from ._vocab_parallel.main_grad import check_main_grad, weight_placeholder
 from ._vocab_parallel.sampler_filter import TOP_HEADER
 from ._vocab_parallel.shard import VocabShard, resolve_shard
@@ -64,9 +64,9 @@ _AGREED_FIELDS = [("token count", agreement.INTEGER), ("hidden size", agreement.
                   ("token ids", agreement.FINGERPRINT)] + agreement.agreed_fields(LogitOptions)
 
 
-def _check_tensors(hidden, weight, tokens):
-    op = "chosen_logprob"
-    for name, t in (("hidden", hidden), ("weight", weight), ("tokens", tokens)):
+def check_tensors(hidden, weight, tokens, op="chosen_logprob"):
+    """The checks of hidden, weight and tokens (None: the op takes none, top_logprobs)."""
+    for name, t in (("hidden", hidden), ("weight", weight)) + ((("tokens", tokens),) if tokens is not None else ()):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
     cpu = hidden.device.type == "cpu"
@@ -74,15 +74,21 @@ def _check_tensors(hidden, weight, tokens):
     check_float_dtype(op, "weight", weight, allow_float64=cpu)
     if weight.dtype != hidden.dtype:
         raise TypeError(f"{op}: weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
-    if tokens.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{op}: tokens must be int64 or int32, got {tokens.dtype}")
     if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"{op}: expected hidden [..., H] and weight [V_local, H], got {tuple(hidden.shape)} "
                          f"and {tuple(weight.shape)}")
-    if tuple(tokens.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"{op}: tokens must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
-                         f"got {tuple(tokens.shape)}")
     check_hidden_size(op, hidden)
+    if tokens is None:
+        check_device(op, hidden=hidden, weight=weight)
+        return
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{op}: tokens must be int64 or int32, got {tokens.dtype}")
+    leading = tuple(hidden.shape[:-1])
+    if tuple(tokens.shape) != leading and not (tokens.dim() == len(leading) + 1 and tuple(tokens.shape[:-1]) == leading
+                                               and tokens.shape[-1] >= 1):
+        raise ValueError(f"{op}: tokens must have hidden's leading shape {leading} (one token per position) or "
+                         f"{leading + ('k',)} (k >= 1 tokens per position), got {tuple(tokens.shape)} "
+                         f"with hidden {tuple(hidden.shape)}")
     check_device(op, hidden=hidden, weight=weight, tokens=tokens)
 
 
@@ -103,12 +109,13 @@ def _resolve(hidden, weight, tokens, options, rank, world, *, ignore_index, skip
     """(options, kernel options, vocab_size) of a call, after its checks: top_k at or beyond the
     vocabulary filters nothing (None). The tiling is planned for the rows the ops compute: the
     scored ones when the token check has counted them, else all (the ops then use less)."""
-    _check_tensors(hidden, weight, tokens)
+    check_tensors(hidden, weight, tokens)
     shard, vocab_size = resolve_shard("chosen_logprob", weight.shape[0], rank, world, vocab_start, vocab_size)
     check_main_grad("chosen_logprob", main_grad, weight)
-    planned_rows = tokens.numel()
+    planned_rows = hidden.numel() // hidden.shape[-1]
     if check_tokens:
-        scored_rows = check_token_range("chosen_logprob", tokens, vocab_size, ignore_index)
+        scored_rows = check_token_range("chosen_logprob", tokens, vocab_size, ignore_index,
+                                        per_position=tokens.dim() < hidden.dim())
         planned_rows = scored_rows if skip_ignored else planned_rows
     if workspace_bytes is None:
         workspace_bytes = default_workspace_bytes(hidden, planned_rows)
@@ -150,7 +157,9 @@ def chosen_logprob(
 
     hidden [..., H] and weight [V_local, H] (this rank's rows of the output layer, global ids from
     vocab_start, default rank * V_local in tp_group) share a dtype: float32, bfloat16 or float16
-    (float64 on CPU); tokens [...] (int64 or int32) are global ids. vocab_size: the real vocabulary,
+    (float64 on CPU); tokens (int64 or int32) are global ids, [...] (one per position) or [..., k]
+    (k >= 1 per position, scored under the position's one distribution, in one pass over the
+    vocabulary): logprob, is_max and is_kept then have tokens' shape, entropy is [...]. vocab_size: the real vocabulary,
     the rows past it padding (default: every row of every rank).
     Logit options (LogitOptions documents them): temperature, softcap (None or c: logits capped to
     c * tanh(x / c) first), top_k, top_p (the rollout sampler's filter: scores of the distribution
@@ -160,9 +169,9 @@ def chosen_logprob(
     (return_entropy), is_max (return_is_max: the token's logit is its row's maximum), is_kept
     (return_is_kept: the token is in the sampler filter's kept set). Differentiable in hidden and
     weight; with tp_group the hidden gradient is summed over the group unless reduce_hidden_grad=False.
-    Positions whose token is ignore_index get logprob 0, entropy 0 and zero gradient rows, and the
-    ops compute nothing for them (skip_ignored=True; False computes every row and keeps their
-    entropy). check_tokens validates the ids (a host synchronisation on CUDA; False: an out-of-range
+    Entries whose token is ignore_index get logprob 0 and no gradient; positions whose entries are
+    all ignored get entropy 0 and zero gradient rows, and the ops compute nothing for them
+    (skip_ignored=True; False computes every row and keeps their entropy). check_tokens validates the ids (a host synchronisation on CUDA; False: an out-of-range
     id gets NaN); check_group makes every rank of tp_group raise the same error on bad arguments.
     Both are skipped under torch.compile, CUDA graph capture and for meta tensors.
     main_grad ([V_local, H], Megatron's gradient-accumulation buffer) takes the weight gradient
@@ -195,19 +204,22 @@ def chosen_logprob(
     elif error is not None:
         raise error
 
-    tokens1d = tokens.reshape(-1).to(torch.int64)
-    ignored = tokens1d == ignore_index
+    positions = hidden.shape[:-1]
+    # The ops' tokens: [N] for one per position, [N, k] for k.
+    flat = tokens.reshape(positions.numel(), *tokens.shape[len(positions):]).to(torch.int64)
+    ignored = flat == ignore_index
     logprob, entropy, is_max, is_kept = ChosenLogprobFunction.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, tokens1d, ignored, main_grad, options, kernel_options, tp,
+        hidden.reshape(-1, hidden.shape[-1]), weight, flat, ignored, main_grad, options, kernel_options, tp,
         bool(reduce_hidden_grad), weight_placeholder(weight, main_grad))
-    if skip_ignored:
-        entropy = torch.where(ignored, 0.0, entropy)  # the ops left these rows out: their partials are empty
+    if skip_ignored:  # the ops left out the rows of no scored entry: their partials are empty
+        entropy = torch.where(ignored if ignored.dim() == 1 else ignored.all(1), 0.0, entropy)
     if not check_tokens:
-        logprob, out_of_range = mark_out_of_range(tokens1d, ignored, vocab_size, logprob)
+        logprob, out_of_range = mark_out_of_range(flat, ignored, vocab_size, logprob)
         is_max, is_kept = is_max & ~out_of_range, is_kept & ~out_of_range
-    outputs = [logprob] + [entropy] * return_entropy + [is_max] * return_is_max + [is_kept] * return_is_kept
-    outputs = tuple(t.reshape(tokens.shape) for t in outputs)
-    return outputs if len(outputs) > 1 else outputs[0]
+    per_entry = [logprob] + [is_max] * return_is_max + [is_kept] * return_is_kept
+    outputs = [t.reshape(tokens.shape) for t in per_entry]
+    outputs[1:1] = [entropy.reshape(positions)] * return_entropy
+    return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
 
 # The fake kernels check the options (building their groups) and the devices as the ops do.
@@ -216,7 +228,8 @@ def _(hidden, weight, tokens, *args, **kwargs):
     (_, _, _, own), (rest, named) = groups_from_arguments(OP_GROUPS, args, kwargs)
     threshold = rest[0] if rest else named.get("threshold")
     check_device("chosen_logprob", hidden=hidden, weight=weight, tokens=tokens, threshold=threshold)
-    columns = len(StatsColumns._fields) + (TOP_HEADER + own.top_width if own.top_width else 0)
+    per_position = tokens.shape[1] if tokens.dim() == 2 else 1
+    columns = CHOSEN + per_position + (TOP_HEADER + own.top_width if own.top_width else 0)
     return hidden.new_empty(hidden.shape[0], columns, dtype=acc_dtype(hidden.dtype))
 
 
@@ -228,7 +241,7 @@ def _(hidden, weight, row_max, window, hist, top, *args, **kwargs):
 
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_combine")
 def _(partials):
-    return partials.new_empty(partials.shape[1], len(CombinedColumns._fields))
+    return partials.new_empty(partials.shape[1], partials.shape[2])
 
 
 @torch.library.register_fake("fused_rl_ops::chosen_logprob_backward")

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from ._options import is_positive_finite
 from .chosen_logprob import chosen_logprob
 from .logit_options import LogitOptions
+from .top_logprobs import scored_top_logprobs
 
 IGNORE_INDEX = -100
 
@@ -75,7 +76,8 @@ def _logit_transform(model, step) -> tuple[float, Optional[float]]:
 
 def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,
                        labels: Optional[torch.Tensor] = None, temperature: float = 1.0, return_entropy: bool = False,
-                       top_k: Optional[int] = None, top_p: Optional[float] = None, **forward_kwargs):
+                       top_k: Optional[int] = None, top_p: Optional[float] = None,
+                       top_logprobs: Optional[int] = None, **forward_kwargs):
     """log softmax(logits[:, t] / temperature)[labels[:, t + 1]] for t < seq - 1, without the logits.
 
     model is a transformers CausalLM of a class in LOGITS_AFTER_HEAD. Runs its base model (the
@@ -95,26 +97,41 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
     top_k, top_p: the rollout engine's sampler filter (pass its values; None: none): logprob and
     entropy of the distribution the sampler drew from, the tokens it keeps renormalised (see
     chosen_logprob). A token the filter drops gets logprob -inf and no logprob gradient.
+    labels [batch, seq, k]: k tokens per position (position t scores labels[:, t + 1, :]; an entry
+    of -100 is ignored, a position whose entries all are is skipped); logprob is then [batch, seq -
+    1, k]. top_logprobs=k appends (top_ids, top_logprobs) [batch, seq - 1, k]: the model's own k most
+    likely next tokens under temperature and its step after the head (fused_rl_ops.top_logprobs,
+    without top_k / top_p), ids -100 and logprobs 0 at skipped positions, which are not computed.
     """
     decoder, head, step = _check_model(model)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"causal_lm_logprobs: input_ids must be a [batch, seq] tensor with seq >= 2, got {got}")
     labels = input_ids if labels is None else labels
-    if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+    many = isinstance(labels, torch.Tensor) and labels.dim() == 3 and labels.shape[2] >= 1
+    if not isinstance(labels, torch.Tensor) or (labels.shape[:2] if many else labels.shape) != input_ids.shape:
         got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise ValueError(f"causal_lm_logprobs: labels must have input_ids' shape {tuple(input_ids.shape)} "
-                         f"(unshifted), got {got}")
+                         f"(unshifted), or that shape and k tokens per position, got {got}")
     options = LogitOptions(temperature=temperature, top_k=top_k, top_p=top_p)
     scale, softcap = _logit_transform(model, step)
     options = dataclasses.replace(options, temperature=options.temperature / scale, softcap=softcap)
     scored_labels = labels[:, 1:]
     if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == input_ids.shape:
-        scored_labels = scored_labels.masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX)  # padding scores nothing
+        padding = (attention_mask[:, 1:] == 0).reshape(*scored_labels.shape[:2], *[1] * many)
+        scored_labels = scored_labels.masked_fill(padding, IGNORE_INDEX)  # padding scores nothing
 
     forward_kwargs.setdefault("use_cache", False)
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs).last_hidden_state
     weight = head.weight
     # As nn.Linear would need: the hidden states in the head's dtype.
-    return chosen_logprob(hidden[:, :-1].to(weight.dtype), weight, scored_labels, logit_options=options,
-                          ignore_index=IGNORE_INDEX, vocab_size=model.config.vocab_size, return_entropy=return_entropy)
+    hidden = hidden[:, :-1].to(weight.dtype)
+    result = chosen_logprob(hidden, weight, scored_labels, logit_options=options, ignore_index=IGNORE_INDEX,
+                            vocab_size=model.config.vocab_size, return_entropy=return_entropy)
+    if top_logprobs is None:
+        return result
+    scored = scored_labels != IGNORE_INDEX
+    top = scored_top_logprobs(hidden, weight, top_logprobs, scored.any(-1) if many else scored, IGNORE_INDEX,
+                              temperature=options.temperature, softcap=options.softcap,
+                              vocab_size=model.config.vocab_size)
+    return (*(result if return_entropy else (result,)), *top)

@@ -290,7 +290,9 @@ def test_ops_called_directly_refuse_what_the_kernels_cannot_read(device):
     hidden, weight, tokens = make_inputs(9, 12, 200, torch.float32, device)
     ops = torch.ops.fused_rl_ops
     for args, error, message in [
-            ((hidden, weight, tokens[:8]), ValueError, r"tokens must be \[N\] \(hidden's rows\)"),
+            ((hidden, weight, tokens[:8]), ValueError, r"tokens must be \[N\] or \[N, k\] with k >= 1"),
+            ((hidden, weight, tokens[:, None, None]), ValueError, r"tokens must be \[N\] or \[N, k\] with k >= 1"),
+            ((hidden, weight, tokens[:, None][:, :0]), ValueError, r"tokens must be \[N\] or \[N, k\] with k >= 1"),
             ((hidden, weight, tokens.int()), TypeError, "tokens must be int64"),
             ((hidden, weight[:, :11], tokens), ValueError, r"expected hidden \[N, H\] with H >= 1 and weight \[V, H"),
             ((hidden[:, :0], weight[:, :0], tokens), ValueError, r"expected hidden \[N, H\] with H >= 1"),
@@ -300,13 +302,13 @@ def test_ops_called_directly_refuse_what_the_kernels_cannot_read(device):
         with pytest.raises(error, match=message):
             ops.chosen_logprob_stats(*args, 1.0, None, 0, None, 128)
     stats = ops.chosen_logprob_stats(hidden, weight, tokens, 1.0, None, 0, None, 128)
-    with pytest.raises(ValueError, match="partials must be \\[ranks, N, 4\\]"):
+    with pytest.raises(ValueError, match="partials must be \\[ranks, N, 3 \\+ k\\]"):
         ops.chosen_logprob_combine(stats)
     with pytest.raises(TypeError, match="partials must be float32"):
         ops.chosen_logprob_combine(stats[None].bfloat16())
     per_token = per_token_inputs(stats)
     for bad in (torch.randn(8, device=device), torch.randn(9, device=device).bfloat16()):
-        with pytest.raises(ValueError, match="must be \\[N\\] in the accumulation dtype"):
+        with pytest.raises(ValueError, match="must be \\[N\\], grad_logprob tokens' shape, in the accumulation dtype"):
             ops.chosen_logprob_backward(hidden, weight, tokens, *per_token[:4], bad, None, 1.0, None, 0, None, 128)
     for main_grad in (torch.zeros(200, 11, device=device), torch.zeros(200, 12, device=device, dtype=torch.float64)):
         with pytest.raises(ValueError, match="main_grad must be a float32 \\(or weight-dtype\\) tensor"):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import test_kernels_on_cpu_chosen_logprob as chosen_logprob_cases
+import test_kernels_on_cpu_chosen_logprob_entries as entries_cases
 import test_kernels_on_cpu_clamped_swiglu as clamped_swiglu_cases
 import test_kernels_on_cpu_sampler_filter as sampler_filter_cases
 import test_kernels_on_cpu_value_head as value_head_cases
@@ -119,6 +120,19 @@ DEFECTS = {
         "__shfl_sync(0xffffffffu, z, __ffs(rest))", "chosen_logprob",
         lambda d, tmp: sampler_filter_cases.test_top_rows_threshold_and_window(d, tmp, "several"),
         "top values", "plain"),
+    # Several tokens per position: the scatter of the chosen columns' gradients writing every entry's,
+    # those of tokens outside the chunk too (row 0's id col0 - 1: one element before its row).
+    "scatter_chosen_grads_unchecked": (
+        "chosen_logprob/math.h", "if (target >= 0 && target < C) d[target] = round(values[j]);",
+        "d[target] = round(values[j]);", "chosen_logprob",
+        lambda d, tmp: entries_cases.test_grad_rows_many_tokens(d, tmp, 20, 45, "several", None),
+        "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
+    # top_ids_rows taking each given logit from the next lane: the tops hold other values.
+    "top_ids_rows_shuffle_lane_off_by_one": (
+        "chosen_logprob/kernel.cuh", "const float v = __shfl_sync(0xffffffffu, z, from);",
+        "const float v = __shfl_sync(0xffffffffu, z, from + 1);", "chosen_logprob",
+        lambda d, tmp: entries_cases.test_top_ids_rows(d, tmp, 21, 45, 5, "one"),
+        "top ids", "plain"),
     # grad_rows' launcher taking the vector path without checking the buffer's alignment.
     "grad_rows_alignment_unchecked": (
         "chosen_logprob/kernel.cu", "is_aligned(p.grads, sizeof(Pack<G, kGradWidth>))", "true", "chosen_logprob",

@@ -24,12 +24,14 @@ from fused_rl_ops.chosen_logprob import OP_GROUPS, ChosenLogprobOptions
 from fused_rl_ops.clamped_swiglu import ClampedSwigluOptions
 from fused_rl_ops.logit_options import LogitMap
 from fused_rl_ops.testing import op_table
+from fused_rl_ops.top_logprobs import TopLogprobsOptions
 
 ops = torch.ops.fused_rl_ops
 
 # Valid values of every group.
 VALID = {LogitMap: LogitMap(0.9, None), VocabShard: VocabShard(0, None), Tiling: Tiling(128),
-         ChosenLogprobOptions: ChosenLogprobOptions(), ClampedSwigluOptions: ClampedSwigluOptions(7.0, 1.702, 1.0, False)}
+         ChosenLogprobOptions: ChosenLogprobOptions(), TopLogprobsOptions: TopLogprobsOptions(3),
+         ClampedSwigluOptions: ClampedSwigluOptions(7.0, 1.702, 1.0, False)}
 
 
 # Every operator of the table with its option groups (in the schema's order).
@@ -53,6 +55,7 @@ def op_calls(device):
     tensors = {"chosen_logprob_stats": ((hidden, weight, tokens), (threshold,)),
                "chosen_logprob_backward": ((hidden, weight, tokens, *per_token, None), (threshold,)),
                "chosen_logprob_search": ((hidden, weight, per_token[0], window, hist, top), ()),
+               "top_logprobs_stats": ((hidden, weight), ()),
                "clamped_swiglu": ((x,), (scale,)), "clamped_swiglu_backward": ((grad_out, x), ()),
                "clamped_swiglu_scaled_backward": ((grad_out, x, scale), ())}
     return {name: (GROUPS_OF[name], *tensors[name]) for name in OPS}

@@ -7,6 +7,7 @@
 //   logits(h, w, out)                    out = h w^T, accumulated and stored in acc dtype
 //   stats_rows(params, acc)              merge a chunk into the row stats
 //   top_rows(params, acc)                give a chunk to the rows' tops (sampler's filter)
+//   top_ids_rows(params, acc)            give a chunk to the rows' tops with ids (top_logprobs)
 //   hist_rows(params, acc)               add a chunk to the rows' search histograms (top_p)
 //   grad_rows(params, acc, grads)        logits -> d(loss)/d(logits), into params.grads in dtype grads
 //   add_mm(out, a, b)                    out += a b, out in acc dtype
@@ -29,13 +30,15 @@
 #include "chosen_logprob/math.h"
 #include "chosen_logprob/params.h"
 #include "chosen_logprob/sampler_filter.h"
+#include "chosen_logprob/top_ids.h"
 #include "common/torch_utils.h"
 
 namespace fused_rl_ops::chosen_logprob {
 
-// The backward's per-token inputs, [N] each in the accumulation dtype: the global row max, the
+// The backward's per-position inputs, [N] each in the accumulation dtype: the global row max, the
 // log-sum relative to it (lse - row_max) and the log-sum minus the entropy, and the upstream
-// gradients of logprob and entropy; and the thresholds of the sampler's filter (undefined: none).
+// gradients of logprob ([N, k]: one per token) and entropy; and the thresholds of the sampler's
+// filter (undefined: none).
 struct TokenGrads {
   at::Tensor row_max, log_sum, log_sum_minus_entropy, grad_logprob, grad_entropy, threshold;
 };
@@ -187,11 +190,12 @@ void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, const 
 
 // The Params of a row kernel over on_chunk's rows (step.begin to step.end of the pass's logits, the
 // chunk's), whose column 0 is vocabulary row step.c0 of this shard; tokens (undefined: none) are the
-// rows' [N] ids.
+// rows' [N, k] ids.
 inline Params row_params(const at::Tensor& logits, const ChunkStep& step, const at::Tensor& tokens,
                          const LogitMap& logit_map, const VocabShard& shard) {
   Params p;
   p.logits = logits.narrow(0, step.begin, step.end - step.begin).const_data_ptr();
+  p.tokens_per_row = tokens.defined() ? tokens.size(1) : 0;
   if (tokens.defined()) p.tokens = step.rows_of(tokens).const_data_ptr<int64_t>();
   p.rows = step.end - step.begin;
   p.cols = logits.size(1);
@@ -201,23 +205,34 @@ inline Params row_params(const at::Tensor& logits, const ChunkStep& step, const 
   return p;
 }
 
-// The per-token partials (stats_column in chosen_logprob/math.h) of this shard's logits, over the
-// valid rows of weight (valid_rows; all without it) and, with a threshold, the logits at or above
-// it. With a top width, followed by each row's top of those logits (width wide,
-// chosen_logprob/sampler_filter.h). The row kernels take raw logits and apply the logit map
-// themselves.
+// Each row's k largest logits and their global ids (chosen_logprob/top_ids.h): values [N, k] in the
+// accumulation dtype and ids [N, k] int64, starting as placeholders.
+struct TopIds {
+  at::Tensor values, ids;
+
+  TopIds(int64_t N, int64_t k, const at::TensorOptions& acc_options)
+      : values(at::full({N, k}, -INFINITY, acc_options)), ids(at::full({N, k}, kNoId, acc_options.dtype(at::kLong))) {}
+};
+
+// The per-position partials (stats_column in chosen_logprob/math.h) of this shard's logits, over
+// the valid rows of weight (valid_rows; all without it) and, with a threshold, the logits at or
+// above it, with the chosen logits of tokens [N, k] (undefined: none, k = 0). With a top width,
+// followed by each row's top of those logits (width wide, chosen_logprob/sampler_filter.h). With
+// top_ids, the rows' top logits with their ids given to it. The row kernels take raw logits and
+// apply the logit map themselves.
 template <class Kernels>
 at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
                       const std::optional<at::Tensor>& threshold, const LogitMap& logit_map, const VocabShard& shard,
-                      const Tiling& tiling_options, int64_t width) {
+                      const Tiling& tiling_options, int64_t width, TopIds* top_ids = nullptr) {
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = shard.valid_rows.value_or(weight.size(0));
-  at::Tensor stats = at::zeros({N, stats_column::count}, hidden.options().dtype(acc));
+  const int64_t k = tokens.defined() ? tokens.size(1) : 0;
+  at::Tensor stats = at::zeros({N, stats_column::chosen + k}, hidden.options().dtype(acc));
   stats.select(1, stats_column::max).fill_(-INFINITY);
   at::Tensor tops = width > 0 ? at::zeros({N, top_column::values + width}, stats.options()) : at::Tensor();
   const auto result = [&] { return width > 0 ? at::cat({stats, tops}, 1) : stats; };
   if (N == 0 || V == 0) return result();
-  const at::Tensor tok = tokens.contiguous();
+  const at::Tensor tok = tokens.defined() ? tokens.contiguous() : tokens;
   const at::Tensor tau = threshold ? threshold->contiguous() : at::Tensor();
   const RowTiling tiling(N, tiling_options.row_block, tiling_options.pass_rows);
   for_each_logits_chunk<Kernels>(
@@ -232,6 +247,12 @@ at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const 
           p.top = step.rows_of(tops).mutable_data_ptr();
           p.top_width = width;
           Kernels::top_rows(p, acc);
+        }
+        if (top_ids) {
+          p.top = step.rows_of(top_ids->values).mutable_data_ptr();
+          p.top_ids = step.rows_of(top_ids->ids).mutable_data_ptr<int64_t>();
+          p.top_width = top_ids->values.size(1);
+          Kernels::top_ids_rows(p, acc);
         }
       },
       [](const at::Tensor&, const at::Tensor&, const ChunkStep&) {});
@@ -323,6 +344,10 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
       in_place ? at::Tensor()
                : at::empty({(every_row_held ? tiling.padded(N) : tiling.pass) * vocab.group},
                            hidden.options().dtype(grads_dtype));
+  // Several tokens per position: the rows' chosen-column gradients, taken before the logits are
+  // overwritten (Params::entry_grads; [pass, 1 + k], independent of the vocabulary).
+  const int64_t k = tok.size(1);
+  const at::Tensor entry_grads = k > 1 ? at::empty({tiling.pass * (1 + k)}, grad_h.options()) : at::Tensor();
   const at::Tensor grad_w_acc =
       dw_per_group || fused_main_grad ? at::Tensor() : at::empty({vocab.group, H}, grad_h.options());
   const at::Tensor group_grad =
@@ -350,6 +375,7 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
         p.grad_logprob = row_ptr(gl);
         p.grad_entropy = row_ptr(ge);
         if (tau.defined()) p.threshold = row_ptr(tau);
+        if (entry_grads.defined()) p.entry_grads = entry_grads.mutable_data_ptr();
         const at::Tensor d_chunk =
             grads_of(logits, step).narrow(0, step.begin, step.end - step.begin).narrow(1, step.c0 - step.g0, step.n);
         p.grads = d_chunk.data_ptr();

@@ -11,6 +11,7 @@
 #include "chosen_logprob/entry.h"
 #include "chosen_logprob/math.h"
 #include "chosen_logprob/sampler_filter.h"
+#include "chosen_logprob/top_ids.h"
 #include "common/vec_math.h"
 
 namespace fused_rl_ops::chosen_logprob {
@@ -40,7 +41,7 @@ void stats_rows_cpu(const Params& p, const Logit& logit) {
   using Vec = at::vec::Vectorized<acc>;
   const auto* logits = static_cast<const acc*>(p.logits);
   auto* stats = static_cast<acc*>(p.stats);
-  const int64_t N = p.rows, C = p.cols, col0 = p.col0;
+  const int64_t N = p.rows, C = p.cols, col0 = p.col0, k = p.tokens_per_row;
   const int64_t* tokens = p.tokens;
   const auto* threshold = static_cast<const acc*>(p.threshold);
   const int64_t C_vec = C - C % Vec::size();
@@ -49,21 +50,23 @@ void stats_rows_cpu(const Params& p, const Logit& logit) {
     const acc* x = logits + r * C;
     const acc tau = threshold ? threshold[r] : acc(-INFINITY);
     Vec vmax(-INFINITY);
-    for (int64_t k = 0; k < C_vec; k += Vec::size()) vmax = Math<Vec>::max(vmax, Vec::loadu(x + k));
+    for (int64_t c = 0; c < C_vec; c += Vec::size()) vmax = Math<Vec>::max(vmax, Vec::loadu(x + c));
     acc m = horizontal_max(vmax);
-    for (int64_t k = C_vec; k < C; ++k) m = Math<acc>::max(m, x[k]);
+    for (int64_t c = C_vec; c < C; ++c) m = Math<acc>::max(m, x[c]);
     m = kept_max(logit(m), tau);  // the map is nondecreasing: the largest z is the map of the largest x
     const Vec vm(m), vtau(tau);
     Vec vs(0), vt(0);
-    for (int64_t k = 0; k < C_vec; k += Vec::size()) stats_add(vlogit(Vec::loadu(x + k)), vm, vs, vt, vtau);
+    for (int64_t c = 0; c < C_vec; c += Vec::size()) stats_add(vlogit(Vec::loadu(x + c)), vm, vs, vt, vtau);
     acc s = horizontal_sum(vs), t = horizontal_sum(vt);
-    for (int64_t k = C_vec; k < C; ++k) stats_add(logit(x[k]), m, s, t, tau);
-    stats_update_row(stats + stats_column::count * r, RowStats<acc>{m, s, t}, x, tokens[r] - col0, C, logit);
+    for (int64_t c = C_vec; c < C; ++c) stats_add(logit(x[c]), m, s, t, tau);
+    acc* row = stats + (stats_column::chosen + k) * r;
+    stats_update_row(row, RowStats<acc>{m, s, t});
+    if (k > 0) stats_pick_chosen(row + stats_column::chosen, tokens + k * r, k, 0, 1, x, col0, C, logit);
   }
 }
 
-// Into p.grads (acc; may be p.logits itself: each row's chosen logit is read before the row is
-// overwritten).
+// Into p.grads (acc; may be p.logits itself: each row's chosen columns are computed before the row
+// is overwritten, then written over it: gather_chosen_grads, scatter_chosen_grads).
 template <typename acc, class Logit>
 void grad_rows_cpu(const Params& p, const Logit& logit) {
   using Vec = at::vec::Vectorized<acc>;
@@ -73,28 +76,29 @@ void grad_rows_cpu(const Params& p, const Logit& logit) {
   const auto* log_sum = static_cast<const acc*>(p.log_sum);
   const auto* log_sum_minus_entropy = static_cast<const acc*>(p.log_sum_minus_entropy);
   const auto *gl = static_cast<const acc*>(p.grad_logprob), *ge = static_cast<const acc*>(p.grad_entropy);
-  const int64_t N = p.rows, C = p.cols, col0 = p.col0;
+  const int64_t N = p.rows, C = p.cols, col0 = p.col0, k = p.tokens_per_row;
   const int64_t* tokens = p.tokens;
   const auto* threshold = static_cast<const acc*>(p.threshold);
   const int64_t C_vec = C - C % Vec::size();
   const auto vlogit = logit.template as<Vec>();
+  std::vector<acc> chosen(k);
   for (int64_t r = 0; r < N; ++r) {
     const acc* x = logits + r * C;
     acc* d = grads + r * p.grads_stride;
-    const int64_t target = tokens[r] - col0;
-    const bool has_target = target >= 0 && target < C;
-    const acc x_target = has_target ? x[target] : acc(0);
+    const int64_t* targets = tokens + k * r;
     const acc m = row_max[r], l = log_sum[r], l_minus_ent = log_sum_minus_entropy[r];
     const acc tau = threshold ? threshold[r] : acc(-INFINITY);
-    const Vec vm(m), vtau(tau), vl(l), vl_minus_ent(l_minus_ent), vgl(gl[r]), vge(ge[r]);
-    for (int64_t k = 0; k < C_vec; k += Vec::size()) {
-      const Vec xk = Vec::loadu(x + k);
-      (logit_grad(vlogit(xk), vm, vtau, vl, vl_minus_ent, vgl, vge) * vlogit.slope(xk)).store(d + k);
+    const acc G = gather_chosen_grads(x, targets, gl + k * r, k, col0, C, m, tau, l, l_minus_ent, ge[r], logit,
+                                      chosen.data());
+    const Vec vm(m), vtau(tau), vl(l), vl_minus_ent(l_minus_ent), vG(G), vge(ge[r]);
+    for (int64_t c = 0; c < C_vec; c += Vec::size()) {
+      const Vec xc = Vec::loadu(x + c);
+      (logit_grad(vlogit(xc), vm, vtau, vl, vl_minus_ent, vG, vge) * vlogit.slope(xc)).store(d + c);
     }
-    for (int64_t k = C_vec; k < C; ++k) {
-      d[k] = logit_grad(logit(x[k]), m, tau, l, l_minus_ent, gl[r], ge[r]) * logit.slope(x[k]);
+    for (int64_t c = C_vec; c < C; ++c) {
+      d[c] = logit_grad(logit(x[c]), m, tau, l, l_minus_ent, G, ge[r]) * logit.slope(x[c]);
     }
-    if (has_target) d[target] += gl[r] * logit.slope(x_target);
+    scatter_chosen_grads(d, targets, chosen.data(), k, col0, C, [](acc v) { return v; });
   }
 }
 
@@ -153,6 +157,34 @@ void top_rows_cpu(const Params& p, const Logit& logit) {
     }
     for (int64_t k = C_vec; k < C; ++k) give(logit(x[k]));
     top[top_column::seen] += acc(seen);
+  }
+}
+
+// Gives each logit of a row, with its global id, to the row's top of top_width (top_ids.h), in
+// column order: once full, a logit equal to its last entry comes after it (a higher id), so only a
+// larger one can enter.
+template <typename acc, class Logit>
+void top_ids_rows_cpu(const Params& p, const Logit& logit) {
+  using Vec = at::vec::Vectorized<acc>;
+  const auto* logits = static_cast<const acc*>(p.logits);
+  auto* values = static_cast<acc*>(p.top);
+  const int64_t N = p.rows, C = p.cols, K = p.top_width, col0 = p.col0;
+  const int64_t C_vec = C - C % Vec::size();
+  const int no_lane = (1 << Vec::size()) - 1;
+  const auto vlogit = logit.template as<Vec>();
+  alignas(64) acc lanes[Vec::size()];
+  for (int64_t r = 0; r < N; ++r) {
+    const acc* x = logits + r * C;
+    acc* top = values + r * K;
+    int64_t* ids = p.top_ids + r * K;
+    for (int64_t c = 0; c < C_vec; c += Vec::size()) {
+      const Vec z = vlogit(Vec::loadu(x + c));
+      // A placeholder root (id kNoId) takes a -inf logit too.
+      if (ids[0] != kNoId && (z > Vec(top[0])).zero_mask() == no_lane) continue;
+      z.store(lanes);
+      for (int j = 0; j < Vec::size(); ++j) top_ids_push(top, ids, K, lanes[j], col0 + c + j);
+    }
+    for (int64_t c = C_vec; c < C; ++c) top_ids_push(top, ids, K, logit(x[c]), col0 + c);
   }
 }
 
@@ -246,6 +278,12 @@ struct CpuKernels {
     });
   }
 
+  static void top_ids_rows(const Params& p, at::ScalarType acc) {
+    AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_top_ids_cpu", [&] {
+      with_logit_map<scalar_t>(p.logit_map, [&](const auto& logit) { top_ids_rows_cpu<scalar_t>(p, logit); });
+    });
+  }
+
   static void hist_rows(const Params& p, at::ScalarType acc) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_hist_cpu", [&] {
       with_logit_map<scalar_t>(p.logit_map, [&](const auto& logit) { hist_rows_cpu<scalar_t>(p, logit); });
@@ -264,7 +302,9 @@ struct CpuKernels {
       const auto* partials = static_cast<const scalar_t*>(p.partials);
       auto* out = static_cast<scalar_t*>(p.out);
       at::parallel_for(0, p.rows, 256, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) combine_row(partials, p.ranks, p.rows, r, out);
+        for (int64_t r = begin; r < end; ++r) {
+          combine_row(partials, p.ranks, p.rows, r, stats_column::chosen + p.tokens_per_row, out);
+        }
       });
     });
   }
@@ -277,6 +317,7 @@ TORCH_LIBRARY_IMPL(fused_rl_ops, CPU, m) {
   m.impl("chosen_logprob_backward", &backward<CpuKernels>);
   m.impl("chosen_logprob_combine", &combine<CpuKernels>);
   m.impl("chosen_logprob_search", &search<CpuKernels>);
+  m.impl("top_logprobs_stats", &top_logprobs_stats<CpuKernels>);
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

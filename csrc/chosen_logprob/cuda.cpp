@@ -51,6 +51,10 @@ struct CudaKernels {
 
   static void top_rows(const Params& p, at::ScalarType) { C10_CUDA_CHECK(launch_chosen_logprob_top_rows(p, stream())); }
 
+  static void top_ids_rows(const Params& p, at::ScalarType) {
+    C10_CUDA_CHECK(launch_chosen_logprob_top_ids_rows(p, stream()));
+  }
+
   static void hist_rows(const Params& p, at::ScalarType) {
     C10_CUDA_CHECK(launch_chosen_logprob_hist_rows(p, stream()));
   }
@@ -72,6 +76,7 @@ TORCH_LIBRARY_IMPL(fused_rl_ops, CUDA, m) {
   m.impl("chosen_logprob_backward", &backward<CudaKernels>);
   m.impl("chosen_logprob_combine", &combine<CudaKernels>);
   m.impl("chosen_logprob_search", &search<CudaKernels>);
+  m.impl("top_logprobs_stats", &top_logprobs_stats<CudaKernels>);
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

@@ -17,8 +17,8 @@ namespace fused_rl_ops::chosen_logprob {
 
 constexpr const char* kOp = "chosen_logprob";
 
-// hidden [N, H] (H >= 1), weight [V, H] in hidden's floating dtype, int64 tokens [N] (the search
-// op takes none: null), on one device, and the option groups every op takes, valid_rows at most V.
+// hidden [N, H] (H >= 1), weight [V, H] in hidden's floating dtype, int64 tokens [N] or [N, k]
+// (k >= 1 tokens per position; the search and top_logprobs ops take none: null), on one device, and the option groups every op takes, valid_rows at most V.
 inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor* tokens,
                          const LogitMap& logit_map, const VocabShard& shard, const Tiling& tiling) {
   check_options(kOp, logit_map);
@@ -32,8 +32,9 @@ inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, con
   TORCH_CHECK_VALUE(hidden.dim() == 2 && hidden.size(1) >= 1 && weight.dim() == 2 && weight.size(1) == hidden.size(1),
                     kOp, ": expected hidden [N, H] with H >= 1 and weight [V, H], got ", hidden.sizes(), " and ",
                     weight.sizes());
-  TORCH_CHECK_VALUE(!tokens || (tokens->dim() == 1 && tokens->size(0) == hidden.size(0)), kOp,
-                    ": tokens must be [N] (hidden's rows), got ", tokens->sizes());
+  TORCH_CHECK_VALUE(!tokens || ((tokens->dim() == 1 || (tokens->dim() == 2 && tokens->size(1) >= 1)) &&
+                                 tokens->size(0) == hidden.size(0)),
+                    kOp, ": tokens must be [N] or [N, k] with k >= 1 (N: hidden's rows), got ", tokens->sizes());
   TORCH_CHECK_VALUE(weight.device() == hidden.device() && (!tokens || tokens->device() == hidden.device()), kOp,
                     ": all tensors must be on one device, got hidden on ", hidden.device(), ", weight on ",
                     weight.device(), tokens ? ", tokens on " : "", tokens ? tokens->device() : hidden.device());
@@ -86,11 +87,14 @@ struct RowSkipping {
   }
 };
 
-// The rows of tokens equal to ignore_index (none without one) as an op leaves them out.
+// The rows whose tokens [N, k] all equal ignore_index (none without one) as an op leaves them out.
 template <class Kernels>
 RowSkipping skipping_ignored(const at::Tensor& tokens, std::optional<int64_t> ignore_index) {
-  return ignore_index ? RowSkipping::of<Kernels>(tokens == *ignore_index) : RowSkipping{};
+  return ignore_index ? RowSkipping::of<Kernels>((tokens == *ignore_index).all(1)) : RowSkipping{};
 }
+
+// tokens [N] as [N, 1]; [N, k] as they are.
+inline at::Tensor per_row(const at::Tensor& t) { return t.dim() == 1 ? t.unsqueeze(1) : t; }
 
 // A stats row of no logits: the empty partial (stats_empty), and with a top an empty top.
 inline at::Tensor empty_stats_row(int64_t columns, const at::TensorOptions& options) {
@@ -110,9 +114,10 @@ at::Tensor stats(const at::Tensor& hidden, const at::Tensor& weight,
   check_options(kOp, Options{FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VALUE)});
   check_per_token("threshold", threshold, hidden);
   const at::DeviceGuard guard(hidden.device());
-  const RowSkipping skipping = skipping_ignored<Kernels>(tokens, ignore_index);
+  const at::Tensor tokens_2d = per_row(tokens);
+  const RowSkipping skipping = skipping_ignored<Kernels>(tokens_2d, ignore_index);
   const std::optional<at::Tensor> tau = threshold ? std::optional(skipping.rows(*threshold, 0)) : std::nullopt;
-  const at::Tensor result = stats_impl<Kernels>(skipping.rows(hidden, 0), weight, skipping.rows(tokens, 0), tau,
+  const at::Tensor result = stats_impl<Kernels>(skipping.rows(hidden, 0), weight, skipping.rows(tokens_2d, 0), tau,
                                                 logit_map, shard, tiling, top_width);
   return skipping.all_rows(result, empty_stats_row(result.size(1), result.options()));
 }
@@ -168,10 +173,10 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
   check_options(kOp, Options{FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VALUE)});
   check_per_token("threshold", threshold, hidden);
   for (const at::Tensor* t : {&row_max, &log_sum, &log_sum_minus_entropy, &grad_logprob, &grad_entropy}) {
-    TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == hidden.size(0) &&
-                          t->scalar_type() == acc_dtype(hidden.scalar_type()) && t->device() == hidden.device(),
-                      kOp, ": row_max, log_sum, log_sum_minus_entropy, grad_logprob and grad_entropy must be [N] in ",
-                      "the accumulation dtype, on hidden's device");
+    const bool shaped = t == &grad_logprob ? t->sizes() == tokens.sizes() : t->dim() == 1 && t->size(0) == hidden.size(0);
+    TORCH_CHECK_VALUE(shaped && t->scalar_type() == acc_dtype(hidden.scalar_type()) && t->device() == hidden.device(),
+                      kOp, ": row_max, log_sum, log_sum_minus_entropy and grad_entropy must be [N], grad_logprob ",
+                      "tokens' shape, in the accumulation dtype, on hidden's device");
   }
   TORCH_CHECK_VALUE(!main_grad || (main_grad->sizes() == weight.sizes() && main_grad->device() == weight.device() &&
                                    (main_grad->scalar_type() == at::kFloat ||
@@ -181,33 +186,54 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
   const at::DeviceGuard guard(hidden.device());
   // The skipped rows' per-token values (an empty partial's -inf and NaN) reach no kernel: left out,
   // or zeroed with their hidden rows, so that they pass exactly 0.
-  const RowSkipping skipping = skipping_ignored<Kernels>(tokens, ignore_index);
+  const at::Tensor tokens_2d = per_row(tokens);
+  const RowSkipping skipping = skipping_ignored<Kernels>(tokens_2d, ignore_index);
   const TokenGrads token_grads{skipping.rows(row_max, 0),
                                skipping.rows(log_sum, 0),
                                skipping.rows(log_sum_minus_entropy, 0),
-                               skipping.rows(grad_logprob, 0),
+                               skipping.rows(per_row(grad_logprob), 0),
                                skipping.rows(grad_entropy, 0),
                                threshold ? skipping.rows(*threshold, 0) : at::Tensor()};
-  auto [grad_hidden, grad_weight] = backward_impl<Kernels>(skipping.rows(hidden, 0), weight, skipping.rows(tokens, 0),
-                                                           token_grads, main_grad, logit_map, shard, tiling);
+  auto [grad_hidden, grad_weight] = backward_impl<Kernels>(skipping.rows(hidden, 0), weight,
+                                                           skipping.rows(tokens_2d, 0), token_grads, main_grad,
+                                                           logit_map, shard, tiling);
   return {skipping.all_rows(grad_hidden, at::zeros({}, grad_hidden.options())), grad_weight};
+}
+
+// The top_logprobs op: each row's partials (stats_column, no chosen logits: [N, 3]) and its k largest
+// logits with their global ids (top_ids.h), [N, k] each, over this shard's valid rows.
+template <class Kernels>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> top_logprobs_stats(const at::Tensor& hidden,
+                                                                  const at::Tensor& weight
+                                                                      FRL_TOP_LOGPROBS_OP_OPTIONS(FRL_OPTION_PARAM)) {
+  const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
+  const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
+  const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
+  check_inputs(hidden, weight, nullptr, logit_map, shard, tiling);
+  check_options(kOp, TopLogprobsOptions{FRL_TOP_LOGPROBS_OPTIONS(FRL_OPTION_VALUE)});
+  const at::DeviceGuard guard(hidden.device());
+  TopIds top(hidden.size(0), k, hidden.options().dtype(acc_dtype(hidden.scalar_type())));
+  const at::Tensor stats = stats_impl<Kernels>(hidden, weight, at::Tensor(), std::nullopt, logit_map, shard, tiling, 0,
+                                               &top);
+  return {stats, top.values, top.ids};
 }
 
 template <class Kernels>
 at::Tensor combine(const at::Tensor& partials_in) {
-  TORCH_CHECK_VALUE(partials_in.dim() == 3 && partials_in.size(2) == stats_column::count, kOp,
-                    ": partials must be [ranks, N, ", int(stats_column::count), "], got ", partials_in.sizes());
+  TORCH_CHECK_VALUE(partials_in.dim() == 3 && partials_in.size(2) >= stats_column::chosen, kOp,
+                    ": partials must be [ranks, N, ", int(stats_column::chosen), " + k], got ", partials_in.sizes());
   TORCH_CHECK_TYPE(partials_in.scalar_type() == at::kFloat || (partials_in.scalar_type() == at::kDouble &&
                                                                 partials_in.is_cpu()),
                    kOp, ": partials must be float32 (float64 only on CPU), got ", partials_in.scalar_type());
   const at::DeviceGuard guard(partials_in.device());
   const at::Tensor partials = partials_in.contiguous();
-  at::Tensor out = at::empty({partials.size(1), stats_column::count}, partials.options());
+  at::Tensor out = at::empty({partials.size(1), partials.size(2)}, partials.options());
   Params p;
   p.partials = partials.const_data_ptr();
   p.out = out.mutable_data_ptr();
   p.ranks = partials.size(0);
   p.rows = partials.size(1);
+  p.tokens_per_row = partials.size(2) - stats_column::chosen;
   Kernels::combine(p, partials.scalar_type());
   return out;
 }

@@ -5,6 +5,7 @@
 #include "common/cuda_utils.cuh"
 #include "chosen_logprob/math.h"
 #include "chosen_logprob/sampler_filter.h"
+#include "chosen_logprob/top_ids.h"
 
 namespace fused_rl_ops::chosen_logprob {
 
@@ -15,6 +16,8 @@ constexpr int kGradWidth = 4;         // grad: columns per thread and access whe
 constexpr int kCombineThreads = 256;  // combine: one thread per row
 constexpr int kTopRowsPerBlock = 8;   // top: one warp per row
 constexpr int kHistThreads = 256;     // hist: one block per row, of whole warps
+constexpr int kEntryThreads = 128;    // grad with several tokens per position: one thread per row
+constexpr int kTopIdsRowsPerBlock = 8;  // top_ids: one warp per row
 
 // The merge of every lane's stats (stats_merge), in the same butterfly order on every call
 // (deterministic); every lane gets the total (stats_merge is symmetric).
@@ -33,9 +36,11 @@ __device__ __forceinline__ RowStats<float> warp_stats(RowStats<float> r) {
 // 1): lane l takes columns [kWidth l, kWidth (l + 1)), then those kWarp kWidth further on, ...; the
 // lanes' stats merge in a fixed butterfly: deterministic.
 // Logit: PlainLogit<float> or SoftcappedLogit<float> (chosen_logprob/math.h), raw logits -> z.
+// tokens [N, entries] (entries may be 0: none); the lanes take the chosen logits of entries lane,
+// lane + 32, ...
 template <class Logit, int kWidth>
 __global__ void chosen_logprob_stats_rows_kernel(const float* __restrict__ logits, int64_t N, int64_t C, int64_t col0,
-                                                 const int64_t* __restrict__ tokens, Logit logit,
+                                                 const int64_t* __restrict__ tokens, int64_t entries, Logit logit,
                                                  const float* __restrict__ threshold, float* __restrict__ stats) {
   const int lane = threadIdx.x % kWarp;
   for (int64_t r = blockIdx.x * int64_t(kStatsRowsPerBlock) + threadIdx.x / kWarp; r < N;
@@ -50,8 +55,12 @@ __global__ void chosen_logprob_stats_rows_kernel(const float* __restrict__ logit
       for (int i = 0; i < kWidth; ++i) z[i] = logit(in.v[i]);
       stats_add_online(lane_stats, z, tau);
     }
+    float* row = stats + (stats_column::chosen + entries) * r;
     const RowStats<float> chunk = warp_stats(lane_stats);
-    if (lane == 0) stats_update_row(stats + stats_column::count * r, chunk, x, tokens[r] - col0, C, logit);
+    if (lane == 0) stats_update_row(row, chunk);
+    if (entries > 0) {
+      stats_pick_chosen(row + stats_column::chosen, tokens + entries * r, entries, lane, kWarp, x, col0, C, logit);
+    }
   }
 }
 
@@ -85,7 +94,7 @@ __global__ void __launch_bounds__(kGradThreads, 2048 / kGradThreads)
     const float tau = threshold ? threshold[r] : -INFINITY;
     // Columns in 32 bits (the launcher refuses chunks of 2^30 columns or more), which keeps the
     // filter's tau within the register budget; the chosen one, or -1 outside the chunk.
-    const int64_t chosen = tokens[r] - col0;
+    const int64_t chosen = tokens ? tokens[r] - col0 : -1;
     const int target = chosen >= 0 && chosen < C ? int(chosen) : -1;
     for (int k = int(threadIdx.x) * kWidth; k < int(C); k += int(blockDim.x) * kWidth) {
       const Pack<float, kWidth> in = *reinterpret_cast<const Pack<float, kWidth>*>(x + k);
@@ -95,6 +104,71 @@ __global__ void __launch_bounds__(kGradThreads, 2048 / kGradThreads)
         out.v[i] = from_float<G>(raw_logit_grad(in.v[i], k + i == target, m, tau, l, l_minus_ent, g, e, logit));
       }
       store_pack(d + k, out);
+    }
+  }
+}
+
+// Several tokens per position, k > 1 (math.h's gather_chosen_grads), around the grad kernel run
+// without tokens: first, one thread per row takes, from the logits, its chosen columns' gradients
+// and the row's summed logprob gradient G into entry_grads ([N] G, then [N, k]); the grad kernel
+// then writes every column with G alone, and the scatter writes the chosen columns over it, rounded
+// once to G's dtype.
+template <class Logit>
+__global__ void chosen_logprob_gather_entry_grads_kernel(const float* __restrict__ logits, int64_t N, int64_t C,
+                                                         int64_t col0, const int64_t* __restrict__ tokens, int64_t k,
+                                                         const float* __restrict__ row_max,
+                                                         const float* __restrict__ log_sum,
+                                                         const float* __restrict__ log_sum_minus_entropy,
+                                                         const float* __restrict__ gl, const float* __restrict__ ge,
+                                                         const float* __restrict__ threshold, Logit logit,
+                                                         float* __restrict__ entry_grads) {
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < N; r += int64_t(gridDim.x) * blockDim.x) {
+    const float tau = threshold ? threshold[r] : -INFINITY;
+    entry_grads[r] = gather_chosen_grads(logits + r * C, tokens + k * r, gl + k * r, k, col0, C, row_max[r], tau,
+                                         log_sum[r], log_sum_minus_entropy[r], ge[r], logit, entry_grads + N + k * r);
+  }
+}
+
+template <typename G>
+__global__ void chosen_logprob_scatter_entry_grads_kernel(int64_t N, int64_t C, int64_t col0,
+                                                          const int64_t* __restrict__ tokens, int64_t k,
+                                                          const float* __restrict__ entry_grads, G* __restrict__ grads,
+                                                          int64_t grads_stride) {
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < N; r += int64_t(gridDim.x) * blockDim.x) {
+    scatter_chosen_grads(grads + r * grads_stride, tokens + k * r, entry_grads + N + k * r, k, col0, C,
+                         [](float v) { return from_float<G>(v); });
+  }
+}
+
+// Gives each logit of a row with its global id to the row's top (top_ids.h), in column order as
+// the CPU kernel does: the warp of a row takes 32 columns at a time, a ballot names those before
+// the top's last entry, and lane 0 gives them one by one. Only lane 0 touches the row's top.
+template <class Logit>
+__global__ void chosen_logprob_top_ids_rows_kernel(const float* __restrict__ logits, int64_t N, int64_t C,
+                                                   int64_t col0, Logit logit, float* __restrict__ values,
+                                                   int64_t* __restrict__ ids, int64_t K) {
+  const int lane = threadIdx.x % kWarp;
+  for (int64_t r = blockIdx.x * int64_t(kTopIdsRowsPerBlock) + threadIdx.x / kWarp; r < N;
+       r += int64_t(gridDim.x) * kTopIdsRowsPerBlock) {
+    const float* x = logits + r * C;
+    float* top = values + r * K;
+    int64_t* top_id = ids + r * K;
+    float last = __shfl_sync(0xffffffffu, lane == 0 ? top[0] : 0.f, 0);
+    int64_t last_id = __shfl_sync(0xffffffffu, lane == 0 ? top_id[0] : 0, 0);
+    for (int64_t c0 = 0; c0 < C; c0 += kWarp) {
+      const int64_t c = c0 + lane;
+      const bool column = c < C;
+      const float z = column ? logit(x[c]) : -INFINITY;
+      const unsigned given = __ballot_sync(0xffffffffu, column && top_before(z, col0 + c, last, last_id));
+      for (unsigned rest = given; rest != 0; rest &= rest - 1) {
+        const int from = __ffs(rest) - 1;
+        const float v = __shfl_sync(0xffffffffu, z, from);
+        if (lane == 0) top_ids_push(top, top_id, K, v, col0 + c0 + from);
+      }
+      if (given != 0) {
+        last = __shfl_sync(0xffffffffu, lane == 0 ? top[0] : 0.f, 0);
+        last_id = __shfl_sync(0xffffffffu, lane == 0 ? top_id[0] : 0, 0);
+      }
     }
   }
 }
@@ -196,9 +270,9 @@ __global__ void chosen_logprob_hist_rows_kernel(const float* __restrict__ logits
 }
 
 __global__ void chosen_logprob_combine_kernel(const float* __restrict__ partials, int64_t ranks, int64_t N,
-                                              float* __restrict__ out) {
+                                              int64_t columns, float* __restrict__ out) {
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < N; r += int64_t(gridDim.x) * blockDim.x) {
-    combine_row(partials, ranks, N, r, out);
+    combine_row(partials, ranks, N, r, columns, out);
   }
 }
 

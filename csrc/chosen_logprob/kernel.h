@@ -14,13 +14,15 @@ namespace fused_rl_ops::chosen_logprob {
 // Reads logits and tokens; merges the chunk into stats.
 cudaError_t launch_chosen_logprob_stats_rows(const Params& p, cudaStream_t stream);
 // logits -> d(grad_logprob * logprob + grad_entropy * entropy) / d(logits), into grads in grads_dtype
-// (fp32 grads may be logits itself).
+// (fp32 grads may be logits itself); with tokens_per_row > 1 through entry_grads.
 cudaError_t launch_chosen_logprob_grad_rows(const Params& p, DType grads_dtype, cudaStream_t stream);
 // Reads partials; writes out.
 cudaError_t launch_chosen_logprob_combine(const Params& p, cudaStream_t stream);
 // The sampler's filter (chosen_logprob/sampler_filter.h). Reads logits, threshold and window; gives
 // the chunk to top.
 cudaError_t launch_chosen_logprob_top_rows(const Params& p, cudaStream_t stream);
+// top_logprobs (chosen_logprob/top_ids.h). Reads logits; gives the chunk, with ids, to top and top_ids.
+cudaError_t launch_chosen_logprob_top_ids_rows(const Params& p, cudaStream_t stream);
 // Reads logits, row_max and window; adds the chunk to hist.
 cudaError_t launch_chosen_logprob_hist_rows(const Params& p, cudaStream_t stream);
 

@@ -26,9 +26,10 @@
 
 namespace fused_rl_ops::chosen_logprob {
 
-// The columns of a token's row of stats, [N, stats_column::count]: a vocab shard's partials (m, s,
-// t and the chosen logit z[token], 0 when another shard holds the token; stats_update_row), and
-// what combine_row makes of the shards' partials (m, log s, entropy, the chosen logit).
+// The columns of a position's row of stats, [N, stats_column::chosen + k] for k tokens per position
+// (stats_column::count for one): a vocab shard's partials (m, s, t, then the k chosen logits
+// z[token], 0 where another shard holds the token; stats_update_row, stats_pick_chosen), and what
+// combine_row makes of the shards' partials (m, log s, entropy, the k chosen logits).
 namespace stats_column {
 enum : int { max, sum, ent, chosen, count };
 }
@@ -117,35 +118,44 @@ FRL_HD T stats_entropy(const RowStats<T>& r) {
   return Math<T>::log(r.sum) - r.ent / r.sum;
 }
 
-// Merges one vocab chunk's sums into a token's row of stats, taking the chosen logit
-// logit(x[target]) from x (the chunk's raw logits) when target falls inside the chunk.
-template <typename T, class Logit>
-FRL_HD void stats_update_row(T* row, const RowStats<T>& chunk, const T* x, int64_t target, int64_t C,
-                             const Logit& logit) {
+// Merges one vocab chunk's sums into a position's row of stats.
+template <typename T>
+FRL_HD void stats_update_row(T* row, const RowStats<T>& chunk) {
   RowStats<T> running{row[stats_column::max], row[stats_column::sum], row[stats_column::ent]};
   stats_merge(running, chunk);
   row[stats_column::max] = running.max;
   row[stats_column::sum] = running.sum;
   row[stats_column::ent] = running.ent;
-  if (target >= 0 && target < C) row[stats_column::chosen] = logit(x[target]);
 }
 
-// Token r of partials [ranks, N, stats_column::count] (one row of stats per shard) -> row r of out
-// (combined_column): lse = m + log s.
-template <typename T>
-FRL_HD void combine_row(const T* partials, int64_t ranks, int64_t N, int64_t r, T* out) {
-  RowStats<T> row = stats_empty<T>();
-  T chosen = 0;  // only the owning shard's is nonzero
-  for (int64_t k = 0; k < ranks; ++k) {
-    const T* q = partials + (k * N + r) * stats_column::count;
-    stats_merge(row, RowStats<T>{q[stats_column::max], q[stats_column::sum], q[stats_column::ent]});
-    chosen += q[stats_column::chosen];
+// Takes the chosen logits logit(x[target]) of a position's entries j = first, first + step, ... < k
+// (targets: their k global ids) whose token falls inside the chunk (x: its C raw logits, column 0
+// the global id col0) into chosen[j]; the others keep theirs.
+template <typename T, class Logit>
+FRL_HD void stats_pick_chosen(T* chosen, const int64_t* targets, int64_t k, int64_t first, int64_t step, const T* x,
+                              int64_t col0, int64_t C, const Logit& logit) {
+  for (int64_t j = first; j < k; j += step) {
+    const int64_t target = targets[j] - col0;
+    if (target >= 0 && target < C) chosen[j] = logit(x[target]);
   }
-  T* o = out + r * stats_column::count;
+}
+
+// Position r of partials [ranks, N, columns] (one row of stats per shard, columns =
+// stats_column::chosen + k) -> row r of out (combined_column): lse = m + log s; the chosen logits
+// summed (only the owning shard's are nonzero).
+template <typename T>
+FRL_HD void combine_row(const T* partials, int64_t ranks, int64_t N, int64_t r, int64_t columns, T* out) {
+  RowStats<T> row = stats_empty<T>();
+  T* o = out + r * columns;
+  for (int64_t c = stats_column::chosen; c < columns; ++c) o[c] = 0;
+  for (int64_t k = 0; k < ranks; ++k) {
+    const T* q = partials + (k * N + r) * columns;
+    stats_merge(row, RowStats<T>{q[stats_column::max], q[stats_column::sum], q[stats_column::ent]});
+    for (int64_t c = stats_column::chosen; c < columns; ++c) o[c] += q[c];
+  }
   o[combined_column::row_max] = row.max;
   o[combined_column::log_sum] = Math<T>::log(row.sum);
   o[combined_column::entropy] = stats_entropy(row);
-  o[combined_column::chosen] = chosen;
 }
 
 // d(grad_logprob * logprob + grad_entropy * entropy) / dz for a column that is not the chosen
@@ -161,6 +171,54 @@ FRL_HD T logit_grad(T z, T m, T tau, T log_sum, T log_sum_minus_entropy, T gl, T
   const T p = Math<T>::exp(z_minus_max - log_sum);
   return Math<T>::select((p == T(0)) | (z < tau), T(0),
                          T(0) - p * (gl + ge * (z_minus_max - log_sum_minus_entropy)));
+}
+
+// A position's k entries (k tokens scored under one distribution; grad_rows): their upstream logprob
+// gradients gl [k] (0 for entries that pass none) summed in entry order, the G every column's
+// probability term takes: d(sum_j gl_j logprob_j) / dz_v = sum_j gl_j 1[v = token_j] - G p_v.
+template <typename T>
+FRL_HD T entries_grad_sum(const T* gl, int64_t k) {
+  T sum = 0;
+  for (int64_t j = 0; j < k; ++j) sum += gl[j];
+  return sum;
+}
+
+// The final gradient of raw logit x in the column of a chosen token: logit_grad with the row's
+// summed G (entries_grad_sum), plus the upstream gradients of every entry choosing this column
+// (several entries may name one token), through the logit map.
+template <typename T, class Logit>
+FRL_HD T chosen_column_grad(T x, const int64_t* targets, const T* gl, int64_t k, int64_t target, T m, T tau,
+                            T log_sum, T log_sum_minus_entropy, T G, T ge, const Logit& logit) {
+  T own = 0;
+  for (int64_t j = 0; j < k; ++j) own += targets[j] == target ? gl[j] : T(0);
+  return (logit_grad(logit(x), m, tau, log_sum, log_sum_minus_entropy, G, ge) + own) * logit.slope(x);
+}
+
+// Before a row's logits are overwritten by their gradients: for each entry j whose token falls
+// inside the chunk (global ids targets [k], column 0 the global id col0), the final gradient of its
+// column into values[j] (chosen_column_grad); returns G. scatter_chosen_grads then writes them over
+// what the row's probability term wrote there (entries naming one token write one value).
+template <typename T, class Logit>
+FRL_HD T gather_chosen_grads(const T* x, const int64_t* targets, const T* gl, int64_t k, int64_t col0, int64_t C,
+                             T m, T tau, T log_sum, T log_sum_minus_entropy, T ge, const Logit& logit, T* values) {
+  const T G = entries_grad_sum(gl, k);
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t target = targets[j] - col0;
+    if (target >= 0 && target < C) {
+      values[j] = chosen_column_grad(x[target], targets, gl, k, targets[j], m, tau, log_sum, log_sum_minus_entropy, G,
+                                     ge, logit);
+    }
+  }
+  return G;
+}
+
+template <typename T, typename G, class Round>
+FRL_HD void scatter_chosen_grads(G* d, const int64_t* targets, const T* values, int64_t k, int64_t col0, int64_t C,
+                                 const Round& round) {
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t target = targets[j] - col0;
+    if (target >= 0 && target < C) d[target] = round(values[j]);
+  }
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

@@ -15,6 +15,10 @@
 #define FRL_CHOSEN_LOGPROB_OP_OPTIONS(X) FRL_LOGIT_MAP(X) FRL_VOCAB_SHARD(X) FRL_TILING(X) FRL_CHOSEN_LOGPROB_OPTIONS(X)
 // The search op's: it scores no tokens.
 #define FRL_CHOSEN_LOGPROB_SEARCH_OPTIONS(X) FRL_LOGIT_MAP(X) FRL_VOCAB_SHARD(X) FRL_TILING(X)
+// The top_logprobs op's own (fused_rl_ops/top_logprobs.py, TopLogprobsOptions), after the search
+// op's groups: k, the ids kept per row (a default only because the options before it have some).
+#define FRL_TOP_LOGPROBS_OPTIONS(X) X(int64_t, k, "int", "=1", PositiveInteger)
+#define FRL_TOP_LOGPROBS_OP_OPTIONS(X) FRL_CHOSEN_LOGPROB_SEARCH_OPTIONS(X) FRL_TOP_LOGPROBS_OPTIONS(X)
 
 namespace fused_rl_ops::chosen_logprob {
 
@@ -25,6 +29,15 @@ struct Options {
 template <class Fn>
 void visit_options(const Options& options, const Fn& fn) {
   FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VISIT)
+}
+
+struct TopLogprobsOptions {
+  FRL_TOP_LOGPROBS_OPTIONS(FRL_OPTION_FIELD)
+};
+
+template <class Fn>
+void visit_options(const TopLogprobsOptions& options, const Fn& fn) {
+  FRL_TOP_LOGPROBS_OPTIONS(FRL_OPTION_VISIT)
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

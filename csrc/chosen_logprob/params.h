@@ -17,8 +17,11 @@ namespace fused_rl_ops::chosen_logprob {
 struct Params {
   // stats_rows and grad_rows: one pass of token rows against one vocab chunk.
   const void* logits = nullptr;     // [rows, cols] raw logits h . w
-  const int64_t* tokens = nullptr;  // [rows]
-  void* stats = nullptr;            // stats_rows: [rows, stats_column::count], the chunk merged in
+  // [rows, tokens_per_row]: k tokens per position (chosen_logprob/math.h); stats_rows may take
+  // k = 0 (null tokens: no chosen logits).
+  const int64_t* tokens = nullptr;
+  int64_t tokens_per_row = 1;
+  void* stats = nullptr;  // stats_rows: [rows, stats_column::chosen + tokens_per_row], the chunk merged in
   // grad_rows: where the logit gradients go, [rows, cols] with rows grads_stride elements apart, in
   // the dtype the gradient GEMMs take (the CPU kernels: the accumulation type; the CUDA launcher
   // is told it). logits itself (grads_stride = cols) when that is the accumulation type: each
@@ -30,20 +33,27 @@ struct Params {
   const void* row_max = nullptr;  // and hist_rows
   const void* log_sum = nullptr;
   const void* log_sum_minus_entropy = nullptr;
-  const void* grad_logprob = nullptr;
+  const void* grad_logprob = nullptr;  // [rows, tokens_per_row]
   const void* grad_entropy = nullptr;
+  // grad_rows with tokens_per_row > 1 on CUDA: [rows * (1 + tokens_per_row)] accumulation-type
+  // scratch, the rows' summed logprob gradients then their chosen columns' gradients
+  // (gather_chosen_grads), written before the logits are overwritten.
+  void* entry_grads = nullptr;
   // stats_rows, grad_rows and top_rows: [rows] the tokens' thresholds of the sampler's filter, the
   // logits below them dropped (chosen_logprob/sampler_filter.h); null: none dropped.
   const void* threshold = nullptr;
   // top_rows: [rows, top_column::values + top_width] the rows' tops, the chunk given to them.
   void* top = nullptr;
   int64_t top_width = 0;
+  // top_ids_rows: [rows, top_width] int64, the global ids of the values of p.top ([rows, top_width],
+  // no header; chosen_logprob/top_ids.h).
+  int64_t* top_ids = nullptr;
   // hist_rows: [rows, kSearchBins] int64 search histograms, the chunk's mass added (relative to
   // row_max, the global row max); hist_rows and top_rows: [rows, 2] double search windows
   // (SearchWindow: sigma, hi), null for top_rows: every logit.
   void* hist = nullptr;
   const void* window = nullptr;
-  // combine: [ranks, rows, stats_column::count] per-shard stats -> [rows, stats_column::count]
+  // combine: [ranks, rows, stats_column::chosen + tokens_per_row] per-shard stats -> [rows, same]
   // (combined_column).
   const void* partials = nullptr;
   void* out = nullptr;

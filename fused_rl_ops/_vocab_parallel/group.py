@@ -10,10 +10,11 @@ from .._library import ops
 
 
 class StatsColumns(NamedTuple):
-    """The columns of chosen_logprob_stats' [N, 4] output: a vocab shard's partials of each token's
-    row (csrc/chosen_logprob/math.h, stats_column): the max m of its logits, s = sum exp(z - m),
-    t = sum exp(z - m) (z - m), and the chosen logit (0 when another shard holds the token). With
-    top_width the row's top follows them (sampler_filter.TOP_HEADER + top_width columns)."""
+    """The columns of chosen_logprob_stats' [N, 3 + k] output (k tokens per position): a vocab
+    shard's partials of each position's row (csrc/chosen_logprob/math.h, stats_column): the max m
+    of its logits, s = sum exp(z - m), t = sum exp(z - m) (z - m), and the k chosen logits (0 when
+    another shard holds the token). With top_width the row's top follows them
+    (sampler_filter.TOP_HEADER + top_width columns)."""
     max: torch.Tensor
     sum: torch.Tensor
     ent: torch.Tensor
@@ -21,13 +22,17 @@ class StatsColumns(NamedTuple):
 
 
 class CombinedColumns(NamedTuple):
-    """The columns of chosen_logprob_combine's [N, 4] output: the shards' partials merged
+    """The columns of chosen_logprob_combine's [N, 3 + k] output: the shards' partials merged
     (combined_column): the row max, the log-sum relative to it (lse = row_max + log_sum), the
-    entropy and the chosen logit."""
+    entropy [N] each, and the chosen logits [N, k]."""
     row_max: torch.Tensor
     log_sum: torch.Tensor
     entropy: torch.Tensor
     chosen: torch.Tensor
+
+
+# The first chosen-logit column of both (stats_column::chosen).
+CHOSEN = 3
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class TensorParallelGroup:
             dist.all_reduce(t, group=self.group)
 
     def combine(self, stats: torch.Tensor) -> CombinedColumns:
-        """The ranks' partials of chosen_logprob_stats ([N, 4] each) merged. lse = row_max +
+        """The ranks' partials of chosen_logprob_stats ([N, 3 + k] each) merged. lse = row_max +
         log_sum, kept apart: z - row_max is exact near the top of the row."""
-        return CombinedColumns(*ops.chosen_logprob_combine(self.gather(stats)).unbind(1))
+        merged = ops.chosen_logprob_combine(self.gather(stats))
+        return CombinedColumns(*merged[:, :CHOSEN].unbind(1), merged[:, CHOSEN:])

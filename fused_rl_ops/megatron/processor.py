@@ -3,10 +3,14 @@
 Megatron calls the processor in place of its output layer with keywords only (`hidden_states`
 [s(/tp), b, h] after the final layernorm, `output_layer`, `output_weight` when embeddings are tied,
 `labels` [b, s], `loss_mask`, `context`, `config`, ...). It returns a dict of fp32 [b, s] tensors,
-keys in `output_names` order: "logprobs", then "entropy" and "values" when asked for.
+keys in `output_names` order: "logprobs", then "entropy" and "values" when asked for, then with
+top_logprobs=k "top_ids" and "top_logprobs" [b, s, k] (fused_rl_ops.top_logprobs: the model's own k
+most likely tokens under temperature and softcap; positions not scored get ids ignore_index and
+logprobs 0, and are not computed).
 
-Tokens come from `labels` or `context["tokens"]` (exactly one), [b, s] like `loss_mask`. Positions
-with loss_mask 0 or ignore_index get logprob 0, entropy 0 and no gradient, and are not computed
+Tokens come from `labels` or `context["tokens"]` (exactly one), [b, s] like `loss_mask`, or from
+the context [b, s, k] (k tokens per position: logprobs [b, s, k]; a position is scored when any of
+its entries is). Positions with loss_mask 0 or ignore_index get logprob 0, entropy 0 and no gradient, and are not computed
 (chosen_logprob's skip_ignored: its ops leave them out; under CUDA graph capture every position
 is computed, with the same results). The
 weight is the local vocab shard (tied embedding or output_layer.weight) over the output layer's TP
@@ -25,6 +29,7 @@ import torch.distributed as dist
 
 import fused_rl_ops
 from fused_rl_ops.logit_options import LogitOptions
+from fused_rl_ops.top_logprobs import scored_top_logprobs
 
 from .param_sync import run_forward_pre_hooks_of_read_modules
 
@@ -91,7 +96,7 @@ class RLOutputProcessor:
     """
 
     def __init__(self, *, return_entropy=True, value_head=None, ignore_index=-100, vocab_size=None,
-                 batch_invariant=False, host_checks=True, **logit_options):
+                 batch_invariant=False, host_checks=True, top_logprobs=None, **logit_options):
         self.logit_options = LogitOptions(**logit_options)
         self.return_entropy = return_entropy
         self.value_head = value_head
@@ -104,6 +109,9 @@ class RLOutputProcessor:
             self.output_names += ("entropy",)
         if value_head is not None:
             self.output_names += ("values",)
+        self.top_logprobs = top_logprobs
+        if top_logprobs is not None:
+            self.output_names += ("top_ids", "top_logprobs")
 
     @property
     def temperature(self):
@@ -125,13 +133,14 @@ class RLOutputProcessor:
         tokens = self._tokens(labels, context, expected_shape, hidden_states)
         if loss_mask is not None:
             self._check_batch_shape("loss_mask", loss_mask, expected_shape, hidden_states)
-            tokens = tokens.masked_fill(loss_mask == 0, self.ignore_index)
+            masked = (loss_mask == 0).reshape(*loss_mask.shape, *[1] * (tokens.dim() - 2))
+            tokens = tokens.masked_fill(masked, self.ignore_index)
         # Megatron's DDP hooks (overlap_param_gather) wait for the weights' all-gather (param_sync.py).
         run_forward_pre_hooks_of_read_modules(output_layer)
         weight = output_weight if output_weight is not None else output_layer.weight
         # Work in the model's [s, b] layout and transpose only the small per-token results.
-        per_token = self._per_token(hidden_states, output_layer, weight, tokens.t())
-        return {name: t.t().contiguous() for name, t in zip(self.output_names, per_token)}
+        per_token = self._per_token(hidden_states, output_layer, weight, tokens.transpose(0, 1))
+        return {name: t.transpose(0, 1).contiguous() for name, t in zip(self.output_names, per_token)}
 
     def _tokens(self, labels, context, expected_shape, hidden_states):
         context_tokens = context.get("tokens") if isinstance(context, dict) else None
@@ -143,15 +152,19 @@ class RLOutputProcessor:
             )
         if labels is not None:
             return self._check_batch_shape("labels", labels, expected_shape, hidden_states)
-        return self._check_batch_shape("output_processor_context['tokens']", context_tokens, expected_shape, hidden_states)
+        return self._check_batch_shape("output_processor_context['tokens']", context_tokens, expected_shape,
+                                       hidden_states, per_position=True)
 
-    def _check_batch_shape(self, name, tensor, expected_shape, hidden_states):
-        """tensor, if it is a [b, s] tensor for these hidden states; else a ValueError naming it."""
+    def _check_batch_shape(self, name, tensor, expected_shape, hidden_states, per_position=False):
+        """tensor, if it is a [b, s] tensor for these hidden states (per_position: or [b, s, k], k >=
+        1 tokens per position); else a ValueError naming it."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{type(self).__name__}: {name} must be a [b, s] tensor, got {type(tensor).__name__}")
-        if tuple(tensor.shape) != expected_shape:
+        many = per_position and tensor.dim() == 3 and tensor.shape[2] >= 1
+        if tuple(tensor.shape[:2] if many else tensor.shape) != expected_shape:
             raise ValueError(
-                f"{type(self).__name__}: {name} must be [b, s] = {list(expected_shape)} for hidden states "
+                f"{type(self).__name__}: {name} must be [b, s]{' or [b, s, k]' if per_position else ''} = "
+                f"{list(expected_shape)} for hidden states "
                 f"{list(hidden_states.shape)} ([s, b, h], s split over TP ranks with sequence parallel), "
                 f"got {list(tensor.shape)}"
             )
@@ -177,13 +190,24 @@ class RLOutputProcessor:
             check_group=self.host_checks,
         )
         per_token = tuple(result) if self.return_entropy else (result,)
+        top = () if self.top_logprobs is None else self._top(hidden_states, weight, tokens, tp_group,
+                                                              sequence_parallel)
         if self.value_head is None:
-            return per_token
+            return per_token + top
         if sequence_parallel:
             # Every TP rank computes the same value loss from the gathered states, so each holds the
             # full gradient, and the gather's backward sums over the ranks: hence 1/tp.
             hidden_states = _ScaleGrad.apply(hidden_states, 1.0 / torch.distributed.get_world_size(tp_group))
-        return per_token + (self._apply_value_head(hidden_states),)
+        return per_token + (self._apply_value_head(hidden_states),) + top
+
+    def _top(self, hidden_states, weight, tokens, tp_group, sequence_parallel):
+        """[s, b, k] top_ids and top_logprobs of the scored positions (ignore_index and 0 elsewhere),
+        computed on those rows alone (a host read of their count)."""
+        scored = tokens != self.ignore_index
+        return scored_top_logprobs(
+            hidden_states, weight, self.top_logprobs, scored if scored.dim() == 2 else scored.any(-1),
+            self.ignore_index, temperature=self.logit_options.temperature, softcap=self.logit_options.softcap,
+            vocab_size=self.vocab_size, tp_group=tp_group, reduce_hidden_grad=not sequence_parallel)
 
     def _apply_value_head(self, hidden_states):
         if isinstance(self.value_head, torch.nn.Module):
@@ -211,11 +235,12 @@ def _fused_main_grad(output_layer, weight):
 
 
 def rl_output_processor(*, return_entropy=True, value_head=None, ignore_index=-100, vocab_size=None,
-                        batch_invariant=False, host_checks=True, **logit_options):
-    """An output processor returning fp32 [b, s] logprobs (+ entropy, values); see the module
-    docstring. logit_options: the keywords of fused_rl_ops.LogitOptions (temperature=1.0, ...)."""
+                        batch_invariant=False, host_checks=True, top_logprobs=None, **logit_options):
+    """An output processor returning fp32 [b, s] logprobs (+ entropy, values; with top_logprobs=k the
+    model's top k ids and logprobs [b, s, k]); see the module docstring. logit_options: the keywords
+    of fused_rl_ops.LogitOptions (temperature=1.0, ...)."""
     return RLOutputProcessor(return_entropy=return_entropy, value_head=value_head, ignore_index=ignore_index,
                              vocab_size=vocab_size, batch_invariant=batch_invariant, host_checks=host_checks,
-                             **logit_options)
+                             top_logprobs=top_logprobs, **logit_options)
 
 

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from ..chosen_logprob import OP_GROUPS as CHOSEN_LOGPROB_GROUPS, SEARCH_GROUPS as CHOSEN_LOGPROB_SEARCH_GROUPS
 from ..clamped_swiglu import ClampedSwigluOptions
+from ..top_logprobs import TOP_LOGPROBS_GROUPS
 from . import sanitizer_cases
 
 
@@ -59,7 +60,8 @@ OPS = (
     Op("chosen_logprob",
        operators={"chosen_logprob_stats": CHOSEN_LOGPROB_GROUPS, "chosen_logprob_combine": (),
                   "chosen_logprob_backward": CHOSEN_LOGPROB_GROUPS,
-                  "chosen_logprob_search": CHOSEN_LOGPROB_SEARCH_GROUPS},
+                  "chosen_logprob_search": CHOSEN_LOGPROB_SEARCH_GROUPS,
+                  "top_logprobs_stats": TOP_LOGPROBS_GROUPS},
        benchmark="bench_chosen_logprob",
        # The V and N sweeps do not fit in the run: a later one.
        gpu_runs=(BenchmarkRun("bench_chosen_logprob", 200, ("--no-sweeps",)),

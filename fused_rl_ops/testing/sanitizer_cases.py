@@ -34,7 +34,8 @@ CHOSEN_LOGPROB_SETTINGS = [{}, dict(softcap=3.0), dict(top_k=7), dict(top_p=0.9,
 
 def chosen_logprob(device):
     """Several chunks (the last one partial), padded rows, an ignored token; with each setting
-    above; the weight gradient returned and added into a main_grad."""
+    above; the weight gradient returned and added into a main_grad. Then three tokens per position
+    (an ignored entry, a duplicate) and top_logprobs (its top_ids_rows)."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         hidden = torch.randn(37, 33, device=device, dtype=dtype, requires_grad=True)
         weight = (torch.randn(300, 33, device=device, dtype=dtype) * 0.2).requires_grad_(True)
@@ -46,6 +47,13 @@ def chosen_logprob(device):
                                                       return_entropy=True, workspace_bytes=1, main_grad=main_grad,
                                                       **settings)
                 (lp.sum() + ent.sum()).backward()
+        many = torch.stack([tokens, tokens.flip(0), tokens], 1)
+        many[1, 0] = -100
+        lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, many, temperature=0.7, vocab_size=290,
+                                              return_entropy=True, workspace_bytes=1, softcap=3.0)
+        (lp.sum() + ent.sum()).backward()
+        _, top = fused_rl_ops.top_logprobs(hidden, weight, 5, temperature=0.7, vocab_size=290)
+        top.sum().backward()
 
 
 def value_head(device):

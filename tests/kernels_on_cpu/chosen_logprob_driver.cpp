@@ -1,7 +1,8 @@
 // Calls chosen_logprob's launchers (csrc/chosen_logprob/kernel.cu) on the CPU: stats_rows,
 // grad_rows (in place, or into a buffer of the gradient GEMMs' dtype), combine, top_rows and
-// hist_rows. A case's optional buffers: threshold (stats_rows, grad_rows, top_rows), window
-// (top_rows). Its logit map: a scalar per option of FRL_LOGIT_MAP (common/logit_map.h), an optional
+// hist_rows, and top_ids_rows. A case's optional buffers: threshold (stats_rows, grad_rows, top_rows),
+// window (top_rows), entry_grads (grad_rows); its optional scalar k: the tokens per position
+// (stats_rows, grad_rows, combine; default 1). Its logit map: a scalar per option of FRL_LOGIT_MAP (common/logit_map.h), an optional
 // one left out for none.
 #include "chosen_logprob/kernel.h"
 #include "driver.h"
@@ -15,6 +16,7 @@ int main(int argc, char** argv) {
   return driver::main(argc, argv, [](driver::Case& c) {
     Params p;
     p.rows = c.i("N");
+    if (c.has_scalar("k")) p.tokens_per_row = c.i("k");
     if (c.kernel == "combine") {
       p.partials = c.buf<float>("partials");
       p.out = c.buf<float>("out");
@@ -30,6 +32,13 @@ int main(int argc, char** argv) {
       p.top = c.buf<float>("top");
       p.top_width = c.i("K");
       return launch_chosen_logprob_top_rows(p, nullptr);
+    }
+    if (c.kernel == "top_ids_rows") {
+      p.top = c.buf<float>("top");
+      p.top_ids = c.buf<int64_t>("top_ids");
+      p.top_width = c.i("K");
+      p.col0 = c.i("col0");
+      return launch_chosen_logprob_top_ids_rows(p, nullptr);
     }
     if (c.kernel == "hist_rows") {
       p.row_max = c.buf<float>("row_max");
@@ -48,6 +57,7 @@ int main(int argc, char** argv) {
     p.log_sum_minus_entropy = c.buf<float>("log_sum_minus_entropy");
     p.grad_logprob = c.buf<float>("gl");
     p.grad_entropy = c.buf<float>("ge");
+    if (c.has("entry_grads")) p.entry_grads = c.buf<float>("entry_grads");
     // In place over the logits, or into columns [grads_col, grads_col + C) of grads' rows of
     // grads_stride elements in dtype.
     if (c.i("in_place")) {

@@ -1,0 +1,65 @@
+"""bench_chosen_logprob's distillation case (--distillation; issue 37 point 5): chosen_logprob with k
+tokens per position (k = 1, 8, 64: a teacher's top-k ids) and top_logprobs (a model's own top k),
+forward+backward, against the naive path (materialised logits, log_softmax, then gather / topk)."""
+import torch
+
+import fused_rl_ops
+
+from .chosen_logprob_paths import make_inputs, run_once
+from .tables import print_row, summary_table
+from .timing import record_times, time_paths
+
+TOKENS_PER_POSITION = (1, 8, 64)
+TOP_K = 64
+DISTILLATION_GOALS = {  # column -> what it checks (CPU goals of issue 37)
+    "goal_k64": "chosen_logprob with k = 64 at most 1.15x k = 1 (fwd+bwd)",
+    "goal_top": "top_logprobs with k = 64 at most 1.3x chosen_logprob with one token (fwd+bwd)",
+}
+
+
+def naive_many(hidden, weight, tokens):
+    return (torch.log_softmax((hidden @ weight.T).float(), -1).gather(-1, tokens),)
+
+
+def naive_top(hidden, weight, tokens):
+    logp = torch.log_softmax((hidden @ weight.T).float(), -1)
+    return (logp.gather(-1, logp.detach().topk(TOP_K, -1).indices),)
+
+
+def measure_distillation(N, H, V, dtype, dev, reps, log) -> list:
+    """One row per shape: fwd+bwd time of the fused and naive paths for each k and for top_logprobs,
+    in the same rounds, and the ratios the goals read."""
+    hidden, weight, _ = make_inputs(N, H, V, dtype, dev)
+    g = torch.Generator().manual_seed(1)
+    many = torch.randint(0, V, (N, max(TOKENS_PER_POSITION)), generator=g).to(dev)
+    runs = {}
+    for k in TOKENS_PER_POSITION:
+        tokens = many[:, :k]
+        runs[f"fused_k{k}"] = run_once(lambda h, w, t: (fused_rl_ops.chosen_logprob(h, w, t),), "fwd+bwd", hidden,
+                                       weight, tokens)
+        runs[f"naive_k{k}"] = run_once(naive_many, "fwd+bwd", hidden, weight, tokens)
+    runs["fused_top"] = run_once(lambda h, w, t: (fused_rl_ops.top_logprobs(h, w, TOP_K)[1],), "fwd+bwd", hidden,
+                                 weight, None)
+    runs["naive_top"] = run_once(naive_top, "fwd+bwd", hidden, weight, None)
+    row = {"N": N, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "mode": "fwd+bwd"}
+    record_times(row, time_paths(runs, dev, reps=reps))
+    row["k64/k1"] = row["fused_k64_ms"] / row["fused_k1_ms"]
+    row["top/k1"] = row["fused_top_ms"] / row["fused_k1_ms"]
+    row["goal_k64"], row["goal_top"] = row["k64/k1"] <= 1.15, row["top/k1"] <= 1.3
+    log("distillation", row)
+    print_row(row, ["N", "H", "V"] + [f"{name}_ms" for name in runs] + ["k64/k1", "top/k1", *DISTILLATION_GOALS])
+    return [row]
+
+
+def distillation_table(rows):
+    names = [f"{path}_k{k}" for k in TOKENS_PER_POSITION for path in ("fused", "naive")] + ["fused_top", "naive_top"]
+    return summary_table("Distillation: fwd+bwd time (ms) of chosen_logprob with k tokens per position and of "
+                         f"top_logprobs (k = {TOP_K}), fused and naive; goals: "
+                         + "; ".join(f"{c}: {what}" for c, what in DISTILLATION_GOALS.items()),
+                         rows, ["N", "H", "V"] + [f"{n}_ms" for n in names] + ["k64/k1", "top/k1",
+                                                                                *DISTILLATION_GOALS])
+
+
+def distillation_headline(rows) -> list:
+    return [{"metric": f"{column} fused time, fwd+bwd, N={r['N']} H={r['H']} V={r['V']}", "value": r[column],
+             "busy": r["busy"]} for r in rows for column in ("k64/k1", "top/k1")]
