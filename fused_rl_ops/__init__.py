@@ -4,6 +4,7 @@ from .chosen_logprob import DEFAULT_WORKSPACE_BYTES, chosen_logprob
 from .clamped_swiglu import clamped_swiglu
 from .logit_options import LogitOptions
 from .value_head import ValueHead, value_head
+from .vocab_divergence import vocab_divergence
 
 __all__ = ["DEFAULT_WORKSPACE_BYTES", "LogitOptions", "ValueHead", "chosen_logprob", "clamped_swiglu",
-           "has_cuda_kernels", "value_head"]
+           "has_cuda_kernels", "value_head", "vocab_divergence"]

@@ -1,4 +1,4 @@
-// chosen_logprob, CPU: the chunk loop with ATen GEMMs (in fp32, or fp64 for float64 inputs) and
+// chosen_logprob, CPU: the chunk loop with ATen GEMMs (common/cpu_gemms.h) and
 // SIMD row kernels running the shared formulas of chosen_logprob/math.h.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -7,28 +7,11 @@
 #include "chosen_logprob/entry.h"
 #include "chosen_logprob/math.h"
 #include "chosen_logprob/sampler_filter.h"
+#include "common/cpu_gemms.h"
 #include "common/vec_math.h"
 
 namespace fused_rl_ops::chosen_logprob {
 namespace {
-
-template <typename acc>
-acc horizontal_max(const at::vec::Vectorized<acc>& v) {
-  alignas(64) acc lanes[at::vec::Vectorized<acc>::size()];
-  v.store(lanes);
-  acc m = lanes[0];
-  for (int k = 1; k < at::vec::Vectorized<acc>::size(); ++k) m = Math<acc>::max(m, lanes[k]);
-  return m;
-}
-
-template <typename acc>
-acc horizontal_sum(const at::vec::Vectorized<acc>& v) {
-  alignas(64) acc lanes[at::vec::Vectorized<acc>::size()];
-  v.store(lanes);
-  acc s = 0;
-  for (int k = 0; k < at::vec::Vectorized<acc>::size(); ++k) s += lanes[k];
-  return s;
-}
 
 // Logit: the PlainLogit or SoftcappedLogit of common/logit_map.h, in acc.
 template <typename acc, class Logit>
@@ -200,21 +183,12 @@ void hist_rows_cpu(const Params& p, const Logit& logit) {
   });
 }
 
-struct CpuKernels {
-  static bool capturing() { return false; }  // no graphs on the CPU
-
-  static at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
-
-  static void logits(const at::Tensor& h, const at::Tensor& w, at::Tensor& out) { at::mm_out(out, h, w.t()); }
-
+struct CpuKernels : CpuGemms {
   static void stats_rows(const Params& p, at::ScalarType acc) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_stats_cpu", [&] {
       with_logit_map<scalar_t>(p.logit_map, [&](const auto& logit) { stats_rows_cpu<scalar_t>(p, logit); });
     });
   }
-
-  // The GEMMs take the logit gradients in the accumulation dtype.
-  static at::ScalarType grad_dtype(at::ScalarType dtype) { return acc_dtype(dtype); }
 
   static void grad_rows(const Params& p, at::ScalarType acc, at::ScalarType /* grads: grad_dtype, acc */) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_grad_cpu", [&] {
@@ -232,13 +206,6 @@ struct CpuKernels {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_hist_cpu", [&] {
       with_logit_map<scalar_t>(p.logit_map, [&](const auto& logit) { hist_rows_cpu<scalar_t>(p, logit); });
     });
-  }
-
-  static void add_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) { out.addmm_(a, b); }
-
-  static void mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-    if (out.scalar_type() == a.scalar_type()) at::mm_out(out, a, b);
-    else out.copy_(at::mm(a, b));
   }
 
   static void combine(const Params& p, at::ScalarType acc) {
