@@ -108,7 +108,7 @@ def vocab_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden:
 
     def kl(log_a, log_b):  # sum a (log a - log b), 0 log 0 = 0
         a = log_a.exp()
-        return torch.where(a > 0, a * (log_a - log_b), 0.0).sum(-1)
+        return torch.where(a == 0, 0.0, a * (log_a - log_b)).sum(-1)
 
     if kind == "forward_kl":
         divergence = kl(log_p, log_q)
