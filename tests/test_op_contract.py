@@ -21,12 +21,15 @@ from fused_rl_ops._vocab_parallel.tiling import Tiling
 from fused_rl_ops.chosen_logprob import OP_GROUPS, SEARCH_GROUPS, ChosenLogprobOptions
 from fused_rl_ops.clamped_swiglu import ClampedSwigluOptions
 from fused_rl_ops.logit_options import LogitMap
+from fused_rl_ops.vocab_divergence import OP_GROUPS as DIVERGENCE_GROUPS
+from fused_rl_ops.vocab_divergence import VocabDivergenceOptions
 
 ops = torch.ops.fused_rl_ops
 
 # Valid values of every group.
 VALID = {LogitMap: LogitMap(0.9, None), VocabShard: VocabShard(0, None), Tiling: Tiling(128),
-         ChosenLogprobOptions: ChosenLogprobOptions(), ClampedSwigluOptions: ClampedSwigluOptions(7.0, 1.702, 1.0, False)}
+         ChosenLogprobOptions: ChosenLogprobOptions(), ClampedSwigluOptions: ClampedSwigluOptions(7.0, 1.702, 1.0, False),
+         VocabDivergenceOptions: VocabDivergenceOptions()}
 
 
 def op_calls(device):
@@ -41,9 +44,15 @@ def op_calls(device):
     x, scale = torch.randn(3, 8, device=device), torch.rand(3, device=device)
     grad_out = torch.randn(3, 4, device=device)
     swiglu = (ClampedSwigluOptions,)
+    # vocab_divergence: a teacher of hidden size 6, the merged rows of its stats.
+    pair = (hidden, weight, torch.randn(5, 6, device=device), torch.randn(20, 6, device=device), None)
+    rows = torch.zeros(5, 6, device=device)
     return {"chosen_logprob_stats": (OP_GROUPS, (hidden, weight, tokens), (threshold,)),
             "chosen_logprob_backward": (OP_GROUPS, (hidden, weight, tokens, *per_token, None), (threshold,)),
             "chosen_logprob_search": (SEARCH_GROUPS, (hidden, weight, per_token[0], window, hist, top), ()),
+            "vocab_divergence_stats": (DIVERGENCE_GROUPS, pair, ()),
+            "vocab_divergence_mixture": (DIVERGENCE_GROUPS, (*pair, rows), ()),
+            "vocab_divergence_backward": (DIVERGENCE_GROUPS, (*pair, rows, *per_token[:2], None), ()),
             "clamped_swiglu": (swiglu, (x,), (scale,)), "clamped_swiglu_backward": (swiglu, (grad_out, x), ()),
             "clamped_swiglu_scaled_backward": (swiglu, (grad_out, x, scale), ())}
 
@@ -119,10 +128,13 @@ def test_ops_accept_and_refuse_what_the_declaration_does(group, tensors_on):
 
 def test_the_docs_name_every_declared_option():
     """docs/chosen_logprob.md's section on the ops lists the options of the stats and backward ops'
-    groups; docs/clamped_swiglu.md names its op's."""
+    groups, docs/vocab_divergence.md's its op's own; docs/clamped_swiglu.md names its op's."""
     docs = Path(__file__).resolve().parent.parent / "docs"
     ops_section = (docs / "chosen_logprob.md").read_text().split("## The ops underneath")[1].split("\n## ")[0]
     for declared in (o for group in OP_GROUPS for o in group.OPTIONS):
         assert re.search(rf"`{declared.name}\b", ops_section), declared.name
+    divergence_section = (docs / "vocab_divergence.md").read_text().split("## The ops underneath")[1].split("\n## ")[0]
+    for declared in VocabDivergenceOptions.OPTIONS:
+        assert re.search(rf"`{declared.name}\b", divergence_section), declared.name
     for declared in ClampedSwigluOptions.OPTIONS:
         assert re.search(rf"\b{declared.name}\b", (docs / "clamped_swiglu.md").read_text()), declared.name
