@@ -5,7 +5,9 @@ registered schema) and in Python (an options dataclass per group), and its tenso
 csrc/<op>/entry.h and the op's Python module. These tests hold the two languages to one contract:
 every op's schema takes its groups in order, each group's fields as declared, and every op, called
 directly through torch.ops (on real and on meta tensors, where the fake kernels check), accepts and
-refuses exactly what each group's Python declaration accepts and refuses, with the same error."""
+refuses exactly what each group's Python declaration accepts and refuses, with the same error. The
+operators and their groups come from the op table (fused_rl_ops/testing/op_table.py): a new op with
+options adds its tensors to op_calls, or these tests fail."""
 import dataclasses
 import math
 import re
@@ -18,10 +20,10 @@ import torch
 from fused_rl_ops._vocab_parallel.sampler_filter import SEARCH_BINS
 from fused_rl_ops._vocab_parallel.shard import VocabShard
 from fused_rl_ops._vocab_parallel.tiling import Tiling
-from fused_rl_ops.chosen_logprob import OP_GROUPS, SEARCH_GROUPS, ChosenLogprobOptions
+from fused_rl_ops.chosen_logprob import OP_GROUPS, ChosenLogprobOptions
 from fused_rl_ops.clamped_swiglu import ClampedSwigluOptions
 from fused_rl_ops.logit_options import LogitMap
-from fused_rl_ops.vocab_divergence import OP_GROUPS as DIVERGENCE_GROUPS
+from fused_rl_ops.testing import op_table
 from fused_rl_ops.vocab_divergence import VocabDivergenceOptions
 
 ops = torch.ops.fused_rl_ops
@@ -32,8 +34,15 @@ VALID = {LogitMap: LogitMap(0.9, None), VocabShard: VocabShard(0, None), Tiling:
          VocabDivergenceOptions: VocabDivergenceOptions()}
 
 
+# Every operator of the table with its option groups (in the schema's order).
+GROUPS_OF = {name: groups for op in op_table.OPS for name, groups in op.operators.items()}
+OPS = [name for name, groups in GROUPS_OF.items() if groups]
+GROUPS = list(dict.fromkeys(group for name in OPS for group in GROUPS_OF[name]))
+
+
 def op_calls(device):
-    """Per op: its option groups in the schema's order, and its tensors before and after the options."""
+    """Per operator that takes options: its option groups (the table's) and its tensors before and
+    after the options."""
     hidden, weight = torch.randn(5, 8, device=device), torch.randn(20, 8, device=device)
     tokens = torch.tensor([0, 19, 3, 7, 12], device=device)
     per_token = [torch.zeros(5, device=device) for _ in range(5)]
@@ -43,22 +52,17 @@ def op_calls(device):
     hist, top = torch.zeros(5, SEARCH_BINS, dtype=torch.int64, device=device), torch.zeros(5, 7, device=device)
     x, scale = torch.randn(3, 8, device=device), torch.rand(3, device=device)
     grad_out = torch.randn(3, 4, device=device)
-    swiglu = (ClampedSwigluOptions,)
-    # vocab_divergence: a teacher of hidden size 6, the merged rows of its stats.
+    # vocab_divergence: a teacher of hidden size 6, no mask, the merged rows of its stats.
     pair = (hidden, weight, torch.randn(5, 6, device=device), torch.randn(20, 6, device=device), None)
     rows = torch.zeros(5, 6, device=device)
-    return {"chosen_logprob_stats": (OP_GROUPS, (hidden, weight, tokens), (threshold,)),
-            "chosen_logprob_backward": (OP_GROUPS, (hidden, weight, tokens, *per_token, None), (threshold,)),
-            "chosen_logprob_search": (SEARCH_GROUPS, (hidden, weight, per_token[0], window, hist, top), ()),
-            "vocab_divergence_stats": (DIVERGENCE_GROUPS, pair, ()),
-            "vocab_divergence_mixture": (DIVERGENCE_GROUPS, (*pair, rows), ()),
-            "vocab_divergence_backward": (DIVERGENCE_GROUPS, (*pair, rows, *per_token[:2], None), ()),
-            "clamped_swiglu": (swiglu, (x,), (scale,)), "clamped_swiglu_backward": (swiglu, (grad_out, x), ()),
-            "clamped_swiglu_scaled_backward": (swiglu, (grad_out, x, scale), ())}
-
-
-OPS = list(op_calls("meta"))
-GROUPS = list(VALID)
+    tensors = {"chosen_logprob_stats": ((hidden, weight, tokens), (threshold,)),
+               "chosen_logprob_backward": ((hidden, weight, tokens, *per_token, None), (threshold,)),
+               "chosen_logprob_search": ((hidden, weight, per_token[0], window, hist, top), ()),
+               "vocab_divergence_stats": (pair, ()), "vocab_divergence_mixture": ((*pair, rows), ()),
+               "vocab_divergence_backward": ((*pair, rows, *per_token[:2], None), ()),
+               "clamped_swiglu": ((x,), (scale,)), "clamped_swiglu_backward": ((grad_out, x), ()),
+               "clamped_swiglu_scaled_backward": ((grad_out, x, scale), ())}
+    return {name: (GROUPS_OF[name], *tensors[name]) for name in OPS}
 
 
 def schema_type(annotation) -> str:
@@ -88,9 +92,15 @@ def test_the_schema_takes_its_groups_in_order(op):
         assert "Tensor" in str(argument.type), argument.name
 
 
-def test_value_head_ops_take_no_options():
-    """value_head has no options to declare: its op takes tensors only."""
-    assert [str(a.type) for a in ops.value_head.default._schema.arguments] == ["Tensor", "Tensor", "Optional[Tensor]"]
+@pytest.mark.parametrize("op", [name for name, groups in GROUPS_OF.items() if not groups])
+def test_operators_without_groups_take_no_options(op):
+    """An operator the table lists without option groups takes tensors (and a dtype) only."""
+    assert all(str(a.real_type) in ("Tensor", "Optional[Tensor]", "ScalarType")
+               for a in getattr(ops, op).default._schema.arguments), op
+
+
+def test_every_group_has_valid_values_to_probe_from():
+    assert set(GROUPS) == set(VALID)
 
 
 PROBES = {float: [-1.0, 0.0, 1e-300, 0.5, 3.0, math.inf, -math.inf, math.nan],

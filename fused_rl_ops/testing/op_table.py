@@ -13,8 +13,9 @@ import dataclasses
 import sys
 from typing import Callable, Optional
 
-from ..chosen_logprob import OP_GROUPS as CHOSEN_LOGPROB_GROUPS
+from ..chosen_logprob import OP_GROUPS as CHOSEN_LOGPROB_GROUPS, SEARCH_GROUPS as CHOSEN_LOGPROB_SEARCH_GROUPS
 from ..clamped_swiglu import ClampedSwigluOptions
+from ..vocab_divergence import OP_GROUPS as VOCAB_DIVERGENCE_GROUPS
 from . import sanitizer_cases
 
 
@@ -31,9 +32,9 @@ class BenchmarkRun:
 @dataclasses.dataclass(frozen=True)
 class Op:
     """name: the public function, its csrc/<name>/ sources and its tests/test_<name>.py.
-    torch_ops: its operators, torch.ops.fused_rl_ops.<each>.
-    options: its options declarations (dataclasses mirroring the C++ X-macro lists), in the order
-        the schemas take them.
+    operators: its operators (torch.ops.fused_rl_ops.<each>), each with its option groups
+        (dataclasses mirroring the C++ X-macro lists) in the order its schema takes them; () for an
+        operator that takes tensors only.
     benchmark: its module in benchmarks/ (python -m benchmarks.<benchmark>); None: none.
     gpu_runs: the runs of that benchmark on a GPU machine (scripts/gpu_check.sh).
     kernels_on_cpu_driver: tests/kernels_on_cpu/<driver>.cpp, which runs csrc/<name>/kernel.cu's
@@ -41,12 +42,15 @@ class Op:
         tests/test_kernels_on_cpu_<name>*.py); None: the op launches no kernels of its own.
     sanitizer_cases: small calls of its CUDA kernels for compute-sanitizer, (device) -> None."""
     name: str
-    torch_ops: tuple
-    options: tuple
+    operators: dict
     benchmark: Optional[str]
     gpu_runs: tuple
     kernels_on_cpu_driver: Optional[str]
     sanitizer_cases: Callable[[str], None]
+
+    @property
+    def torch_ops(self):
+        return tuple(self.operators)
 
 
 # In the order gpu_check.sh runs the benchmarks: the headline (chosen_logprob's main shape) first,
@@ -54,25 +58,32 @@ class Op:
 # graphs), last: it is the one cut when the run's time is short.
 OPS = (
     Op("chosen_logprob",
-       torch_ops=("chosen_logprob_stats", "chosen_logprob_combine", "chosen_logprob_backward",
-                  "chosen_logprob_search"),
-       options=CHOSEN_LOGPROB_GROUPS,
+       operators={"chosen_logprob_stats": CHOSEN_LOGPROB_GROUPS, "chosen_logprob_combine": (),
+                  "chosen_logprob_backward": CHOSEN_LOGPROB_GROUPS,
+                  "chosen_logprob_search": CHOSEN_LOGPROB_SEARCH_GROUPS},
        benchmark="bench_chosen_logprob",
        # The V and N sweeps do not fit in the run: a later one.
        gpu_runs=(BenchmarkRun("bench_chosen_logprob", 200, ("--no-sweeps",)),
                  BenchmarkRun("bench_chosen_logprob_sampler_filter", 60, ("--sampler-filter",))),
        kernels_on_cpu_driver="chosen_logprob_driver",
        sanitizer_cases=sanitizer_cases.chosen_logprob),
+    Op("vocab_divergence",
+       operators={"vocab_divergence_stats": VOCAB_DIVERGENCE_GROUPS, "vocab_divergence_combine": (),
+                  "vocab_divergence_mixture": VOCAB_DIVERGENCE_GROUPS,
+                  "vocab_divergence_backward": VOCAB_DIVERGENCE_GROUPS},
+       benchmark="bench_vocab_divergence",
+       gpu_runs=(BenchmarkRun("bench_vocab_divergence", 90),),
+       kernels_on_cpu_driver="vocab_divergence_driver",
+       sanitizer_cases=sanitizer_cases.vocab_divergence),
     Op("value_head",
-       torch_ops=("value_head", "value_head_backward_hidden", "value_head_backward_params"),
-       options=(),
+       operators={"value_head": (), "value_head_backward_hidden": (), "value_head_backward_params": ()},
        benchmark="bench_value_head",
        gpu_runs=(BenchmarkRun("bench_value_head", 60),),
        kernels_on_cpu_driver="value_head_driver",
        sanitizer_cases=sanitizer_cases.value_head),
     Op("clamped_swiglu",
-       torch_ops=("clamped_swiglu", "clamped_swiglu_backward", "clamped_swiglu_scaled_backward"),
-       options=(ClampedSwigluOptions,),
+       operators={name: (ClampedSwigluOptions,) for name in
+                  ("clamped_swiglu", "clamped_swiglu_backward", "clamped_swiglu_scaled_backward")},
        benchmark="bench_clamped_swiglu",
        gpu_runs=(BenchmarkRun("bench_clamped_swiglu", 150),),
        kernels_on_cpu_driver="clamped_swiglu_driver",
