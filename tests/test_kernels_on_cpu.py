@@ -12,6 +12,7 @@ import test_kernels_on_cpu_chosen_logprob as chosen_logprob_cases
 import test_kernels_on_cpu_clamped_swiglu as clamped_swiglu_cases
 import test_kernels_on_cpu_sampler_filter as sampler_filter_cases
 import test_kernels_on_cpu_value_head as value_head_cases
+import test_kernels_on_cpu_vocab_divergence as vocab_divergence_cases
 from kernels_on_cpu_harness import BUILDS, CSRC, SANITIZER_ENV, build_drivers, drivers, pytestmark  # noqa: F401
 
 
@@ -157,6 +158,26 @@ DEFECTS = {
         lambda d, tmp: value_head_cases.test_value_head_forward_and_backward_hidden(
             d, tmp, 70, 40, "one", 0, True, torch.float32),
         "value_head_forward_kernel: 2 grid-stride passes", "plain"),
+    # vocab_divergence's sums loop reading one column past both models' rows.
+    "divergence_stats_loop_bound_le": (
+        "vocab_divergence/kernel.cuh", "for (int64_t k = lane; k < C; k += kWarp) {\n      const float zs",
+        "for (int64_t k = lane; k <= C; k += kWarp) {\n      const float zs", "vocab_divergence",
+        lambda d, tmp: vocab_divergence_cases.test_vocab_divergence_stats_rows(d, tmp, 21, 45, "several",
+                                                                               vocab_divergence_cases.MAPS[0]),
+        "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
+    # grad_rows reading the teacher's logit from the student's row: wrong gradients.
+    "divergence_grad_reads_the_wrong_model": (
+        "vocab_divergence/kernel.cuh", "student_logit_grad<kKind>(student(x), teacher(xt[k])",
+        "student_logit_grad<kKind>(student(x), teacher(xs[k])", "vocab_divergence",
+        lambda d, tmp: vocab_divergence_cases.test_vocab_divergence_grad_rows(d, tmp, 20, 45, "several", 0, None),
+        "logit gradients", "plain"),
+    # The warp-per-row kernels' grid (21 rows: 3 blocks of 8).
+    "divergence_rows_grid_floor": (
+        "vocab_divergence/kernel.cu", "grid_for((N + kRowsPerBlock - 1) / kRowsPerBlock,",
+        "grid_for(N / kRowsPerBlock,", "vocab_divergence",
+        lambda d, tmp: vocab_divergence_cases.test_vocab_divergence_stats_rows(d, tmp, 21, 45, "one",
+                                                                               vocab_divergence_cases.MAPS[0]),
+        "vocab_divergence_stats_rows_kernel: 2 grid-stride passes", "plain"),
     # Stage 1's column tiles: 300 columns (the scalar path) in 9 tiles of 32, the last 12 lost.
     "partials_columns_floor": (
         "value_head/kernel.cu", "(H / N + kWarp - 1) / kWarp", "H / N / kWarp", "value_head",

@@ -15,12 +15,6 @@ constexpr int kCombineThreads = 256;  // combine: one thread per row
 constexpr int kTopRowsPerBlock = 8;   // top: one warp per row
 constexpr int kHistThreads = 256;     // hist: one block per row
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) v = Math<float>::max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
 // A warp reads its row twice (max, then sums); the second pass mostly hits L1/L2. Lanes take
 // columns lane, lane + 32, ... and the butterfly reductions fix the order: deterministic.
 // Logit: PlainLogit<float> or SoftcappedLogit<float> (chosen_logprob/math.h), raw logits -> z.
