@@ -7,6 +7,7 @@
 #include "chosen_logprob/entry.h"
 #include "chosen_logprob/math.h"
 #include "chosen_logprob/sampler_filter.h"
+#include "common/combine.h"
 #include "common/cpu_gemms.h"
 #include "common/vec_math.h"
 
@@ -209,12 +210,8 @@ struct CpuKernels : CpuGemms {
   }
 
   static void combine(const Params& p, at::ScalarType acc) {
-    AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_combine_cpu", [&] {
-      const auto* partials = static_cast<const scalar_t*>(p.partials);
-      auto* out = static_cast<scalar_t*>(p.out);
-      at::parallel_for(0, p.rows, 256, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) combine_row(partials, p.ranks, p.rows, r, out);
-      });
+    combine_rows_cpu(p, acc, [](const auto* partials, int64_t ranks, int64_t rows, int64_t r, auto* out) {
+      combine_row(partials, ranks, rows, r, out);
     });
   }
 };

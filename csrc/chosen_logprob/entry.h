@@ -12,6 +12,7 @@
 
 #include "chosen_logprob/chunks.h"
 #include "chosen_logprob/options.h"
+#include "common/combine.h"
 #include "common/row_skipping.h"
 
 namespace fused_rl_ops::chosen_logprob {
@@ -157,22 +158,8 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
 }
 
 template <class Kernels>
-at::Tensor combine(const at::Tensor& partials_in) {
-  TORCH_CHECK_VALUE(partials_in.dim() == 3 && partials_in.size(2) == stats_column::count, kOp,
-                    ": partials must be [ranks, N, ", int(stats_column::count), "], got ", partials_in.sizes());
-  TORCH_CHECK_TYPE(partials_in.scalar_type() == at::kFloat || (partials_in.scalar_type() == at::kDouble &&
-                                                                partials_in.is_cpu()),
-                   kOp, ": partials must be float32 (float64 only on CPU), got ", partials_in.scalar_type());
-  const at::DeviceGuard guard(partials_in.device());
-  const at::Tensor partials = partials_in.contiguous();
-  at::Tensor out = at::empty({partials.size(1), stats_column::count}, partials.options());
-  Params p;
-  p.partials = partials.const_data_ptr();
-  p.out = out.mutable_data_ptr();
-  p.ranks = partials.size(0);
-  p.rows = partials.size(1);
-  Kernels::combine(p, partials.scalar_type());
-  return out;
+at::Tensor combine(const at::Tensor& partials) {
+  return combine_partials<Params, Kernels>(kOp, partials, stats_column::count, stats_column::count);
 }
 
 }  // namespace fused_rl_ops::chosen_logprob
