@@ -165,10 +165,10 @@ DEFECTS = {
         lambda d, tmp: vocab_divergence_cases.test_vocab_divergence_stats_rows(d, tmp, 21, 45, "several",
                                                                                vocab_divergence_cases.MAPS[0]),
         "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
-    # grad_rows reading the teacher's logit from the student's row: wrong gradients.
-    "divergence_grad_reads_the_wrong_model": (
-        "vocab_divergence/kernel.cuh", "student_logit_grad<kKind>(student(x), teacher(xt[k])",
-        "student_logit_grad<kKind>(student(x), teacher(xs[k])", "vocab_divergence",
+    # grad_rows taking the slope of the teacher's logit map for the student's: wrong gradients where
+    # the maps differ (the case caps the student's logits only).
+    "divergence_grad_slope_of_the_wrong_map": (
+        "vocab_divergence/kernel.cuh", "* g * student.slope(x)", "* g * teacher.slope(x)", "vocab_divergence",
         lambda d, tmp: vocab_divergence_cases.test_vocab_divergence_grad_rows(d, tmp, 20, 45, "several", 0, None),
         "logit gradients", "plain"),
     # The warp-per-row kernels' grid (21 rows: 3 blocks of 8).
