@@ -67,12 +67,10 @@ def liger_loader(kind):
 
 def paths_for(kind, inputs, grad):
     """name -> a forward+backward closure of each path at this kind."""
-    def ours(**kw):
-        return lambda h, w, th, tw: fused_rl_ops.vocab_divergence(h, w, th, tw, kind=kind, **kw)
-
+    fused = lambda h, w, th, tw: fused_rl_ops.vocab_divergence(h, w, th, tw, kind=kind)  # noqa: E731
     naive = lambda h, w, th, tw: reference.vocab_divergence(h, w, th, tw, kind=kind)  # noqa: E731
     peers, versions = find_peers({"liger": ("liger-kernel", liger_loader(kind))})
-    fns = {"fused": ours(), "naive": naive, "compiled": torch.compile(naive), **peers}
+    fns = {"fused": fused, "naive": naive, "compiled": torch.compile(naive), **peers}
     # fwd_bwd passes only the student's tensors: the teacher's ride in the closure.
     runs = {name: fwd_bwd(lambda h, w, fn=fn: fn(h, w, *inputs[2:]), list(inputs[:2]),
                           None if name == "liger" else [grad]) for name, fn in fns.items()}
