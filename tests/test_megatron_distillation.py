@@ -50,7 +50,7 @@ def _distillation_checks(rank, world_size):
         with torch.no_grad():
             teacher_outputs = teacher(tokens, *model_inputs(tokens), output_processor=teacher_output_processor())
             teacher_logits = gathered_logits(teacher, tokens)
-        for kind in ("forward_kl", "jsd"):
+        for kind in ("forward_kl", "reverse_kl", "jsd"):
             outputs = student(tokens, *model_inputs(tokens), labels=tokens, loss_mask=loss_mask,
                               output_processor=rl_output_processor(divergence=kind, beta=0.3, **options),
                               output_processor_context={"teacher": teacher_outputs})
