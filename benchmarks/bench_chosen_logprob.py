@@ -38,6 +38,11 @@ than every other path of the row. fused_compiled, timed in the same rounds, is t
 torch.compile(fullgraph=True) (its ops leave the ignored rows out inside the graph too);
 compiled/fused is its time over the eager call's, which should be about 1 at every masked share.
 
+The CPU path with a core taken (--contention runs it alone, on the CPU; benchmarks/contention.py):
+fused forward+backward against its own four GEMMs run plainly, with 1 and 2 threads, quiet and with
+one busy process on the two cores, fused/gemms and fused_2/1_threads per row; the goals: busy, at
+most 1.2x the GEMMs, and two threads never slower than one.
+
 The sampler's filter (--sampler-filter runs it alone, at the main shapes): forward+backward of the
 fused path, with entropy and logprob only, plain and with top_k=50, top_p=0.95 and both (the
 filters of chosen_logprob: the distribution a sampler with those settings drew from), in the same
@@ -58,7 +63,7 @@ import torch
 import fused_rl_ops
 from fused_rl_ops import reference
 
-from . import roofline
+from . import contention, roofline
 from .chosen_logprob_paths import gemm_runs, load_peers, make_inputs, path_fn, paths_for, peak_mib, run_once
 from .plots import pyplot, save_figure
 from .results import RowLog, parse_args, png_path, write_json
@@ -388,6 +393,10 @@ def shape_options(parser):
                         help="the RL-shaped case only (at the main shapes): no main rows, no sweeps")
     parser.add_argument("--sampler-filter", action="store_true",
                         help="the sampler's filter only (top_k, top_p against the plain call, at the main shapes)")
+    parser.add_argument("--contention", action="store_true",
+                        help="the CPU path with a core taken only (benchmarks/contention.py): fused against its "
+                             "four GEMMs, 1 and 2 threads, quiet and with a busy process, at the first --shape "
+                             "(default 2048 512 32768)")
     parser.add_argument("--shape", nargs=3, type=int, action="append", metavar=("N", "H", "V"),
                         help="a main shape to measure instead of the device's defaults (repeatable)")
 
@@ -433,6 +442,15 @@ def main_headline(rows, shape, all_paths) -> list:
     return headline
 
 
+def run_contention(args, log):
+    """--contention (benchmarks/contention.py), on the CPU."""
+    N, H, V = args.shape[0] if args.shape else (256, 128, 8192) if args.quick else contention.SHAPE
+    rows = contention.measure_contention(N, H, V, torch.float32, 1 if args.quick else 5, log)
+    write_json(args.json, "chosen_logprob", "cpu", rows, headline=contention.contention_headline(rows),
+               tables=[contention.contention_table(rows)], goals={c: what for c, (what, _) in contention.GOALS.items()})
+    contention.print_goals(rows)
+
+
 def main():
     args = parse_args(__doc__, shape_options)
     log = RowLog(args.json)
@@ -451,6 +469,8 @@ def main():
             [(4096, 4096, V) for V in (32768, 65536, 131072, 262144)]
         n_sweep = [(N, 1024, 32768) for N in (1024, 2048, 4096)] if args.quick else \
             [(N, 4096, 131072) for N in (2048, 4096, 8192, 16384)]
+    if args.contention:
+        return run_contention(args, log)
     if args.shape:
         shapes = [tuple(shape) for shape in args.shape]
     if args.sampler_filter:

@@ -137,7 +137,7 @@ def gemm_runs(hidden, weight) -> dict:
     """mode -> a closure running the plain GEMMs of a path that keeps the logits, into outputs
     allocated here: forward the logits [N, H] x [H, V]; forward+backward also the hidden gradient
     [N, V] x [V, H] and the weight gradient [V, N] x [N, H] (the logits buffer standing in for their
-    gradient)."""
+    gradient); "fused fwd+bwd", the fused op's four, the logits computed again as its backward does."""
     logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
     grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
 
@@ -149,7 +149,11 @@ def gemm_runs(hidden, weight) -> dict:
         torch.mm(logits, weight, out=grad_hidden)
         torch.mm(logits.T, hidden, out=grad_weight)
 
-    return {"fwd": forward, "fwd+bwd": forward_backward}
+    def recomputed():
+        forward()
+        forward_backward()
+
+    return {"fwd": forward, "fwd+bwd": forward_backward, "fused fwd+bwd": recomputed}
 
 
 def peak_mib(path, shapes, dtype, device, peers, entropy=False, masked=0.0) -> list:

@@ -66,9 +66,9 @@ DEPS+=("${PINS[@]}" "${BUILD_TOOLS[@]}")
 deps_stamp="$(printf '%s\n' "${DEPS[@]}" "$(python -VV)" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$VENV/deps.stamp" 2>/dev/null)" != "$deps_stamp" ]; then
   echo "setup: installing ${DEPS[*]} into $VENV"
-  echo "setup:   (first run: about 1-2 minutes, mostly downloading torch; log: $PWD/build/pip.log)"
+  echo "setup:   (first run: about 1-2 minutes, mostly downloading torch; log: $PWD/build/pip-torch$TORCH_VERSION.log)"
   # No wheel cache: a CUDA build of torch is GBs, kept twice with one.
-  run_logged build/pip.log python -m pip install --no-cache-dir --upgrade pip "${DEPS[@]}"
+  run_logged "build/pip-torch$TORCH_VERSION.log" python -m pip install --no-cache-dir --upgrade pip "${DEPS[@]}"
   echo "$deps_stamp" >"$VENV/deps.stamp"
 fi
 if [ "$TORCH_VERSION" != "$NEWEST_TORCH" ]; then

@@ -297,16 +297,24 @@ def threshold_buffer(threshold):
     return {} if threshold is None else {"threshold": Buf(threshold.float())}
 
 
-def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, temperature, passes, softcap=None, threshold=None):
+STATS_WIDTH = 4  # stats_rows' columns per access on its vector path (kStatsWidth)
+
+
+def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, temperature, passes, softcap=None, threshold=None,
+                   offset=0):
     """chosen_logprob_stats_rows_kernel merging logits [N, C] into stats (softcap None: none; threshold:
-    the logits below it dropped); returns the stats it wrote, in float64."""
+    the logits below it dropped; offset: the logits' elements past a 16-byte boundary); checks the
+    path the launcher took (vector where C and the logits allow); returns the stats it wrote, in
+    float64."""
     N, C = logits.shape
     out, [launch] = run_case(drivers, "chosen_logprob", "stats_rows",
-                             {"logits": Buf(logits), "tokens": Buf(tokens), "stats": Buf(stats),
+                             {"logits": Buf(logits, offset), "tokens": Buf(tokens), "stats": Buf(stats),
                               **threshold_buffer(threshold)},
                              {"N": N, "C": C, "col0": col0, **logit_map_scalars(temperature, softcap)},
                              passes=passes, tmp_dir=tmp_path)
     assert_passes(launch, N, passes, rows_per_block=launch.block[0] // 32)  # a warp per row
+    vector = C % STATS_WIDTH == 0 and offset % STATS_WIDTH == 0
+    assert launch.width == (STATS_WIDTH if vector else 1), f"stats_rows took width {launch.width}"
     return out["stats"].double()
 
 

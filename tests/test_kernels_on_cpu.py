@@ -65,12 +65,23 @@ DEFECTS = {
         "  if (threadIdx.y != 0 || c >= H) return;\n  __syncthreads();", "value_head",
         lambda d, tmp: value_head_cases.test_value_head_backward_params(d, tmp, 130, 40, 0, torch.float32),
         "cuda_on_host error", "plain"),
-    # chosen_logprob's max loop reads one column past the row.
+    # stats_rows' column loop reads one column past the row (45 columns, the scalar path).
     "loop_bound_le": (
-        "chosen_logprob/kernel.cuh", "for (int64_t k = lane; k < C; k += kWarp) m =",
-        "for (int64_t k = lane; k <= C; k += kWarp) m =", "chosen_logprob",
+        "chosen_logprob/kernel.cuh", "k < C; k += kWarp * kWidth", "k <= C; k += kWarp * kWidth", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_stats_rows(d, tmp, 21, 45, "several", 1.0),
         "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
+    # The online pass raising a lane's maximum without moving its sums to it (rows in ascending
+    # order raise it at every access).
+    "stats_online_rescale_skipped": (
+        "chosen_logprob/math.h", "if (!(m == r.max)) stats_rescale(r, m);", "r.max = m;", "chosen_logprob",
+        lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_stats_rows_online(d, tmp, "ascending", 520, 0),
+        "lse: ", "plain"),
+    # stats_rows' butterfly merging only within each half-warp: lane 0 writes half the row's stats.
+    "stats_rows_butterfly_halved": (
+        "chosen_logprob/kernel.cuh", "for (int o = kWarp / 2; o > 0; o /= 2) {\n    const RowStats<float> other",
+        "for (int o = kWarp / 4; o > 0; o /= 2) {\n    const RowStats<float> other", "chosen_logprob",
+        lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_stats_rows(d, tmp, 9, 520, "one", 0.7),
+        "lse: ", "plain"),
     # grad_rows' column loop one pack past the row (thread 0 reaches k = C with 16 packs a row).
     "grad_rows_loop_bound_le": (
         "chosen_logprob/kernel.cuh", "k < int(C); k += int(blockDim.x) * kWidth",
@@ -91,6 +102,13 @@ DEFECTS = {
         "chosen_logprob/kernel.cuh", "bins[j] = 0;\n    __syncthreads();", "bins[j] = 0;", "chosen_logprob",
         lambda d, tmp: sampler_filter_cases.test_hist_rows(d, tmp, 5, 300, "one", 1.0),
         "ThreadSanitizer: data race", "tsan"),
+    # hist_rows' warp sums per bin taking the values of the lanes of even rank into those of odd rank:
+    # the lowest lane of a bin adds less than the bin's total (many lanes a bin).
+    "hist_rows_tree_from_the_wrong_ranks": (
+        "chosen_logprob/kernel.cuh", "if (rank % 2 == 0 && above != 0) value += next;",
+        "if (rank % 2 == 1 && above != 0) value += next;", "chosen_logprob",
+        lambda d, tmp: sampler_filter_cases.test_hist_rows_hot_bins(d, tmp, 300, "several"),
+        "search histogram", "plain"),
     # top_rows reading one column past the row (45 columns: lane 13 of the last 32 reaches k = C).
     "top_rows_loop_bound_le": (
         "chosen_logprob/kernel.cuh", "const float z = k < C ? logit(x[k])", "const float z = k <= C ? logit(x[k])",
@@ -135,26 +153,26 @@ DEFECTS = {
     # kernels still cover every row with too few blocks, so the launch shape itself is checked: on
     # the large stand-in device a block per row tile, one pass (21 rows: 2 blocks of 8 rows).
     "stats_rows_grid_floor": (
-        "chosen_logprob/kernel.cu", "grid_for((N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock,",
-        "grid_for(N / kStatsRowsPerBlock,", "chosen_logprob",
+        "chosen_logprob/kernel.cu", "(N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock,",
+        "N / kStatsRowsPerBlock,", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_stats_rows(d, tmp, 21, 45, "one", 1.0),
         "chosen_logprob_stats_rows_kernel: 2 grid-stride passes", "plain"),
     # 300 rows: 1 block of 256.
     "combine_grid_floor": (
-        "chosen_logprob/kernel.cu", "grid_for((N + kCombineThreads - 1) / kCombineThreads,",
-        "grid_for(N / kCombineThreads,", "chosen_logprob",
+        "chosen_logprob/kernel.cu", "(N + kCombineThreads - 1) / kCombineThreads,",
+        "N / kCombineThreads,", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_combine(d, tmp, 3, 300, "one"),
         "chosen_logprob_combine_kernel: 2 grid-stride passes", "plain"),
     # row_launch (grad_rows, clamped_swiglu, value_head backward_hidden): 70 rows in tiles of 16.
     "row_launch_grid_floor": (
-        "common/cuda_utils.cuh", "grid_for((rows + ty - 1) / ty,", "grid_for(rows / ty,", "value_head",
+        "common/cuda_utils.cuh", "(rows + ty - 1) / ty}", "rows / ty}", "value_head",
         lambda d, tmp: value_head_cases.test_value_head_forward_and_backward_hidden(
             d, tmp, 70, 40, "one", 0, True, torch.float32),
         "value_head_backward_hidden_kernel: 2 grid-stride passes", "plain"),
     # 70 rows: 8 blocks of 8.
     "value_head_forward_grid_floor": (
-        "value_head/kernel.cu", "grid_for((rows + kForwardWarps - 1) / kForwardWarps,",
-        "grid_for(rows / kForwardWarps,", "value_head",
+        "value_head/kernel.cu", "(rows + kForwardWarps - 1) / kForwardWarps,",
+        "rows / kForwardWarps,", "value_head",
         lambda d, tmp: value_head_cases.test_value_head_forward_and_backward_hidden(
             d, tmp, 70, 40, "one", 0, True, torch.float32),
         "value_head_forward_kernel: 2 grid-stride passes", "plain"),
@@ -173,11 +191,20 @@ DEFECTS = {
         "logit gradients", "plain"),
     # The warp-per-row kernels' grid (21 rows: 3 blocks of 8).
     "divergence_rows_grid_floor": (
-        "vocab_divergence/kernel.cu", "grid_for((N + kRowsPerBlock - 1) / kRowsPerBlock,",
-        "grid_for(N / kRowsPerBlock,", "vocab_divergence",
+        "vocab_divergence/kernel.cu",
+        "vocab_divergence_stats_rows_kernel<decltype(student), decltype(teacher)>,"
+        " (p.rows + kRowsPerBlock - 1) / kRowsPerBlock,",
+        "vocab_divergence_stats_rows_kernel<decltype(student), decltype(teacher)>, p.rows / kRowsPerBlock,",
+        "vocab_divergence",
         lambda d, tmp: vocab_divergence_cases.test_vocab_divergence_stats_rows(d, tmp, 21, 45, "one",
                                                                                vocab_divergence_cases.MAPS[0]),
         "vocab_divergence_stats_rows_kernel: 2 grid-stride passes", "plain"),
+    # grid_for taking the occupancy calculator's 0 blocks per SM (the "several" stand-in device holds
+    # one thread per SM) as is: a grid of no blocks, a launch error.
+    "occupancy_of_zero_kept": (
+        "common/cuda_utils.cuh", "(per_sm > 0 ? per_sm : 1)", "per_sm", "chosen_logprob",
+        lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_stats_rows(d, tmp, 21, 45, "several", 1.0),
+        "launch returned error", "plain"),
     # Stage 1's column tiles: 300 columns (the scalar path) in 9 tiles of 32, the last 12 lost.
     "partials_columns_floor": (
         "value_head/kernel.cu", "(H / N + kWarp - 1) / kWarp", "H / N / kWarp", "value_head",

@@ -14,17 +14,12 @@ from kernels_on_cpu_harness import (FP32_EPS, HALF_DTYPES, ULP, Buf, assert_pass
 # chosen_logprob: chosen_logprob_{stats_rows,grad_rows,combine}_kernel (chosen_logprob/kernel.cuh)
 
 
-@pytest.mark.parametrize("N,C,passes", [
-    (21, 45, "several"),  # 3 tiles of 8 rows on 1 block; C: a lane tail
-    (21, 45, "one"),      # 3 blocks, the last with 3 idle warps
-    (8, 96, "one"),       # one full block; C a multiple of the warp
-    (13, 7, "several"),   # fewer columns than lanes (a short last chunk)
-])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chosen_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature):
+def check_stats_rows(drivers, tmp_path, logits, temperature, passes, offset=0):
+    """stats_rows merging logits [N, C] (raw) into running stats, against float64: lse and entropy
+    within stats_tolerance, the chosen logit exact."""
+    N, C = logits.shape
     col0 = 100  # the chunk holds global ids [100, 100 + C)
     inv_temp = float(torch.tensor(1 / temperature, dtype=torch.float32))
-    logits = torch.randn(N, C) * 3
     # Tokens at the chunk's first and last column, just outside it on both sides, an ignore_index
     # and random ids inside.
     tokens = torch.randint(col0, col0 + C, (N,))
@@ -33,7 +28,7 @@ def test_chosen_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature)
     earlier = torch.randn(N, 30, dtype=torch.float64) * 3
     has_earlier = torch.arange(N) < N // 2
     stats = running_stats(earlier, has_earlier)
-    got = run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, temperature, passes)
+    got = run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, temperature, passes, offset=offset)
 
     z = (logits * inv_temp).double()  # the kernel's fp32 product, exactly
     seen = torch.where(has_earlier[:, None], torch.cat([earlier, z], 1),
@@ -50,6 +45,29 @@ def test_chosen_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature)
     expected_chosen = stats[:, 3].clone()
     expected_chosen[inside] = (logits * inv_temp)[inside.nonzero()[:, 0], tokens[inside] - col0]
     assert torch.equal(got[:, 3].float(), expected_chosen)
+
+
+@pytest.mark.parametrize("N,C,passes", [
+    (21, 45, "several"),  # 3 tiles of 8 rows on 1 block; C: a lane tail (the scalar path)
+    (21, 45, "one"),      # 3 blocks, the last with 3 idle warps
+    (8, 96, "one"),       # one full block; 24 packs of 4 (the vector path)
+    (13, 7, "several"),   # fewer columns than lanes (a short last chunk)
+    (21, 100, "several"),  # 25 packs: lanes 25-31 idle
+    (9, 520, "one"),      # 130 packs: 4 rounds of the warp and 2 packs
+])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chosen_logprob_stats_rows(drivers, tmp_path, N, C, passes, temperature):
+    check_stats_rows(drivers, tmp_path, torch.randn(N, C) * 3, temperature, passes)
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+@pytest.mark.parametrize("C,offset", [(520, 0), (520, 1), (45, 0)])
+def test_chosen_logprob_stats_rows_online(drivers, tmp_path, order, C, offset):
+    """Rows in ascending order raise each lane's running maximum at every access (each rescales
+    the sums), descending ones never after the first; the logits off the vector's alignment take
+    the scalar path."""
+    logits = (torch.randn(11, C) * 4).sort(1, descending=order == "descending").values
+    check_stats_rows(drivers, tmp_path, logits, 0.7, "several", offset=offset)
 
 
 @pytest.mark.parametrize("N,C,passes", [
@@ -169,7 +187,7 @@ def test_chosen_logprob_combine(drivers, tmp_path, ranks, N, passes):
 # (max -inf) that merges as nothing; a NaN partial is never dropped in a merge.
 
 
-@pytest.mark.parametrize("C,passes", [(45, "several"), (45, "one"), (7, "several")])
+@pytest.mark.parametrize("C,passes", [(45, "several"), (45, "one"), (7, "several"), (48, "several"), (200, "one")])
 def test_chosen_logprob_stats_rows_nonfinite(drivers, tmp_path, C, passes):
     N, col0 = 16, 100
     inv_temp = float(torch.tensor(1 / 0.7, dtype=torch.float32))

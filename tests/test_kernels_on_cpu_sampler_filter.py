@@ -136,25 +136,24 @@ def run_hist_rows(drivers, tmp_path, logits, row_max, window, hist, temperature,
     return out["hist"]
 
 
-@pytest.mark.parametrize("N,C,passes", [(5, 300, "several"), (5, 300, "one"), (3, 1000, "one"), (7, 9, "several")])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_hist_rows(drivers, tmp_path, N, C, passes, temperature):
-    """Each logit's mass exp(z - m) in units of 2^-40 (fp32 exp, then rounded) in the bin of its
-    cell, added to an earlier chunk's histogram; rows without a window unchanged."""
-    logits = torch.randn(N, C) * 4
-    logits[0, :20] = -math.inf
+def check_hist_rows(drivers, tmp_path, logits, sigma, temperature, passes):
+    """hist_rows over logits [N, C] with windows of spacing 1 / sigma[r] (0: no window) just above
+    each row's largest logit, added to an earlier chunk's histogram: each logit's mass exp(z - m) in
+    units of 2^-40 (fp32 exp, then rounded) in the bin of its cell; rows without a window unchanged."""
+    N, C = logits.shape
     inv = FP32_INV[temperature]
     z = (logits * inv).double()
     row_max = (z.max(1).values + torch.rand(N, dtype=torch.float64)).float()  # other chunks may hold it
-    sigma = torch.where(torch.arange(N) == N - 1, 0.0, 16.0).double()
-    sigma[1] = 2.0**9  # a narrow window: 512 cells of 2^-9 below the row's largest logit
     hi = torch.floor(z.max(1).values * sigma)
     window = torch.stack([sigma, hi], 1)
     earlier = torch.randint(0, 2**40, (N, SEARCH_BINS))
     got = run_hist_rows(drivers, tmp_path, logits, row_max, window, earlier.clone(), temperature, passes)
 
     expected, tol = earlier.double().clone(), torch.zeros(N, SEARCH_BINS, dtype=torch.float64)
-    for r in range(N - 1):
+    for r in range(N):
+        if sigma[r] == 0:
+            assert torch.equal(got[r], earlier[r])
+            continue
         cell = hi[r] - torch.floor(z[r] * sigma[r])
         inside = (cell >= 0) & (cell < SEARCH_BINS)
         shifted = z[r][inside] - row_max[r].double()
@@ -163,8 +162,29 @@ def test_hist_rows(drivers, tmp_path, N, C, passes, temperature):
         # Per logit: z - m rounded to fp32 (|z - m| eps / 2 absolute), fp32 exp (a few ulp) and the
         # rounding to a unit.
         tol[r].index_add_(0, cell[inside].long(), mass * (shifted.abs() + 4) * 2.0**-23 + 0.5)
-    assert torch.equal(got[N - 1], earlier[N - 1])
     assert_within(got.double(), expected, tol, "search histogram")
+
+
+@pytest.mark.parametrize("N,C,passes", [(5, 300, "several"), (5, 300, "one"), (3, 1000, "one"), (7, 9, "several")])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hist_rows(drivers, tmp_path, N, C, passes, temperature):
+    """Windows of cells of 1/16 (row 1: 512 cells of 2^-9 below its largest logit; the last row: no
+    window), -inf logits in row 0."""
+    logits = torch.randn(N, C) * 4
+    logits[0, :20] = -math.inf
+    sigma = torch.where(torch.arange(N) == N - 1, 0.0, 16.0).double()
+    sigma[1] = 2.0**9
+    check_hist_rows(drivers, tmp_path, logits, sigma, temperature, passes)
+
+
+@pytest.mark.parametrize("C,passes", [(300, "several"), (1000, "one"), (45, "one")])
+def test_hist_rows_hot_bins(drivers, tmp_path, C, passes):
+    """Many lanes of a warp in one bin (the warp's sum per bin): tied logits in steps of 1/4 and
+    windows of cells of 4 (rows 0-1: every logit of the window in a handful of bins), 1 (row 2) and
+    1/4 (row 3: a bin per distinct value); row 1's -inf logits in no window."""
+    logits = tied_logits(4, C, seed=C)
+    sigma = torch.tensor([0.25, 0.25, 1.0, 4.0], dtype=torch.float64)
+    check_hist_rows(drivers, tmp_path, logits, sigma, 1.0, passes)
 
 
 # ---------------------------------------------------------------------------------------------

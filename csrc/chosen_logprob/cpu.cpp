@@ -1,7 +1,7 @@
-// chosen_logprob, CPU: the chunk loop with ATen GEMMs (common/cpu_gemms.h) and
-// SIMD row kernels running the shared formulas of chosen_logprob/math.h.
+// chosen_logprob, CPU: the chunk loop with ATen GEMMs (common/cpu_gemms.h) and SIMD row kernels
+// running the shared formulas of chosen_logprob/math.h, both on pieces of rows handed to the
+// threads as they come free (RowPieces in chosen_logprob/chunks.h).
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "chosen_logprob/entry.h"
@@ -25,23 +25,21 @@ void stats_rows_cpu(const Params& p, const Logit& logit) {
   const auto* threshold = static_cast<const acc*>(p.threshold);
   const int64_t C_vec = C - C % Vec::size();
   const auto vlogit = logit.template as<Vec>();
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const acc* x = logits + r * C;
-      const acc tau = threshold ? threshold[r] : acc(-INFINITY);
-      Vec vmax(-INFINITY);
-      for (int64_t k = 0; k < C_vec; k += Vec::size()) vmax = Math<Vec>::max(vmax, Vec::loadu(x + k));
-      acc m = horizontal_max(vmax);
-      for (int64_t k = C_vec; k < C; ++k) m = Math<acc>::max(m, x[k]);
-      m = kept_max(logit(m), tau);  // the map is nondecreasing: the largest z is the map of the largest x
-      const Vec vm(m), vtau(tau);
-      Vec vs(0), vt(0);
-      for (int64_t k = 0; k < C_vec; k += Vec::size()) stats_add(vlogit(Vec::loadu(x + k)), vm, vs, vt, vtau);
-      acc s = horizontal_sum(vs), t = horizontal_sum(vt);
-      for (int64_t k = C_vec; k < C; ++k) stats_add(logit(x[k]), m, s, t, tau);
-      stats_update_row(stats + stats_column::count * r, RowStats<acc>{m, s, t}, x, tokens[r] - col0, C, logit);
-    }
-  });
+  for (int64_t r = 0; r < N; ++r) {
+    const acc* x = logits + r * C;
+    const acc tau = threshold ? threshold[r] : acc(-INFINITY);
+    Vec vmax(-INFINITY);
+    for (int64_t k = 0; k < C_vec; k += Vec::size()) vmax = Math<Vec>::max(vmax, Vec::loadu(x + k));
+    acc m = horizontal_max(vmax);
+    for (int64_t k = C_vec; k < C; ++k) m = Math<acc>::max(m, x[k]);
+    m = kept_max(logit(m), tau);  // the map is nondecreasing: the largest z is the map of the largest x
+    const Vec vm(m), vtau(tau);
+    Vec vs(0), vt(0);
+    for (int64_t k = 0; k < C_vec; k += Vec::size()) stats_add(vlogit(Vec::loadu(x + k)), vm, vs, vt, vtau);
+    acc s = horizontal_sum(vs), t = horizontal_sum(vt);
+    for (int64_t k = C_vec; k < C; ++k) stats_add(logit(x[k]), m, s, t, tau);
+    stats_update_row(stats + stats_column::count * r, RowStats<acc>{m, s, t}, x, tokens[r] - col0, C, logit);
+  }
 }
 
 // Into p.grads (acc; may be p.logits itself: each row's chosen logit is read before the row is
@@ -60,26 +58,24 @@ void grad_rows_cpu(const Params& p, const Logit& logit) {
   const auto* threshold = static_cast<const acc*>(p.threshold);
   const int64_t C_vec = C - C % Vec::size();
   const auto vlogit = logit.template as<Vec>();
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const acc* x = logits + r * C;
-      acc* d = grads + r * p.grads_stride;
-      const int64_t target = tokens[r] - col0;
-      const bool has_target = target >= 0 && target < C;
-      const acc x_target = has_target ? x[target] : acc(0);
-      const acc m = row_max[r], l = log_sum[r], l_minus_ent = log_sum_minus_entropy[r];
-      const acc tau = threshold ? threshold[r] : acc(-INFINITY);
-      const Vec vm(m), vtau(tau), vl(l), vl_minus_ent(l_minus_ent), vgl(gl[r]), vge(ge[r]);
-      for (int64_t k = 0; k < C_vec; k += Vec::size()) {
-        const Vec xk = Vec::loadu(x + k);
-        (logit_grad(vlogit(xk), vm, vtau, vl, vl_minus_ent, vgl, vge) * vlogit.slope(xk)).store(d + k);
-      }
-      for (int64_t k = C_vec; k < C; ++k) {
-        d[k] = logit_grad(logit(x[k]), m, tau, l, l_minus_ent, gl[r], ge[r]) * logit.slope(x[k]);
-      }
-      if (has_target) d[target] += gl[r] * logit.slope(x_target);
+  for (int64_t r = 0; r < N; ++r) {
+    const acc* x = logits + r * C;
+    acc* d = grads + r * p.grads_stride;
+    const int64_t target = tokens[r] - col0;
+    const bool has_target = target >= 0 && target < C;
+    const acc x_target = has_target ? x[target] : acc(0);
+    const acc m = row_max[r], l = log_sum[r], l_minus_ent = log_sum_minus_entropy[r];
+    const acc tau = threshold ? threshold[r] : acc(-INFINITY);
+    const Vec vm(m), vtau(tau), vl(l), vl_minus_ent(l_minus_ent), vgl(gl[r]), vge(ge[r]);
+    for (int64_t k = 0; k < C_vec; k += Vec::size()) {
+      const Vec xk = Vec::loadu(x + k);
+      (logit_grad(vlogit(xk), vm, vtau, vl, vl_minus_ent, vgl, vge) * vlogit.slope(xk)).store(d + k);
     }
-  });
+    for (int64_t k = C_vec; k < C; ++k) {
+      d[k] = logit_grad(logit(x[k]), m, tau, l, l_minus_ent, gl[r], ge[r]) * logit.slope(x[k]);
+    }
+    if (has_target) d[target] += gl[r] * logit.slope(x_target);
+  }
 }
 
 // The window's bounds (SearchWindow::lowest, highest) rounded outwards to acc: every logit of the
@@ -102,44 +98,42 @@ void top_rows_cpu(const Params& p, const Logit& logit) {
   const int64_t C_vec = C - C % Vec::size();
   const int no_lane = (1 << Vec::size()) - 1;  // the zero_mask of a comparison no lane passes
   const auto vlogit = logit.template as<Vec>();
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    alignas(64) acc lanes[Vec::size()];
-    for (int64_t r = begin; r < end; ++r) {
-      const SearchWindow window = windows ? SearchWindow{windows[2 * r], windows[2 * r + 1]} : SearchWindow{1, 0};
-      if (!window.active()) continue;
-      const acc tau = threshold ? threshold[r] : acc(-INFINITY);
-      const acc* x = logits + r * C;
-      acc* top = tops + r * (top_column::values + K);
-      int64_t seen = 0;
-      const auto give = [&](acc z) {
-        if (z < tau || (windows && !SearchWindow::in_range(window.cell(z)))) return;
-        ++seen;
-        if (z >= top_floor(top, K)) top_push(top, K, z);
-      };
-      const auto [lo, hi] = windows ? window_bounds<acc>(window) : std::pair<acc, acc>(-INFINITY, INFINITY);
-      const Vec vlo(lo), vhi(hi), vtau(tau);
-      for (int64_t k = 0; k < C_vec; k += Vec::size()) {
-        const Vec z = vlogit(Vec::loadu(x + k));
-        if (!windows && !threshold) {  // every logit counts; one below the floor changes nothing
-          seen += Vec::size();
-          if ((z >= Vec(top_floor(top, K))).zero_mask() == no_lane) continue;
-          z.store(lanes);
-          for (int j = 0; j < Vec::size(); ++j) {
-            if (lanes[j] >= top_floor(top, K)) top_push(top, K, lanes[j]);
-          }
-          continue;
-        }
-        if (windows ? ((z >= vlo) & (z <= vhi)).zero_mask() == no_lane  // none in the window (nor a NaN)
-                    : (z < vtau).zero_mask() == 0) {                     // all dropped
-          continue;
-        }
+  alignas(64) acc lanes[Vec::size()];
+  for (int64_t r = 0; r < N; ++r) {
+    const SearchWindow window = windows ? SearchWindow{windows[2 * r], windows[2 * r + 1]} : SearchWindow{1, 0};
+    if (!window.active()) continue;
+    const acc tau = threshold ? threshold[r] : acc(-INFINITY);
+    const acc* x = logits + r * C;
+    acc* top = tops + r * (top_column::values + K);
+    int64_t seen = 0;
+    const auto give = [&](acc z) {
+      if (z < tau || (windows && !SearchWindow::in_range(window.cell(z)))) return;
+      ++seen;
+      if (z >= top_floor(top, K)) top_push(top, K, z);
+    };
+    const auto [lo, hi] = windows ? window_bounds<acc>(window) : std::pair<acc, acc>(-INFINITY, INFINITY);
+    const Vec vlo(lo), vhi(hi), vtau(tau);
+    for (int64_t k = 0; k < C_vec; k += Vec::size()) {
+      const Vec z = vlogit(Vec::loadu(x + k));
+      if (!windows && !threshold) {  // every logit counts; one below the floor changes nothing
+        seen += Vec::size();
+        if ((z >= Vec(top_floor(top, K))).zero_mask() == no_lane) continue;
         z.store(lanes);
-        for (int j = 0; j < Vec::size(); ++j) give(lanes[j]);
+        for (int j = 0; j < Vec::size(); ++j) {
+          if (lanes[j] >= top_floor(top, K)) top_push(top, K, lanes[j]);
+        }
+        continue;
       }
-      for (int64_t k = C_vec; k < C; ++k) give(logit(x[k]));
-      top[top_column::seen] += acc(seen);
+      if (windows ? ((z >= vlo) & (z <= vhi)).zero_mask() == no_lane  // none in the window (nor a NaN)
+                  : (z < vtau).zero_mask() == 0) {                     // all dropped
+        continue;
+      }
+      z.store(lanes);
+      for (int j = 0; j < Vec::size(); ++j) give(lanes[j]);
     }
-  });
+    for (int64_t k = C_vec; k < C; ++k) give(logit(x[k]));
+    top[top_column::seen] += acc(seen);
+  }
 }
 
 // Adds the mass (relative to the global row max) of each logit in a row's search window to the
@@ -155,36 +149,38 @@ void hist_rows_cpu(const Params& p, const Logit& logit) {
   const int64_t C_vec = C - C % Vec::size();
   const int no_lane = (1 << Vec::size()) - 1;
   const auto vlogit = logit.template as<Vec>();
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    alignas(64) acc z[Vec::size()], mass[Vec::size()];
-    for (int64_t r = begin; r < end; ++r) {
-      const SearchWindow window{windows[2 * r], windows[2 * r + 1]};
-      if (!window.active()) continue;
-      const auto [lo, hi] = window_bounds<acc>(window);
-      const acc m = row_max[r];
-      const acc* x = logits + r * C;
-      int64_t* bins = hist + r * kSearchBins;
-      const auto add = [&](acc zk, acc mk) {
-        const double cell = window.cell(zk);
-        if (SearchWindow::in_range(cell)) bins[int64_t(cell)] += mass_units(mk);
-      };
-      const Vec vlo(lo), vhi(hi), vm(m);
-      for (int64_t k = 0; k < C_vec; k += Vec::size()) {
-        const Vec zk = vlogit(Vec::loadu(x + k));
-        if (((zk >= vlo) & (zk <= vhi)).zero_mask() == no_lane) continue;
-        zk.store(z);
-        Math<Vec>::exp(zk - vm).store(mass);
-        for (int j = 0; j < Vec::size(); ++j) add(z[j], mass[j]);
-      }
-      for (int64_t k = C_vec; k < C; ++k) {
-        const acc zk = logit(x[k]);
-        add(zk, Math<acc>::exp(zk - m));
-      }
+  alignas(64) acc z[Vec::size()], mass[Vec::size()];
+  for (int64_t r = 0; r < N; ++r) {
+    const SearchWindow window{windows[2 * r], windows[2 * r + 1]};
+    if (!window.active()) continue;
+    const auto [lo, hi] = window_bounds<acc>(window);
+    const acc m = row_max[r];
+    const acc* x = logits + r * C;
+    int64_t* bins = hist + r * kSearchBins;
+    const auto add = [&](acc zk, acc mk) {
+      const double cell = window.cell(zk);
+      if (SearchWindow::in_range(cell)) bins[int64_t(cell)] += mass_units(mk);
+    };
+    const Vec vlo(lo), vhi(hi), vm(m);
+    for (int64_t k = 0; k < C_vec; k += Vec::size()) {
+      const Vec zk = vlogit(Vec::loadu(x + k));
+      if (((zk >= vlo) & (zk <= vhi)).zero_mask() == no_lane) continue;
+      zk.store(z);
+      Math<Vec>::exp(zk - vm).store(mass);
+      for (int j = 0; j < Vec::size(); ++j) add(z[j], mass[j]);
     }
-  });
+    for (int64_t k = C_vec; k < C; ++k) {
+      const acc zk = logit(x[k]);
+      add(zk, Math<acc>::exp(zk - m));
+    }
+  }
 }
 
 struct CpuKernels : CpuGemms {
+  // Rows per piece (chosen_logprob/chunks.h, RowPieces): a divisor of the batch-invariant row
+  // block, and enough pieces per chunk (16 at N = 2048) to even out a slowed thread's share.
+  static constexpr int64_t kPieceRows = 128;
+
   static void stats_rows(const Params& p, at::ScalarType acc) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_stats_cpu", [&] {
       with_logit_map<scalar_t>(p.logit_map, [&](const auto& logit) { stats_rows_cpu<scalar_t>(p, logit); });

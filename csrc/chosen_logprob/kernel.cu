@@ -9,23 +9,26 @@ namespace fused_rl_ops::chosen_logprob {
 cudaError_t launch_chosen_logprob_stats_rows(const Params& p, cudaStream_t stream) {
   const int64_t N = p.rows;
   if (N == 0 || p.cols == 0) return cudaSuccess;
-  DeviceSize dev;
-  if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
-  const int threads = kStatsRowsPerBlock * kWarp;
-  const unsigned grid = grid_for((N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock, threads, dev);
+  // kStatsWidth columns per access where every row of logits starts aligned for it.
+  const bool vectorised = p.cols % kStatsWidth == 0 && is_aligned(p.logits, sizeof(Pack<float, kStatsWidth>));
+  cudaError_t err = cudaSuccess;
   with_logit_map<float>(p.logit_map, [&](auto logit) {
-    launch_kernel(chosen_logprob_stats_rows_kernel<decltype(logit)>, grid, threads, 0, stream,
-                  static_cast<const float*>(p.logits), N, p.cols, p.col0, p.tokens, logit,
-                  static_cast<const float*>(p.threshold), static_cast<float*>(p.stats));
+    const auto launch = [&](auto width) {
+      err = launch_grid_stride(chosen_logprob_stats_rows_kernel<decltype(logit), decltype(width)::value>,
+                               (N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock, kStatsRowsPerBlock * kWarp, 0,
+                               stream, static_cast<const float*>(p.logits), N, p.cols, p.col0, p.tokens, logit,
+                               static_cast<const float*>(p.threshold), static_cast<float*>(p.stats));
+    };
+    if (vectorised) launch(std::integral_constant<int, kStatsWidth>{});
+    else launch(std::integral_constant<int, 1>{});
   });
-  return cudaGetLastError();
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 cudaError_t launch_chosen_logprob_grad_rows(const Params& p, DType grads_dtype, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
   if (p.cols >= (int64_t(1) << 30)) return cudaErrorInvalidValue;  // the kernel's columns are 32-bit
-  DeviceSize dev;
-  if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
+  cudaError_t err = cudaSuccess;
   dispatch_dtype(grads_dtype, [&](auto* type_tag) {
     using G = std::remove_pointer_t<decltype(type_tag)>;
     // kGradWidth columns per access where every row of logits and grads starts aligned for it.
@@ -35,59 +38,56 @@ cudaError_t launch_chosen_logprob_grad_rows(const Params& p, DType grads_dtype, 
     with_logit_map<float>(p.logit_map, [&](auto logit) {
       const auto launch = [&](auto width) {
         constexpr int kWidth = decltype(width)::value;
-        const RowLaunch cfg = row_launch(p.rows, p.cols / kWidth, kGradThreads, dev);
-        launch_kernel(chosen_logprob_grad_rows_kernel<decltype(logit), G, kWidth>, cfg.grid, cfg.block, 0, stream,
-                      static_cast<const float*>(p.logits), p.rows, p.cols, p.col0, p.tokens,
-                      static_cast<const float*>(p.row_max), static_cast<const float*>(p.log_sum),
-                      static_cast<const float*>(p.log_sum_minus_entropy), static_cast<const float*>(p.grad_logprob),
-                      static_cast<const float*>(p.grad_entropy), static_cast<const float*>(p.threshold), logit,
-                      static_cast<G*>(p.grads), p.grads_stride);
+        const RowLaunch cfg = row_launch(p.rows, p.cols / kWidth, kGradThreads);
+        err = launch_grid_stride(chosen_logprob_grad_rows_kernel<decltype(logit), G, kWidth>, cfg.work_blocks,
+                                 cfg.block, 0, stream, static_cast<const float*>(p.logits), p.rows, p.cols, p.col0,
+                                 p.tokens, static_cast<const float*>(p.row_max), static_cast<const float*>(p.log_sum),
+                                 static_cast<const float*>(p.log_sum_minus_entropy),
+                                 static_cast<const float*>(p.grad_logprob), static_cast<const float*>(p.grad_entropy),
+                                 static_cast<const float*>(p.threshold), logit, static_cast<G*>(p.grads),
+                                 p.grads_stride);
       };
       if (vectorised) launch(std::integral_constant<int, kGradWidth>{});
       else launch(std::integral_constant<int, 1>{});
     });
   });
-  return cudaGetLastError();
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 cudaError_t launch_chosen_logprob_combine(const Params& p, cudaStream_t stream) {
   const int64_t N = p.rows;
   if (N == 0) return cudaSuccess;
-  DeviceSize dev;
-  if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
-  const unsigned grid = grid_for((N + kCombineThreads - 1) / kCombineThreads, kCombineThreads, dev);
-  launch_kernel(chosen_logprob_combine_kernel, grid, kCombineThreads, 0, stream, static_cast<const float*>(p.partials),
-                p.ranks, N, static_cast<float*>(p.out));
-  return cudaGetLastError();
+  const cudaError_t err = launch_grid_stride(chosen_logprob_combine_kernel, (N + kCombineThreads - 1) / kCombineThreads,
+                                             kCombineThreads, 0, stream, static_cast<const float*>(p.partials), p.ranks,
+                                             N, static_cast<float*>(p.out));
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 cudaError_t launch_chosen_logprob_top_rows(const Params& p, cudaStream_t stream) {
   const int64_t N = p.rows;
   if (N == 0 || p.cols == 0) return cudaSuccess;
-  DeviceSize dev;
-  if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
-  const int threads = kTopRowsPerBlock * kWarp;
-  const unsigned grid = grid_for((N + kTopRowsPerBlock - 1) / kTopRowsPerBlock, threads, dev);
+  cudaError_t err = cudaSuccess;
   with_logit_map<float>(p.logit_map, [&](auto logit) {
-    launch_kernel(chosen_logprob_top_rows_kernel<decltype(logit)>, grid, threads, 0, stream,
-                  static_cast<const float*>(p.logits), N, p.cols, logit, static_cast<const float*>(p.threshold),
-                  static_cast<const double*>(p.window), static_cast<float*>(p.top), p.top_width);
+    err = launch_grid_stride(chosen_logprob_top_rows_kernel<decltype(logit)>,
+                             (N + kTopRowsPerBlock - 1) / kTopRowsPerBlock, kTopRowsPerBlock * kWarp, 0, stream,
+                             static_cast<const float*>(p.logits), N, p.cols, logit,
+                             static_cast<const float*>(p.threshold), static_cast<const double*>(p.window),
+                             static_cast<float*>(p.top), p.top_width);
   });
-  return cudaGetLastError();
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 cudaError_t launch_chosen_logprob_hist_rows(const Params& p, cudaStream_t stream) {
   const int64_t N = p.rows;
   if (N == 0 || p.cols == 0) return cudaSuccess;
-  DeviceSize dev;
-  if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
-  const unsigned grid = grid_for(N, kHistThreads, dev);
+  cudaError_t err = cudaSuccess;
   with_logit_map<float>(p.logit_map, [&](auto logit) {
-    launch_kernel(chosen_logprob_hist_rows_kernel<decltype(logit)>, grid, kHistThreads, 0, stream,
-                  static_cast<const float*>(p.logits), N, p.cols, logit, static_cast<const float*>(p.row_max),
-                  static_cast<const double*>(p.window), static_cast<int64_t*>(p.hist));
+    err = launch_grid_stride(chosen_logprob_hist_rows_kernel<decltype(logit)>, N, kHistThreads, 0, stream,
+                             static_cast<const float*>(p.logits), N, p.cols, logit,
+                             static_cast<const float*>(p.row_max), static_cast<const double*>(p.window),
+                             static_cast<int64_t*>(p.hist));
   });
-  return cudaGetLastError();
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

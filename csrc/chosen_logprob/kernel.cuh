@@ -9,16 +9,31 @@
 namespace fused_rl_ops::chosen_logprob {
 
 constexpr int kStatsRowsPerBlock = 8;  // stats: one warp per row
+constexpr int kStatsWidth = 4;         // stats: columns per lane and access where aligned (16 bytes)
 constexpr int kGradThreads = 256;     // grad: threads per block, laid out by row_launch
 constexpr int kGradWidth = 4;         // grad: columns per thread and access where aligned (16 bytes of fp32)
 constexpr int kCombineThreads = 256;  // combine: one thread per row
 constexpr int kTopRowsPerBlock = 8;   // top: one warp per row
-constexpr int kHistThreads = 256;     // hist: one block per row
+constexpr int kHistThreads = 256;     // hist: one block per row, of whole warps
 
-// A warp reads its row twice (max, then sums); the second pass mostly hits L1/L2. Lanes take
-// columns lane, lane + 32, ... and the butterfly reductions fix the order: deterministic.
+// The merge of every lane's stats (stats_merge), in the same butterfly order on every call
+// (deterministic); every lane gets the total (stats_merge is symmetric).
+__device__ __forceinline__ RowStats<float> warp_stats(RowStats<float> r) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) {
+    const RowStats<float> other{__shfl_xor_sync(0xffffffffu, r.max, o), __shfl_xor_sync(0xffffffffu, r.sum, o),
+                                __shfl_xor_sync(0xffffffffu, r.ent, o)};
+    stats_merge(r, other);
+  }
+  return r;
+}
+
+// A warp per row reads it once: each lane keeps online stats (stats_add_online) of its columns,
+// kWidth at a time (kWidth columns per access where the launcher finds the rows aligned for it, else
+// 1): lane l takes columns [kWidth l, kWidth (l + 1)), then those kWarp kWidth further on, ...; the
+// lanes' stats merge in a fixed butterfly: deterministic.
 // Logit: PlainLogit<float> or SoftcappedLogit<float> (chosen_logprob/math.h), raw logits -> z.
-template <class Logit>
+template <class Logit, int kWidth>
 __global__ void chosen_logprob_stats_rows_kernel(const float* __restrict__ logits, int64_t N, int64_t C, int64_t col0,
                                                  const int64_t* __restrict__ tokens, Logit logit,
                                                  const float* __restrict__ threshold, float* __restrict__ stats) {
@@ -27,16 +42,16 @@ __global__ void chosen_logprob_stats_rows_kernel(const float* __restrict__ logit
        r += int64_t(gridDim.x) * kStatsRowsPerBlock) {
     const float* x = logits + r * C;
     const float tau = threshold ? threshold[r] : -INFINITY;
-    float m = -INFINITY;
-    for (int64_t k = lane; k < C; k += kWarp) m = Math<float>::max(m, x[k]);
-    m = kept_max(logit(warp_max(m)), tau);  // the map is nondecreasing: the largest z is the map of the largest x
-    float s = 0.f, t = 0.f;
-    for (int64_t k = lane; k < C; k += kWarp) stats_add(logit(x[k]), m, s, t, tau);
-    s = warp_sum(s);
-    t = warp_sum(t);
-    if (lane == 0) {
-      stats_update_row(stats + stats_column::count * r, RowStats<float>{m, s, t}, x, tokens[r] - col0, C, logit);
+    RowStats<float> lane_stats = stats_empty<float>();
+    for (int64_t k = int64_t(lane) * kWidth; k < C; k += kWarp * kWidth) {
+      const Pack<float, kWidth> in = *reinterpret_cast<const Pack<float, kWidth>*>(x + k);
+      float z[kWidth];
+#pragma unroll
+      for (int i = 0; i < kWidth; ++i) z[i] = logit(in.v[i]);
+      stats_add_online(lane_stats, z, tau);
     }
+    const RowStats<float> chunk = warp_stats(lane_stats);
+    if (lane == 0) stats_update_row(stats + stats_column::count * r, chunk, x, tokens[r] - col0, C, logit);
   }
 }
 
@@ -54,8 +69,8 @@ __device__ __forceinline__ float raw_logit_grad(float x, bool chosen, float m, f
 // grads_stride apart), which may be logits itself (G = float): every element is read and then
 // written by one thread, so neither pointer is __restrict__. kWidth columns per thread and access
 // (1: the scalar path), as the launcher picks by alignment. Blocks [columns, rows] (row_launch).
-// At most 32 registers a thread, so that the 2048 / kGradThreads blocks per SM that grid_for
-// counts on sm_80 / sm_90 are resident at once (the vector paths would take 37-38).
+// At most 32 registers a thread, so that 2048 / kGradThreads blocks fill an SM of sm_80 / sm_90
+// (the vector paths would take 37-38 and fit fewer; grid_for sizes the grid by what fits).
 template <class Logit, typename G, int kWidth>
 __global__ void __launch_bounds__(kGradThreads, 2048 / kGradThreads)
     chosen_logprob_grad_rows_kernel(const float* logits, int64_t N, int64_t C, int64_t col0,
@@ -79,7 +94,7 @@ __global__ void __launch_bounds__(kGradThreads, 2048 / kGradThreads)
       for (int i = 0; i < kWidth; ++i) {
         out.v[i] = from_float<G>(raw_logit_grad(in.v[i], k + i == target, m, tau, l, l_minus_ent, g, e, logit));
       }
-      *reinterpret_cast<Pack<G, kWidth>*>(d + k) = out;
+      store_pack(d + k, out);
     }
   }
 }
@@ -119,14 +134,37 @@ __global__ void chosen_logprob_top_rows_kernel(const float* __restrict__ logits,
   }
 }
 
+// Adds each lane's value to bins[bin] (shared memory; bin < 0: nothing) with one atomic addition per
+// bin the warp holds: a 64-bit shared atomicAdd is a compare-and-swap loop, which stalls when many
+// lanes hit one bin. The lanes of a bin (__match_any_sync) sum their values in a tree over their
+// ranks, the lowest lane adding the total: each round a lane of even rank takes the value of the
+// next lane of its bin still in the tree (of odd rank), which leaves it, and the ranks halve. Sums of
+// integers: the order changes no bit. Called by every lane of a full warp.
+__device__ __forceinline__ void warp_add_to_bins(unsigned long long* bins, int bin, unsigned long long value) {
+  const unsigned lane = threadIdx.x % kWarp;
+  const unsigned peers = __match_any_sync(0xffffffffu, bin);
+  unsigned rank = __popc(peers & ((1u << lane) - 1));  // the lanes of the bin below this one
+  const bool lowest = rank == 0;
+  unsigned above = peers & ~((2u << lane) - 1);  // the lanes of the bin above it still in the tree
+  while (__any_sync(0xffffffffu, above != 0)) {
+    const unsigned long long next = __shfl_sync(0xffffffffu, value, above != 0 ? __ffs(above) - 1 : int(lane));
+    if (rank % 2 == 0 && above != 0) value += next;
+    above &= __ballot_sync(0xffffffffu, rank % 2 == 0);  // lanes of odd rank leave the tree
+    rank /= 2;
+  }
+  if (lowest && bin >= 0) atomicAdd(&bins[bin], value);
+}
+
 // Adds the mass (relative to row_max) of each logit of a row's search window to the row's
 // histogram (sampler_filter.h): a block per row sums the chunk's masses per bin in shared memory, in
 // integers, so that the order of the atomic additions changes no bit, then adds them to the row's.
+// The warps take 32 columns at a time, every lane the same iterations (warp_add_to_bins).
 template <class Logit>
 __global__ void chosen_logprob_hist_rows_kernel(const float* __restrict__ logits, int64_t N, int64_t C, Logit logit,
                                                 const float* __restrict__ row_max, const double* __restrict__ window,
                                                 int64_t* __restrict__ hist) {
   __shared__ unsigned long long bins[kSearchBins];
+  const int lane = threadIdx.x % kWarp;
   for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
     const SearchWindow w{window[2 * r], window[2 * r + 1]};
     if (!w.active()) continue;
@@ -134,12 +172,19 @@ __global__ void chosen_logprob_hist_rows_kernel(const float* __restrict__ logits
     __syncthreads();
     const float m = row_max[r];
     const float* x = logits + r * C;
-    for (int64_t k = threadIdx.x; k < C; k += blockDim.x) {
-      const float z = logit(x[k]);
-      const double cell = w.cell(z);
-      if (SearchWindow::in_range(cell)) {
-        atomicAdd(&bins[int(cell)], static_cast<unsigned long long>(mass_units(Math<float>::exp(z - m))));
+    for (int64_t k0 = int64_t(threadIdx.x) - lane; k0 < C; k0 += blockDim.x) {
+      const int64_t k = k0 + lane;
+      int bin = -1;
+      unsigned long long mass = 0;
+      if (k < C) {
+        const float z = logit(x[k]);
+        const double cell = w.cell(z);
+        if (SearchWindow::in_range(cell)) {
+          bin = int(cell);
+          mass = static_cast<unsigned long long>(mass_units(Math<float>::exp(z - m)));
+        }
       }
+      warp_add_to_bins(bins, bin, mass);
     }
     __syncthreads();
     int64_t* row = hist + r * kSearchBins;

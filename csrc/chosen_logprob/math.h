@@ -69,8 +69,23 @@ FRL_HD T kept_max(T m, T tau) {
   return m < tau ? T(-INFINITY) : m;
 }
 
+// Moves r's sums to the maximum m >= r.max (or NaN): they are taken relative to the maximum, so
+// with d = r.max - m, t becomes exp(d) (t + s d) and s becomes exp(d) s. An empty r (max -inf, sums
+// 0) just takes m.
+template <typename T>
+FRL_HD void stats_rescale(RowStats<T>& r, T m) {
+  if (r.max != T(-INFINITY)) {
+    const T d = r.max - m;
+    const T a = Math<T>::exp(d);
+    r.ent = a * (r.ent + r.sum * d);
+    r.sum = a * r.sum;
+  }
+  r.max = m;
+}
+
 // Merges b into a: both sums are moved to the larger maximum. A partial marked empty (max = -inf)
-// changes nothing; any NaN in either reaches the result.
+// changes nothing; any NaN in either reaches the result. Symmetric (merging a into b gives the
+// same bits), so the lanes of a butterfly agree.
 template <typename T>
 FRL_HD void stats_merge(RowStats<T>& a, const RowStats<T>& b) {
   if (b.max == T(-INFINITY)) return;
@@ -79,10 +94,22 @@ FRL_HD void stats_merge(RowStats<T>& a, const RowStats<T>& b) {
     return;
   }
   const T m = Math<T>::max(a.max, b.max);
-  const T ea = Math<T>::exp(a.max - m), eb = Math<T>::exp(b.max - m);
-  a.ent = ea * (a.ent + a.sum * (a.max - m)) + eb * (b.ent + b.sum * (b.max - m));
-  a.sum = ea * a.sum + eb * b.sum;
-  a.max = m;
+  RowStats<T> moved = b;
+  stats_rescale(a, m);
+  stats_rescale(moved, m);
+  a.ent = a.ent + moved.ent;
+  a.sum = a.sum + moved.sum;
+}
+
+// Adds n logits z to the running stats r in one pass over them (the online softmax), as the sums
+// over the logits the threshold tau keeps: r's maximum is first raised to the largest of them
+// (stats_rescale, when it rises), then each is added against it (stats_add).
+template <typename T, int n>
+FRL_HD void stats_add_online(RowStats<T>& r, const T (&z)[n], T tau) {
+  T m = r.max;
+  for (int i = 0; i < n; ++i) m = Math<T>::max(m, z[i] < tau ? T(-INFINITY) : z[i]);
+  if (!(m == r.max)) stats_rescale(r, m);  // NaN: rescaled to NaN
+  for (int i = 0; i < n; ++i) stats_add(z[i], r.max, r.sum, r.ent, tau);
 }
 
 template <typename T>

@@ -8,19 +8,20 @@ namespace fused_rl_ops::clamped_swiglu {
 namespace {
 
 // Calls launch(type_tag, width, interleaved_tag, cfg) with the element type, the vector width the
-// pointers' alignment allows, the layout and the launch shape of a kernel over p's [rows, F] output.
+// pointers' alignment allows, the layout and the launch shape of a kernel over p's [rows, F] output;
+// launch returns launch_grid_stride's error.
 template <typename Launch>
 cudaError_t launch_rows(const Params& p, DType dtype, std::initializer_list<const void*> ptrs, const Launch& launch) {
   if (p.rows * p.F == 0) return cudaSuccess;
-  DeviceSize dev;
-  if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
+  cudaError_t err = cudaSuccess;
   auto run = [&](auto interleaved_tag) {
     constexpr bool kInter = decltype(interleaved_tag)::value;
     return launch_with_width<kInter ? 8 : 16>(dtype, p.F, ptrs, [&](auto* type_tag, auto width) {
-      launch(type_tag, width, interleaved_tag, row_launch(p.rows, p.F / decltype(width)::value, kBlockThreads, dev));
+      err = launch(type_tag, width, interleaved_tag, row_launch(p.rows, p.F / decltype(width)::value, kBlockThreads));
     });
   };
-  return p.interleaved ? run(std::true_type{}) : run(std::false_type{});
+  const cudaError_t launch_err = p.interleaved ? run(std::true_type{}) : run(std::false_type{});
+  return err != cudaSuccess ? err : launch_err;
 }
 
 }  // namespace
@@ -28,28 +29,28 @@ cudaError_t launch_rows(const Params& p, DType dtype, std::initializer_list<cons
 cudaError_t launch_clamped_swiglu_forward(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_rows(p, dtype, {p.x, p.y}, [&](auto* type_tag, auto width, auto inter, RowLaunch cfg) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    launch_kernel(clamped_swiglu_forward_kernel<T, decltype(width)::value, decltype(inter)::value>, cfg.grid,
-                  cfg.block, 0, stream, static_cast<const T*>(p.x), static_cast<const float*>(p.scale),
-                  static_cast<T*>(p.y), p.rows, p.F, p.act);
+    return launch_grid_stride(clamped_swiglu_forward_kernel<T, decltype(width)::value, decltype(inter)::value>,
+                              cfg.work_blocks, cfg.block, 0, stream, static_cast<const T*>(p.x),
+                              static_cast<const float*>(p.scale), static_cast<T*>(p.y), p.rows, p.F, p.act);
   });
 }
 
 cudaError_t launch_clamped_swiglu_backward(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_rows(p, dtype, {p.dy, p.x, p.dx}, [&](auto* type_tag, auto width, auto inter, RowLaunch cfg) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    launch_kernel(clamped_swiglu_backward_kernel<T, decltype(width)::value, decltype(inter)::value>, cfg.grid,
-                  cfg.block, 0, stream, static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
-                  static_cast<T*>(p.dx), p.rows, p.F, p.act);
+    return launch_grid_stride(clamped_swiglu_backward_kernel<T, decltype(width)::value, decltype(inter)::value>,
+                              cfg.work_blocks, cfg.block, 0, stream, static_cast<const T*>(p.dy),
+                              static_cast<const T*>(p.x), static_cast<T*>(p.dx), p.rows, p.F, p.act);
   });
 }
 
 cudaError_t launch_clamped_swiglu_scaled_backward(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_rows(p, dtype, {p.dy, p.x, p.dx}, [&](auto* type_tag, auto width, auto inter, RowLaunch cfg) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    launch_kernel(clamped_swiglu_scaled_backward_kernel<T, decltype(width)::value, decltype(inter)::value>,
-                  cfg.grid, cfg.block, 0, stream, static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
-                  static_cast<const float*>(p.scale), static_cast<T*>(p.dx), static_cast<float*>(p.dscale), p.rows,
-                  p.F, p.act);
+    return launch_grid_stride(
+        clamped_swiglu_scaled_backward_kernel<T, decltype(width)::value, decltype(inter)::value>, cfg.work_blocks,
+        cfg.block, 0, stream, static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
+        static_cast<const float*>(p.scale), static_cast<T*>(p.dx), static_cast<float*>(p.dscale), p.rows, p.F, p.act);
   });
 }
 

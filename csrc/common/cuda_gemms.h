@@ -21,6 +21,14 @@ struct CudaGemms {
 
   static at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType) { return t; }
 
+  // The chunk loop's GEMMs take whole row blocks, in order on the stream, and each row kernel all
+  // the rows of a pass (chosen_logprob/chunks.h).
+  static constexpr int64_t kPieceRows = 0;
+
+  // An fp32 main_grad takes the weight gradient from the GEMMs' fp32 accumulation (add_mm's
+  // addmm_out with out_dtype float), as Megatron's gradient_accumulation_fusion does.
+  static constexpr bool fuses_main_grad = true;
+
   static void logits(const at::Tensor& h, const at::Tensor& w, at::Tensor& out) {
     if (h.scalar_type() == at::kFloat) at::mm_out(out, h, w.t());
     else at::mm_out(out, h, w.t(), at::kFloat);

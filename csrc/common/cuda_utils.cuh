@@ -5,9 +5,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <initializer_list>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "common/math.h"
@@ -56,59 +58,122 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
+// The unsigned integer of kBytes bytes.
+template <int kBytes>
+struct UnsignedOf;
+template <>
+struct UnsignedOf<2> {
+  using type = uint16_t;
+};
+template <>
+struct UnsignedOf<4> {
+  using type = uint32_t;
+};
+template <>
+struct UnsignedOf<8> {
+  using type = uint64_t;
+};
+template <>
+struct UnsignedOf<16> {
+  using type = unsigned __int128;
+};
+
+// Stores v at p (aligned for it) with one store instruction of its size (STG.E.64 / .128 for 8 /
+// 16 bytes): its bits gathered into one unsigned integer. nvcc splits a store of the Pack itself,
+// or of a uint2 / uint4, into one store per element or 32-bit word.
+template <typename T, int N>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
+  using Element = typename UnsignedOf<int(sizeof(T))>::type;
+  using Bits = typename UnsignedOf<int(sizeof(Pack<T, N>))>::type;
+  Bits bits = 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    Element e;
+    memcpy(&e, &v.v[i], sizeof(T));
+    bits |= Bits(e) << (8 * sizeof(T) * i);
+  }
+  *reinterpret_cast<Bits*>(p) = bits;
+}
+
 inline bool is_aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // What launch shapes need of a device, read from its properties.
 struct DeviceSize {
   int sms = 0;
-  int threads_per_sm = 0;  // resident threads per SM: 2048 on sm_80 / sm_90, 1536 on sm_86 / sm_89
 };
 
-// The current device's DeviceSize, queried once per device (thread-safe). A failing runtime call
-// returns its error; nothing is guessed.
-inline cudaError_t current_device_size(DeviceSize& out) {
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
+// query(value)'s value for key, cached (thread-safe; a cache per call site): a failing query
+// returns its error and caches nothing.
+template <typename Key, typename Value, typename Query>
+cudaError_t cached(const Key& key, Value& out, const Query& query) {
   static std::mutex mu;
-  static std::map<int, DeviceSize> known;
+  static std::map<Key, Value> known;
   {
     const std::lock_guard<std::mutex> lock(mu);
-    const auto it = known.find(dev);
+    const auto it = known.find(key);
     if (it != known.end()) {
       out = it->second;
       return cudaSuccess;
     }
   }
-  DeviceSize size;
-  err = cudaDeviceGetAttribute(&size.sms, cudaDevAttrMultiProcessorCount, dev);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&size.threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, dev);
-  }
-  if (err != cudaSuccess) return err;
+  Value value;
+  if (const cudaError_t err = query(value); err != cudaSuccess) return err;
   const std::lock_guard<std::mutex> lock(mu);
-  known.emplace(dev, size);
-  out = size;
+  out = known.emplace(key, value).first->second;
   return cudaSuccess;
 }
 
-// Grid for a grid-stride loop over `work` blocks of `threads`: enough to fill the device, no more.
-inline unsigned grid_for(int64_t work_blocks, int threads, const DeviceSize& dev) {
-  const int64_t resident = dev.threads_per_sm / threads;
-  const int64_t max_blocks = int64_t(dev.sms) * (resident > 0 ? resident : 1);
-  return static_cast<unsigned>(work_blocks < 1 ? 1 : (work_blocks < max_blocks ? work_blocks : max_blocks));
+// The current device's DeviceSize, queried once per device. A failing runtime call returns its
+// error; nothing is guessed.
+inline cudaError_t current_device_size(DeviceSize& out) {
+  int dev = 0;
+  if (const cudaError_t err = cudaGetDevice(&dev); err != cudaSuccess) return err;
+  return cached(dev, out, [dev](DeviceSize& size) {
+    return cudaDeviceGetAttribute(&size.sms, cudaDevAttrMultiProcessorCount, dev);
+  });
+}
+
+// The blocks of kernel, `threads` threads and shared_bytes of dynamic shared memory each, that the
+// current device holds at once: its SMs times the occupancy calculator's blocks per SM, which counts
+// the kernel's registers and shared memory (at least 1: a kernel that fits none fails at launch).
+// Cached per kernel, device and block; a failing runtime call returns its error.
+inline cudaError_t resident_blocks(const void* kernel, int threads, size_t shared_bytes, int64_t& out) {
+  int dev = 0;
+  if (const cudaError_t err = cudaGetDevice(&dev); err != cudaSuccess) return err;
+  const std::tuple<const void*, int, int, size_t> key{kernel, dev, threads, shared_bytes};
+  return cached(key, out, [&](int64_t& blocks) {
+    DeviceSize size;
+    int per_sm = 0;
+    cudaError_t err = current_device_size(size);
+    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes);
+    blocks = int64_t(size.sms) * (per_sm > 0 ? per_sm : 1);
+    return err;
+  });
+}
+
+// Grid for a grid-stride loop of kernel over work_blocks blocks: enough to fill the device
+// (resident_blocks), no more.
+template <typename... Params>
+cudaError_t grid_for(void (*kernel)(Params...), int64_t work_blocks, dim3 block, size_t shared_bytes, unsigned& grid) {
+  int64_t max_blocks = 0;
+  const int threads = int(block.x * block.y * block.z);
+  const cudaError_t err = resident_blocks(reinterpret_cast<const void*>(kernel), threads, shared_bytes, max_blocks);
+  if (err != cudaSuccess) return err;
+  grid = static_cast<unsigned>(work_blocks < 1 ? 1 : (work_blocks < max_blocks ? work_blocks : max_blocks));
+  return cudaSuccess;
 }
 
 // Block of `threads` laid out [rows, columns] for a [rows, cols] loop, columns first: up to all
-// threads along a row, the rest over rows; the grid strides over rows.
+// threads along a row, the rest over rows; the grid strides over work_blocks row tiles.
 struct RowLaunch {
-  dim3 grid, block;
+  dim3 block;
+  int64_t work_blocks;
 };
-inline RowLaunch row_launch(int64_t rows, int64_t cols, int threads, const DeviceSize& dev) {
+inline RowLaunch row_launch(int64_t rows, int64_t cols, int threads) {
   int tx = 1;
   while (tx < threads && tx < cols) tx *= 2;
   const int ty = threads / tx;
-  return {dim3(grid_for((rows + ty - 1) / ty, threads, dev)), dim3(tx, ty)};
+  return {dim3(tx, ty), (rows + ty - 1) / ty};
 }
 
 // Calls fn with a null pointer of the element type named by dt.

@@ -17,30 +17,32 @@ void sum_partials(const float* partials, float* out, int64_t blocks, int64_t col
 cudaError_t launch_value_head_forward(const Params& p, DType dtype, cudaStream_t stream) {
   const int64_t rows = p.rows;
   if (rows == 0) return cudaSuccess;
-  DeviceSize dev;
-  if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
-  return launch_with_width<16>(dtype, p.H, {p.hidden, p.weight}, [&](auto* type_tag, auto width) {
+  cudaError_t err = cudaSuccess;
+  const cudaError_t launch_err = launch_with_width<16>(dtype, p.H, {p.hidden, p.weight}, [&](auto* type_tag,
+                                                                                           auto width) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     constexpr int N = decltype(width)::value;
-    const unsigned grid = grid_for((rows + kForwardWarps - 1) / kForwardWarps, kWarp * kForwardWarps, dev);
-    launch_kernel(value_head_forward_kernel<T, N>, grid, dim3(kWarp, kForwardWarps), 0, stream,
-                  static_cast<const T*>(p.hidden), static_cast<const float*>(p.weight),
-                  static_cast<const float*>(p.bias), static_cast<float*>(p.out), rows, p.H);
+    err = launch_grid_stride(value_head_forward_kernel<T, N>, (rows + kForwardWarps - 1) / kForwardWarps,
+                             dim3(kWarp, kForwardWarps), 0, stream, static_cast<const T*>(p.hidden),
+                             static_cast<const float*>(p.weight), static_cast<const float*>(p.bias),
+                             static_cast<float*>(p.out), rows, p.H);
   });
+  return err != cudaSuccess ? err : launch_err;
 }
 
 cudaError_t launch_value_head_backward_hidden(const Params& p, DType dtype, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
-  DeviceSize dev;
-  if (const cudaError_t err = current_device_size(dev); err != cudaSuccess) return err;
-  return launch_with_width<16>(dtype, p.H, {p.weight, p.grad_hidden}, [&](auto* type_tag, auto width) {
+  cudaError_t err = cudaSuccess;
+  const cudaError_t launch_err = launch_with_width<16>(dtype, p.H, {p.weight, p.grad_hidden}, [&](auto* type_tag,
+                                                                                                auto width) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     constexpr int N = decltype(width)::value;
-    const RowLaunch cfg = row_launch(p.rows, p.H / N, kBroadcastThreads, dev);
-    launch_kernel(value_head_backward_hidden_kernel<T, N>, cfg.grid, cfg.block, 0, stream,
-                  static_cast<const float*>(p.grad_out), static_cast<const float*>(p.weight),
-                  static_cast<T*>(p.grad_hidden), p.rows, p.H);
+    const RowLaunch cfg = row_launch(p.rows, p.H / N, kBroadcastThreads);
+    err = launch_grid_stride(value_head_backward_hidden_kernel<T, N>, cfg.work_blocks, cfg.block, 0, stream,
+                             static_cast<const float*>(p.grad_out), static_cast<const float*>(p.weight),
+                             static_cast<T*>(p.grad_hidden), p.rows, p.H);
   });
+  return err != cudaSuccess ? err : launch_err;
 }
 
 cudaError_t launch_value_head_backward_params(const Params& p, DType dtype, cudaStream_t stream) {

@@ -22,6 +22,10 @@ using chosen_logprob::VocabTiling;
 // GEMMs in the same blocks as the student's (RowTiling), so batch invariance holds for both.
 template <class Kernels>
 class TeacherLogits {
+  // All of a pass's rows per call: the loop must call on_chunk once per chunk, not per row piece
+  // from several threads at once (chosen_logprob/chunks.h, RowPieces).
+  static_assert(Kernels::kPieceRows == 0, "the teacher's logits take whole passes");
+
  public:
   TeacherLogits(const at::Tensor& hidden, const at::Tensor& weight, const RowTiling& tiling, int64_t chunk)
       : tiling_(tiling), acc_(acc_dtype(hidden.scalar_type())), weight_(weight.contiguous()) {
@@ -56,13 +60,14 @@ struct CallConstants {
   double beta;
 };
 
-// The Params of a row kernel over rows [r0, r0 + rows) of one chunk's logits of both models.
+// The Params of a row kernel over on_chunk's rows (step.begin to step.end of the pass) of one chunk's
+// logits of both models.
 inline Params row_params(const at::Tensor& logits, const at::Tensor& teacher_logits, const ChunkStep& step,
                          const CallConstants& call) {
   Params p;
-  p.logits = logits.const_data_ptr();
-  p.teacher_logits = teacher_logits.const_data_ptr();
-  p.rows = step.rows;
+  p.logits = logits.narrow(0, step.begin, step.end - step.begin).const_data_ptr();
+  p.teacher_logits = teacher_logits.narrow(0, step.begin, step.end - step.begin).const_data_ptr();
+  p.rows = step.end - step.begin;
   p.cols = step.n;
   p.logit_map = call.logit_map;
   p.teacher_logit_map = call.teacher_logit_map;
@@ -87,7 +92,7 @@ void for_each_chunk_pair(const at::Tensor& hidden, const at::Tensor& weight, con
       [&](const at::Tensor& logits, const ChunkStep& step) {
         on_chunk(row_params(logits, teacher.of(step), step, call), step);
       },
-      [](const at::Tensor&, const ChunkStep&) {});
+      [](const at::Tensor&, const at::Tensor&, const ChunkStep&) {});
 }
 
 // Both models' per-token Sides (stats_column) over this shard's valid rows.
@@ -102,7 +107,7 @@ at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const 
   if (hidden.size(0) == 0 || valid_rows == 0) return stats;
   for_each_chunk_pair<Kernels>(hidden, weight, teacher_hidden, teacher_weight, valid_rows, call, tiling,
                                [&](Params p, const ChunkStep& step) {
-                                 p.stats = stats.narrow(0, step.r0, step.rows).mutable_data_ptr();
+                                 p.stats = step.rows_of(stats).mutable_data_ptr();
                                  Kernels::stats_rows(p, acc);
                                });
   return stats;
@@ -120,8 +125,8 @@ at::Tensor mixture_impl(const at::Tensor& hidden, const at::Tensor& weight, cons
   const at::Tensor row = rows.contiguous();
   for_each_chunk_pair<Kernels>(hidden, weight, teacher_hidden, teacher_weight, valid_rows, call, tiling,
                                [&](Params p, const ChunkStep& step) {
-                                 p.row = row.narrow(0, step.r0, step.rows).const_data_ptr();
-                                 p.mixture = sums.narrow(0, step.r0, step.rows).mutable_data_ptr();
+                                 p.row = step.rows_of(row).const_data_ptr();
+                                 p.mixture = step.rows_of(sums).mutable_data_ptr();
                                  Kernels::mixture_rows(p, acc);
                                });
   return sums;
@@ -145,9 +150,9 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
       hidden, weight, valid_rows, main_grad, tiling_options,
       [&](const at::Tensor& logits, const ChunkStep& step, const at::Tensor& d) {
         Params p = row_params(logits, teacher.of(step), step, call);
-        p.row = row.narrow(0, step.r0, step.rows).const_data_ptr();
-        p.row_term = term.narrow(0, step.r0, step.rows).const_data_ptr();
-        p.grad = g.narrow(0, step.r0, step.rows).const_data_ptr();
+        p.row = step.rows_of(row).const_data_ptr();
+        p.row_term = step.rows_of(term).const_data_ptr();
+        p.grad = step.rows_of(g).const_data_ptr();
         p.grads = d.data_ptr();
         p.grads_stride = d.stride(0);
         Kernels::grad_rows(p, acc, d.scalar_type());

@@ -136,6 +136,10 @@ void grad_rows_cpu(const Params& p, const Student& student, const Teacher& teach
 }
 
 struct CpuKernels : CpuGemms {
+  // No row pieces: each chunk's teacher logits are computed for a whole pass (vocab_divergence/chunks.h),
+  // and the row kernels split their rows between the threads themselves.
+  static constexpr int64_t kPieceRows = 0;
+
   static void stats_rows(const Params& p, at::ScalarType acc) {
     AT_DISPATCH_FLOATING_TYPES(acc, "vocab_divergence_stats_cpu", [&] {
       with_logit_maps<scalar_t>(p, [&](const auto& s, const auto& t) { stats_rows_cpu<scalar_t>(p, s, t); });

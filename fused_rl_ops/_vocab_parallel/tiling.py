@@ -60,7 +60,10 @@ def chunk_loop_bytes(device_type: str, element_size: int, hidden_size: int, pass
       - on the CPU with reduced-precision inputs, the group's weight rows converted for the GEMMs,
         [group, H] acc (the forward's: [chunk, H]);
       - the group's weight gradient before it is rounded, [group, H] acc, when the rows take
-        several passes (summed over them) or on the CPU with reduced-precision inputs.
+        several passes (summed over them) or on the CPU with reduced-precision inputs. With several
+        passes and a gradient buffer of its own, the chunk loop may instead hold every row's logit
+        gradients, [N, group], where that is no larger than this and a pass's (one weight-gradient
+        GEMM per group); the count stays an upper bound.
     Not counted: what follows the tokens or the row block alone (the copy of the scored rows of
     hidden, a hidden copy in acc on the CPU, the hidden-gradient accumulator, a padded last block),
     and main_grad's [group, H] buffer in the weight's dtype, left out so that main_grad changes no

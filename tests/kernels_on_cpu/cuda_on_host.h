@@ -24,7 +24,8 @@
 //     a barrier reached after some threads returned, a thread returning while others wait, and
 //     threads waiting at different __syncthreads() calls are reported errors.
 //   - warps of 32 lanes (linear thread index / 32): __shfl_sync, __shfl_xor_sync,
-//     __shfl_down_sync, __ballot_sync and __syncwarp exchange values through a per-warp barrier
+//     __shfl_down_sync, __ballot_sync, __any_sync, __match_any_sync and __syncwarp exchange values
+//     through a per-warp barrier
 //     (__popc and __ffs are the host's bit counts); a mask naming
 //     absent lanes, lanes that returned, or not the calling lane, and lanes of one warp passing
 //     different masks or waiting at different calls are reported errors.
@@ -32,7 +33,8 @@
 //     deadlock. Every reported error prints "cuda_on_host error: ..." and exits with status 70.
 //   - CUDA's own vector_types.h (float4, dim3), cuda_fp16.h / cuda_bf16.h host conversions, the
 //     host's math library, __ldg; and the runtime calls the launch helpers make (cudaGetDevice,
-//     cudaDeviceGetAttribute, cudaGetLastError) against a configurable stand-in device.
+//     cudaDeviceGetAttribute, cudaOccupancyMaxActiveBlocksPerMultiprocessor, cudaGetLastError)
+//     against a configurable stand-in device (SMs, resident threads per SM).
 //   All synchronisation is std::mutex / std::condition_variable, so ThreadSanitizer sees the
 //   happens-before edges a barrier or a shuffle gives, and reports accesses no barrier orders.
 // What it does not model: races between blocks that share a slot (two blocks a slot apart run one
@@ -377,6 +379,24 @@ extern "C" inline cudaError_t cudaGetDevice(int* device) {
   *device = cuda_on_host::current_device;
   return cudaSuccess;
 }
+// The stand-in's occupancy: its resident threads per SM over the block's (register and shared
+// memory use are not modelled), as many blocks as a kernel of few registers gets. Counted
+// (cuda_on_host::occupancy_queries), so that a test sees the launch helpers cache the answers.
+namespace cuda_on_host {
+inline int occupancy_queries = 0;
+}
+extern "C" inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, const void* kernel,
+                                                                           int block_size, size_t shared_bytes) {
+  std::lock_guard<std::mutex> lock(cuda_on_host::runtime_mu);
+  const int device = cuda_on_host::current_device;
+  if (device < 0 || device >= int(cuda_on_host::devices.size())) return cudaErrorInvalidDevice;
+  const cuda_on_host::Device& d = cuda_on_host::devices[device];
+  if (d.error != cudaSuccess) return d.error;
+  if (!kernel || block_size < 1 || block_size > 1024 || shared_bytes > 48 * 1024) return cudaErrorInvalidValue;
+  ++cuda_on_host::occupancy_queries;
+  *blocks = d.threads_per_sm / block_size;
+  return cudaSuccess;
+}
 extern "C" inline cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int device) {
   std::lock_guard<std::mutex> lock(cuda_on_host::runtime_mu);
   if (device < 0 || device >= int(cuda_on_host::devices.size())) return cudaErrorInvalidDevice;
@@ -436,6 +456,24 @@ inline unsigned __ballot_sync(unsigned mask, int predicate, cuda_on_host::Site a
     }
   }
   return votes;
+}
+
+inline int __any_sync(unsigned mask, int predicate, cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
+  return __ballot_sync(mask, predicate, at) != 0;
+}
+
+// The lanes of mask whose value equals the caller's (bitwise): one exchange per lane of the mask,
+// checked as a shuffle is.
+template <typename T>
+unsigned __match_any_sync(unsigned mask, T value, cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
+  unsigned same = 0;
+  for (int l = 0; l < 32; ++l) {
+    if (mask & (1u << l)) {
+      const T other = cuda_on_host::shuffle(mask, value, 32, at, [l](int) { return l; });
+      same |= unsigned(cuda_on_host::to_bits(other) == cuda_on_host::to_bits(value)) << l;
+    }
+  }
+  return same;
 }
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }

@@ -84,6 +84,9 @@ void bad_launch_configs_are_errors() {
 
 // Launch shapes of cuda_utils.cuh against the stand-in devices: read per device, from the
 // device's own properties, errors returned.
+__global__ void small_kernel() {}
+__global__ void other_kernel() {}
+
 void device_sizes() {
   cuda_on_host::devices = {{132, 2048}, {84, 1536}};
   std::atomic<int> wrong{0};
@@ -92,27 +95,36 @@ void device_sizes() {
     threads.emplace_back([&wrong, k] {
       cuda_on_host::current_device = k % 2;
       DeviceSize size;
+      unsigned grid = 0;
       if (current_device_size(size) != cudaSuccess || size.sms != (k % 2 ? 84 : 132)) ++wrong;
+      if (grid_for(small_kernel, 100000, 256, 0, grid) != cudaSuccess || grid != (k % 2 ? 84 * 6 : 132 * 8)) ++wrong;
     });
   }
   for (auto& t : threads) t.join();
-  check(wrong == 0, "current_device_size from several threads");
-  DeviceSize size;
+  check(wrong == 0, "current_device_size and grid_for from several threads");
+  unsigned grid = 0;
   cuda_on_host::current_device = 1;
-  check(current_device_size(size) == cudaSuccess && size.sms == 84 && size.threads_per_sm == 1536, "device 1");
-  check(grid_for(10000, 256, size) == 84 * 6, "grid_for with 1536 threads per SM");
-  check(row_launch(10000, 64, 256, size).grid.x == 84 * 6 && row_launch(10000, 64, 256, size).block.y == 4,
-        "row_launch");
+  const int queries = cuda_on_host::occupancy_queries;
+  check(grid_for(small_kernel, 10000, 256, 0, grid) == cudaSuccess && grid == 84 * 6, "grid_for, device 1");
+  check(cuda_on_host::occupancy_queries == queries, "the occupancy cached per kernel, device and block");
+  check(grid_for(small_kernel, 10000, dim3(32, 16), 0, grid) == cudaSuccess && grid == 84 * 3, "a larger block");
+  check(grid_for(other_kernel, 10000, 256, 0, grid) == cudaSuccess && grid == 84 * 6, "another kernel");
+  check(cuda_on_host::occupancy_queries == queries + 2, "asked for each new kernel and block");
+  const RowLaunch cfg = row_launch(10000, 64, 256);
+  check(cfg.block.x == 64 && cfg.block.y == 4 && cfg.work_blocks == 2500, "row_launch");
   cuda_on_host::current_device = 0;
-  check(current_device_size(size) == cudaSuccess && size.sms == 132 && size.threads_per_sm == 2048, "device 0");
-  check(grid_for(3, 256, size) == 3, "grid_for below the device's capacity");
-  // Errors: from cudaGetDevice, and from the attribute query of a device not yet cached.
+  check(grid_for(small_kernel, 3, 256, 0, grid) == cudaSuccess && grid == 3, "grid_for below the device's capacity");
+  check(grid_for(small_kernel, 10000, 1024, 0, grid) == cudaSuccess && grid == 132 * 2, "1024 threads a block");
+  // Errors: from cudaGetDevice, and from the queries of a device not yet cached.
+  DeviceSize size;
   cuda_on_host::get_device_error = cudaErrorNoDevice;
   check(current_device_size(size) == cudaErrorNoDevice, "cudaGetDevice's error returned");
+  check(grid_for(small_kernel, 10, 256, 0, grid) == cudaErrorNoDevice, "cudaGetDevice's error from grid_for");
   cuda_on_host::get_device_error = cudaSuccess;
   cuda_on_host::devices.push_back({16, 2048, cudaErrorInvalidDevice});
   cuda_on_host::current_device = 2;
   check(current_device_size(size) == cudaErrorInvalidDevice, "cudaDeviceGetAttribute's error returned");
+  check(grid_for(small_kernel, 10, 256, 0, grid) == cudaErrorInvalidDevice, "and from grid_for");
   cuda_on_host::current_device = 100;
   check(current_device_size(size) == cudaErrorInvalidDevice, "device 100 is an error, not a guess");
 }
