@@ -6,6 +6,7 @@
 
 #include "chosen_logprob/options.h"
 #include "clamped_swiglu/options.h"
+#include "vocab_divergence/options.h"
 
 extern "C" {
 // Importing fused_rl_ops._C runs the static registrations below; the module itself is empty.
@@ -19,6 +20,7 @@ PyObject* PyInit__C(void) {
 #define CHOSEN_LOGPROB_OPTIONS FRL_CHOSEN_LOGPROB_OP_OPTIONS(FRL_OPTION_SCHEMA)
 #define CHOSEN_LOGPROB_SEARCH_OPTIONS FRL_CHOSEN_LOGPROB_SEARCH_OPTIONS(FRL_OPTION_SCHEMA)
 #define TOP_LOGPROBS_OPTIONS FRL_TOP_LOGPROBS_OP_OPTIONS(FRL_OPTION_SCHEMA)
+#define VOCAB_DIVERGENCE_OPTIONS FRL_VOCAB_DIVERGENCE_OP_OPTIONS(FRL_OPTION_SCHEMA)
 
 TORCH_LIBRARY(fused_rl_ops, m) {
   // clamped_swiglu: scale (per row) makes it the weighted form, with its own backward.
@@ -42,6 +44,17 @@ TORCH_LIBRARY(fused_rl_ops, m) {
   // top_logprobs: each row's partials (as chosen_logprob_stats's, without tokens) and its k largest
   // logits with their global ids.
   m.def("top_logprobs_stats(Tensor hidden, Tensor weight" TOP_LOGPROBS_OPTIONS ") -> (Tensor, Tensor, Tensor)");
+  // vocab_divergence: per-shard partials of both models (stats), their merge across shards
+  // (combine), jsd's second pass (mixture) and the chunked backward, the masked rows left out. What
+  // each takes: docs/vocab_divergence.md, "The ops underneath".
+  m.def("vocab_divergence_stats(Tensor hidden, Tensor weight, Tensor teacher_hidden, Tensor teacher_weight, "
+        "Tensor? mask" VOCAB_DIVERGENCE_OPTIONS ") -> Tensor");
+  m.def("vocab_divergence_combine(Tensor partials) -> Tensor");
+  m.def("vocab_divergence_mixture(Tensor hidden, Tensor weight, Tensor teacher_hidden, Tensor teacher_weight, "
+        "Tensor? mask, Tensor rows" VOCAB_DIVERGENCE_OPTIONS ") -> Tensor");
+  m.def("vocab_divergence_backward(Tensor hidden, Tensor weight, Tensor teacher_hidden, Tensor teacher_weight, "
+        "Tensor? mask, Tensor rows, Tensor row_term, Tensor grad, Tensor(a!)? main_grad" VOCAB_DIVERGENCE_OPTIONS
+        ") -> (Tensor, Tensor)");
   m.def("value_head(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor");
   m.def("value_head_backward_hidden(Tensor grad_out, Tensor weight, ScalarType dtype) -> Tensor");
   m.def("value_head_backward_params(Tensor grad_out, Tensor hidden) -> (Tensor, Tensor)");

@@ -5,6 +5,7 @@ from .clamped_swiglu import clamped_swiglu
 from .logit_options import LogitOptions
 from .top_logprobs import top_logprobs
 from .value_head import ValueHead, value_head
+from .vocab_divergence import vocab_divergence
 
 __all__ = ["DEFAULT_WORKSPACE_BYTES", "LogitOptions", "ValueHead", "chosen_logprob", "clamped_swiglu",
-           "has_cuda_kernels", "top_logprobs", "value_head"]
+           "has_cuda_kernels", "top_logprobs", "value_head", "vocab_divergence"]

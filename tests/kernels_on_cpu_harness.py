@@ -115,7 +115,9 @@ def build_drivers(csrc, out_dir, drivers=DRIVERS, variants=tuple(BUILDS)):
                    f"-I{CUDA_INCLUDE}", f"-I{csrc}", f"-I{harness}", "-include", "cuda_on_host.h",
                    str(harness / f"{name}.cpp"), *launchers, "-o", str(out_dir / variant / name)]
             jobs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    errors = [job.communicate()[0] for job in jobs if job.wait() != 0]
+    # Read every compiler's output before its exit status: one that fills its pipe would block.
+    outputs = [job.communicate()[0] for job in jobs]
+    errors = [output for job, output in zip(jobs, outputs) if job.returncode != 0]
     assert not errors, "driver build failed:\n" + "\n".join(errors)
     return out_dir
 

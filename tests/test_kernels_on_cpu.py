@@ -13,6 +13,7 @@ import test_kernels_on_cpu_chosen_logprob_entries as entries_cases
 import test_kernels_on_cpu_clamped_swiglu as clamped_swiglu_cases
 import test_kernels_on_cpu_sampler_filter as sampler_filter_cases
 import test_kernels_on_cpu_value_head as value_head_cases
+import test_kernels_on_cpu_vocab_divergence as vocab_divergence_cases
 from kernels_on_cpu_harness import BUILDS, CSRC, SANITIZER_ENV, build_drivers, drivers, pytestmark  # noqa: F401
 
 
@@ -189,6 +190,29 @@ DEFECTS = {
         lambda d, tmp: value_head_cases.test_value_head_forward_and_backward_hidden(
             d, tmp, 70, 40, "one", 0, True, torch.float32),
         "value_head_forward_kernel: 2 grid-stride passes", "plain"),
+    # vocab_divergence's sums loop reading one column past both models' rows.
+    "divergence_stats_loop_bound_le": (
+        "vocab_divergence/kernel.cuh", "for (int64_t k = lane; k < C; k += kWarp) {\n      const float zs",
+        "for (int64_t k = lane; k <= C; k += kWarp) {\n      const float zs", "vocab_divergence",
+        lambda d, tmp: vocab_divergence_cases.test_vocab_divergence_stats_rows(d, tmp, 21, 45, "several",
+                                                                               vocab_divergence_cases.MAPS[0]),
+        "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
+    # grad_rows taking the slope of the teacher's logit map for the student's: wrong gradients where
+    # the maps differ (the case caps the student's logits only).
+    "divergence_grad_slope_of_the_wrong_map": (
+        "vocab_divergence/kernel.cuh", "* g * student.slope(x)", "* g * teacher.slope(x)", "vocab_divergence",
+        lambda d, tmp: vocab_divergence_cases.test_vocab_divergence_grad_rows(d, tmp, 20, 45, "several", 0, None),
+        "logit gradients", "plain"),
+    # The warp-per-row kernels' grid (21 rows: 3 blocks of 8).
+    "divergence_rows_grid_floor": (
+        "vocab_divergence/kernel.cu",
+        "vocab_divergence_stats_rows_kernel<decltype(student), decltype(teacher)>,"
+        " (p.rows + kRowsPerBlock - 1) / kRowsPerBlock,",
+        "vocab_divergence_stats_rows_kernel<decltype(student), decltype(teacher)>, p.rows / kRowsPerBlock,",
+        "vocab_divergence",
+        lambda d, tmp: vocab_divergence_cases.test_vocab_divergence_stats_rows(d, tmp, 21, 45, "one",
+                                                                               vocab_divergence_cases.MAPS[0]),
+        "vocab_divergence_stats_rows_kernel: 2 grid-stride passes", "plain"),
     # grid_for taking the occupancy calculator's 0 blocks per SM (the "several" stand-in device holds
     # one thread per SM) as is: a grid of no blocks, a launch error.
     "occupancy_of_zero_kept": (

@@ -25,13 +25,14 @@ from fused_rl_ops.clamped_swiglu import ClampedSwigluOptions
 from fused_rl_ops.logit_options import LogitMap
 from fused_rl_ops.testing import op_table
 from fused_rl_ops.top_logprobs import TopLogprobsOptions
+from fused_rl_ops.vocab_divergence import VocabDivergenceOptions
 
 ops = torch.ops.fused_rl_ops
 
 # Valid values of every group.
 VALID = {LogitMap: LogitMap(0.9, None), VocabShard: VocabShard(0, None), Tiling: Tiling(128),
          ChosenLogprobOptions: ChosenLogprobOptions(), TopLogprobsOptions: TopLogprobsOptions(3),
-         ClampedSwigluOptions: ClampedSwigluOptions(7.0, 1.702, 1.0, False)}
+         ClampedSwigluOptions: ClampedSwigluOptions(7.0, 1.702, 1.0, False), VocabDivergenceOptions: VocabDivergenceOptions()}
 
 
 # Every operator of the table with its option groups (in the schema's order).
@@ -52,10 +53,15 @@ def op_calls(device):
     hist, top = torch.zeros(5, SEARCH_BINS, dtype=torch.int64, device=device), torch.zeros(5, 7, device=device)
     x, scale = torch.randn(3, 8, device=device), torch.rand(3, device=device)
     grad_out = torch.randn(3, 4, device=device)
+    # vocab_divergence: a teacher of hidden size 6, no mask, the merged rows of its stats.
+    pair = (hidden, weight, torch.randn(5, 6, device=device), torch.randn(20, 6, device=device), None)
+    rows = torch.zeros(5, 6, device=device)
     tensors = {"chosen_logprob_stats": ((hidden, weight, tokens), (threshold,)),
                "chosen_logprob_backward": ((hidden, weight, tokens, *per_token, None), (threshold,)),
                "chosen_logprob_search": ((hidden, weight, per_token[0], window, hist, top), ()),
                "top_logprobs_stats": ((hidden, weight), ()),
+               "vocab_divergence_stats": (pair, ()), "vocab_divergence_mixture": ((*pair, rows), ()),
+               "vocab_divergence_backward": ((*pair, rows, *per_token[:2], None), ()),
                "clamped_swiglu": ((x,), (scale,)), "clamped_swiglu_backward": ((grad_out, x), ()),
                "clamped_swiglu_scaled_backward": ((grad_out, x, scale), ())}
     return {name: (GROUPS_OF[name], *tensors[name]) for name in OPS}
@@ -134,10 +140,13 @@ def test_ops_accept_and_refuse_what_the_declaration_does(group, tensors_on):
 
 def test_the_docs_name_every_declared_option():
     """docs/chosen_logprob.md's section on the ops lists the options of the stats and backward ops'
-    groups; docs/clamped_swiglu.md names its op's."""
+    groups, docs/vocab_divergence.md's its op's own; docs/clamped_swiglu.md names its op's."""
     docs = Path(__file__).resolve().parent.parent / "docs"
     ops_section = (docs / "chosen_logprob.md").read_text().split("## The ops underneath")[1].split("\n## ")[0]
     for declared in (o for group in OP_GROUPS for o in group.OPTIONS):
         assert re.search(rf"`{declared.name}\b", ops_section), declared.name
+    divergence_section = (docs / "vocab_divergence.md").read_text().split("## The ops underneath")[1].split("\n## ")[0]
+    for declared in VocabDivergenceOptions.OPTIONS:
+        assert re.search(rf"`{declared.name}\b", divergence_section), declared.name
     for declared in ClampedSwigluOptions.OPTIONS:
         assert re.search(rf"\b{declared.name}\b", (docs / "clamped_swiglu.md").read_text()), declared.name

@@ -290,17 +290,21 @@ void search_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::T
       [](const at::Tensor&, const at::Tensor&, const ChunkStep&) {});
 }
 
-// Gradients of sum(grad_logprob * logprob + grad_entropy * entropy) for this shard, whose first
-// valid_rows rows of weight are vocabulary (the rest padding; all without valid_rows): the hidden
-// gradient (in the accumulation dtype, a partial sum over this shard's vocabulary) and the weight
-// gradient (in weight's dtype, one [V, H] tensor whose padded rows alone are zeroed). With
-// main_grad ([V, H], Megatron's gradient-accumulation buffer) the weight gradient goes into
+// The backward's chunk loop of every vocab-parallel op: the gradients of this shard, whose first
+// valid_rows rows of weight are vocabulary (the rest padding), from the logit gradients that
+// write_grads(logits, step, d) writes for on_chunk's rows [step.begin, step.end) of each chunk
+// (logits: the pass's raw logits of the chunk, [padded rows, n] in the accumulation dtype; d: where
+// those rows' gradients go, [end - begin, n] in the dtype the gradient GEMMs take, rows d.stride(0)
+// apart; it may be logits' own rows; with Kernels that run pieces, called concurrently for disjoint
+// rows): the hidden gradient (in the accumulation dtype, a partial sum over this shard's vocabulary)
+// and the weight gradient (in weight's dtype, one [V, H] tensor whose padded rows alone are zeroed).
+// With main_grad ([V, H], Megatron's gradient-accumulation buffer) the weight gradient goes into
 // main_grad's rows instead, and the returned weight gradient is empty [0, H]: where
 // Kernels::fuses_main_grad and main_grad is in the accumulation dtype, the weight-gradient GEMMs add
 // into it themselves (Megatron's gradient_accumulation_fusion: no rounding to weight's dtype on the
 // way); else each group's weight gradient, in weight's dtype as an unfused backward hands it over,
 // is added through a [group, H] buffer.
-// The row kernel writes each chunk's logit gradients in the dtype the gradient GEMMs take: over
+// The logit gradients of each chunk are written in the dtype the gradient GEMMs take: over
 // the logits in place when that is the accumulation dtype and a gradient GEMM takes one chunk
 // (grad_chunks = 1); else into a buffer of a group's grad_chunks chunks, [pass, group], so that
 // each gradient GEMM takes the whole group (K = group rows). The hidden gradient takes one GEMM per
@@ -309,13 +313,12 @@ void search_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::T
 // and that buffer, made [N, group] to hold every pass's gradients, is no larger than the [group, H]
 // accumulator it spares; else one per group and pass, summed over passes in order in the
 // accumulation dtype (on the CPU each by pieces of the group's rows).
-template <class Kernels>
-std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
-                                                 const at::Tensor& tokens, const TokenGrads& token_grads,
-                                                 const std::optional<at::Tensor>& main_grad, const LogitMap& logit_map,
-                                                 const VocabShard& shard, const Tiling& tiling_options) {
+template <class Kernels, class WriteGrads>
+std::tuple<at::Tensor, at::Tensor> gradient_loop(const at::Tensor& hidden, const at::Tensor& weight, int64_t valid_rows,
+                                                 const std::optional<at::Tensor>& main_grad,
+                                                 const Tiling& tiling_options, const WriteGrads& write_grads) {
   const auto acc = acc_dtype(hidden.scalar_type());
-  const int64_t N = hidden.size(0), V = weight.size(0), H = weight.size(1), valid_rows = shard.valid_rows.value_or(V);
+  const int64_t N = hidden.size(0), V = weight.size(0), H = weight.size(1);
   at::Tensor grad_h = at::zeros({N, H}, hidden.options().dtype(acc));
   at::Tensor grad_w = main_grad ? at::empty({0, H}, weight.options()) : at::empty(weight.sizes(), weight.options());
   const bool any_chunk = N > 0 && valid_rows > 0;
@@ -323,11 +326,6 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
   if (!any_chunk) return {grad_h, grad_w};
   const RowTiling tiling(N, tiling_options.row_block, tiling_options.pass_rows);
   const at::Tensor h = aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling);
-  const at::Tensor tok = tokens.contiguous();
-  const at::Tensor row_max = token_grads.row_max.contiguous(), log_sum = token_grads.log_sum.contiguous();
-  const at::Tensor log_sum_minus_entropy = token_grads.log_sum_minus_entropy.contiguous();
-  const at::Tensor gl = token_grads.grad_logprob.contiguous(), ge = token_grads.grad_entropy.contiguous();
-  const at::Tensor tau = token_grads.threshold.defined() ? token_grads.threshold.contiguous() : at::Tensor();
   at::Tensor grad_h_tail = tiling.tail_rows() > 0 ? at::zeros({tiling.block, H}, grad_h.options()) : at::Tensor();
   const at::ScalarType grads_dtype = Kernels::grad_dtype(hidden.scalar_type());
   const bool in_place = grads_dtype == acc && tiling_options.grad_chunks == 1;
@@ -344,10 +342,6 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
       in_place ? at::Tensor()
                : at::empty({(every_row_held ? tiling.padded(N) : tiling.pass) * vocab.group},
                            hidden.options().dtype(grads_dtype));
-  // Several tokens per position: the rows' chosen-column gradients, taken before the logits are
-  // overwritten (Params::entry_grads; [pass, 1 + k], independent of the vocabulary).
-  const int64_t k = tok.size(1);
-  const at::Tensor entry_grads = k > 1 ? at::empty({tiling.pass * (1 + k)}, grad_h.options()) : at::Tensor();
   const at::Tensor grad_w_acc =
       dw_per_group || fused_main_grad ? at::Tensor() : at::empty({vocab.group, H}, grad_h.options());
   const at::Tensor group_grad =
@@ -367,20 +361,8 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
   for_each_logits_chunk<Kernels>(
       h, weight.narrow(0, 0, valid_rows), vocab, tiling,
       [&](const at::Tensor& logits, const ChunkStep& step) {
-        Params p = row_params(logits, step, tok, logit_map, shard);
-        const auto row_ptr = [&](const at::Tensor& t) { return step.rows_of(t).const_data_ptr(); };
-        p.row_max = row_ptr(row_max);
-        p.log_sum = row_ptr(log_sum);
-        p.log_sum_minus_entropy = row_ptr(log_sum_minus_entropy);
-        p.grad_logprob = row_ptr(gl);
-        p.grad_entropy = row_ptr(ge);
-        if (tau.defined()) p.threshold = row_ptr(tau);
-        if (entry_grads.defined()) p.entry_grads = entry_grads.mutable_data_ptr();
-        const at::Tensor d_chunk =
-            grads_of(logits, step).narrow(0, step.begin, step.end - step.begin).narrow(1, step.c0 - step.g0, step.n);
-        p.grads = d_chunk.data_ptr();
-        p.grads_stride = d_chunk.stride(0);
-        Kernels::grad_rows(p, acc, grads_dtype);
+        const at::Tensor d_chunk = grads_of(logits, step).narrow(0, step.begin, step.end - step.begin);
+        write_grads(logits, step, d_chunk.narrow(1, step.c0 - step.g0, step.n));
       },
       [&](const at::Tensor& w_group, const at::Tensor& logits, const ChunkStep& step) {
         // The hidden gradient's GEMMs by row pieces (blocks on CUDA) and the weight gradient's by
@@ -429,6 +411,41 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
     grad_h.narrow(0, tiling.last_full_row(), tiling.tail_rows()).copy_(grad_h_tail.narrow(0, 0, tiling.tail_rows()));
   }
   return {grad_h, grad_w};
+}
+
+// Gradients of sum(grad_logprob * logprob + grad_entropy * entropy) for this shard (gradient_loop,
+// with the valid rows of the shard).
+template <class Kernels>
+std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
+                                                 const at::Tensor& tokens, const TokenGrads& token_grads,
+                                                 const std::optional<at::Tensor>& main_grad, const LogitMap& logit_map,
+                                                 const VocabShard& shard, const Tiling& tiling_options) {
+  const auto acc = acc_dtype(hidden.scalar_type());
+  const at::Tensor tok = tokens.contiguous();
+  const at::Tensor row_max = token_grads.row_max.contiguous(), log_sum = token_grads.log_sum.contiguous();
+  const at::Tensor log_sum_minus_entropy = token_grads.log_sum_minus_entropy.contiguous();
+  const at::Tensor gl = token_grads.grad_logprob.contiguous(), ge = token_grads.grad_entropy.contiguous();
+  const at::Tensor tau = token_grads.threshold.defined() ? token_grads.threshold.contiguous() : at::Tensor();
+  // Several tokens per position: the rows' chosen-column gradients, taken before the logits are
+  // overwritten (Params::entry_grads, CUDA; [pass, 1 + k], independent of the vocabulary).
+  const int64_t k = tok.size(1), pass = RowTiling(hidden.size(0), tiling_options.row_block, tiling_options.pass_rows).pass;
+  const at::Tensor entry_grads = k > 1 ? at::empty({pass * (1 + k)}, hidden.options().dtype(acc)) : at::Tensor();
+  return gradient_loop<Kernels>(
+      hidden, weight, shard.valid_rows.value_or(weight.size(0)), main_grad, tiling_options,
+      [&](const at::Tensor& logits, const ChunkStep& step, const at::Tensor& d) {
+        Params p = row_params(logits, step, tok, logit_map, shard);
+        const auto row_ptr = [&](const at::Tensor& t) { return step.rows_of(t).const_data_ptr(); };
+        p.row_max = row_ptr(row_max);
+        p.log_sum = row_ptr(log_sum);
+        p.log_sum_minus_entropy = row_ptr(log_sum_minus_entropy);
+        p.grad_logprob = row_ptr(gl);
+        p.grad_entropy = row_ptr(ge);
+        if (tau.defined()) p.threshold = row_ptr(tau);
+        if (entry_grads.defined()) p.entry_grads = entry_grads.mutable_data_ptr();
+        p.grads = d.data_ptr();
+        p.grads_stride = d.stride(0);
+        Kernels::grad_rows(p, acc, d.scalar_type());
+      });
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

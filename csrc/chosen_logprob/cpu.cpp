@@ -1,39 +1,19 @@
-// chosen_logprob, CPU: the chunk loop with ATen GEMMs (in fp32, or fp64 for float64 inputs) and
-// SIMD row kernels running the shared formulas of chosen_logprob/math.h, both on pieces of rows
-// handed to the threads as they come free (RowPieces in chosen_logprob/chunks.h).
+// chosen_logprob, CPU: the chunk loop with ATen GEMMs (common/cpu_gemms.h) and SIMD row kernels
+// running the shared formulas of chosen_logprob/math.h, both on pieces of rows handed to the
+// threads as they come free (RowPieces in chosen_logprob/chunks.h).
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
-
-#include <atomic>
 
 #include "chosen_logprob/entry.h"
 #include "chosen_logprob/math.h"
 #include "chosen_logprob/sampler_filter.h"
 #include "chosen_logprob/top_ids.h"
+#include "common/combine.h"
+#include "common/cpu_gemms.h"
 #include "common/vec_math.h"
 
 namespace fused_rl_ops::chosen_logprob {
 namespace {
-
-template <typename acc>
-acc horizontal_max(const at::vec::Vectorized<acc>& v) {
-  alignas(64) acc lanes[at::vec::Vectorized<acc>::size()];
-  v.store(lanes);
-  acc m = lanes[0];
-  for (int k = 1; k < at::vec::Vectorized<acc>::size(); ++k) m = Math<acc>::max(m, lanes[k]);
-  return m;
-}
-
-template <typename acc>
-acc horizontal_sum(const at::vec::Vectorized<acc>& v) {
-  alignas(64) acc lanes[at::vec::Vectorized<acc>::size()];
-  v.store(lanes);
-  acc s = 0;
-  for (int k = 0; k < at::vec::Vectorized<acc>::size(); ++k) s += lanes[k];
-  return s;
-}
 
 // Logit: the PlainLogit or SoftcappedLogit of common/logit_map.h, in acc.
 template <typename acc, class Logit>
@@ -228,43 +208,16 @@ void hist_rows_cpu(const Params& p, const Logit& logit) {
   }
 }
 
-struct CpuKernels {
-  static bool capturing() { return false; }  // no graphs on the CPU
-
+struct CpuKernels : CpuGemms {
   // Rows per piece (chosen_logprob/chunks.h, RowPieces): a divisor of the batch-invariant row
   // block, and enough pieces per chunk (16 at N = 2048) to even out a slowed thread's share.
   static constexpr int64_t kPieceRows = 128;
-
-  // fn(i) for each piece i < count, taken in order by whichever thread is free: one parallel region,
-  // in which the GEMMs (ATen's, in a parallel region) run on the calling thread alone. The threads
-  // run with the caller's thread-local state (dispatch keys, grad mode), which ATen's parallel_for
-  // does not pass on.
-  template <class Fn>
-  static void for_each_piece(int64_t count, const Fn& fn) {
-    std::atomic<int64_t> next{0};
-    const at::ThreadLocalState state;
-    at::parallel_for(0, std::min<int64_t>(count, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-      const at::ThreadLocalStateGuard guard(state);
-      for (int64_t i = next++; i < count; i = next++) fn(i);
-    });
-  }
-
-  // main_grad gets the weight gradient rounded to weight's dtype, as Megatron's unfused path
-  // (gradient_accumulation_fusion needs CUDA) hands it over.
-  static constexpr bool fuses_main_grad = false;
-
-  static at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
-
-  static void logits(const at::Tensor& h, const at::Tensor& w, at::Tensor& out) { at::mm_out(out, h, w.t()); }
 
   static void stats_rows(const Params& p, at::ScalarType acc) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_stats_cpu", [&] {
       with_logit_map<scalar_t>(p.logit_map, [&](const auto& logit) { stats_rows_cpu<scalar_t>(p, logit); });
     });
   }
-
-  // The GEMMs take the logit gradients in the accumulation dtype.
-  static at::ScalarType grad_dtype(at::ScalarType dtype) { return acc_dtype(dtype); }
 
   static void grad_rows(const Params& p, at::ScalarType acc, at::ScalarType /* grads: grad_dtype, acc */) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_grad_cpu", [&] {
@@ -290,22 +243,9 @@ struct CpuKernels {
     });
   }
 
-  static void add_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) { out.addmm_(a, b); }
-
-  static void mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-    if (out.scalar_type() == a.scalar_type()) at::mm_out(out, a, b);
-    else out.copy_(at::mm(a, b));
-  }
-
   static void combine(const Params& p, at::ScalarType acc) {
-    AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_combine_cpu", [&] {
-      const auto* partials = static_cast<const scalar_t*>(p.partials);
-      auto* out = static_cast<scalar_t*>(p.out);
-      at::parallel_for(0, p.rows, 256, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          combine_row(partials, p.ranks, p.rows, r, stats_column::chosen + p.tokens_per_row, out);
-        }
-      });
+    combine_rows_cpu(p, acc, [&](const auto* partials, int64_t ranks, int64_t rows, int64_t r, auto* out) {
+      combine_row(partials, ranks, rows, r, stats_column::chosen + p.tokens_per_row, out);
     });
   }
 };

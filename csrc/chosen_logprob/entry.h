@@ -12,6 +12,8 @@
 
 #include "chosen_logprob/chunks.h"
 #include "chosen_logprob/options.h"
+#include "common/combine.h"
+#include "common/row_skipping.h"
 
 namespace fused_rl_ops::chosen_logprob {
 
@@ -48,44 +50,6 @@ inline void check_per_token(const char* what, const std::optional<at::Tensor>& t
                            t->scalar_type() == acc_dtype(hidden.scalar_type()) && t->device() == hidden.device()),
                     kOp, ": ", what, " must be [N] in the accumulation dtype, on hidden's device");
 }
-
-// The rows an op leaves out (skipped: [N] bool; undefined, none) and how. Its count is read here,
-// inside the op, so that a traced caller (torch.compile) keeps the saving: the other rows are
-// gathered (compact: index_select by `computed`), computed and put back. During CUDA graph capture
-// no count may be read: every row is computed, the skipped ones on zeroed hidden rows and with
-// zeroed per-token inputs, and their results replaced after, so that the results are the same.
-struct RowSkipping {
-  at::Tensor skipped;   // [N] bool, undefined: no row skipped
-  at::Tensor computed;  // [count] int64, the rows computed when compacting; undefined: every row
-
-  template <class Kernels>
-  static RowSkipping of(const at::Tensor& skipped) {
-    if (Kernels::capturing()) return {skipped, at::Tensor()};
-    at::Tensor computed = at::nonzero(skipped.logical_not()).squeeze(1);  // the host reads its length
-    if (computed.size(0) == skipped.size(0)) return {};
-    return {skipped, computed};
-  }
-  bool compacts() const { return computed.defined(); }
-  // skipped as a mask of t's rows.
-  at::Tensor mask_of(const at::Tensor& t) const { return t.dim() > 1 ? skipped.unsqueeze(1) : skipped; }
-  // t's rows as the chunk loop takes them: the computed ones; or where every row is computed,
-  // t with the skipped rows set to `fill` (hidden's to 0, so that nothing in them reaches a sum).
-  at::Tensor rows(const at::Tensor& t, double fill) const {
-    if (compacts()) return t.index_select(0, computed);
-    return skipped.defined() ? t.masked_fill(mask_of(t), fill) : t;
-  }
-  // A result of the computed rows as one of every row: `skipped_row` ([columns], or a scalar) at the
-  // rows left out.
-  at::Tensor all_rows(const at::Tensor& result, const at::Tensor& skipped_row) const {
-    if (compacts()) {
-      std::vector<int64_t> shape = result.sizes().vec();
-      shape[0] = skipped.size(0);
-      return skipped_row.expand(shape).clone(at::MemoryFormat::Contiguous).index_copy_(0, computed, result);
-    }
-    if (!skipped.defined()) return result;
-    return at::where(mask_of(result), skipped_row, result);
-  }
-};
 
 // The rows whose tokens [N, k] all equal ignore_index (none without one) as an op leaves them out.
 template <class Kernels>
@@ -219,23 +183,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> top_logprobs_stats(const at::Tens
 }
 
 template <class Kernels>
-at::Tensor combine(const at::Tensor& partials_in) {
-  TORCH_CHECK_VALUE(partials_in.dim() == 3 && partials_in.size(2) >= stats_column::chosen, kOp,
-                    ": partials must be [ranks, N, ", int(stats_column::chosen), " + k], got ", partials_in.sizes());
-  TORCH_CHECK_TYPE(partials_in.scalar_type() == at::kFloat || (partials_in.scalar_type() == at::kDouble &&
-                                                                partials_in.is_cpu()),
-                   kOp, ": partials must be float32 (float64 only on CPU), got ", partials_in.scalar_type());
-  const at::DeviceGuard guard(partials_in.device());
-  const at::Tensor partials = partials_in.contiguous();
-  at::Tensor out = at::empty({partials.size(1), partials.size(2)}, partials.options());
-  Params p;
-  p.partials = partials.const_data_ptr();
-  p.out = out.mutable_data_ptr();
-  p.ranks = partials.size(0);
-  p.rows = partials.size(1);
-  p.tokens_per_row = partials.size(2) - stats_column::chosen;
-  Kernels::combine(p, partials.scalar_type());
-  return out;
+at::Tensor combine(const at::Tensor& partials) {
+  TORCH_CHECK_VALUE(partials.dim() == 3 && partials.size(2) >= stats_column::chosen, kOp, ": partials must be [ranks, N, ",
+                    int(stats_column::chosen), " + k], got ", partials.sizes());
+  const int64_t columns = partials.size(2);
+  return combine_partials<Params, Kernels>(kOp, partials, columns, columns, [&](Params& p) {
+    p.tokens_per_row = columns - stats_column::chosen;
+  });
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

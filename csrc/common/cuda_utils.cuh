@@ -44,6 +44,14 @@ __device__ __forceinline__ float warp_sum(float v, int width = kWarp) {
   return v;
 }
 
+// Max over a warp (NaN-propagating, as Math<float>::max), in a fixed butterfly order; every lane
+// gets it.
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v = Math<float>::max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 // N elements moved as one aligned load or store (16 bytes at most).
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {

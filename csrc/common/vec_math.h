@@ -27,4 +27,23 @@ struct MathForHalfOutputs : Math<at::vec::Vectorized<float>> {
   static V exp(const V& x) { return V::blendv(x.exp_u20(), x, x.isnan()); }
 };
 
+// The largest and the sum of a vector's lanes (NaN-propagating max, as Math<>::max).
+template <typename S>
+S horizontal_max(const at::vec::Vectorized<S>& v) {
+  alignas(64) S lanes[at::vec::Vectorized<S>::size()];
+  v.store(lanes);
+  S m = lanes[0];
+  for (int k = 1; k < at::vec::Vectorized<S>::size(); ++k) m = Math<S>::max(m, lanes[k]);
+  return m;
+}
+
+template <typename S>
+S horizontal_sum(const at::vec::Vectorized<S>& v) {
+  alignas(64) S lanes[at::vec::Vectorized<S>::size()];
+  v.store(lanes);
+  S s = 0;
+  for (int k = 0; k < at::vec::Vectorized<S>::size(); ++k) s += lanes[k];
+  return s;
+}
+
 }  // namespace fused_rl_ops

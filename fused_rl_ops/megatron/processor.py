@@ -3,9 +3,10 @@
 Megatron calls the processor in place of its output layer with keywords only (`hidden_states`
 [s(/tp), b, h] after the final layernorm, `output_layer`, `output_weight` when embeddings are tied,
 `labels` [b, s], `loss_mask`, `context`, `config`, ...). It returns a dict of fp32 [b, s] tensors,
-keys in `output_names` order: "logprobs", then "entropy" and "values" when asked for, then with
-top_logprobs=k "top_ids" and "top_logprobs" [b, s, k] (fused_rl_ops.top_logprobs: the model's own k
-most likely tokens under temperature and softcap; positions not scored get ids ignore_index and
+keys in `output_names` order: "logprobs", then "entropy", "values" and "divergence" (the
+divergence from a teacher's distribution: fused_rl_ops/megatron/distillation.py) when asked for, then
+with top_logprobs=k "top_ids" and "top_logprobs" [b, s, k] (fused_rl_ops.top_logprobs: the model's
+own k most likely tokens under temperature and softcap; positions not scored get ids ignore_index and
 logprobs 0, and are not computed).
 
 Tokens come from `labels` or `context["tokens"]` (exactly one), [b, s] like `loss_mask`, or from
@@ -31,6 +32,7 @@ import fused_rl_ops
 from fused_rl_ops.logit_options import LogitOptions
 from fused_rl_ops.top_logprobs import scored_top_logprobs
 
+from .distillation import student_divergence
 from .param_sync import run_forward_pre_hooks_of_read_modules
 
 __all__ = ["RLOutputProcessor", "rl_output_processor"]
@@ -93,11 +95,16 @@ class RLOutputProcessor:
     out-of-range token then gets a NaN logprob and NaN gradients, and a rank with invalid arguments
     raises alone. Under torch.compile and CUDA graph capture both are skipped whatever host_checks
     says (see chosen_logprob's check_tokens).
+    divergence: None, or the kind of fused_rl_ops.vocab_divergence ("forward_kl", "reverse_kl",
+    "jsd", with beta) from the teacher in output_processor_context={"teacher": ...}
+    (fused_rl_ops/megatron/distillation.py).
     """
 
     def __init__(self, *, return_entropy=True, value_head=None, ignore_index=-100, vocab_size=None,
-                 batch_invariant=False, host_checks=True, top_logprobs=None, **logit_options):
+                 batch_invariant=False, host_checks=True, top_logprobs=None, divergence=None, beta=0.5,
+                 **logit_options):
         self.logit_options = LogitOptions(**logit_options)
+        self.divergence, self.beta = divergence, beta
         self.return_entropy = return_entropy
         self.value_head = value_head
         self.ignore_index = ignore_index
@@ -109,6 +116,8 @@ class RLOutputProcessor:
             self.output_names += ("entropy",)
         if value_head is not None:
             self.output_names += ("values",)
+        if divergence is not None:
+            self.output_names += ("divergence",)
         self.top_logprobs = top_logprobs
         if top_logprobs is not None:
             self.output_names += ("top_ids", "top_logprobs")
@@ -139,7 +148,7 @@ class RLOutputProcessor:
         run_forward_pre_hooks_of_read_modules(output_layer)
         weight = output_weight if output_weight is not None else output_layer.weight
         # Work in the model's [s, b] layout and transpose only the small per-token results.
-        per_token = self._per_token(hidden_states, output_layer, weight, tokens.transpose(0, 1))
+        per_token = self._per_token(hidden_states, output_layer, weight, tokens.transpose(0, 1), context)
         return {name: t.transpose(0, 1).contiguous() for name, t in zip(self.output_names, per_token)}
 
     def _tokens(self, labels, context, expected_shape, hidden_states):
@@ -170,8 +179,9 @@ class RLOutputProcessor:
             )
         return tensor
 
-    def _per_token(self, hidden_states, output_layer, weight, tokens):
-        """[s, b] logprobs, then entropy and values as asked, from [s(/tp), b, h] hidden states."""
+    def _per_token(self, hidden_states, output_layer, weight, tokens, context):
+        """[s, b] logprobs, then entropy, values and divergence as asked, from [s(/tp), b, h] hidden
+        states."""
         tp_group = output_layer.tp_group
         sequence_parallel = output_layer.sequence_parallel
         if sequence_parallel:
@@ -190,24 +200,30 @@ class RLOutputProcessor:
             check_group=self.host_checks,
         )
         per_token = tuple(result) if self.return_entropy else (result,)
+        divergence = () if self.divergence is None else (student_divergence(
+            self, hidden_states, weight, tokens, context, output_layer, _fused_main_grad(output_layer, weight),
+            _gather_sequence_parallel),)
         top = () if self.top_logprobs is None else self._top(hidden_states, weight, tokens, tp_group,
                                                               sequence_parallel)
         if self.value_head is None:
-            return per_token + top
+            return per_token + divergence + top
         if sequence_parallel:
             # Every TP rank computes the same value loss from the gathered states, so each holds the
             # full gradient, and the gather's backward sums over the ranks: hence 1/tp.
             hidden_states = _ScaleGrad.apply(hidden_states, 1.0 / torch.distributed.get_world_size(tp_group))
-        return per_token + (self._apply_value_head(hidden_states),) + top
+        return per_token + (self._apply_value_head(hidden_states),) + divergence + top
 
     def _top(self, hidden_states, weight, tokens, tp_group, sequence_parallel):
         """[s, b, k] top_ids and top_logprobs of the scored positions (ignore_index and 0 elsewhere),
         computed on those rows alone (a host read of their count)."""
-        scored = tokens != self.ignore_index
         return scored_top_logprobs(
-            hidden_states, weight, self.top_logprobs, scored if scored.dim() == 2 else scored.any(-1),
-            self.ignore_index, temperature=self.logit_options.temperature, softcap=self.logit_options.softcap,
+            hidden_states, weight, self.top_logprobs, self.scored_positions(tokens), self.ignore_index, temperature=self.logit_options.temperature, softcap=self.logit_options.softcap,
             vocab_size=self.vocab_size, tp_group=tp_group, reduce_hidden_grad=not sequence_parallel)
+
+    def scored_positions(self, tokens):
+        """[s, b] bool: the positions whose token (any of their k tokens) is not ignore_index."""
+        scored = tokens != self.ignore_index
+        return scored if scored.dim() == 2 else scored.any(-1)
 
     def _apply_value_head(self, hidden_states):
         if isinstance(self.value_head, torch.nn.Module):
@@ -235,12 +251,13 @@ def _fused_main_grad(output_layer, weight):
 
 
 def rl_output_processor(*, return_entropy=True, value_head=None, ignore_index=-100, vocab_size=None,
-                        batch_invariant=False, host_checks=True, top_logprobs=None, **logit_options):
-    """An output processor returning fp32 [b, s] logprobs (+ entropy, values; with top_logprobs=k the
-    model's top k ids and logprobs [b, s, k]); see the module docstring. logit_options: the keywords
-    of fused_rl_ops.LogitOptions (temperature=1.0, ...)."""
+                        batch_invariant=False, host_checks=True, top_logprobs=None, divergence=None, beta=0.5,
+                        **logit_options):
+    """An output processor returning fp32 [b, s] logprobs (+ entropy, values, divergence; with
+    top_logprobs=k the model's top k ids and logprobs [b, s, k]); see the module docstring.
+    logit_options: the keywords of fused_rl_ops.LogitOptions (temperature=1.0, ...)."""
     return RLOutputProcessor(return_entropy=return_entropy, value_head=value_head, ignore_index=ignore_index,
                              vocab_size=vocab_size, batch_invariant=batch_invariant, host_checks=host_checks,
-                             top_logprobs=top_logprobs, **logit_options)
+                             top_logprobs=top_logprobs, divergence=divergence, beta=beta, **logit_options)
 
 

@@ -1,5 +1,6 @@
 """Naive PyTorch implementations of every op: the path the benchmarks compare against, and (run in
 float64) the independent reference the tests check the kernels with."""
+import math
 from typing import Optional
 
 import torch
@@ -88,6 +89,35 @@ def chosen_logprob(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Ten
     p = logp.exp()
     entropy = -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
     return torch.where(ignore, 0.0, chosen), entropy
+
+
+def vocab_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
+                     teacher_weight: torch.Tensor, *, kind: str, beta: float = 0.5, temperature: float = 1.0,
+                     softcap: Optional[float] = None, teacher_softcap: Optional[float] = None,
+                     mask: Optional[torch.Tensor] = None, vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Both models' materialised logits (GEMM in each pair's dtype, then fp32; fp64 for fp64) under
+    their logit maps (apply_logit_map: own softcap, shared temperature) over the first vocab_size rows,
+    log_softmax, and the divergence written out per position: forward_kl sum p (log p - log q),
+    reverse_kl sum q (log q - log p), jsd beta KL(p || M) + (1 - beta) KL(q || M) with M = beta p +
+    (1 - beta) q (p the teacher's, q the student's; a token of probability 0 adds 0). mask False: 0."""
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    rows = weight.shape[0] if vocab_size is None else vocab_size
+    log_q = torch.log_softmax(apply_logit_map((hidden @ weight[:rows].T).to(acc), LogitMap(temperature, softcap)), -1)
+    log_p = torch.log_softmax(apply_logit_map((teacher_hidden @ teacher_weight[:rows].T).to(acc),
+                                              LogitMap(temperature, teacher_softcap)), -1)
+
+    def kl(log_a, log_b):  # sum a (log a - log b), 0 log 0 = 0
+        a = log_a.exp()
+        return torch.where(a == 0, 0.0, a * (log_a - log_b)).sum(-1)
+
+    if kind == "forward_kl":
+        divergence = kl(log_p, log_q)
+    elif kind == "reverse_kl":
+        divergence = kl(log_q, log_p)
+    else:
+        log_m = torch.logaddexp(math.log(beta) + log_p, math.log1p(-beta) + log_q)
+        divergence = beta * kl(log_p, log_m) + (1 - beta) * kl(log_q, log_m)
+    return divergence if mask is None else torch.where(mask, divergence, 0.0)
 
 
 def value_head(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

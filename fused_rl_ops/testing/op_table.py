@@ -16,6 +16,7 @@ from typing import Callable, Optional
 from ..chosen_logprob import OP_GROUPS as CHOSEN_LOGPROB_GROUPS, SEARCH_GROUPS as CHOSEN_LOGPROB_SEARCH_GROUPS
 from ..clamped_swiglu import ClampedSwigluOptions
 from ..top_logprobs import TOP_LOGPROBS_GROUPS
+from ..vocab_divergence import OP_GROUPS as VOCAB_DIVERGENCE_GROUPS
 from . import sanitizer_cases
 
 
@@ -68,6 +69,14 @@ OPS = (
                  BenchmarkRun("bench_chosen_logprob_sampler_filter", 60, ("--sampler-filter",))),
        kernels_on_cpu_driver="chosen_logprob_driver",
        sanitizer_cases=sanitizer_cases.chosen_logprob),
+    Op("vocab_divergence",
+       operators={"vocab_divergence_stats": VOCAB_DIVERGENCE_GROUPS, "vocab_divergence_combine": (),
+                  "vocab_divergence_mixture": VOCAB_DIVERGENCE_GROUPS,
+                  "vocab_divergence_backward": VOCAB_DIVERGENCE_GROUPS},
+       benchmark="bench_vocab_divergence",
+       gpu_runs=(BenchmarkRun("bench_vocab_divergence", 90),),
+       kernels_on_cpu_driver="vocab_divergence_driver",
+       sanitizer_cases=sanitizer_cases.vocab_divergence),
     Op("value_head",
        operators={"value_head": (), "value_head_backward_hidden": (), "value_head_backward_params": ()},
        benchmark="bench_value_head",

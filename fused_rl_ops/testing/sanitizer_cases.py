@@ -67,3 +67,21 @@ def value_head(device):
             for offset in (0, 1):
                 hidden = storage[offset : offset + 70 * H].view(70, H).detach().requires_grad_(True)
                 fused_rl_ops.value_head(hidden, weight, bias).sum().backward()
+
+
+def vocab_divergence(device):
+    """Several chunks (the last one partial), padded rows, a wider teacher, a masked position; every
+    kind, with and without softcaps; the weight gradient returned and added into a main_grad."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        hidden = torch.randn(37, 33, device=device, dtype=dtype, requires_grad=True)
+        weight = (torch.randn(300, 33, device=device, dtype=dtype) * 0.2).requires_grad_(True)
+        teacher_hidden = torch.randn(37, 41, device=device, dtype=dtype)
+        teacher_weight = torch.randn(300, 41, device=device, dtype=dtype) * 0.2
+        mask = torch.ones(37, dtype=torch.bool, device=device)
+        mask[3] = False
+        for kind, caps in (("forward_kl", {}), ("reverse_kl", dict(softcap=3.0)),
+                           ("jsd", dict(softcap=3.0, teacher_softcap=2.0))):
+            for main_grad in (None, torch.zeros(300, 33, device=device)):
+                fused_rl_ops.vocab_divergence(hidden, weight, teacher_hidden, teacher_weight, kind=kind, mask=mask,
+                                              temperature=0.7, vocab_size=290, workspace_bytes=1,
+                                              main_grad=main_grad, **caps).sum().backward()

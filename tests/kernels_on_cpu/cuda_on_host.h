@@ -272,7 +272,15 @@ std::string kernel_name(Fn* kernel) {
   char* demangled = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
   std::string name = status == 0 ? demangled : info.dli_sname;
   std::free(demangled);
-  name = name.substr(0, name.find('('));                        // without the parameter list
+  // Without the parameter list: the first '(' outside the template arguments (an enum argument
+  // demangles as "(Type)0").
+  int depth = 0;
+  size_t parameters = 0;
+  while (parameters < name.size() && !(name[parameters] == '(' && depth == 0)) {
+    depth += name[parameters] == '<' ? 1 : name[parameters] == '>' ? -1 : 0;
+    ++parameters;
+  }
+  name = name.substr(0, parameters);
   const size_t scope = name.rfind("::", name.find('<'));          // without the namespaces
   return scope == std::string::npos ? name : name.substr(scope + 2);
 }

@@ -1,0 +1,140 @@
+"""vocab_divergence: fused against the naive path (both models' logits materialised,
+fused_rl_ops.reference.vocab_divergence), torch.compile of it, Liger's LigerFusedLinearJSDLoss (jsd,
+weight_hard_loss=0, compiled=False: its chunks in eager torch) and the op's six GEMMs run plainly
+(two logits forward; both logits again, the hidden and weight gradients backward), forward+backward,
+and the fused path at masked fractions of positions. Memory: the peak resident growth of forward +
+backward of fused and naive, each in a fresh process (CPU).
+
+The issue's goals are printed and written to the JSON ("goals"), at the main shape (2048, 512,
+32768) fp32 on the CPU: fused at most 1.1x the six GEMMs and 1.3x naive (forward_kl), with 3/4 of
+positions masked at most 0.45x of none masked, extra memory at most 1/8 of naive's. --quick runs
+tiny shapes (a smoke run: its goals mean nothing)."""
+import math
+
+import torch
+
+import fused_rl_ops
+from fused_rl_ops import reference
+
+from .results import RowLog, find_peers, parse_args, write_json
+from .tables import summary_table
+from .timing import fwd_bwd, record_times, time_paths
+
+GOALS = {"fused / six GEMMs": 1.1, "fused / naive": 1.3, "3/4 masked / none masked": 0.45,
+         "fused / naive extra memory": 1 / 8}
+MASKED_FRACTIONS = (0.0, 0.5, 0.75)
+
+
+def make_inputs(N, H, V, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g).to(device, dtype).requires_grad_(True)
+    weight = (torch.randn(V, H, generator=g) / H**0.5).to(device, dtype).requires_grad_(True)
+    teacher_hidden = (hidden.detach() + 0.3 * torch.randn(N, H, generator=g).to(device, dtype))
+    teacher_weight = (weight.detach() + 0.3 / H**0.5 * torch.randn(V, H, generator=g).to(device, dtype))
+    return hidden, weight, teacher_hidden, teacher_weight
+
+
+def mask_of(N, fraction, device):
+    """Positions masked out at the given fraction, spread through the rows."""
+    return (torch.arange(N, device=device) * fraction) % 1 >= fraction if fraction else None
+
+
+def six_gemms(hidden, weight, teacher_hidden, teacher_weight):
+    """The op's GEMMs run plainly, fp32 logits: two forward, four backward."""
+    grads = torch.empty(hidden.shape[0], weight.shape[0], device=hidden.device, dtype=hidden.dtype)
+
+    def run():
+        with torch.no_grad():
+            for _ in range(2):
+                hidden @ weight.T
+                teacher_hidden @ teacher_weight.T
+            grads @ weight
+            grads.T @ hidden
+
+    return run
+
+
+def liger_loader(kind):
+    def load():
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+        if kind != "jsd":
+            raise RuntimeError("Liger's fused linear distillation loss is a JSD")
+        loss = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.5, compiled=False)
+        return lambda h, w, th, tw: loss(h, w, th, tw, torch.zeros(h.shape[0], dtype=torch.long, device=h.device))
+    return load
+
+
+def paths_for(kind, inputs, grad):
+    """name -> a forward+backward closure of each path at this kind."""
+    fused = lambda h, w, th, tw: fused_rl_ops.vocab_divergence(h, w, th, tw, kind=kind)  # noqa: E731
+    naive = lambda h, w, th, tw: reference.vocab_divergence(h, w, th, tw, kind=kind)  # noqa: E731
+    peers, versions = find_peers({"liger": ("liger-kernel", liger_loader(kind))})
+    fns = {"fused": fused, "naive": naive, "compiled": torch.compile(naive), **peers}
+    # fwd_bwd passes only the student's tensors: the teacher's ride in the closure.
+    runs = {name: fwd_bwd(lambda h, w, fn=fn: fn(h, w, *inputs[2:]), list(inputs[:2]),
+                          None if name == "liger" else [grad]) for name, fn in fns.items()}
+    runs["six_gemms"] = six_gemms(*inputs)
+    return runs, versions
+
+
+def _peak_growth(path, N, H, V, kind):
+    """Peak resident growth of one forward+backward of a path, in this (fresh) process."""
+    from fused_rl_ops.testing.peak_memory import peak_rss_growth
+
+    fn = fused_rl_ops.vocab_divergence if path == "fused" else reference.vocab_divergence
+    small = make_inputs(16, H, 256, torch.float32, "cpu")
+    fwd_bwd(lambda h, w: fn(h, w, *small[2:], kind=kind), list(small[:2]), [torch.ones(16)])()  # pools, BLAS
+    inputs = make_inputs(N, H, V, torch.float32, "cpu")
+    return peak_rss_growth(fwd_bwd(lambda h, w: fn(h, w, *inputs[2:], kind=kind), list(inputs[:2]),
+                                   [torch.ones(N)]))
+
+
+def main():
+    from fused_rl_ops.testing.peak_memory import in_fresh_process
+
+    args = parse_args(__doc__)
+    log, dev = RowLog(args.json), args.device
+    N, H, V = (256, 64, 2048) if args.quick else (2048, 512, 32768)
+    dtype, reps = torch.float32, 2 if args.quick else 5
+    inputs = make_inputs(N, H, V, dtype, dev)
+    grad = torch.randn(N, device=dev)
+    rows, goals, versions = [], {}, {}
+    for kind in ("forward_kl", "jsd"):
+        runs, versions = paths_for(kind, inputs, grad)
+        for fraction in MASKED_FRACTIONS[1:]:
+            mask = mask_of(N, fraction, dev)
+            runs[f"masked_{fraction}"] = fwd_bwd(
+                lambda h, w, mask=mask: fused_rl_ops.vocab_divergence(h, w, *inputs[2:], kind=kind, mask=mask),
+                list(inputs[:2]), [grad])
+        times = time_paths(runs, dev, reps=reps)
+        row = record_times({"N": N, "H": H, "V": V, "dtype": "float32", "kind": kind, "mode": "fwd+bwd"}, times)
+        for name in times:
+            row[f"x_{name}"] = row["fused_ms"] / row[f"{name}_ms"]
+        rows.append(log("results", row))
+        if kind == "forward_kl":
+            goals["fused / six GEMMs"] = row["x_six_gemms"]
+            goals["fused / naive"] = row["x_naive"]
+            goals["3/4 masked / none masked"] = row["masked_0.75_ms"] / row["fused_ms"]
+    if dev == "cpu":
+        memory = {path: in_fresh_process(_peak_growth, path, N, H, V, "forward_kl") for path in ("fused", "naive")}
+        goals["fused / naive extra memory"] = memory["fused"] / memory["naive"]
+        rows.append(log("memory", {f"{path}_peak_MiB": b / 2**20 for path, b in memory.items()}))
+    table = summary_table("vocab_divergence, forward+backward (x_<path> = fused time / path time)", rows[:2],
+                          ["kind", "fused_ms", "naive_ms", "compiled_ms", "six_gemms_ms", "x_naive", "x_six_gemms"]
+                          + [c for c in ("liger_ms", "x_liger") if c in rows[1]]
+                          + [f"masked_{f}_ms" for f in MASKED_FRACTIONS[1:]])
+    print("\ngoals (measured / at most):")
+    checked = {}
+    for name, limit in GOALS.items():
+        value = goals.get(name, math.nan)
+        checked[name] = {"value": value, "at_most": limit, "met": value <= limit}
+        print(f"  {name}: {value:.3f} / {limit:.3f} {'met' if value <= limit else 'NOT met'}")
+    headline = [{"metric": name, "value": g["value"], "busy": any(r.get("busy") for r in rows)}
+                for name, g in checked.items()]
+    write_json(args.json, "vocab_divergence", dev, rows, headline=headline, tables=[table], peers=versions,
+               goals=checked, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+// vocab_divergence's ops, one implementation for the CPU and CUDA kernels (cpu.cpp's, cuda.cpp's),
+// each device file registering these templates with its own Kernels. Each op checks its contract
+// first: its option groups as declared (vocab_divergence/options.h), and the shapes, dtypes and
+// devices its kernels rely on, in the words of fused_rl_ops/vocab_divergence.py's checks. Then it
+// leaves out the masked rows (RowSkipping) and runs its chunk loop (vocab_divergence/chunks.h).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+
+#include <optional>
+
+#include "common/combine.h"
+#include "common/row_skipping.h"
+#include "vocab_divergence/chunks.h"
+#include "vocab_divergence/options.h"
+
+namespace fused_rl_ops::vocab_divergence {
+
+constexpr const char* kOp = "vocab_divergence";
+
+// The four model tensors: hidden [N, H] and weight [V, H] in one floating dtype, teacher_hidden
+// [N, H_t] and teacher_weight [V, H_t] in one (of the same accumulation dtype), mask [N] bool or
+// none, on one device; the option groups, valid_rows at most V.
+inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& teacher_hidden,
+                         const at::Tensor& teacher_weight, const std::optional<at::Tensor>& mask,
+                         const LogitMap& logit_map, const VocabShard& shard, const Tiling& tiling,
+                         const Options& options) {
+  check_options(kOp, logit_map);
+  check_options(kOp, shard);
+  check_options(kOp, tiling);
+  check_options(kOp, options);
+  check_float_dtype(kOp, "hidden", hidden);
+  check_float_dtype(kOp, "teacher_hidden", teacher_hidden);
+  TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(), kOp, ": weight must have hidden's dtype ",
+                   hidden.scalar_type(), ", got ", weight.scalar_type());
+  TORCH_CHECK_TYPE(teacher_weight.scalar_type() == teacher_hidden.scalar_type(), kOp,
+                   ": teacher_weight must have teacher_hidden's dtype ", teacher_hidden.scalar_type(), ", got ",
+                   teacher_weight.scalar_type());
+  TORCH_CHECK_TYPE(acc_dtype(teacher_hidden.scalar_type()) == acc_dtype(hidden.scalar_type()), kOp,
+                   ": float64 inputs must be float64 for both models, got ", hidden.scalar_type(), " and ",
+                   teacher_hidden.scalar_type());
+  TORCH_CHECK_VALUE(hidden.dim() == 2 && hidden.size(1) >= 1 && weight.dim() == 2 && weight.size(1) == hidden.size(1),
+                    kOp, ": expected hidden [N, H] with H >= 1 and weight [V, H], got ", hidden.sizes(), " and ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(teacher_hidden.dim() == 2 && teacher_hidden.size(0) == hidden.size(0) &&
+                        teacher_hidden.size(1) >= 1 && teacher_weight.dim() == 2 &&
+                        teacher_weight.size(0) == weight.size(0) && teacher_weight.size(1) == teacher_hidden.size(1),
+                    kOp, ": expected teacher_hidden [N, H_t] with H_t >= 1 and teacher_weight [V, H_t] (hidden's N, ",
+                    "weight's V), got ", teacher_hidden.sizes(), " and ", teacher_weight.sizes());
+  TORCH_CHECK_VALUE(!mask || (mask->dim() == 1 && mask->size(0) == hidden.size(0) && mask->scalar_type() == at::kBool),
+                    kOp, ": mask must be None or [N] bool (hidden's rows)");
+  for (const at::Tensor* t : {&weight, &teacher_hidden, &teacher_weight}) check_same_device(kOp, hidden, *t, "tensors");
+  if (mask) check_same_device(kOp, hidden, *mask, "hidden and mask");
+  TORCH_CHECK_VALUE(shard.valid_rows.value_or(0) <= weight.size(0), kOp, ": valid_rows must be None or at most ",
+                    "weight's rows ", weight.size(0), ", got ", *shard.valid_rows);
+}
+
+// [N, columns] per-token tensors the ops take: in the accumulation dtype, on hidden's device (columns
+// 0: [N]).
+inline void check_per_token(const char* what, const at::Tensor& t, const at::Tensor& hidden, int64_t columns) {
+  const bool shape_ok = columns == 0 ? t.dim() == 1 : (t.dim() == 2 && t.size(1) == columns);
+  TORCH_CHECK_VALUE(shape_ok && t.size(0) == hidden.size(0) && t.scalar_type() == acc_dtype(hidden.scalar_type()) &&
+                        t.device() == hidden.device(),
+                    kOp, ": ", what, " must be [N", columns ? ", " + std::to_string(columns) : std::string(),
+                    "] in the accumulation dtype, on hidden's device");
+}
+
+// The masked rows (mask False) as an op leaves them out; none without a mask.
+template <class Kernels>
+RowSkipping skipping_masked(const std::optional<at::Tensor>& mask) {
+  return mask ? RowSkipping::of<Kernels>(mask->logical_not()) : RowSkipping{};
+}
+
+inline CallConstants call_constants(const LogitMap& logit_map, const Options& options) {
+  return {logit_map, LogitMap{logit_map.temperature, options.teacher_softcap}, int(options.kind), options.beta};
+}
+
+// A row of empty Sides (side_empty): what a row no shard computes holds.
+inline at::Tensor empty_stats_row(const at::TensorOptions& options) {
+  at::Tensor row = at::zeros({stats_column::count}, options);
+  row.select(0, stats_column::student_max).fill_(-INFINITY);
+  row.select(0, stats_column::teacher_max).fill_(-INFINITY);
+  return row;
+}
+
+template <class Kernels>
+at::Tensor stats(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& teacher_hidden,
+                 const at::Tensor& teacher_weight,
+                 const std::optional<at::Tensor>& mask FRL_VOCAB_DIVERGENCE_OP_OPTIONS(FRL_OPTION_PARAM)) {
+  const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
+  const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
+  const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
+  const Options options{FRL_VOCAB_DIVERGENCE_OPTIONS(FRL_OPTION_VALUE)};
+  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, logit_map, shard, tiling, options);
+  const at::DeviceGuard guard(hidden.device());
+  const RowSkipping skipping = skipping_masked<Kernels>(mask);
+  const at::Tensor result =
+      stats_impl<Kernels>(skipping.rows(hidden, 0), weight, skipping.rows(teacher_hidden, 0), teacher_weight,
+                          shard.valid_rows.value_or(weight.size(0)), call_constants(logit_map, options), tiling);
+  return skipping.all_rows(result, empty_stats_row(result.options()));
+}
+
+template <class Kernels>
+at::Tensor mixture(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& teacher_hidden,
+                   const at::Tensor& teacher_weight, const std::optional<at::Tensor>& mask,
+                   const at::Tensor& rows FRL_VOCAB_DIVERGENCE_OP_OPTIONS(FRL_OPTION_PARAM)) {
+  const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
+  const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
+  const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
+  const Options options{FRL_VOCAB_DIVERGENCE_OPTIONS(FRL_OPTION_VALUE)};
+  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, logit_map, shard, tiling, options);
+  check_per_token("rows", rows, hidden, combined_column::count);
+  const at::DeviceGuard guard(hidden.device());
+  // The masked rows' merged rows (empty: NaN) reach no kernel: left out, or zeroed.
+  const RowSkipping skipping = skipping_masked<Kernels>(mask);
+  const at::Tensor result = mixture_impl<Kernels>(
+      skipping.rows(hidden, 0), weight, skipping.rows(teacher_hidden, 0), teacher_weight, skipping.rows(rows, 0),
+      shard.valid_rows.value_or(weight.size(0)), call_constants(logit_map, options), tiling);
+  return skipping.all_rows(result, at::zeros({}, result.options()));
+}
+
+template <class Kernels>
+std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::Tensor& weight,
+                                            const at::Tensor& teacher_hidden, const at::Tensor& teacher_weight,
+                                            const std::optional<at::Tensor>& mask, const at::Tensor& rows,
+                                            const at::Tensor& row_term, const at::Tensor& grad,
+                                            const std::optional<at::Tensor>& main_grad
+                                                FRL_VOCAB_DIVERGENCE_OP_OPTIONS(FRL_OPTION_PARAM)) {
+  const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
+  const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
+  const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
+  const Options options{FRL_VOCAB_DIVERGENCE_OPTIONS(FRL_OPTION_VALUE)};
+  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, logit_map, shard, tiling, options);
+  check_per_token("rows", rows, hidden, combined_column::count);
+  check_per_token("row_term", row_term, hidden, 0);
+  check_per_token("grad", grad, hidden, 0);
+  TORCH_CHECK_VALUE(!main_grad || (main_grad->sizes() == weight.sizes() && main_grad->device() == weight.device() &&
+                                   (main_grad->scalar_type() == at::kFloat ||
+                                    main_grad->scalar_type() == weight.scalar_type())),
+                    kOp, ": main_grad must be a float32 (or weight-dtype) tensor of weight's shape ", weight.sizes(),
+                    " on ", weight.device());
+  const at::DeviceGuard guard(hidden.device());
+  // The masked rows' per-token values (NaN) reach no kernel: left out, or zeroed with their hidden
+  // rows, so that they pass exactly 0.
+  const RowSkipping skipping = skipping_masked<Kernels>(mask);
+  auto [grad_hidden, grad_weight] = backward_impl<Kernels>(
+      skipping.rows(hidden, 0), weight, skipping.rows(teacher_hidden, 0), teacher_weight, skipping.rows(rows, 0),
+      skipping.rows(row_term, 0), skipping.rows(grad, 0), main_grad, shard.valid_rows.value_or(weight.size(0)),
+      call_constants(logit_map, options), tiling);
+  return {skipping.all_rows(grad_hidden, at::zeros({}, grad_hidden.options())), grad_weight};
+}
+
+template <class Kernels>
+at::Tensor combine(const at::Tensor& partials) {
+  return combine_partials<Params, Kernels>(kOp, partials, stats_column::count, combined_column::count, [](Params&) {});
+}
+
+}  // namespace fused_rl_ops::vocab_divergence

@@ -1,0 +1,75 @@
+// Launchers of the vocab_divergence CUDA row kernels (vocab_divergence/kernel.cuh); the GEMMs around
+// them are cuBLAS calls made by the torch glue. Compiled by nvcc and by the kernels-on-CPU tests.
+#include "common/launch.h"
+#include "vocab_divergence/kernel.cuh"
+#include "vocab_divergence/kernel.h"
+
+namespace fused_rl_ops::vocab_divergence {
+namespace {
+
+// Calls fn(student map, teacher map) in float.
+template <class Fn>
+void with_logit_maps(const Params& p, const Fn& fn) {
+  with_logit_map<float>(p.logit_map, [&](auto student) {
+    with_logit_map<float>(p.teacher_logit_map, [&](auto teacher) { fn(student, teacher); });
+  });
+}
+
+}  // namespace
+
+cudaError_t launch_vocab_divergence_stats_rows(const Params& p, cudaStream_t stream) {
+  if (p.rows == 0 || p.cols == 0) return cudaSuccess;
+  cudaError_t err = cudaSuccess;
+  with_logit_maps(p, [&](auto student, auto teacher) {
+    err = launch_grid_stride(vocab_divergence_stats_rows_kernel<decltype(student), decltype(teacher)>,
+                             (p.rows + kRowsPerBlock - 1) / kRowsPerBlock, kRowsPerBlock * kWarp, 0, stream,
+                             static_cast<const float*>(p.logits), static_cast<const float*>(p.teacher_logits), p.rows,
+                             p.cols, student, teacher, static_cast<float*>(p.stats));
+  });
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+cudaError_t launch_vocab_divergence_mixture_rows(const Params& p, cudaStream_t stream) {
+  if (p.rows == 0 || p.cols == 0) return cudaSuccess;
+  cudaError_t err = cudaSuccess;
+  with_logit_maps(p, [&](auto student, auto teacher) {
+    err = launch_grid_stride(vocab_divergence_mixture_rows_kernel<decltype(student), decltype(teacher)>,
+                             (p.rows + kRowsPerBlock - 1) / kRowsPerBlock, kRowsPerBlock * kWarp, 0, stream,
+                             static_cast<const float*>(p.logits), static_cast<const float*>(p.teacher_logits), p.rows,
+                             p.cols, student, teacher, static_cast<const float*>(p.row),
+                             MixtureWeights<float>::of(p.beta), static_cast<float*>(p.mixture));
+  });
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+cudaError_t launch_vocab_divergence_grad_rows(const Params& p, DType grads_dtype, cudaStream_t stream) {
+  if (p.rows == 0 || p.cols == 0) return cudaSuccess;
+  const RowLaunch cfg = row_launch(p.rows, p.cols, kGradThreads);
+  cudaError_t err = cudaSuccess;
+  dispatch_dtype(grads_dtype, [&](auto* type_tag) {
+    using G = std::remove_pointer_t<decltype(type_tag)>;
+    with_kind(p.kind, [&](auto kind) {
+      with_logit_maps(p, [&](auto student, auto teacher) {
+        err = launch_grid_stride(
+            vocab_divergence_grad_rows_kernel<decltype(kind)::value, decltype(student), decltype(teacher), G>,
+            cfg.work_blocks, cfg.block, 0, stream, static_cast<const float*>(p.logits),
+            static_cast<const float*>(p.teacher_logits), p.rows, p.cols, student, teacher,
+            static_cast<const float*>(p.row), static_cast<const float*>(p.row_term), static_cast<const float*>(p.grad),
+            MixtureWeights<float>::of(p.beta), static_cast<G*>(p.grads), p.grads_stride);
+      });
+    });
+  });
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+cudaError_t launch_vocab_divergence_combine(const Params& p, cudaStream_t stream) {
+  const int64_t N = p.rows;
+  if (N == 0) return cudaSuccess;
+  const cudaError_t err =
+      launch_grid_stride(vocab_divergence_combine_kernel, (N + kCombineThreads - 1) / kCombineThreads,
+                         kCombineThreads, 0, stream, static_cast<const float*>(p.partials), p.ranks, N,
+                         static_cast<float*>(p.out));
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+}  // namespace fused_rl_ops::vocab_divergence

@@ -1,0 +1,77 @@
+"""On-policy distillation on Megatron-core: the teacher's processor and the student's divergence.
+
+`teacher_output_processor()` is the teacher model's `output_processor`: its forward returns its final
+hidden states and its output-weight shard (a dict: teacher_outputs), no logits (a dict, which
+Megatron's paths pass on unchanged). The student's
+`rl_output_processor(divergence=kind, beta=...)` takes that as
+`output_processor_context={"teacher": teacher_outputs}` and returns "divergence" [b, s] fp32 beside
+its other outputs (student_divergence below): fused_rl_ops.vocab_divergence over the whole
+vocabulary, vocab-parallel, at the processor's temperature, softcap and vocab_size (the teacher's
+softcap is its processor's), 0 and not computed where loss_mask is 0 or the label is ignored. With
+sequence parallel both models' hidden states are gathered (the teacher's without a gradient).
+Teacher and student share the tokenizer and the TP degree, so that each rank holds the same vocab
+rows of both output layers; a teacher whose vocab partition differs is refused."""
+import torch.distributed as dist
+
+import fused_rl_ops
+
+__all__ = ["TEACHER_OUTPUTS", "TeacherOutputProcessor", "teacher_output_processor"]
+
+# The keys of what the teacher's forward returns: hidden_states [s(/tp), b, h_t] after its final
+# layernorm (split along s with sequence parallel), output_weight its local [V_local, h_t] vocab
+# shard, whether sequence_parallel splits the states, its tp_size and its softcap.
+TEACHER_OUTPUTS = ("hidden_states", "output_weight", "sequence_parallel", "tp_size", "softcap")
+
+
+class TeacherOutputProcessor:
+    """The teacher's output processor (module docstring); softcap: the teacher's final logit cap."""
+
+    def __init__(self, *, softcap=None):
+        self.softcap = softcap
+
+    def __call__(self, *, hidden_states, output_layer, output_weight=None, **unused_keywords):
+        weight = output_weight if output_weight is not None else output_layer.weight
+        return dict(zip(TEACHER_OUTPUTS, (hidden_states, weight, bool(output_layer.sequence_parallel),
+                                          dist.get_world_size(output_layer.tp_group), self.softcap)))
+
+
+def teacher_output_processor(*, softcap=None) -> TeacherOutputProcessor:
+    """An output processor for the teacher model: its forward returns a dict of TEACHER_OUTPUTS (its
+    hidden states and output-weight shard) instead of logits. Run the teacher under torch.no_grad()."""
+    return TeacherOutputProcessor(softcap=softcap)
+
+
+def _teacher_of(name, context, student_weight, tp_size):
+    teacher = context.get("teacher") if isinstance(context, dict) else None
+    if not isinstance(teacher, dict) or set(teacher) != set(TEACHER_OUTPUTS):
+        raise ValueError(f"{name}: divergence needs output_processor_context={{'teacher': outputs of a model whose "
+                         f"output_processor is teacher_output_processor()}}, got {type(teacher).__name__}")
+    rows = teacher["output_weight"].shape[0]
+    if teacher["tp_size"] != tp_size or rows != student_weight.shape[0]:
+        raise ValueError(f"{name}: the teacher's vocab partition differs from the student's: it holds "
+                         f"{rows} vocab rows per rank over {teacher['tp_size']} TP ranks, the "
+                         f"student {student_weight.shape[0]} over {tp_size}; teacher and student must share the "
+                         f"tokenizer (padded vocabulary) and the TP degree")
+    return teacher
+
+
+def student_divergence(processor, hidden_states, weight, tokens, context, output_layer, main_grad, gather):
+    """[s, b] divergence of the student's gathered [s, b, h] hidden states from the teacher's in
+    context (processor: the RLOutputProcessor; tokens [s, b] or [s, b, k] with ignore_index where loss_mask is
+    0; gather: the sequence-parallel gather)."""
+    name = type(processor).__name__
+    tp_group = output_layer.tp_group
+    teacher = _teacher_of(name, context, weight, dist.get_world_size(tp_group))
+    teacher_hidden = teacher["hidden_states"]
+    if teacher["sequence_parallel"]:
+        teacher_hidden = gather(teacher_hidden.detach(), tp_group)
+    if teacher_hidden.shape[:2] != hidden_states.shape[:2]:
+        raise ValueError(f"{name}: the teacher's hidden states [s, b, h_t] {list(teacher_hidden.shape)} do not "
+                         f"match the student's [s, b, h] {list(hidden_states.shape)}")
+    options = processor.logit_options
+    return fused_rl_ops.vocab_divergence(
+        hidden_states, weight, teacher_hidden, teacher["output_weight"], kind=processor.divergence, beta=processor.beta,
+        temperature=options.temperature, softcap=options.softcap, teacher_softcap=teacher["softcap"],
+        mask=processor.scored_positions(tokens), vocab_size=processor.vocab_size, tp_group=tp_group,
+        reduce_hidden_grad=not output_layer.sequence_parallel, main_grad=main_grad,
+        batch_invariant=processor.batch_invariant, check_group=processor.host_checks)

@@ -1,0 +1,226 @@
+"""Full-vocabulary divergence between a student's and a teacher's softmax, vocab-parallel, from both
+models' hidden states and output-layer shards, without a [tokens, vocab] tensor: the public function,
+the resolution of its arguments into the ops' options, and the ops' fake kernels. How it works, and
+what every argument does in full: docs/vocab_divergence.md."""
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from ._checks import check_hidden_size, values_readable
+from ._library import acc_dtype, check_device, check_float_dtype
+from ._options import POSITIVE_FINITE, Rule, check_options, groups_from_arguments, op_arguments, option, \
+    options_dataclass
+from ._vocab_divergence_function import KINDS, VocabDivergenceFunction
+from ._vocab_parallel import agreement
+from ._vocab_parallel.group import TensorParallelGroup
+from ._vocab_parallel.main_grad import check_main_grad, weight_placeholder
+from ._vocab_parallel.shard import VocabShard, resolve_shard
+from ._vocab_parallel.tiling import Tiling, default_workspace_bytes, tiling_for
+from .logit_options import LogitMap
+
+__all__ = ["VocabDivergenceOptions", "vocab_divergence"]
+
+# As csrc/vocab_divergence/options.h: DivergenceKind, OpenUnitInterval.
+DIVERGENCE_KIND = Rule("0 (forward_kl), 1 (reverse_kl) or 2 (jsd)", lambda v: 0 <= v <= 2)
+OPEN_UNIT_INTERVAL = Rule("a number in (0, 1)", lambda v: 0 < v < 1)
+
+
+@options_dataclass
+class VocabDivergenceOptions:
+    """vocab_divergence's own option group, after LogitMap (the student's map; the teacher shares its
+    temperature), VocabShard and Tiling in every op of it (declared for C++ in
+    csrc/vocab_divergence/options.h): the divergence's kind (KINDS' code), the teacher's softcap and
+    jsd's beta (the teacher's weight in the mixture)."""
+    kind: int = option(DIVERGENCE_KIND, default=0)
+    teacher_softcap: Optional[float] = option(POSITIVE_FINITE, default=None)
+    beta: float = option(OPEN_UNIT_INTERVAL, default=0.5)
+
+    def __post_init__(self):
+        check_options(type(self).__name__, self)
+
+
+# The option groups of every op of it, in their schemas' order.
+OP_GROUPS = (LogitMap, VocabShard, Tiling, VocabDivergenceOptions)
+
+
+class KernelOptions(NamedTuple):
+    """A call's option groups of the ops (OP_GROUPS)."""
+    logit_map: LogitMap
+    shard: VocabShard
+    tiling: Tiling
+    own: VocabDivergenceOptions
+
+    def arguments(self) -> tuple:
+        """The ops' options, after their tensors."""
+        return op_arguments(*self)
+
+
+_FLOAT = agreement.option_codec(float)
+# What every rank of tp_group must agree on besides its shard, in order.
+_AGREED_FIELDS = [("token count", agreement.INTEGER), ("hidden size", agreement.INTEGER),
+                  ("teacher hidden size", agreement.INTEGER), ("dtype", agreement.DTYPE),
+                  ("teacher dtype", agreement.DTYPE), ("vocab_size", agreement.INTEGER),
+                  ("reduce_hidden_grad", agreement.INTEGER), ("kind", agreement.INTEGER), ("beta", _FLOAT),
+                  ("temperature", _FLOAT), ("softcap", _FLOAT), ("teacher_softcap", _FLOAT),
+                  ("mask", agreement.FINGERPRINT)]
+
+
+def _check_tensors(hidden, weight, teacher_hidden, teacher_weight, mask):
+    op = "vocab_divergence"
+    tensors = dict(hidden=hidden, weight=weight, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight)
+    for name, t in dict(tensors, mask=mask).items():
+        if not isinstance(t, torch.Tensor) and not (name == "mask" and t is None):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    check_device(op, **tensors, mask=mask)
+    for name, t in tensors.items():
+        check_float_dtype(op, name, t, allow_float64=hidden.device.type == "cpu")
+    for h, w in (("hidden", "weight"), ("teacher_hidden", "teacher_weight")):
+        if tensors[w].dtype != tensors[h].dtype:
+            raise TypeError(f"{op}: {w} must have {h}'s dtype {tensors[h].dtype}, got {tensors[w].dtype}")
+    if (hidden.dtype == torch.float64) != (teacher_hidden.dtype == torch.float64):
+        raise TypeError(f"{op}: float64 inputs must be float64 for both models, got {hidden.dtype} and "
+                        f"{teacher_hidden.dtype}")
+    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"{op}: expected hidden [..., H] and weight [V_local, H], got {tuple(hidden.shape)} "
+                         f"and {tuple(weight.shape)}")
+    if teacher_hidden.shape[:-1] != hidden.shape[:-1]:
+        raise ValueError(f"{op}: teacher_hidden must have hidden's leading shape {tuple(hidden.shape[:-1])}, got "
+                         f"{tuple(teacher_hidden.shape)}")
+    if teacher_weight.dim() != 2 or teacher_weight.shape != (weight.shape[0], teacher_hidden.shape[-1]):
+        raise ValueError(f"{op}: teacher_weight must be [V_local, H_t] = [{weight.shape[0]}, "
+                         f"{teacher_hidden.shape[-1]}] (weight's vocab rows, teacher_hidden's size), got "
+                         f"{tuple(teacher_weight.shape)}")
+    if mask is not None and (mask.dtype != torch.bool or mask.shape != hidden.shape[:-1]):
+        raise ValueError(f"{op}: mask must be a bool tensor of hidden's leading shape {tuple(hidden.shape[:-1])}, "
+                         f"got {mask.dtype} {tuple(mask.shape)}")
+    check_hidden_size(op, hidden)
+    check_hidden_size(op, teacher_hidden)
+
+
+def _kind_code(kind) -> int:
+    if kind not in KINDS:
+        raise ValueError(f"vocab_divergence: kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
+    return KINDS[kind]
+
+
+def _resolve(hidden, weight, teacher_hidden, teacher_weight, mask, rank, world, *, kind, beta, temperature, softcap,
+             teacher_softcap, vocab_start, vocab_size, main_grad, workspace_bytes, batch_invariant):
+    """(kernel options, vocab_size) of a call, after its checks. The workspace holds both models'
+    chunk buffers: the tiling is planned for half of it, with both hidden sizes' weight rows."""
+    own = VocabDivergenceOptions(_kind_code(kind), teacher_softcap, beta)
+    logit_map = LogitMap(temperature, softcap)
+    _check_tensors(hidden, weight, teacher_hidden, teacher_weight, mask)
+    shard, vocab_size = resolve_shard("vocab_divergence", weight.shape[0], rank, world, vocab_start, vocab_size)
+    check_main_grad("vocab_divergence", main_grad, weight)
+    rows = hidden.numel() // hidden.shape[-1]
+    if workspace_bytes is None:
+        workspace_bytes = default_workspace_bytes(hidden)
+    element_size = max(hidden.element_size(), teacher_hidden.element_size())
+    tiling = tiling_for(rows, hidden.shape[-1] + teacher_hidden.shape[-1], element_size, max(workspace_bytes // 2, 1),
+                        hidden.device, batch_invariant)
+    return KernelOptions(logit_map, shard, tiling, own), vocab_size
+
+
+def vocab_divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    kind: str,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    softcap: Optional[float] = None,
+    teacher_softcap: Optional[float] = None,
+    mask: Optional[torch.Tensor] = None,
+    vocab_size: Optional[int] = None,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    vocab_start: Optional[int] = None,
+    reduce_hidden_grad: bool = True,
+    check_group: bool = True,
+    main_grad: Optional[torch.Tensor] = None,
+    workspace_bytes: Optional[int] = None,
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    """The divergence between the teacher's and the student's softmax at each position, over the
+    whole (vocab-parallel) vocabulary, without a [tokens, vocab] tensor (docs/vocab_divergence.md).
+
+    Logits: hidden @ weight.T for the student, teacher_hidden @ teacher_weight.T for the teacher,
+    each capped by its own softcap (None: none; c: c * tanh(x / c)), both divided by temperature.
+    kind: "forward_kl" KL(teacher || student), "reverse_kl" KL(student || teacher), or "jsd"
+    beta KL(teacher || M) + (1 - beta) KL(student || M) with M = beta p_teacher + (1 - beta)
+    p_student, beta in (0, 1).
+    hidden [..., H] and weight [V_local, H] share a dtype, teacher_hidden [..., H_t] (hidden's leading
+    shape) and teacher_weight [V_local, H_t] (the same vocab rows) share one: float32, bfloat16 or
+    float16 (float64 on CPU, then for both). Global ids of the rows from vocab_start (default rank *
+    V_local in tp_group); vocab_size: the real vocabulary, the rows past it padding, in neither softmax.
+    mask bool [...]: False positions get 0 and no gradient, and are not computed.
+    Returns fp32 [...] (float64 for float64 inputs), differentiable in hidden and weight only (the
+    teacher's tensors are constants, even when they require a gradient); with tp_group the hidden
+    gradient is summed over the group unless reduce_hidden_grad=False (a sequence-parallel gather's
+    backward sums it). check_group makes every rank of tp_group raise the same error on bad
+    arguments (skipped under torch.compile, CUDA graph capture and for meta tensors). main_grad,
+    workspace_bytes and batch_invariant as chosen_logprob takes them.
+    """
+    tp = TensorParallelGroup(tp_group)
+    world, rank = (dist.get_world_size(tp_group), dist.get_rank(tp_group)) if tp_group is not None else (1, 0)
+    check_group = check_group and values_readable(hidden, weight, teacher_hidden, teacher_weight, mask)
+    error = None
+    try:
+        kernel_options, vocab_size = _resolve(
+            hidden, weight, teacher_hidden, teacher_weight, mask, rank, world, kind=kind, beta=beta,
+            temperature=temperature, softcap=softcap, teacher_softcap=teacher_softcap, vocab_start=vocab_start,
+            vocab_size=vocab_size, main_grad=main_grad, workspace_bytes=workspace_bytes,
+            batch_invariant=batch_invariant)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    if world > 1 and check_group:
+        values = None if error is not None else [
+            hidden.numel() // hidden.shape[-1], hidden.shape[-1], teacher_hidden.shape[-1], hidden.dtype,
+            teacher_hidden.dtype, vocab_size, reduce_hidden_grad, kernel_options.own.kind, kernel_options.own.beta,
+            kernel_options.logit_map.temperature, kernel_options.logit_map.softcap,
+            kernel_options.own.teacher_softcap, -1 if mask is None else agreement.token_fingerprint(mask)]
+        shard = None if error is not None else (kernel_options.shard.vocab_start, weight.shape[0])
+        agreement.check_agreement("vocab_divergence", tp_group, _AGREED_FIELDS, error, shard, values)
+    elif error is not None:
+        raise error
+
+    mask1d = None if mask is None else mask.reshape(-1)
+    divergence = VocabDivergenceFunction.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]),
+        teacher_weight.detach(), mask1d, main_grad, kernel_options, tp, bool(reduce_hidden_grad),
+        weight_placeholder(weight, main_grad))
+    return divergence.reshape(hidden.shape[:-1])
+
+
+def _fake_check(hidden, weight, teacher_hidden, teacher_weight, mask, args, kwargs, **more):
+    """The fake kernels check the options (building their groups) and the devices as the ops do."""
+    groups_from_arguments(OP_GROUPS, args, kwargs)
+    check_device("vocab_divergence", hidden=hidden, weight=weight, teacher_hidden=teacher_hidden,
+                 teacher_weight=teacher_weight, mask=mask, **more)
+
+
+@torch.library.register_fake("fused_rl_ops::vocab_divergence_stats")
+def _(hidden, weight, teacher_hidden, teacher_weight, mask, *args, **kwargs):
+    _fake_check(hidden, weight, teacher_hidden, teacher_weight, mask, args, kwargs)
+    return hidden.new_empty(hidden.shape[0], 6, dtype=acc_dtype(hidden.dtype))
+
+
+@torch.library.register_fake("fused_rl_ops::vocab_divergence_combine")
+def _(partials):
+    return partials.new_empty(partials.shape[1], 6)
+
+
+@torch.library.register_fake("fused_rl_ops::vocab_divergence_mixture")
+def _(hidden, weight, teacher_hidden, teacher_weight, mask, rows, *args, **kwargs):
+    _fake_check(hidden, weight, teacher_hidden, teacher_weight, mask, args, kwargs, rows=rows)
+    return hidden.new_empty(hidden.shape[0], 2, dtype=acc_dtype(hidden.dtype))
+
+
+@torch.library.register_fake("fused_rl_ops::vocab_divergence_backward")
+def _(hidden, weight, teacher_hidden, teacher_weight, mask, rows, row_term, grad, main_grad, *args, **kwargs):
+    _fake_check(hidden, weight, teacher_hidden, teacher_weight, mask, args, kwargs, rows=rows, row_term=row_term,
+                grad=grad, main_grad=main_grad)
+    grad_weight = weight.new_empty(0, weight.shape[1]) if main_grad is not None else torch.empty_like(weight)
+    return hidden.new_empty(hidden.shape, dtype=acc_dtype(hidden.dtype)), grad_weight
