@@ -66,7 +66,8 @@ OPS = (
        benchmark="bench_chosen_logprob",
        # The V and N sweeps do not fit in the run: a later one.
        gpu_runs=(BenchmarkRun("bench_chosen_logprob", 200, ("--no-sweeps",)),
-                 BenchmarkRun("bench_chosen_logprob_sampler_filter", 60, ("--sampler-filter",))),
+                 BenchmarkRun("bench_chosen_logprob_sampler_filter", 60, ("--sampler-filter",)),
+                 BenchmarkRun("bench_chosen_logprob_distillation", 60, ("--distillation",))),
        kernels_on_cpu_driver="chosen_logprob_driver",
        sanitizer_cases=sanitizer_cases.chosen_logprob),
     Op("vocab_divergence",
