@@ -36,10 +36,13 @@ def junit_counts(path):
     return {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
 
 
-# pytest -v's line of a test: its node id, then its result once it has ended.
-TEST_LINE = re.compile(r"^(\S+::\S+)(?: (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b)?", re.M)
-LOG_COUNTS = {"tests": ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"), "failures": ("FAILED",),
-              "errors": ("ERROR",), "skipped": ("SKIPPED", "XFAIL")}
+# pytest -v's line of a test: its node id, then its result once it has ended. Output written while
+# the test runs (faulthandler's stacks of a test past its timeout, printed as pytest-timeout fails
+# it) can come between the two: the result then starts a later line, "FAILED [ 75%]".
+RESULTS = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+TEST_LINE = re.compile(r"^(\S+::\S+)(?: (%s)\b)?" % "|".join(RESULTS))
+RESULT_LINE = re.compile(r"^(%s) +\[ *\d+%%\]" % "|".join(RESULTS))
+LOG_COUNTS = {"tests": RESULTS, "failures": ("FAILED",), "errors": ("ERROR",), "skipped": ("SKIPPED", "XFAIL")}
 
 
 def log_results(path):
@@ -47,12 +50,19 @@ def log_results(path):
     it started last without a result (None when there is none)."""
     try:
         with open(path, errors="replace") as f:
-            lines = TEST_LINE.findall(f.read())
+            lines = f.read().splitlines()
     except OSError:
         return {}, None
-    results = [result for _, result in lines if result]
+    results, unfinished = [], None
+    for line in lines:
+        test, result = TEST_LINE.match(line), RESULT_LINE.match(line)
+        if test:
+            unfinished = None if test.group(2) else test.group(1)
+            results += [test.group(2)] if test.group(2) else []
+        elif result and unfinished:
+            results.append(result.group(1))
+            unfinished = None
     counts = {key: sum(result in kinds for result in results) for key, kinds in LOG_COUNTS.items()}
-    unfinished = lines[-1][0] if lines and not lines[-1][1] else None
     return counts, unfinished
 
 
