@@ -11,9 +11,9 @@ logprobs 0, and are not computed).
 
 Tokens come from `labels` or `context["tokens"]` (exactly one), [b, s] like `loss_mask`, or from
 the context [b, s, k] (k tokens per position: logprobs [b, s, k]; a position is scored when any of
-its entries is). Positions with loss_mask 0 or ignore_index get logprob 0, entropy 0 and no gradient, and are not computed
-(chosen_logprob's skip_ignored: its ops leave them out; under CUDA graph capture every position
-is computed, with the same results). The
+its entries is). Positions with loss_mask 0 or ignore_index get logprob 0, entropy 0 and no
+gradient, and are not computed (chosen_logprob's skip_ignored: its ops leave them out; under CUDA
+graph capture every position is computed, with the same results). The
 weight is the local vocab shard (tied embedding or output_layer.weight) over the output layer's TP
 group. With sequence parallel the hidden states are gathered as Megatron's gather does (all-gather
 along the sequence; the backward reduce-scatters), so chosen_logprob leaves its hidden gradient
@@ -217,8 +217,9 @@ class RLOutputProcessor:
         """[s, b, k] top_ids and top_logprobs of the scored positions (ignore_index and 0 elsewhere),
         computed on those rows alone (a host read of their count)."""
         return scored_top_logprobs(
-            hidden_states, weight, self.top_logprobs, self.scored_positions(tokens), self.ignore_index, temperature=self.logit_options.temperature, softcap=self.logit_options.softcap,
-            vocab_size=self.vocab_size, tp_group=tp_group, reduce_hidden_grad=not sequence_parallel)
+            hidden_states, weight, self.top_logprobs, self.scored_positions(tokens), self.ignore_index,
+            **dataclasses.asdict(self.logit_options.logit_map), vocab_size=self.vocab_size, tp_group=tp_group,
+            reduce_hidden_grad=not sequence_parallel)
 
     def scored_positions(self, tokens):
         """[s, b] bool: the positions whose token (any of their k tokens) is not ignore_index."""
