@@ -103,7 +103,9 @@ def test_rehearsal_leaves_every_result_of_a_cut_run(tmp_path):
         (out / "tests.log").read_text()[-3000:]
     assert tests["unfinished"].endswith("test_stand_in.py::test_hangs_where_no_signal_reaches_it")
     log = (out / "tests.log").read_text()
-    assert "test_stand_in.py::test_fails FAILED" in log and "test_stand_in.py::test_times_out FAILED" in log
+    # The timed-out test's result can follow the stacks faulthandler prints as pytest-timeout fails it.
+    assert "test_stand_in.py::test_fails FAILED" in log
+    assert re.search(r"test_stand_in\.py::test_times_out (.|\n)*?FAILED", log)
     assert re.search(r"Timeout \(0:00:05\)!(.|\n)*in test_hangs_where_no_signal_reaches_it", log)
 
     for tool in ("memcheck", "racecheck", "synccheck"):
