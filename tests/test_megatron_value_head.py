@@ -66,15 +66,17 @@ def one_rank_call(**overrides):
 def test_shape_mistakes_name_the_argument_and_the_expected_shape():
     processor = rl_output_processor()
     tokens = one_rank_call()["labels"]
-    expected = r"must be \[b, s\] = \[2, 8\] for hidden states \[8, 2, 16\].*got "
-    for keywords, name, got in (
-        (dict(loss_mask=torch.ones(S, B)), "loss_mask", r"\[8, 2\]"),  # [s, b]: a broadcasting error before
-        (dict(loss_mask=torch.ones(B * S)), "loss_mask", r"\[16\]"),
-        (dict(labels=tokens.t().contiguous()), "labels", r"\[8, 2\]"),
-        (dict(labels=tokens[:, :-1]), "labels", r"\[2, 7\]"),
-        (dict(labels=None, context={"tokens": tokens[None]}), r"output_processor_context\['tokens'\]", r"\[1, 2, 8\]"),
+    expected = r" = \[2, 8\] for hidden states \[8, 2, 16\].*got "
+    positions, tokens_shapes = r"must be \[b, s\]", r"must be \[b, s\] or \[b, s, k\]"  # the context's: k per position
+    for keywords, name, form, got in (
+        (dict(loss_mask=torch.ones(S, B)), "loss_mask", positions, r"\[8, 2\]"),  # [s, b]: a broadcasting error before
+        (dict(loss_mask=torch.ones(B * S)), "loss_mask", positions, r"\[16\]"),
+        (dict(labels=tokens.t().contiguous()), "labels", positions, r"\[8, 2\]"),
+        (dict(labels=tokens[:, :-1]), "labels", positions, r"\[2, 7\]"),
+        (dict(labels=None, context={"tokens": tokens[None]}), r"output_processor_context\['tokens'\]", tokens_shapes,
+         r"\[1, 2, 8\]"),
     ):
-        with pytest.raises(ValueError, match=f"{name} {expected}{got}"):
+        with pytest.raises(ValueError, match=f"{name} {form}{expected}{got}"):
             processor(**one_rank_call(**keywords))
     with pytest.raises(TypeError, match=r"loss_mask must be a \[b, s\] tensor, got list"):
         processor(**one_rank_call(loss_mask=[[1.0] * S] * B))
