@@ -142,11 +142,7 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
                       kOp, ": row_max, log_sum, log_sum_minus_entropy and grad_entropy must be [N], grad_logprob ",
                       "tokens' shape, in the accumulation dtype, on hidden's device");
   }
-  TORCH_CHECK_VALUE(!main_grad || (main_grad->sizes() == weight.sizes() && main_grad->device() == weight.device() &&
-                                   (main_grad->scalar_type() == at::kFloat ||
-                                    main_grad->scalar_type() == weight.scalar_type())),
-                    kOp, ": main_grad must be a float32 (or weight-dtype) tensor of weight's shape ", weight.sizes(),
-                    " on ", weight.device());
+  check_main_grad(kOp, main_grad, weight);
   const at::DeviceGuard guard(hidden.device());
   // The skipped rows' per-token values (an empty partial's -inf and NaN) reach no kernel: left out,
   // or zeroed with their hidden rows, so that they pass exactly 0.

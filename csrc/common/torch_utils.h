@@ -54,6 +54,16 @@ inline void check_float_dtype(const char* op, const char* name, const at::Tensor
                    dtype == at::kDouble ? " (float64 only on CPU)" : "", ", got ", dtype);
 }
 
+// Megatron's gradient-accumulation buffer of weight (none: undefined): float32, or weight's dtype,
+// of weight's shape and on its device.
+inline void check_main_grad(const char* op, const std::optional<at::Tensor>& main_grad, const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(!main_grad || (main_grad->sizes() == weight.sizes() && main_grad->device() == weight.device() &&
+                                   (main_grad->scalar_type() == at::kFloat ||
+                                    main_grad->scalar_type() == weight.scalar_type())),
+                    op, ": main_grad must be a float32 (or weight-dtype) tensor of weight's shape ", weight.sizes(),
+                    " on ", weight.device());
+}
+
 inline void check_same_device(const char* op, const at::Tensor& first, const at::Tensor& other, const char* names) {
   TORCH_CHECK_VALUE(other.device() == first.device(), op, ": all tensors must be on one device, got ", names, " on ",
                     first.device(), " and ", other.device());

@@ -135,11 +135,7 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
   check_per_token("rows", rows, hidden, combined_column::count);
   check_per_token("row_term", row_term, hidden, 0);
   check_per_token("grad", grad, hidden, 0);
-  TORCH_CHECK_VALUE(!main_grad || (main_grad->sizes() == weight.sizes() && main_grad->device() == weight.device() &&
-                                   (main_grad->scalar_type() == at::kFloat ||
-                                    main_grad->scalar_type() == weight.scalar_type())),
-                    kOp, ": main_grad must be a float32 (or weight-dtype) tensor of weight's shape ", weight.sizes(),
-                    " on ", weight.device());
+  check_main_grad(kOp, main_grad, weight);
   const at::DeviceGuard guard(hidden.device());
   // The masked rows' per-token values (NaN) reach no kernel: left out, or zeroed with their hidden
   // rows, so that they pass exactly 0.
