@@ -77,7 +77,11 @@ def test_the_cpu_chunk_loop_allocates_what_chunk_loop_bytes_counts(tmp_path, dty
     # passes; with one, after the fp32 GEMM result is freed).
     group = chunk * grad_chunks
     main_grad_rows = main_grad * (group * H * e + (group * H * 4 if several_passes and e != 4 else 0))
-    assert peak == outputs + hidden_copy + 2 * tail + main_grad_rows + loop
+    counted = outputs + hidden_copy + 2 * tail + main_grad_rows + loop
+    # With reduced precision a group's fp32 weight rows and the fp32 weight gradient of the group
+    # before may be alive at once (counted), or not, as the CPU's tasks meet.
+    overlap = chunk * grad_chunks * H * acc if e != acc else 0
+    assert counted - overlap <= peak <= counted
 
 
 def test_chunk_loop_bytes_on_cuda_are_the_buffers_chunks_h_creates_there():
@@ -92,23 +96,26 @@ def test_chunk_loop_bytes_on_cuda_are_the_buffers_chunks_h_creates_there():
     assert chunk_loop_bytes("cuda", 4, H, N, chunk, 1) == 4 * N * chunk
     assert chunk_loop_bytes("cuda", 4, H, N, chunk, 2) == 4 * N * chunk + 4 * N * 2 * chunk
     assert chunk_loop_bytes("cuda", 2, H, N, chunk, 1, several_passes=True) == 6 * N * chunk + 4 * chunk * H
-    # The CPU's: the same logits, gradients over them, the weight rows and their gradient in fp32.
-    assert chunk_loop_bytes("cpu", 2, H, N, chunk, 1) == 4 * N * chunk + 2 * 4 * chunk * H
-    assert chunk_loop_bytes("cpu", 4, H, N, chunk, 1) == 4 * N * chunk
+    # The CPU's: two logits workspaces (a pass's gradients over its logits in one, the next pass's
+    # logits in the other), the weight rows and their gradient in fp32; a gradient buffer of its own
+    # with several chunks per GEMM.
+    assert chunk_loop_bytes("cpu", 2, H, N, chunk, 1) == 2 * 4 * N * chunk + 2 * 4 * chunk * H
+    assert chunk_loop_bytes("cpu", 4, H, N, chunk, 1) == 2 * 4 * N * chunk
+    assert chunk_loop_bytes("cpu", 4, H, N, chunk, 2) == 4 * N * chunk + 4 * N * 2 * chunk
 
 
 def test_tiling_at_the_training_shape():
     """(8192, 4096) with the default 64 MiB workspace: on CUDA bf16 chunks of 1024 rows and gradient
     GEMMs over two (the workspace exactly full: 32 MiB of fp32 logits, 32 MiB of bf16 gradients),
     fp32 chunks of 2048 (logits only); no CPU-only buffer narrows either. The CPU's bf16 chunks pay
-    for the fp32 weight rows and their gradient."""
+    for a second logits workspace, the fp32 weight rows and their gradient."""
     N, H = 8192, 4096
     workspace = default_workspace_bytes(torch.empty(N, H, dtype=torch.bfloat16, device="meta"))
     assert workspace == 64 * 2**20
     assert tiling_for(N, H, 2, workspace, CUDA, False) == Tiling(1024, 0, 0, SEPARATE_GRAD_CHUNKS) == Tiling(1024, 0, 0, 2)
     assert chunk_loop_bytes("cuda", 2, H, N, 1024, 2) == workspace
     assert tiling_for(N, H, 4, workspace, CUDA, False) == Tiling(2048, 0, 0, 1)
-    assert tiling_for(N, H, 2, workspace, CPU, False) == Tiling(1024, 0, 0, 1)  # 64 MiB / (4 N + 8 H)
+    assert tiling_for(N, H, 2, workspace, CPU, False) == Tiling(640, 0, 0, 1)  # 64 MiB / (2 * 4 N + 8 H)
 
 
 @pytest.mark.parametrize("device_type,element_size", [("cpu", 2), ("cpu", 4), ("cpu", 8), ("cuda", 2), ("cuda", 4)],

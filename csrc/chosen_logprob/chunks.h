@@ -14,23 +14,31 @@
 //   mm(out, a, b)                        out = a b, accumulated in acc dtype, stored in out's dtype
 //   kPieceRows                           0: each chunk's GEMMs take whole row blocks, in order, and
 //                                        its row kernels all rows after them (CUDA); > 0: the rows are
-//                                        cut into pieces of at most that many, run by
-//   for_each_piece(count, fn)            fn(i) for each piece i, on threads as they come free (CPU;
-//                                        see RowPieces)
+//                                        cut into pieces of at most that many, tasks run by
+//   for_each_piece(count, fn)            fn(i) for each task i, on threads as they come free (CPU;
+//                                        see LogitsChunks::as_tasks)
 //   fuses_main_grad                      whether the weight-gradient GEMMs add into an acc-dtype
 //                                        main_grad themselves (CUDA), or hand over a gradient in
 //                                        weight's dtype that is added (CPU)
-// One workspace of logits (and in the backward one of logit gradients) lives at a time; a fused
-// tensor-core kernel can replace this loop without touching the Python API. The loop reads the
-// Tiling options (common/vocab_parallel.h); the row kernels get the logit map and the shard.
+// One workspace of logits (two in the CPU's backward) and in the backward one of logit gradients
+// live at a time; a fused tensor-core kernel can replace this loop without touching the Python API.
+// The loop reads the Tiling options (common/vocab_parallel.h); the row kernels get the logit map and
+// the shard.
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <vector>
 
 #include "chosen_logprob/math.h"
 #include "chosen_logprob/params.h"
 #include "chosen_logprob/sampler_filter.h"
 #include "chosen_logprob/top_ids.h"
+#include "common/task_queue.h"
 #include "common/torch_utils.h"
 
 namespace fused_rl_ops::chosen_logprob {
@@ -94,7 +102,7 @@ struct VocabTiling {
 };
 
 // Where for_each_logits_chunk is: token rows [r0, r0 + rows) of a pass, vocab rows [g0, g0 + k) of a
-// group and [c0, c0 + n) of a chunk in it (on_group: the whole group, c0 = g0 and n = k); for
+// group and [c0, c0 + n) of a chunk in it (GroupWork: the whole group, c0 = g0 and n = k); for
 // on_chunk, the pass's rows [begin, end) its row kernels take (all of them, or one piece).
 struct ChunkStep {
   int64_t r0, rows, g0, k, c0, n, begin, end;
@@ -106,11 +114,8 @@ struct ChunkStep {
 // How a pass's padded rows are cut for a device whose Kernels run pieces (kPieceRows > 0, the CPU):
 // each block of the tiling into pieces of `piece` rows (the last of a block shorter where piece does
 // not divide it: never in batch-invariant tilings, whose GEMMs so keep one shape), each piece's
-// GEMMs and row kernels one task. Tasks handed to threads as they come free mean few parallel
-// regions, each ending when the last piece does: a thread slowed by another process on its core
-// takes fewer pieces instead of holding the others at a barrier with half the work (as GEMMs and
-// row kernels split evenly between the threads do, one region each). For other Kernels (CUDA) a
-// piece is a whole block.
+// GEMMs and row kernels one task (LogitsChunks::as_tasks). For other Kernels (CUDA) a piece is a
+// whole block.
 struct RowPieces {
   int64_t block, piece, per_block, count;
 
@@ -124,67 +129,253 @@ struct RowPieces {
   int64_t end(int64_t i) const { return std::min(begin(i) + piece, block_begin(i) + block); }
 };
 
-// fn(i) for each i in [0, count): with Kernels::for_each_piece where the Kernels run pieces, else in
-// order on this thread.
-template <class Kernels, class Fn>
-void for_each_piece(int64_t count, const Fn& fn) {
-  if constexpr (Kernels::kPieceRows > 0) {
-    Kernels::for_each_piece(count, fn);
-  } else {
-    for (int64_t i = 0; i < count; ++i) fn(i);
+// What a backward does with a group's logit gradients in each pass, after the group's last chunk
+// (gradient_loop; a forward does nothing): rows(w_group, logits, step, b0, b, n), the hidden
+// gradient's GEMM for the pass's rows [b, b + n) of the row block that starts at b0, once per row
+// piece (a block on CUDA; on the CPU run by the piece's task of the group's last chunk); then
+// tasks(step) weight-gradient tasks, task(logits, step, t) each, once every row of the pass has its
+// gradients. step: the whole group (c0 = g0, n = k) in the pass; w_group: the group's rows of weight
+// as the GEMMs take them; logits: the pass's logits of the group's last chunk. buffers: how many
+// logits workspaces the CPU alternates between passes: 2 where the gradients stay in the logits, so
+// that a pass's weight-gradient tasks run beside the next pass's logits GEMMs.
+struct GroupWork {
+  std::function<void(const at::Tensor&, const at::Tensor&, const ChunkStep&, int64_t, int64_t, int64_t)> rows;
+  std::function<int64_t(const ChunkStep&)> tasks;
+  std::function<void(const at::Tensor&, const ChunkStep&, int64_t)> task;
+  int64_t buffers = 1;
+
+  int64_t task_count(const ChunkStep& step) const { return tasks ? tasks(step) : 0; }
+};
+
+// The chunk loop's walk (for_each_logits_chunk): the logits GEMMs of each group, pass and chunk,
+// on_chunk after them and the GroupWork after each group's pass; in order on this thread (in_order:
+// CUDA, whose kernels queue on a stream) or as tasks of row pieces on the CPU's threads (as_tasks).
+template <class Kernels>
+class LogitsChunks {
+ public:
+  LogitsChunks(const at::Tensor& h, const at::Tensor& weight, const VocabTiling& vocab, const RowTiling& tiling,
+               int64_t buffers)
+      : h_(h), w_(weight.contiguous()), vocab_(vocab), tiling_(tiling), acc_(acc_dtype(h.scalar_type())),
+        buffers_(buffers) {
+    if (tiling.tail_rows() > 0) {
+      h_tail_ = at::zeros({tiling.block, h.size(1)}, h.options());
+      h_tail_.narrow(0, 0, tiling.tail_rows()).copy_(h.narrow(0, tiling.last_full_row(), tiling.tail_rows()));
+    }
+    workspace_ = at::empty({buffers, tiling.pass * vocab.chunk}, h.options().dtype(acc_));
+  }
+
+  template <class OnChunk>
+  void in_order(const OnChunk& on_chunk, const GroupWork& group) const {
+    for (int64_t g0 = 0; g0 < vocab_.rows; g0 += vocab_.group) {
+      const int64_t k = std::min(vocab_.group, vocab_.rows - g0);
+      const at::Tensor w_group = Kernels::gemm_operand(w_.narrow(0, g0, k), acc_);
+      for (int64_t r0 = 0; r0 < h_.size(0); r0 += tiling_.pass) {
+        const int64_t rows = std::min(tiling_.pass, h_.size(0) - r0);
+        const RowPieces pieces(tiling_, tiling_.padded(rows), 0);
+        at::Tensor logits;
+        for (int64_t c0 = g0; c0 < g0 + k; c0 += vocab_.chunk) {
+          const int64_t n = std::min(vocab_.chunk, g0 + k - c0);
+          logits = logits_in(0, rows, n);
+          for (int64_t i = 0; i < pieces.count; ++i) gemm(logits, w_group.narrow(0, c0 - g0, n), pieces, r0, i);
+          on_chunk(logits, ChunkStep{r0, rows, g0, k, c0, n, 0, rows});
+        }
+        const ChunkStep whole{r0, rows, g0, k, g0, k, 0, rows};
+        for (int64_t i = 0; group.rows && i < pieces.count; ++i) {
+          group.rows(w_group, logits, whole, pieces.block_begin(i), pieces.begin(i), pieces.end(i) - pieces.begin(i));
+        }
+        for (int64_t t = 0; t < group.task_count(whole); ++t) group.task(logits, whole, t);
+      }
+    }
+  }
+
+  // The CPU's schedule: a task per row piece of each pass's chunk (its logits GEMM, on_chunk for its
+  // rows and, after the group's last chunk, its rows' GroupWork), and the passes' weight-gradient
+  // tasks, all in one TaskQueue region, in loop order. A piece's tasks follow each other (its rows'
+  // sums over the vocabulary keep vocab order, and its rows of the workspace are its own); a pass's
+  // weight-gradient tasks wait for all of its pieces, and are queued after the next pass's pieces
+  // where the workspaces alternate. So a thread waits only where a piece it needs is still being
+  // computed, not for every thread at the end of each chunk.
+  template <class OnChunk>
+  void as_tasks(const OnChunk& on_chunk, const GroupWork& group) const {
+    const Schedule plan(*this, group);
+    TaskQueue queue(plan.counters());
+    queue.run(
+        static_cast<int64_t>(plan.tasks.size()),
+        [](int64_t count, const auto& fn) { Kernels::for_each_piece(count, fn); },
+        [&](int64_t t) { run_task(plan, plan.tasks[t], queue, on_chunk, group); });
+  }
+
+ private:
+  // A pass of a group (unit): its steps (one per chunk, a task per piece each) are numbered from
+  // first_step, its group's from group_first_step; weight_tasks: its weight-gradient tasks.
+  struct Unit {
+    int64_t group, g0, k, r0, rows, chunks;
+    RowPieces pieces;
+    int64_t first_step, group_first_step, weight_tasks;
+
+    ChunkStep whole() const { return ChunkStep{r0, rows, g0, k, g0, k, 0, rows}; }
+  };
+  // A group's weight rows as the GEMMs take them, made by the first of its tasks and released by the last.
+  struct GroupRows {
+    int64_t piece_tasks = 0;
+    at::Tensor w;
+    std::once_flag made;
+    std::atomic<int64_t> finished{0};
+  };
+  // A piece's task (chunk >= 0: the chunk's number in the group, piece: its RowPieces index, order: its
+  // place among the tasks of that piece index, drain: whether it first waits for every earlier step
+  // of its workspace) or a weight-gradient task (chunk < 0, piece: the task's number).
+  struct Task {
+    int64_t unit, chunk, piece, order;
+    bool drain;
+  };
+  // The tasks in queue order, with the counters they wait for: one per piece index (its tasks done),
+  // per step (its pieces done), per unit (weight-gradient tasks done) and per group (pieces done).
+  struct Schedule {
+    std::vector<Unit> units;
+    std::vector<int64_t> step_unit;
+    mutable std::deque<GroupRows> groups;
+    std::vector<Task> tasks;
+    int64_t slots = 0;
+
+    Schedule(const LogitsChunks& loop, const GroupWork& group);
+    int64_t steps() const { return static_cast<int64_t>(step_unit.size()); }
+    int64_t counters() const { return slots + steps() + units.size() + groups.size(); }
+    int64_t step_done(int64_t step) const { return slots + step; }
+    int64_t weight_done(int64_t unit) const { return slots + steps() + unit; }
+    int64_t group_done(int64_t g) const { return slots + steps() + units.size() + g; }
+    void wait_step(const TaskQueue& queue, int64_t step) const {
+      queue.wait(step_done(step), units[step_unit[step]].pieces.count);
+    }
+  };
+
+  // The logits of a pass of `rows` for a chunk n wide, in workspace buffer b: [padded rows, n].
+  at::Tensor logits_in(int64_t b, int64_t rows, int64_t n) const {
+    return workspace_[b].narrow(0, 0, tiling_.padded(rows) * n).view({-1, n});
+  }
+
+  // Piece i's rows of logits = its rows of h (a pass from token row r0) times w_chunk^T.
+  void gemm(at::Tensor& logits, const at::Tensor& w_chunk, const RowPieces& pieces, int64_t r0, int64_t i) const {
+    const int64_t b = pieces.begin(i), b0 = pieces.block_begin(i);
+    at::Tensor out = logits.narrow(0, b, pieces.end(i) - b);
+    Kernels::logits(block_rows(h_, h_tail_, tiling_, r0 + b0).narrow(0, b - b0, out.size(0)), w_chunk, out);
+  }
+
+  template <class OnChunk>
+  void run_task(const Schedule& plan, const Task& task, const TaskQueue& queue, const OnChunk& on_chunk,
+                const GroupWork& group) const {
+    const Unit& unit = plan.units[task.unit];
+    const int64_t buffer = task.unit % buffers_;
+    if (task.chunk < 0) {  // a weight-gradient task: after its group's pieces so far and the previous pass's tasks
+      for (int64_t s = unit.group_first_step; s < unit.first_step + unit.chunks; ++s) plan.wait_step(queue, s);
+      if (task.unit > 0) queue.wait(plan.weight_done(task.unit - 1), plan.units[task.unit - 1].weight_tasks);
+      const int64_t last_c0 = unit.g0 + (unit.chunks - 1) * vocab_.chunk;
+      group.task(logits_in(buffer, unit.rows, unit.g0 + unit.k - last_c0), unit.whole(), task.piece);
+      queue.raise(plan.weight_done(task.unit));
+      return;
+    }
+    queue.wait(task.piece, task.order);  // the piece's previous task
+    if (task.unit >= buffers_) {  // its workspace read by an earlier pass's weight-gradient tasks
+      queue.wait(plan.weight_done(task.unit - buffers_), plan.units[task.unit - buffers_].weight_tasks);
+    }
+    const int64_t step = unit.first_step + task.chunk;
+    for (int64_t s = 0; task.drain && s < step; ++s) {
+      if (plan.step_unit[s] % buffers_ == buffer) plan.wait_step(queue, s);
+    }
+    GroupRows& rows_of_group = plan.groups[unit.group];
+    std::call_once(rows_of_group.made, [&] {
+      // A copy (reduced-precision weights) only once the previous group's is released: one at a time.
+      if (w_.scalar_type() != acc_ && unit.group > 0) {
+        queue.wait(plan.group_done(unit.group - 1), plan.groups[unit.group - 1].piece_tasks);
+      }
+      rows_of_group.w = Kernels::gemm_operand(w_.narrow(0, unit.g0, unit.k), acc_);
+    });
+    const RowPieces& pieces = unit.pieces;
+    const int64_t i = task.piece, c0 = unit.g0 + task.chunk * vocab_.chunk;
+    const int64_t n = std::min(vocab_.chunk, unit.g0 + unit.k - c0);
+    at::Tensor logits = logits_in(buffer, unit.rows, n);
+    gemm(logits, rows_of_group.w.narrow(0, c0 - unit.g0, n), pieces, unit.r0, i);
+    const int64_t end = std::min(pieces.end(i), unit.rows);  // no row kernel on a last block's padding
+    if (pieces.begin(i) < end) {
+      on_chunk(logits, ChunkStep{unit.r0, unit.rows, unit.g0, unit.k, c0, n, pieces.begin(i), end});
+    }
+    if (task.chunk == unit.chunks - 1 && group.rows) {
+      group.rows(rows_of_group.w, logits, unit.whole(), pieces.block_begin(i), pieces.begin(i),
+                 pieces.end(i) - pieces.begin(i));
+    }
+    if (rows_of_group.finished.fetch_add(1) + 1 == plan.groups[unit.group].piece_tasks) rows_of_group.w = at::Tensor();
+    queue.raise(task.piece);
+    queue.raise(plan.step_done(step));
+    queue.raise(plan.group_done(unit.group));
+  }
+
+  at::Tensor h_, h_tail_, w_, workspace_;
+  VocabTiling vocab_;
+  RowTiling tiling_;
+  at::ScalarType acc_;
+  int64_t buffers_;
+};
+
+template <class Kernels>
+LogitsChunks<Kernels>::Schedule::Schedule(const LogitsChunks& loop, const GroupWork& group) {
+  const VocabTiling& vocab = loop.vocab_;
+  const RowTiling& tiling = loop.tiling_;
+  for (int64_t g0 = 0; g0 < vocab.rows; g0 += vocab.group) {
+    const int64_t k = std::min(vocab.group, vocab.rows - g0), chunks = (k + vocab.chunk - 1) / vocab.chunk;
+    GroupRows& rows_of_group = groups.emplace_back();
+    for (int64_t r0 = 0; r0 < loop.h_.size(0); r0 += tiling.pass) {
+      const int64_t rows = std::min(tiling.pass, loop.h_.size(0) - r0);
+      const RowPieces pieces(tiling, tiling.padded(rows), Kernels::kPieceRows);
+      const int64_t group_index = static_cast<int64_t>(groups.size()) - 1;
+      const int64_t first_step = steps(), group_first_step = r0 == 0 ? first_step : units.back().group_first_step;
+      Unit unit{group_index, g0, k, r0, rows, chunks, pieces, first_step, group_first_step, 0};
+      unit.weight_tasks = group.task_count(unit.whole());
+      rows_of_group.piece_tasks += chunks * pieces.count;
+      step_unit.insert(step_unit.end(), chunks, static_cast<int64_t>(units.size()));
+      units.push_back(unit);
+      slots = std::max(slots, pieces.count);
+    }
+  }
+  // Each piece index's tasks in order, with the chunk width last written in each workspace: a step
+  // that writes another width lays its rows out differently, so it first waits for every earlier
+  // step of that workspace (only around the vocabulary's last, narrower chunk).
+  std::vector<int64_t> order(slots, 0), width(loop.buffers_, -1);
+  const auto queue_weight_tasks = [&](int64_t u) {
+    for (int64_t t = 0; t < units[u].weight_tasks; ++t) tasks.push_back(Task{u, -1, t, 0, false});
+  };
+  const int64_t buffers = loop.buffers_;
+  for (int64_t u = 0; u < static_cast<int64_t>(units.size()); ++u) {
+    const Unit& unit = units[u];
+    const int64_t b = u % buffers;
+    for (int64_t c = 0; c < unit.chunks; ++c) {
+      const int64_t n = std::min(vocab.chunk, unit.k - c * vocab.chunk);
+      const bool drain = width[b] >= 0 && width[b] != n;
+      width[b] = n;
+      for (int64_t i = 0; i < unit.pieces.count; ++i) tasks.push_back(Task{u, c, i, order[i]++, drain});
+    }
+    if (u + 1 >= buffers) queue_weight_tasks(u + 1 - buffers);
+  }
+  for (int64_t u = std::max<int64_t>(0, units.size() + 1 - buffers); u < static_cast<int64_t>(units.size()); ++u) {
+    queue_weight_tasks(u);
   }
 }
 
 // For each group of weight's rows (vocab.rows of them), each pass of token rows and each chunk of
 // the group, nested in that order and in vocab order (so each token row meets the chunks in vocab
 // order): on_chunk(logits, step), logits[:rows] = h[r0 : r0 + rows] w[c0 : c0 + n]^T, [rows, n] in
-// the accumulation dtype (then the padding of a last block, up to a multiple of the block), in one
-// workspace reused by every chunk and pass, for the rows [step.begin, step.end) of the pass (once
-// for all rows, or once per piece, RowPieces, right after the piece's GEMM); then on_group(w_group,
-// logits, step), after the group's chunks, with w_group its rows of weight as the GEMMs take them
-// and logits the pass's logits of its last chunk.
-template <class Kernels, class OnChunk, class OnGroup>
+// the accumulation dtype (then the padding of a last block, up to a multiple of the block), in a
+// workspace reused by every chunk and pass (group.buffers of them on the CPU, alternating by pass),
+// for the rows [step.begin, step.end) of the pass (once for all rows, or once per piece, RowPieces,
+// right after the piece's GEMM; pieces of different chunks may run at once, never two of the same
+// rows); then the group's work (GroupWork) after the group's chunks of each pass.
+template <class Kernels, class OnChunk>
 void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, const VocabTiling& vocab,
-                           const RowTiling& tiling, const OnChunk& on_chunk, const OnGroup& on_group) {
+                           const RowTiling& tiling, const OnChunk& on_chunk, const GroupWork& group = GroupWork()) {
   TORCH_INTERNAL_ASSERT(weight.size(0) == vocab.rows);
-  const int64_t N = h.size(0);
-  const auto acc = acc_dtype(h.scalar_type());
-  const at::Tensor w = weight.contiguous();
-  at::Tensor h_tail;
-  if (tiling.tail_rows() > 0) {
-    h_tail = at::zeros({tiling.block, h.size(1)}, h.options());
-    h_tail.narrow(0, 0, tiling.tail_rows()).copy_(h.narrow(0, tiling.last_full_row(), tiling.tail_rows()));
-  }
-  at::Tensor workspace = at::empty({tiling.pass * vocab.chunk}, h.options().dtype(acc));
-  at::Tensor logits;
-  for (int64_t g0 = 0; g0 < vocab.rows; g0 += vocab.group) {
-    const int64_t k = std::min(vocab.group, vocab.rows - g0);
-    const at::Tensor w_group = Kernels::gemm_operand(w.narrow(0, g0, k), acc);
-    for (int64_t r0 = 0; r0 < N; r0 += tiling.pass) {
-      const int64_t rows = std::min(tiling.pass, N - r0);
-      const RowPieces pieces(tiling, tiling.padded(rows), Kernels::kPieceRows);
-      for (int64_t c0 = g0; c0 < g0 + k; c0 += vocab.chunk) {
-        const int64_t n = std::min(vocab.chunk, g0 + k - c0);
-        logits = workspace.narrow(0, 0, tiling.padded(rows) * n).view({-1, n});
-        const at::Tensor w_chunk = w_group.narrow(0, c0 - g0, n);
-        const auto gemm = [&](int64_t i) {
-          const int64_t b = pieces.begin(i), b0 = pieces.block_begin(i);
-          at::Tensor out = logits.narrow(0, b, pieces.end(i) - b);
-          Kernels::logits(block_rows(h, h_tail, tiling, r0 + b0).narrow(0, b - b0, out.size(0)), w_chunk, out);
-        };
-        if constexpr (Kernels::kPieceRows > 0) {
-          Kernels::for_each_piece(pieces.count, [&](int64_t i) {
-            gemm(i);
-            const int64_t end = std::min(pieces.end(i), rows);  // no row kernel on a last block's padding
-            if (pieces.begin(i) < end) on_chunk(logits, ChunkStep{r0, rows, g0, k, c0, n, pieces.begin(i), end});
-          });
-        } else {
-          for (int64_t i = 0; i < pieces.count; ++i) gemm(i);
-          on_chunk(logits, ChunkStep{r0, rows, g0, k, c0, n, 0, rows});
-        }
-      }
-      on_group(w_group, logits, ChunkStep{r0, rows, g0, k, g0, k, 0, rows});
-    }
+  if constexpr (Kernels::kPieceRows > 0) {
+    LogitsChunks<Kernels>(h, weight, vocab, tiling, group.buffers).as_tasks(on_chunk, group);
+  } else {
+    LogitsChunks<Kernels>(h, weight, vocab, tiling, 1).in_order(on_chunk, group);
   }
 }
 
@@ -254,8 +445,7 @@ at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const 
           p.top_width = top_ids->values.size(1);
           Kernels::top_ids_rows(p, acc);
         }
-      },
-      [](const at::Tensor&, const at::Tensor&, const ChunkStep&) {});
+      });
   return result();
 }
 
@@ -286,8 +476,7 @@ void search_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::T
           p.top_width = top->size(1) - top_column::values;
           Kernels::top_rows(p, acc);
         }
-      },
-      [](const at::Tensor&, const at::Tensor&, const ChunkStep&) {});
+      });
 }
 
 // The backward's chunk loop of every vocab-parallel op: the gradients of this shard, whose first
@@ -358,55 +547,58 @@ std::tuple<at::Tensor, at::Tensor> gradient_loop(const at::Tensor& hidden, const
     if (every_row_held) return held_rows(step).narrow(0, step.r0, tiling.padded(step.rows));
     return grads.narrow(0, 0, tiling.padded(step.rows) * step.k).view({-1, step.k});
   };
+  GroupWork group;
+  // Where the gradients stay in the logits, the CPU's pieces compute a pass's logits in one workspace
+  // while the weight-gradient GEMMs read the previous pass's gradients in the other.
+  group.buffers = in_place ? 2 : 1;
+  // The hidden gradient's GEMMs, by row pieces (blocks on CUDA): the padding rows of a last block (of
+  // d: the logits of zero rows, or unwritten) reach only grad_h_tail's padding.
+  group.rows = [&](const at::Tensor& w_group, const at::Tensor& logits, const ChunkStep& step, int64_t b0, int64_t b,
+                   int64_t rows) {
+    at::Tensor out = block_rows(grad_h, grad_h_tail, tiling, step.r0 + b0).narrow(0, b - b0, rows);
+    Kernels::add_mm(out, grads_of(logits, step).narrow(0, b, rows), w_group);
+  };
+  // The weight gradient's GEMMs, by pieces of the group's rows (all of them on CUDA, and where the
+  // GEMM rounds into weight's dtype through a temporary: one [group, H] as chunk_loop_bytes counts),
+  // over every row once per group after its last pass (every_row_held) or over each pass's rows.
+  const auto vocab_piece = [&](const ChunkStep& step) {
+    return Kernels::kPieceRows > 0 && !rounded ? Kernels::kPieceRows : step.k;
+  };
+  const auto last_pass = [&](const ChunkStep& step) { return step.r0 + step.rows >= N; };
+  group.tasks = [&](const ChunkStep& step) -> int64_t {
+    return !every_row_held || last_pass(step) ? (step.k + vocab_piece(step) - 1) / vocab_piece(step) : 0;
+  };
+  group.task = [&](const at::Tensor& logits, const ChunkStep& step, int64_t t) {
+    const at::Tensor d_all =
+        every_row_held ? held_rows(step).narrow(0, 0, N) : grads_of(logits, step).narrow(0, 0, step.rows);
+    const at::Tensor h_rows = every_row_held ? h.narrow(0, 0, N) : h.narrow(0, step.r0, step.rows);
+    const int64_t v0 = t * vocab_piece(step), n = std::min(vocab_piece(step), step.k - v0);
+    const at::Tensor d_rows = d_all.narrow(1, v0, n).t();
+    if (fused_main_grad) {
+      at::Tensor rows = main_grad->narrow(0, step.g0 + v0, n);
+      Kernels::add_mm(rows, d_rows, h_rows);
+      return;
+    }
+    at::Tensor grad_w_rows =
+        (main_grad ? group_grad.narrow(0, 0, step.k) : grad_w.narrow(0, step.g0, step.k)).narrow(0, v0, n);
+    if (dw_per_group) {
+      Kernels::mm(grad_w_rows, d_rows, h_rows);
+    } else {
+      at::Tensor summed = grad_w_acc.narrow(0, v0, n);
+      if (step.r0 == 0) summed.zero_();
+      Kernels::add_mm(summed, d_rows, h_rows);
+      if (!last_pass(step)) return;
+      grad_w_rows.copy_(summed);
+    }
+    if (main_grad) main_grad->narrow(0, step.g0 + v0, n).add_(grad_w_rows);
+  };
   for_each_logits_chunk<Kernels>(
       h, weight.narrow(0, 0, valid_rows), vocab, tiling,
       [&](const at::Tensor& logits, const ChunkStep& step) {
         const at::Tensor d_chunk = grads_of(logits, step).narrow(0, step.begin, step.end - step.begin);
         write_grads(logits, step, d_chunk.narrow(1, step.c0 - step.g0, step.n));
       },
-      [&](const at::Tensor& w_group, const at::Tensor& logits, const ChunkStep& step) {
-        // The hidden gradient's GEMMs by row pieces (blocks on CUDA) and the weight gradient's by
-        // pieces of the group's rows (all of them on CUDA, and where the GEMM rounds into weight's
-        // dtype through a temporary: one [group, H] as chunk_loop_bytes counts), one task each.
-        const at::Tensor d = grads_of(logits, step);
-        const RowPieces row_pieces(tiling, tiling.padded(step.rows), Kernels::kPieceRows);
-        const bool last_pass = step.r0 + step.rows >= N;
-        // The weight-gradient GEMMs' rows: every row (once per group, after the last pass), or this pass's.
-        const bool dw_now = !every_row_held || last_pass;
-        const at::Tensor d_all = every_row_held ? held_rows(step).narrow(0, 0, N) : d.narrow(0, 0, step.rows);
-        const at::Tensor h_rows = every_row_held ? h.narrow(0, 0, N) : h.narrow(0, step.r0, step.rows);
-        const int64_t vocab_piece = Kernels::kPieceRows > 0 && !rounded ? Kernels::kPieceRows : step.k;
-        const int64_t vocab_pieces = dw_now ? (step.k + vocab_piece - 1) / vocab_piece : 0;
-        for_each_piece<Kernels>(row_pieces.count + vocab_pieces, [&](int64_t i) {
-          if (i < row_pieces.count) {
-            // The padding rows of a last block (of d: the logits of zero rows, or unwritten) reach
-            // only grad_h_tail's padding.
-            const int64_t b = row_pieces.begin(i), b0 = row_pieces.block_begin(i), rows = row_pieces.end(i) - b;
-            at::Tensor out = block_rows(grad_h, grad_h_tail, tiling, step.r0 + b0).narrow(0, b - b0, rows);
-            Kernels::add_mm(out, d.narrow(0, b, rows), w_group);
-            return;
-          }
-          const int64_t v0 = (i - row_pieces.count) * vocab_piece, n = std::min(vocab_piece, step.k - v0);
-          const at::Tensor d_rows = d_all.narrow(1, v0, n).t();
-          if (fused_main_grad) {
-            at::Tensor rows = main_grad->narrow(0, step.g0 + v0, n);
-            Kernels::add_mm(rows, d_rows, h_rows);
-            return;
-          }
-          at::Tensor grad_w_rows =
-              (main_grad ? group_grad.narrow(0, 0, step.k) : grad_w.narrow(0, step.g0, step.k)).narrow(0, v0, n);
-          if (dw_per_group) {
-            Kernels::mm(grad_w_rows, d_rows, h_rows);
-          } else {
-            at::Tensor summed = grad_w_acc.narrow(0, v0, n);
-            if (step.r0 == 0) summed.zero_();
-            Kernels::add_mm(summed, d_rows, h_rows);
-            if (!last_pass) return;
-            grad_w_rows.copy_(summed);
-          }
-          if (main_grad) main_grad->narrow(0, step.g0 + v0, n).add_(grad_w_rows);
-        });
-      });
+      group);
   if (tiling.tail_rows() > 0) {
     grad_h.narrow(0, tiling.last_full_row(), tiling.tail_rows()).copy_(grad_h_tail.narrow(0, 0, tiling.tail_rows()));
   }

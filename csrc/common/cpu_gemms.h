@@ -17,8 +17,9 @@ namespace fused_rl_ops {
 struct CpuGemms {
   static bool capturing() { return false; }  // no graphs on the CPU
 
-  // fn(i) for each piece i < count, taken in order by whichever thread is free: one parallel region,
-  // in which the GEMMs (ATen's, in a parallel region) run on the calling thread alone. The threads
+  // fn(i) for each task i < count (the chunk loop's TaskQueue), taken in order by whichever thread is
+  // free: one parallel region, in which the GEMMs (ATen's, in a parallel region) run on the calling
+  // thread alone. The threads
   // run with the caller's thread-local state (dispatch keys, grad mode), which ATen's parallel_for
   // does not pass on.
   template <class Fn>

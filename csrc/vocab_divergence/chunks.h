@@ -91,8 +91,7 @@ void for_each_chunk_pair(const at::Tensor& hidden, const at::Tensor& weight, con
       weight.narrow(0, 0, valid_rows), vocab, tiling,
       [&](const at::Tensor& logits, const ChunkStep& step) {
         on_chunk(row_params(logits, teacher.of(step), step, call), step);
-      },
-      [](const at::Tensor&, const at::Tensor&, const ChunkStep&) {});
+      });
 }
 
 // Both models' per-token Sides (stats_column) over this shard's valid rows.

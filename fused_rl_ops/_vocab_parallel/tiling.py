@@ -56,7 +56,9 @@ def chunk_loop_bytes(device_type: str, element_size: int, hidden_size: int, pass
     which hold the forward's. In the accumulation dtype (acc: fp32, fp64 for float64 inputs):
       - the logits, [pass_rows, chunk] acc (the forward's too);
       - the logit gradients, in the dtype the gradient GEMMs take (CUDA: the inputs'; CPU: acc):
-        written over the logits when that is acc and grad_chunks is 1, else [pass_rows, group];
+        written over the logits when that is acc and grad_chunks is 1, else [pass_rows, group]; on
+        the CPU, written over the logits, in a second logits workspace (the next pass's logits are
+        computed beside the weight-gradient GEMMs of the last);
       - on the CPU with reduced-precision inputs, the group's weight rows converted for the GEMMs,
         [group, H] acc (the forward's: [chunk, H]);
       - the group's weight gradient before it is rounded, [group, H] acc, when the rows take
@@ -73,8 +75,9 @@ def chunk_loop_bytes(device_type: str, element_size: int, hidden_size: int, pass
     grad_size = element_size if cuda else acc_size
     group = chunk * grad_chunks
     reduced_cpu_copy = not cuda and element_size != acc_size
-    logits = acc_size * pass_rows * chunk
-    grads = 0 if grad_size == acc_size and grad_chunks == 1 else grad_size * pass_rows * group
+    in_place = grad_size == acc_size and grad_chunks == 1
+    logits = acc_size * pass_rows * chunk * (2 if in_place and not cuda else 1)
+    grads = 0 if in_place else grad_size * pass_rows * group
     weight_rows = acc_size * hidden_size * group if reduced_cpu_copy else 0
     weight_grad = acc_size * hidden_size * group if several_passes or reduced_cpu_copy else 0
     return logits + grads + weight_rows + weight_grad
