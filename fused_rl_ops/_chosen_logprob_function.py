@@ -18,7 +18,7 @@ def _kept_set(hidden, weight, stats, merged, options, kernel_options, tp):
     needs them."""
 
     def search(window, hist, top):
-        ops.chosen_logprob_search(hidden, weight, merged.row_max, window, hist, top, *kernel_options.search_arguments())
+        ops.chosen_logprob_search(hidden, weight, merged.row_max, window, hist, top, *kernel_options.shared_arguments())
 
     tops = stats[:, CHOSEN + merged.chosen.shape[1]:] if options.top_k is not None else None
     return sampler_filter.thresholds(tops, merged.row_max, merged.log_sum, options.top_k, options.top_p, search,
@@ -47,7 +47,7 @@ class ChosenLogprobFunction(torch.autograd.Function):
                 weight_placeholder):
         """hidden [N, H], tokens [N] int64 (one per position) or [N, k] (k per position), ignore
         (tokens == ignore_index) of tokens' shape; options the call's LogitOptions, kernel_options
-        the ops' (chosen_logprob.KernelOptions), tp its TensorParallelGroup. Returns logprob,
+        the ops' (KernelOptions), tp its TensorParallelGroup. Returns logprob,
         is_max and is_kept of tokens' shape and entropy [N]; rows the ops leave out
         (kernel_options.own's ignore_index: every entry ignored) have empty partials: their
         entropy is the caller's to replace."""

@@ -2,7 +2,7 @@
 function, the resolution of its arguments into the ops' options, and the ops' fake kernels. How it
 works, and what every argument does in full: docs/chosen_logprob.md."""
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -10,16 +10,16 @@ import torch.distributed as dist
 from ._checks import check_hidden_size, values_readable
 from ._chosen_logprob_function import ChosenLogprobFunction
 from ._library import acc_dtype, check_device, check_float_dtype
-from ._options import (INTEGER, NON_NEGATIVE_INTEGER, check_options, groups_from_arguments, op_arguments, option,
-                       options_dataclass)
+from ._options import INTEGER, NON_NEGATIVE_INTEGER, check_options, groups_from_arguments, option, options_dataclass
 from ._vocab_parallel import agreement
 from ._vocab_parallel.group import CHOSEN, CombinedColumns, StatsColumns, TensorParallelGroup
+from ._vocab_parallel.kernel_options import SHARED_GROUPS, KernelOptions
 from ._vocab_parallel.main_grad import check_main_grad, weight_placeholder
 from ._vocab_parallel.sampler_filter import TOP_HEADER
-from ._vocab_parallel.shard import VocabShard, resolve_shard
-from ._vocab_parallel.tiling import DEFAULT_WORKSPACE_BYTES, Tiling, default_workspace_bytes, tiling_for
+from ._vocab_parallel.shard import resolve_shard
+from ._vocab_parallel.tiling import DEFAULT_WORKSPACE_BYTES, default_workspace_bytes, tiling_for
 from ._vocab_parallel.tokens import check_token_range, mark_out_of_range
-from .logit_options import LogitMap, LogitOptions
+from .logit_options import LogitOptions, given_once
 
 __all__ = ["ChosenLogprobOptions", "CombinedColumns", "DEFAULT_WORKSPACE_BYTES", "StatsColumns", "chosen_logprob"]
 
@@ -38,23 +38,9 @@ class ChosenLogprobOptions:
 
 
 # The option groups of the ops, in their schemas' order: the stats and backward ops', the search op's.
-OP_GROUPS = (LogitMap, VocabShard, Tiling, ChosenLogprobOptions)
-SEARCH_GROUPS = (LogitMap, VocabShard, Tiling)
+OP_GROUPS = SHARED_GROUPS + (ChosenLogprobOptions,)
+SEARCH_GROUPS = SHARED_GROUPS
 
-
-class KernelOptions(NamedTuple):
-    """A call's option groups of the ops (OP_GROUPS)."""
-    logit_map: LogitMap
-    shard: VocabShard
-    tiling: Tiling
-    own: ChosenLogprobOptions
-
-    def arguments(self) -> tuple:
-        """The stats and backward ops' options, after their tensors."""
-        return op_arguments(*self)
-
-    def search_arguments(self) -> tuple:
-        return op_arguments(self.logit_map, self.shard, self.tiling)
 # What every rank of tp_group must agree on besides its shard, in order: the call's own arguments,
 # then the logit options.
 _AGREED_FIELDS = [("token count", agreement.INTEGER), ("hidden size", agreement.INTEGER),
@@ -90,18 +76,6 @@ def check_tensors(hidden, weight, tokens, op="chosen_logprob"):
                          f"{leading + ('k',)} (k >= 1 tokens per position), got {tuple(tokens.shape)} "
                          f"with hidden {tuple(hidden.shape)}")
     check_device(op, hidden=hidden, weight=weight, tokens=tokens)
-
-
-def _logit_options(logit_options, keywords: LogitOptions) -> LogitOptions:
-    """The call's LogitOptions: logit_options, or the one its keywords make."""
-    if logit_options is None:
-        return keywords
-    if not isinstance(logit_options, LogitOptions):
-        raise TypeError(f"chosen_logprob: logit_options must be a LogitOptions, got {type(logit_options).__name__}")
-    if keywords != LogitOptions():
-        raise ValueError("chosen_logprob: give the logit options either as keywords (temperature, softcap, top_k, "
-                         "top_p) or as logit_options, not both")
-    return logit_options
 
 
 def _resolve(hidden, weight, tokens, options, rank, world, *, ignore_index, skip_ignored, vocab_start, vocab_size,
@@ -186,8 +160,9 @@ def chosen_logprob(
     check_tokens, check_group = check_tokens and readable, check_group and readable
     error = None
     try:
-        options = _logit_options(logit_options, LogitOptions(temperature=temperature, softcap=softcap, top_k=top_k,
-                                                             top_p=top_p))
+        options = given_once("chosen_logprob", "logit_options", logit_options,
+                             LogitOptions(temperature=temperature, softcap=softcap, top_k=top_k, top_p=top_p),
+                             LogitOptions())
         options, kernel_options, vocab_size = _resolve(
             hidden, weight, tokens, options, rank, world, ignore_index=ignore_index, skip_ignored=skip_ignored,
             vocab_start=vocab_start, vocab_size=vocab_size, main_grad=main_grad, workspace_bytes=workspace_bytes,
@@ -197,8 +172,7 @@ def chosen_logprob(
     if world > 1 and check_group:
         values = None if error is not None else [
             tokens.numel(), hidden.shape[-1], hidden.dtype, ignore_index, vocab_size, reduce_hidden_grad,
-            skip_ignored, agreement.token_fingerprint(tokens)] + [
-                getattr(options, name) for name, _ in agreement.agreed_fields(LogitOptions)]
+            skip_ignored, agreement.token_fingerprint(tokens)] + agreement.agreed_values(options)
         shard = None if error is not None else (kernel_options.shard.vocab_start, weight.shape[0])
         agreement.check_agreement("chosen_logprob", tp_group, _AGREED_FIELDS, error, shard, values)
     elif error is not None:

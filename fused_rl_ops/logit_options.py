@@ -2,9 +2,10 @@
 
 The output layer gives raw logits x = h . w; the scores are those of the softmax of z = map(x)
 (the logit map: temperature, softcap), restricted to the tokens the sampler's filter keeps (top_k,
-top_p) and renormalised over them. chosen_logprob and every integration take and pass this one
-object; the ops take its map as LogitMap (csrc/common/logit_map.h) and the filter through per-token
-thresholds (fused_rl_ops/_vocab_parallel/sampler_filter.py).
+top_p) and renormalised over them. chosen_logprob takes this one object (logit_options=),
+top_logprobs and vocab_divergence its map (logit_map=), and every integration passes them; the ops
+take the map as LogitMap (csrc/common/logit_map.h) and the filter through per-token thresholds
+(fused_rl_ops/_vocab_parallel/sampler_filter.py).
 """
 from typing import Optional
 
@@ -15,9 +16,10 @@ from ._options import POSITIVE_FINITE, POSITIVE_INTEGER, PROBABILITY, check_opti
 class LogitMap:
     """The logit map the ops apply to each raw logit x, an option group of their schemas (declared
     for C++ as FRL_LOGIT_MAP in csrc/common/logit_map.h): z = x / temperature, or with a softcap
-    z = softcap * tanh(x / softcap) / temperature. Build it with LogitOptions(...).logit_map."""
-    temperature: float = option(POSITIVE_FINITE)
-    softcap: Optional[float] = option(POSITIVE_FINITE)
+    z = softcap * tanh(x / softcap) / temperature (LogitOptions documents both fields). The ranks of
+    a tensor-parallel group must agree on it."""
+    temperature: float = option(POSITIVE_FINITE, agreed=True)
+    softcap: Optional[float] = option(POSITIVE_FINITE, agreed=True)
 
     def __post_init__(self):
         check_options(type(self).__name__, self)
@@ -50,3 +52,18 @@ class LogitOptions:
     def logit_map(self) -> LogitMap:
         """The ops' part: the fields LogitMap declares."""
         return LogitMap(**{declared.name: getattr(self, declared.name) for declared in LogitMap.OPTIONS})
+
+
+def given_once(op: str, name: str, given, keywords, defaults):
+    """The call's logit options (a LogitOptions or a LogitMap): given, the object passed as `name`
+    (None: none), else keywords, the one the call's keywords make; a ValueError when both are given,
+    keywords differing from defaults (what the keywords' defaults make)."""
+    if given is None:
+        return keywords
+    declaration = type(keywords)
+    if not isinstance(given, declaration):
+        raise TypeError(f"{op}: {name} must be a {declaration.__name__}, got {type(given).__name__}")
+    if keywords != defaults:
+        listed = ", ".join(declared.name for declared in declaration.OPTIONS)
+        raise ValueError(f"{op}: give the logit options either as keywords ({listed}) or as {name}, not both")
+    return given

@@ -10,13 +10,14 @@ import torch.distributed as dist
 
 from ._checks import values_readable
 from ._library import acc_dtype, check_device, ops
-from ._options import POSITIVE_INTEGER, check_options, groups_from_arguments, op_arguments, option, options_dataclass
+from ._options import POSITIVE_INTEGER, check_options, groups_from_arguments, option, options_dataclass
 from ._vocab_parallel import agreement
 from ._vocab_parallel.group import TensorParallelGroup
+from ._vocab_parallel.kernel_options import SHARED_GROUPS, KernelOptions
 from ._vocab_parallel.shard import resolve_shard
 from ._vocab_parallel.tiling import default_workspace_bytes, tiling_for
-from .chosen_logprob import SEARCH_GROUPS, ChosenLogprobOptions, check_tensors
-from .logit_options import LogitOptions
+from .chosen_logprob import ChosenLogprobOptions, check_tensors
+from .logit_options import LogitMap, LogitOptions, given_once
 
 __all__ = ["scored_top_logprobs", "top_logprobs"]
 
@@ -34,10 +35,10 @@ class TopLogprobsOptions:
 
 
 # The top_logprobs_stats op's option groups, in its schema's order.
-TOP_LOGPROBS_GROUPS = SEARCH_GROUPS + (TopLogprobsOptions,)
+TOP_LOGPROBS_GROUPS = SHARED_GROUPS + (TopLogprobsOptions,)
 _AGREED_FIELDS = [("token count", agreement.INTEGER), ("hidden size", agreement.INTEGER),
                   ("dtype", agreement.DTYPE), ("k", agreement.INTEGER),
-                  ("vocab_size", agreement.INTEGER)] + agreement.agreed_fields(LogitOptions)
+                  ("vocab_size", agreement.INTEGER)] + agreement.agreed_fields(LogitMap)
 
 
 def merge_tops(values: torch.Tensor, ids: torch.Tensor, k: int):
@@ -53,32 +54,35 @@ def merge_tops(values: torch.Tensor, ids: torch.Tensor, k: int):
 
 class TopLogprobsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, k, arguments, tp, reduce_hidden_grad):
-        """hidden [N, H]; arguments: the options of the groups the ops share (LogitMap, VocabShard,
-        Tiling). Returns ids [N, k] int64 and their logprobs [N, k]."""
-        stats, values, ids = ops.top_logprobs_stats(hidden, weight, *arguments, *op_arguments(TopLogprobsOptions(k)))
+    def forward(ctx, hidden, weight, kernel_options, tp, reduce_hidden_grad):
+        """hidden [N, H]; kernel_options the op's (KernelOptions, own: TopLogprobsOptions). Returns
+        ids [N, k] int64 and their logprobs [N, k]."""
+        k = kernel_options.own.k
+        stats, values, ids = ops.top_logprobs_stats(hidden, weight, *kernel_options.arguments())
         merged = tp.combine(stats)
         values, ids = merge_tops(tp.gather(values), tp.gather(ids), k)
         logprobs = (values - merged.row_max[:, None]) - merged.log_sum[:, None]
         ctx.mark_non_differentiable(ids)
         ctx.save_for_backward(hidden, weight, ids, merged.row_max, merged.log_sum, merged.entropy)
-        ctx.arguments, ctx.tp, ctx.reduce_hidden_grad = arguments, tp, reduce_hidden_grad
+        ctx.kernel_options, ctx.tp, ctx.reduce_hidden_grad = kernel_options, tp, reduce_hidden_grad
         return ids, logprobs
 
     @staticmethod
     def backward(ctx, grad_ids, grad_logprobs):
         hidden, weight, ids, row_max, log_sum, entropy = ctx.saved_tensors
         grad_logprobs = torch.zeros_like(ids, dtype=row_max.dtype) if grad_logprobs is None else grad_logprobs
-        own = op_arguments(ChosenLogprobOptions(None, 0))  # every row computed, no filter
+        # chosen_logprob's backward op: every row computed, no filter.
+        chosen = ctx.kernel_options._replace(own=ChosenLogprobOptions(None, 0))
         grad_hidden, grad_weight = ops.chosen_logprob_backward(
             hidden, weight, ids, row_max, log_sum, log_sum - entropy, grad_logprobs.to(row_max.dtype).contiguous(),
-            torch.zeros_like(row_max), None, *ctx.arguments, *own)
+            torch.zeros_like(row_max), None, *chosen.arguments())
         if ctx.reduce_hidden_grad and ctx.tp.distributed:
             dist.all_reduce(grad_hidden, group=ctx.tp.group)  # fp32: the sum is taken before rounding
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None
 
 
-def _resolve(hidden, weight, k, options, rank, world, vocab_start, vocab_size):
+def _resolve(hidden, weight, k, logit_map, rank, world, vocab_start, vocab_size):
+    """(kernel options, vocab_size) of a call, after its checks."""
     check_tensors(hidden, weight, None, op=_OP)
     shard, vocab_size = resolve_shard(_OP, weight.shape[0], rank, world, vocab_start, vocab_size)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size:
@@ -86,39 +90,41 @@ def _resolve(hidden, weight, k, options, rank, world, vocab_start, vocab_size):
     rows = hidden.numel() // hidden.shape[-1]
     tiling = tiling_for(rows, hidden.shape[-1], hidden.element_size(), default_workspace_bytes(hidden),
                         hidden.device, False)
-    return op_arguments(options.logit_map, shard, tiling), vocab_size
+    return KernelOptions(logit_map, shard, tiling, TopLogprobsOptions(k)), vocab_size
 
 
 def top_logprobs(hidden: torch.Tensor, weight: torch.Tensor, k: int, *, temperature: float = 1.0,
-                 softcap: Optional[float] = None, vocab_size: Optional[int] = None,
-                 tp_group: Optional[dist.ProcessGroup] = None, vocab_start: Optional[int] = None,
-                 reduce_hidden_grad: bool = True):
+                 softcap: Optional[float] = None, logit_map: Optional[LogitMap] = None,
+                 vocab_size: Optional[int] = None, tp_group: Optional[dist.ProcessGroup] = None,
+                 vocab_start: Optional[int] = None, reduce_hidden_grad: bool = True):
     """The k most likely tokens of each position of hidden [..., H] under z = map(hidden @ weight.T)
-    (temperature, softcap as chosen_logprob's), over the (vocab-parallel) vocabulary: returns (ids,
-    logprobs), int64 global ids [..., k] in descending logprob order (between equal logprobs the
-    lower id first) and their logprobs [..., k] (fp32; float64 for float64 inputs), differentiable
-    in hidden and weight (the selection is a constant). weight [V_local, H], vocab_start,
-    vocab_size (the rows past it padding, never selected) and tp_group as chosen_logprob's; k an
-    integer in [1, vocab_size]. With tp_group every rank returns the same ids and logprobs, and the
-    hidden gradient is summed over the group unless reduce_hidden_grad=False (as chosen_logprob's).
-    No [tokens, vocab] tensor is made."""
+    (temperature, softcap as chosen_logprob's; or both as one logit_map=LogitMap(...), not both),
+    over the (vocab-parallel) vocabulary: returns (ids, logprobs), int64 global ids [..., k] in
+    descending logprob order (between equal logprobs the lower id first) and their logprobs [..., k]
+    (fp32; float64 for float64 inputs), differentiable in hidden and weight (the selection is a
+    constant). weight [V_local, H], vocab_start, vocab_size (the rows past it padding, never
+    selected) and tp_group as chosen_logprob's; k an integer in [1, vocab_size]. With tp_group every
+    rank returns the same ids and logprobs, and the hidden gradient is summed over the group unless
+    reduce_hidden_grad=False (as chosen_logprob's). No [tokens, vocab] tensor is made."""
     tp = TensorParallelGroup(tp_group)
     world, rank = (dist.get_world_size(tp_group), dist.get_rank(tp_group)) if tp_group is not None else (1, 0)
     error = None
     try:
-        options = LogitOptions(temperature=temperature, softcap=softcap)
-        arguments, vocab_size = _resolve(hidden, weight, k, options, rank, world, vocab_start, vocab_size)
+        logit_map = given_once(_OP, "logit_map", logit_map,
+                               LogitOptions(temperature=temperature, softcap=softcap).logit_map,
+                               LogitOptions().logit_map)
+        kernel_options, vocab_size = _resolve(hidden, weight, k, logit_map, rank, world, vocab_start, vocab_size)
     except (TypeError, ValueError) as exc:
         error = exc
     if world > 1 and values_readable(hidden, weight):
         values = None if error is not None else [
-            hidden.numel() // hidden.shape[-1], hidden.shape[-1], hidden.dtype, k, vocab_size] + [
-                getattr(options, name) for name, _ in agreement.agreed_fields(LogitOptions)]
-        shard = None if error is not None else (arguments[len(options.logit_map.OPTIONS)], weight.shape[0])
+            hidden.numel() // hidden.shape[-1], hidden.shape[-1], hidden.dtype, k, vocab_size
+        ] + agreement.agreed_values(logit_map)
+        shard = None if error is not None else (kernel_options.shard.vocab_start, weight.shape[0])
         agreement.check_agreement(_OP, tp_group, _AGREED_FIELDS, error, shard, values)
     elif error is not None:
         raise error
-    ids, logprobs = TopLogprobsFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight, k, arguments, tp,
+    ids, logprobs = TopLogprobsFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight, kernel_options, tp,
                                               bool(reduce_hidden_grad))
     shape = (*hidden.shape[:-1], k)
     return ids.reshape(shape), logprobs.reshape(shape)

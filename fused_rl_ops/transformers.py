@@ -132,6 +132,5 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
         return result
     scored = scored_labels != IGNORE_INDEX
     top = scored_top_logprobs(hidden, weight, top_logprobs, scored.any(-1) if many else scored, IGNORE_INDEX,
-                              temperature=options.temperature, softcap=options.softcap,
-                              vocab_size=model.config.vocab_size)
+                              logit_map=options.logit_map, vocab_size=model.config.vocab_size)
     return (*(result if return_entropy else (result,)), *top)

@@ -2,22 +2,22 @@
 models' hidden states and output-layer shards, without a [tokens, vocab] tensor: the public function,
 the resolution of its arguments into the ops' options, and the ops' fake kernels. How it works, and
 what every argument does in full: docs/vocab_divergence.md."""
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ._checks import check_hidden_size, values_readable
 from ._library import acc_dtype, check_device, check_float_dtype
-from ._options import POSITIVE_FINITE, Rule, check_options, groups_from_arguments, op_arguments, option, \
-    options_dataclass
+from ._options import POSITIVE_FINITE, Rule, check_options, groups_from_arguments, option, options_dataclass
 from ._vocab_divergence_function import KINDS, VocabDivergenceFunction
 from ._vocab_parallel import agreement
 from ._vocab_parallel.group import TensorParallelGroup
+from ._vocab_parallel.kernel_options import SHARED_GROUPS, KernelOptions
 from ._vocab_parallel.main_grad import check_main_grad, weight_placeholder
-from ._vocab_parallel.shard import VocabShard, resolve_shard
-from ._vocab_parallel.tiling import Tiling, default_workspace_bytes, tiling_for
-from .logit_options import LogitMap
+from ._vocab_parallel.shard import resolve_shard
+from ._vocab_parallel.tiling import default_workspace_bytes, tiling_for
+from .logit_options import LogitMap, LogitOptions, given_once
 
 __all__ = ["VocabDivergenceOptions", "vocab_divergence"]
 
@@ -28,10 +28,10 @@ OPEN_UNIT_INTERVAL = Rule("a number in (0, 1)", lambda v: 0 < v < 1)
 
 @options_dataclass
 class VocabDivergenceOptions:
-    """vocab_divergence's own option group, after LogitMap (the student's map; the teacher shares its
-    temperature), VocabShard and Tiling in every op of it (declared for C++ in
-    csrc/vocab_divergence/options.h): the divergence's kind (KINDS' code), the teacher's softcap and
-    jsd's beta (the teacher's weight in the mixture)."""
+    """vocab_divergence's own option group, after LogitMap (the student's map; the teacher's is the
+    same with teacher_softcap, built in csrc/vocab_divergence/entry.h), VocabShard and Tiling in
+    every op of it (declared for C++ in csrc/vocab_divergence/options.h): the divergence's kind
+    (KINDS' code), the teacher's softcap and jsd's beta (the teacher's weight in the mixture)."""
     kind: int = option(DIVERGENCE_KIND, default=0)
     teacher_softcap: Optional[float] = option(POSITIVE_FINITE, default=None)
     beta: float = option(OPEN_UNIT_INTERVAL, default=0.5)
@@ -41,29 +41,16 @@ class VocabDivergenceOptions:
 
 
 # The option groups of every op of it, in their schemas' order.
-OP_GROUPS = (LogitMap, VocabShard, Tiling, VocabDivergenceOptions)
-
-
-class KernelOptions(NamedTuple):
-    """A call's option groups of the ops (OP_GROUPS)."""
-    logit_map: LogitMap
-    shard: VocabShard
-    tiling: Tiling
-    own: VocabDivergenceOptions
-
-    def arguments(self) -> tuple:
-        """The ops' options, after their tensors."""
-        return op_arguments(*self)
-
+OP_GROUPS = SHARED_GROUPS + (VocabDivergenceOptions,)
 
 _FLOAT = agreement.option_codec(float)
-# What every rank of tp_group must agree on besides its shard, in order.
+# What every rank of tp_group must agree on besides its shard, in order: the call's own arguments,
+# then the logit map.
 _AGREED_FIELDS = [("token count", agreement.INTEGER), ("hidden size", agreement.INTEGER),
                   ("teacher hidden size", agreement.INTEGER), ("dtype", agreement.DTYPE),
                   ("teacher dtype", agreement.DTYPE), ("vocab_size", agreement.INTEGER),
                   ("reduce_hidden_grad", agreement.INTEGER), ("kind", agreement.INTEGER), ("beta", _FLOAT),
-                  ("temperature", _FLOAT), ("softcap", _FLOAT), ("teacher_softcap", _FLOAT),
-                  ("mask", agreement.FINGERPRINT)]
+                  ("teacher_softcap", _FLOAT), ("mask", agreement.FINGERPRINT)] + agreement.agreed_fields(LogitMap)
 
 
 def _check_tensors(hidden, weight, teacher_hidden, teacher_weight, mask):
@@ -104,12 +91,11 @@ def _kind_code(kind) -> int:
     return KINDS[kind]
 
 
-def _resolve(hidden, weight, teacher_hidden, teacher_weight, mask, rank, world, *, kind, beta, temperature, softcap,
+def _resolve(hidden, weight, teacher_hidden, teacher_weight, mask, rank, world, *, kind, beta, logit_map,
              teacher_softcap, vocab_start, vocab_size, main_grad, workspace_bytes, batch_invariant):
     """(kernel options, vocab_size) of a call, after its checks. The workspace holds both models'
     chunk buffers: the tiling is planned for half of it, with both hidden sizes' weight rows."""
     own = VocabDivergenceOptions(_kind_code(kind), teacher_softcap, beta)
-    logit_map = LogitMap(temperature, softcap)
     _check_tensors(hidden, weight, teacher_hidden, teacher_weight, mask)
     shard, vocab_size = resolve_shard("vocab_divergence", weight.shape[0], rank, world, vocab_start, vocab_size)
     check_main_grad("vocab_divergence", main_grad, weight)
@@ -132,6 +118,7 @@ def vocab_divergence(
     beta: float = 0.5,
     temperature: float = 1.0,
     softcap: Optional[float] = None,
+    logit_map: Optional[LogitMap] = None,
     teacher_softcap: Optional[float] = None,
     mask: Optional[torch.Tensor] = None,
     vocab_size: Optional[int] = None,
@@ -148,6 +135,8 @@ def vocab_divergence(
 
     Logits: hidden @ weight.T for the student, teacher_hidden @ teacher_weight.T for the teacher,
     each capped by its own softcap (None: none; c: c * tanh(x / c)), both divided by temperature.
+    logit_map=LogitMap(...) gives the student's map (temperature, softcap) as one object instead
+    (not both); the teacher's is the same with teacher_softcap.
     kind: "forward_kl" KL(teacher || student), "reverse_kl" KL(student || teacher), or "jsd"
     beta KL(teacher || M) + (1 - beta) KL(student || M) with M = beta p_teacher + (1 - beta)
     p_student, beta in (0, 1).
@@ -168,19 +157,21 @@ def vocab_divergence(
     check_group = check_group and values_readable(hidden, weight, teacher_hidden, teacher_weight, mask)
     error = None
     try:
+        logit_map = given_once("vocab_divergence", "logit_map", logit_map,
+                               LogitOptions(temperature=temperature, softcap=softcap).logit_map,
+                               LogitOptions().logit_map)
         kernel_options, vocab_size = _resolve(
             hidden, weight, teacher_hidden, teacher_weight, mask, rank, world, kind=kind, beta=beta,
-            temperature=temperature, softcap=softcap, teacher_softcap=teacher_softcap, vocab_start=vocab_start,
-            vocab_size=vocab_size, main_grad=main_grad, workspace_bytes=workspace_bytes,
-            batch_invariant=batch_invariant)
+            logit_map=logit_map, teacher_softcap=teacher_softcap, vocab_start=vocab_start, vocab_size=vocab_size,
+            main_grad=main_grad, workspace_bytes=workspace_bytes, batch_invariant=batch_invariant)
     except (TypeError, ValueError) as exc:
         error = exc
     if world > 1 and check_group:
         values = None if error is not None else [
             hidden.numel() // hidden.shape[-1], hidden.shape[-1], teacher_hidden.shape[-1], hidden.dtype,
             teacher_hidden.dtype, vocab_size, reduce_hidden_grad, kernel_options.own.kind, kernel_options.own.beta,
-            kernel_options.logit_map.temperature, kernel_options.logit_map.softcap,
-            kernel_options.own.teacher_softcap, -1 if mask is None else agreement.token_fingerprint(mask)]
+            kernel_options.own.teacher_softcap, -1 if mask is None else agreement.token_fingerprint(mask)
+        ] + agreement.agreed_values(logit_map)
         shard = None if error is not None else (kernel_options.shard.vocab_start, weight.shape[0])
         agreement.check_agreement("vocab_divergence", tp_group, _AGREED_FIELDS, error, shard, values)
     elif error is not None:

@@ -1,13 +1,15 @@
 """What the Megatron integration tests (tests/test_megatron_*.py) share: a batch identical on every
-rank, a processor that records the hidden states it gets, the hidden states a model feeds its output
-layer, parameter gradients by name and their comparison, Megatron's own logprobs and gradients, and
-the float64 logprobs and entropy from hidden states and the full output weight."""
+rank, the cases of a processor's checks at TP 2, a processor that records the hidden states it
+gets, the hidden states a model feeds its output layer, parameter gradients by name and their
+comparison, Megatron's own logprobs and gradients, and the float64 logprobs and entropy from hidden
+states and the full output weight."""
 import contextlib
 
 import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
+from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config
 from fused_rl_ops.testing.ppo import model_inputs
 
 B, S = 2, 8  # b != s, so a [b, s] / [s, b] mix-up cannot pass
@@ -19,6 +21,17 @@ def make_batch(vocab=VOCAB, seed=0):
     """Tokens, position ids and a causal mask, identical on every rank."""
     tokens = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(seed))
     return (tokens, *model_inputs(tokens))
+
+
+def tp2_processor_cases(seed):
+    """Sets TP 2, then yields (tokens [b, s] below REAL_VOCAB, coefficients [2, b, s], the tiny
+    model's config) without and with sequence parallel: the same tensors on every rank and in both."""
+    set_parallel_degrees(tp=2)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, REAL_VOCAB, (B, S), generator=g)
+    coeff = torch.randn(2, B, S, generator=g)
+    for sequence_parallel in (False, True):
+        yield tokens, coeff, tiny_config(sequence_parallel=sequence_parallel, init_method_std=0.3)
 
 
 def same_on_all_ranks(*shape, seed):

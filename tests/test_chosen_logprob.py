@@ -6,6 +6,7 @@ import torch
 import fused_rl_ops
 from fused_rl_ops import reference
 from fused_rl_ops._vocab_parallel.group import CombinedColumns
+from fused_rl_ops.logit_options import LogitMap, LogitOptions
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
              torch.float16: dict(atol=5e-3, rtol=5e-3)}
@@ -439,6 +440,11 @@ def test_bad_inputs(device):
         fused_rl_ops.chosen_logprob(hidden, weight, tokens[:3])
     with pytest.raises(ValueError, match="temperature must be a positive"):
         fused_rl_ops.chosen_logprob(hidden, weight, tokens, temperature=0.0)
+    with pytest.raises(ValueError, match=r"either as keywords \(temperature, softcap, top_k, top_p\) or as "
+                                         r"logit_options, not both"):
+        fused_rl_ops.chosen_logprob(hidden, weight, tokens, top_k=5, logit_options=LogitOptions(top_k=5))
+    with pytest.raises(TypeError, match="logit_options must be a LogitOptions, got LogitMap"):
+        fused_rl_ops.chosen_logprob(hidden, weight, tokens, logit_options=LogitMap(1.0, None))
     bad = tokens.clone()
     bad[1] = 130
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 130\).*\[130\]"):

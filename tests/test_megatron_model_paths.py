@@ -74,12 +74,16 @@ def test_with_clamped_swiglu_mlp_swaps_both_spec_forms_and_refuses_a_spec_withou
 # ----------------------------------------------------------------- GPTModel: forward and schedule plan
 
 
+def _model_and_megatron_own(kind, seed):
+    """A tiny model of kind, the batch and its tokens, coefficients (seed) and what megatron_own
+    gives for them: Megatron's own logprobs, the hidden states and the gradients."""
+    model, batch = tiny_model(kind), make_batch()
+    coeff = same_on_all_ranks(B, S, seed=seed)
+    return model, batch, batch[0], coeff, megatron_own(model, batch, coeff)
+
+
 def _check_gpt_forward_and_schedule_plan():
-    model = tiny_model("gpt")
-    batch = make_batch()
-    tokens = batch[0]
-    coeff = same_on_all_ranks(B, S, seed=1)
-    megatron_logprobs, hidden_states, megatron_grads = megatron_own(model, batch, coeff)
+    model, batch, tokens, coeff, (megatron_logprobs, hidden_states, megatron_grads) = _model_and_megatron_own("gpt", 1)
     _, expected_entropy = float64_reference(hidden_states, full_vocab_weight(model.output_layer.weight), tokens)
 
     recorder = RecordingProcessor(rl_output_processor())
@@ -167,11 +171,8 @@ def test_gpt_model_paths():
 
 def _check_hybrid_model():
     """No native hook: the output layer is swapped per forward; labels are refused."""
-    model = tiny_model("hybrid")
-    batch = make_batch()
-    tokens = batch[0]
-    coeff = same_on_all_ranks(B, S, seed=3)
-    megatron_logprobs, hidden_states, megatron_grads = megatron_own(model, batch, coeff)
+    model, batch, tokens, coeff, (megatron_logprobs, hidden_states, megatron_grads) = _model_and_megatron_own(
+        "hybrid", 3)
     state_dict_keys = list(model.state_dict())
 
     recorder = RecordingProcessor(rl_output_processor())

@@ -3,26 +3,19 @@ sequence parallel: logprobs (-inf for the tokens the filter drops), entropy and 
 gradient match the naive reference processor (fused_rl_ops.reference.megatron), which applies
 vLLM's masking to the TP-gathered logits."""
 import pytest
-import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from fused_rl_ops.megatron import rl_output_processor  # noqa: E402
 from fused_rl_ops.testing.distributed import run_distributed  # noqa: E402
-from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config  # noqa: E402
 from fused_rl_ops.testing.ppo import assert_matches_naive_processor  # noqa: E402
+from megatron_helpers import REAL_VOCAB, tp2_processor_cases  # noqa: E402
 
-B, S, REAL_VOCAB = 2, 8, 200  # the model's vocabulary is padded to 256
 FILTERS = [dict(top_k=40), dict(top_p=0.8), dict(top_k=120, top_p=0.9)]
 
 
 def _processor_checks(rank, world_size):
-    set_parallel_degrees(tp=2)
-    g = torch.Generator().manual_seed(2)
-    tokens = torch.randint(0, REAL_VOCAB, (B, S), generator=g)
-    coeff = torch.randn(2, B, S, generator=g)
-    for sequence_parallel in (False, True):
-        config = tiny_config(sequence_parallel=sequence_parallel, init_method_std=0.3)
+    for tokens, coeff, config in tp2_processor_cases(seed=2):
         for filter_ in FILTERS:
             options = dict(temperature=0.8, vocab_size=REAL_VOCAB, **filter_)
             _, fused_outputs = assert_matches_naive_processor(config, options, tokens, coeff, what=str(filter_))

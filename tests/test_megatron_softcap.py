@@ -8,21 +8,14 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from fused_rl_ops.megatron import detach, rl_output_processor  # noqa: E402
 from fused_rl_ops.testing.distributed import run_distributed  # noqa: E402
-from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config  # noqa: E402
 from fused_rl_ops.testing.ppo import assert_matches_naive_processor, model_inputs  # noqa: E402
+from megatron_helpers import REAL_VOCAB, tp2_processor_cases  # noqa: E402
 
-B, S, REAL_VOCAB = 2, 8, 200  # the model's vocabulary is padded to 256
 SOFTCAP = 0.5  # the tiny model's logits reach a few units: the cap changes them
 
 
-
 def _processor_checks(rank, world_size):
-    set_parallel_degrees(tp=2)
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, REAL_VOCAB, (B, S), generator=g)
-    coeff = torch.randn(2, B, S, generator=g)
-    for sequence_parallel in (False, True):
-        config = tiny_config(sequence_parallel=sequence_parallel, init_method_std=0.3)
+    for tokens, coeff, config in tp2_processor_cases(seed=1):
         options = dict(softcap=SOFTCAP, temperature=0.8, vocab_size=REAL_VOCAB)
         fused, fused_outputs = assert_matches_naive_processor(config, options, tokens, coeff)
         assert list(fused_outputs) == ["logprobs", "entropy"]

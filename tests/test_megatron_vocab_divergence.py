@@ -15,6 +15,7 @@ from fused_rl_ops.testing.distributed import run_distributed  # noqa: E402
 from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
 from fused_rl_ops.testing.ppo import allreduce_sequence_parallel_grads, model_inputs  # noqa: E402
 from megatron_helpers import B, REAL_VOCAB, S, assert_close_by_name, take_grads  # noqa: E402
+from test_vocab_divergence import reference_keywords  # noqa: E402
 
 
 def gathered_logits(model, tokens):
@@ -30,10 +31,10 @@ def gathered_logits(model, tokens):
 
 def reference_divergence(student_logits, teacher_logits, kind, mask, **kw):
     """float64 divergence [b, s] from both models' logits: reference.vocab_divergence with the logits
-    as hidden states and the identity as the output weight."""
+    as hidden states and the identity as the output weight (kw: the op's keywords)."""
     eye = torch.eye(student_logits.shape[-1], dtype=torch.float64)
     return reference.vocab_divergence(student_logits.double(), eye, teacher_logits.double(), eye, kind=kind,
-                                      mask=mask, **kw)
+                                      mask=mask, **reference_keywords(kw))
 
 
 def _distillation_checks(rank, world_size):

@@ -1,12 +1,13 @@
 """fused_rl_ops.top_logprobs against float64 over the materialised logits: ids, order and ties,
-values and gradients, padded rows, bad k, opcheck, and tensor parallel on gloo."""
+values and gradients, padded rows, the logit map as one object, bad k, opcheck, and tensor parallel
+on gloo."""
 import pytest
 import torch
 import torch.distributed as dist
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from fused_rl_ops.logit_options import LogitMap
+from fused_rl_ops.logit_options import LogitMap, LogitOptions
 from fused_rl_ops.testing.distributed import run_distributed
 
 ops = torch.ops.fused_rl_ops
@@ -58,6 +59,25 @@ def test_ties_put_the_lower_id_first():
     assert lp[2, 0] == lp[2, 1] == lp[2, 2] and (lp[:, :-1] >= lp[:, 1:]).all()
 
 
+def test_logit_map_object_gives_the_keywords_results():
+    """logit_map=LogitMap(...) is temperature and softcap as one object: bitwise the keywords' ids,
+    logprobs and gradients. Both at once, or another class, is refused."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 5, H, generator=g, requires_grad=True)
+    weight = torch.randn(40, H, generator=g, requires_grad=True)
+    upstream = torch.randn(2, 5, 4, generator=g)
+    results = []
+    for options in (dict(temperature=0.7, softcap=2.0), dict(logit_map=LogitMap(0.7, 2.0))):
+        ids, lp = fused_rl_ops.top_logprobs(hidden, weight, 4, vocab_size=37, **options)
+        results.append((ids, lp, *torch.autograd.grad((lp * upstream).sum(), (hidden, weight))))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    with pytest.raises(ValueError, match=r"top_logprobs: give the logit options either as keywords \(temperature, "
+                                         r"softcap\) or as logit_map, not both"):
+        fused_rl_ops.top_logprobs(hidden, weight, 4, softcap=2.0, logit_map=LogitMap(0.7, 2.0))
+    with pytest.raises(TypeError, match="top_logprobs: logit_map must be a LogitMap, got LogitOptions"):
+        fused_rl_ops.top_logprobs(hidden, weight, 4, logit_map=LogitOptions(temperature=0.7))
+
+
 def test_bad_k_and_shapes():
     hidden, weight = torch.randn(4, H), torch.randn(30, H)
     for bad in (0, 31, -1, 2.0, True, None):
@@ -103,6 +123,9 @@ def tensor_parallel_checks(rank, world):
     assert ids[0, 0, :2].tolist() == [1, local + 2]
     with pytest.raises(ValueError, match="disagree on the k"):
         fused_rl_ops.top_logprobs(hidden, weight[shard], 3 + rank, tp_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="disagree on the softcap"):
+        fused_rl_ops.top_logprobs(hidden, weight[shard], 3, logit_map=LogitMap(1.0, 2.0 + rank),
+                                  tp_group=dist.group.WORLD)
 
 
 @pytest.mark.parametrize("world", [2, 4])

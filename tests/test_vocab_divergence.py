@@ -1,12 +1,15 @@
 """vocab_divergence on one rank against the float64 reference (materialised logits of both models,
 fused_rl_ops.reference.vocab_divergence): every kind, temperature, both softcaps, padded vocab, masks,
-a wider teacher, every dtype; the teacher's tensors constant; non-finite values; the ops' contract
-(opcheck, chunking, bad arguments)."""
+a wider teacher, every dtype; the logit map as one object; the teacher's tensors constant; non-finite
+values; the ops' contract (opcheck, chunking, bad arguments)."""
+import dataclasses
+
 import pytest
 import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
+from fused_rl_ops.logit_options import LogitMap, LogitOptions
 from fused_rl_ops.testing.kernel_calls import KernelCalls
 
 KINDS = ["forward_kl", "reverse_kl", "jsd"]
@@ -42,11 +45,20 @@ def run(fn, hidden, weight, teacher_hidden, teacher_weight, grad, **kw):
     return divergence.detach(), h.grad, w.grad
 
 
+def reference_keywords(kw):
+    """The op's keywords kw as the reference takes them: the logit maps as objects, the teacher's the
+    student's with teacher_softcap."""
+    kw = dict(kw)
+    student = LogitMap(kw.pop("temperature", 1.0), kw.pop("softcap", None))
+    teacher = dataclasses.replace(student, softcap=kw.pop("teacher_softcap", None))
+    return dict(kw, logit_map=student, teacher_logit_map=teacher)
+
+
 def reference_run(hidden, weight, teacher_hidden, teacher_weight, grad, **kw):
     as64 = [t.detach().double().cpu() for t in (hidden, weight, teacher_hidden, teacher_weight, grad)]
     mask = kw.pop("mask", None)
     return run(lambda h, w, th, tw, **kw: reference.vocab_divergence(h, w, th.detach(), tw.detach(), **kw), *as64,
-               mask=None if mask is None else mask.cpu(), **kw)
+               mask=None if mask is None else mask.cpu(), **reference_keywords(kw))
 
 
 def assert_matches(ours, ref, tol):
@@ -171,6 +183,16 @@ def test_chunking_and_batch_invariance_change_nothing_but_rounding(device):
     assert torch.equal(alone[0], together[0][:3]) and torch.equal(alone[1], together[1][:3])
 
 
+def test_logit_map_object_gives_the_keywords_results(device):
+    """logit_map=LogitMap(...) is temperature and softcap as one object (the teacher's cap apart):
+    bitwise the keywords' divergence and gradients."""
+    inputs = make_inputs((3, 7), 8, 12, 200, torch.float32, device)
+    kw = dict(kind="jsd", teacher_softcap=2.5, vocab_size=190, workspace_bytes=SMALLEST_WORKSPACE)
+    by_keywords = run(fused_rl_ops.vocab_divergence, *inputs, temperature=0.8, softcap=3.0, **kw)
+    by_object = run(fused_rl_ops.vocab_divergence, *inputs, logit_map=LogitMap(0.8, 3.0), **kw)
+    assert all(torch.equal(a, b) for a, b in zip(by_keywords, by_object))
+
+
 def test_weight_gradient_added_into_main_grad(device):
     hidden, weight, teacher_hidden, teacher_weight, grad = make_inputs((9,), 8, 8, 200, torch.float32, device)
     expected = run(fused_rl_ops.vocab_divergence, hidden, weight, teacher_hidden, teacher_weight, grad, kind="jsd")[2]
@@ -218,6 +240,9 @@ def call_with(**changes):
     (dict(temperature=0.0), ValueError, "temperature must be a positive finite number, got 0.0"),
     (dict(temperature=float("nan")), ValueError, "temperature must be a positive finite number, got nan"),
     (dict(teacher_softcap=-1.0), ValueError, "teacher_softcap must be None or a positive finite number"),
+    (dict(temperature=0.5, logit_map=LogitMap(0.5, None)), ValueError,
+     r"give the logit options either as keywords \(temperature, softcap\) or as logit_map, not both"),
+    (dict(logit_map=LogitOptions()), TypeError, "logit_map must be a LogitMap, got LogitOptions"),
     (dict(teacher_hidden=torch.randn(2, 4, 12)), ValueError, "teacher_hidden must have hidden's leading shape"),
     (dict(teacher_weight=torch.randn(63, 12)), ValueError, r"teacher_weight must be \[V_local, H_t\] = \[64, 12\]"),
     (dict(weight=torch.randn(64, 9)), ValueError, r"expected hidden \[..., H\] and weight \[V_local, H\]"),

@@ -8,7 +8,9 @@ import torch.distributed as dist
 
 import fused_rl_ops
 from fused_rl_ops import reference
+from fused_rl_ops.logit_options import LogitMap
 from fused_rl_ops.testing.distributed import run_distributed
+from test_vocab_divergence import reference_keywords
 
 H, H_T, LOCAL_V, S, B = 16, 24, 100, 5, 3
 KINDS = ["forward_kl", "reverse_kl", "jsd"]
@@ -31,6 +33,8 @@ def fwd_bwd(fn, hidden, weight, teacher_hidden, teacher_weight, grad, **kw):
     h, w = hidden.clone().double().requires_grad_(True), weight.clone().double().requires_grad_(True)
     if fn is fused_rl_ops.vocab_divergence:
         h, w = h.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
+    else:
+        kw = reference_keywords(kw)
     divergence = fn(h, w, teacher_hidden.to(h.dtype), teacher_weight.to(h.dtype), **kw)
     (divergence * grad.to(h.dtype)).sum().backward()
     return divergence.detach().double(), h.grad.double(), w.grad.double()
@@ -92,6 +96,7 @@ BAD_GROUP_CALLS = [
     ({1: lambda c: c.update(beta=0.25)}, r"disagree on the beta \(per rank: \[0.5, 0.25\]\)"),
     ({0: lambda c: c.update(teacher_softcap=5.0)}, "disagree on the teacher_softcap"),
     ({1: lambda c: c.update(temperature=0.5)}, "disagree on the temperature"),
+    ({1: lambda c: c.update(logit_map=LogitMap(1.0, 3.0))}, "disagree on the softcap"),
     ({1: lambda c: c.update(mask=torch.ones(S, B, dtype=torch.bool))}, "disagree on the mask"),
     ({1: lambda c: c.update(teacher_hidden=torch.randn(S, B, H_T + 1), teacher_weight=torch.randn(LOCAL_V, H_T + 1))},
      "disagree on the teacher hidden size"),

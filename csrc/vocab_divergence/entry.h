@@ -72,8 +72,11 @@ RowSkipping skipping_masked(const std::optional<at::Tensor>& mask) {
   return mask ? RowSkipping::of<Kernels>(mask->logical_not()) : RowSkipping{};
 }
 
+// The teacher's map is the student's with the teacher's softcap: every other option of the map is shared.
 inline CallConstants call_constants(const LogitMap& logit_map, const Options& options) {
-  return {logit_map, LogitMap{logit_map.temperature, options.teacher_softcap}, int(options.kind), options.beta};
+  LogitMap teacher_logit_map = logit_map;
+  teacher_logit_map.softcap = options.teacher_softcap;
+  return {logit_map, teacher_logit_map, int(options.kind), options.beta};
 }
 
 // A row of empty Sides (side_empty): what a row no shard computes holds.

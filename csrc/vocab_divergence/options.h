@@ -1,5 +1,5 @@
 // vocab_divergence's own options, after the groups every vocab-parallel op takes (common/logit_map.h:
-// the student's map, whose temperature the teacher shares; common/vocab_parallel.h), declared once
+// the student's map, the teacher's being the same with teacher_softcap; common/vocab_parallel.h), declared once
 // (how: common/options.h; what each means: docs/vocab_divergence.md, "The ops underneath"). Python
 // declares them as VocabDivergenceOptions (fused_rl_ops/vocab_divergence.py).
 #pragma once

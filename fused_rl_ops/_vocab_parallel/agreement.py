@@ -44,6 +44,11 @@ def agreed_fields(declaration) -> list:
     return [(o.name, option_codec(o.kind)) for o in declaration.OPTIONS if o.agreed]
 
 
+def agreed_values(options) -> list:
+    """The values of an options object's agreed options, in agreed_fields' order."""
+    return [getattr(options, o.name) for o in type(options).OPTIONS if o.agreed]
+
+
 def token_fingerprint(tokens: torch.Tensor) -> int:
     """A cheap fingerprint of the ids and their order (distinct weights per position)."""
     flat = tokens.reshape(-1).long()

@@ -6,8 +6,8 @@ Megatron's paths pass on unchanged). The student's
 `rl_output_processor(divergence=kind, beta=...)` takes that as
 `output_processor_context={"teacher": teacher_outputs}` and returns "divergence" [b, s] fp32 beside
 its other outputs (student_divergence below): fused_rl_ops.vocab_divergence over the whole
-vocabulary, vocab-parallel, at the processor's temperature, softcap and vocab_size (the teacher's
-softcap is its processor's), 0 and not computed where loss_mask is 0 or the label is ignored. With
+vocabulary, vocab-parallel, under the processor's logit map and vocab_size (the teacher's softcap is
+its processor's), 0 and not computed where loss_mask is 0 or the label is ignored. With
 sequence parallel both models' hidden states are gathered (the teacher's without a gradient).
 Teacher and student share the tokenizer and the TP degree, so that each rank holds the same vocab
 rows of both output layers; a teacher whose vocab partition differs is refused."""
@@ -68,10 +68,9 @@ def student_divergence(processor, hidden_states, weight, tokens, context, output
     if teacher_hidden.shape[:2] != hidden_states.shape[:2]:
         raise ValueError(f"{name}: the teacher's hidden states [s, b, h_t] {list(teacher_hidden.shape)} do not "
                          f"match the student's [s, b, h] {list(hidden_states.shape)}")
-    options = processor.logit_options
     return fused_rl_ops.vocab_divergence(
         hidden_states, weight, teacher_hidden, teacher["output_weight"], kind=processor.divergence, beta=processor.beta,
-        temperature=options.temperature, softcap=options.softcap, teacher_softcap=teacher["softcap"],
+        logit_map=processor.logit_options.logit_map, teacher_softcap=teacher["softcap"],
         mask=processor.scored_positions(tokens), vocab_size=processor.vocab_size, tp_group=tp_group,
         reduce_hidden_grad=not output_layer.sequence_parallel, main_grad=main_grad,
         batch_invariant=processor.batch_invariant, check_group=processor.host_checks)

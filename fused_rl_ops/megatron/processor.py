@@ -6,8 +6,8 @@ Megatron calls the processor in place of its output layer with keywords only (`h
 keys in `output_names` order: "logprobs", then "entropy", "values" and "divergence" (the
 divergence from a teacher's distribution: fused_rl_ops/megatron/distillation.py) when asked for, then
 with top_logprobs=k "top_ids" and "top_logprobs" [b, s, k] (fused_rl_ops.top_logprobs: the model's
-own k most likely tokens under temperature and softcap; positions not scored get ids ignore_index and
-logprobs 0, and are not computed).
+own k most likely tokens under the processor's logit map; positions not scored get ids ignore_index
+and logprobs 0, and are not computed).
 
 Tokens come from `labels` or `context["tokens"]` (exactly one), [b, s] like `loss_mask`, or from
 the context [b, s, k] (k tokens per position: logprobs [b, s, k]; a position is scored when any of
@@ -218,7 +218,7 @@ class RLOutputProcessor:
         computed on those rows alone (a host read of their count)."""
         return scored_top_logprobs(
             hidden_states, weight, self.top_logprobs, self.scored_positions(tokens), self.ignore_index,
-            **dataclasses.asdict(self.logit_options.logit_map), vocab_size=self.vocab_size, tp_group=tp_group,
+            logit_map=self.logit_options.logit_map, vocab_size=self.vocab_size, tp_group=tp_group,
             reduce_hidden_grad=not sequence_parallel)
 
     def scored_positions(self, tokens):

@@ -91,20 +91,24 @@ def chosen_logprob(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Ten
     return torch.where(ignore, 0.0, chosen), entropy
 
 
+_NO_MAP = LogitOptions().logit_map  # z = x
+
+
 def vocab_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
-                     teacher_weight: torch.Tensor, *, kind: str, beta: float = 0.5, temperature: float = 1.0,
-                     softcap: Optional[float] = None, teacher_softcap: Optional[float] = None,
-                     mask: Optional[torch.Tensor] = None, vocab_size: Optional[int] = None) -> torch.Tensor:
+                     teacher_weight: torch.Tensor, *, kind: str, beta: float = 0.5, logit_map: LogitMap = _NO_MAP,
+                     teacher_logit_map: LogitMap = _NO_MAP, mask: Optional[torch.Tensor] = None,
+                     vocab_size: Optional[int] = None) -> torch.Tensor:
     """Both models' materialised logits (GEMM in each pair's dtype, then fp32; fp64 for fp64) under
-    their logit maps (apply_logit_map: own softcap, shared temperature) over the first vocab_size rows,
-    log_softmax, and the divergence written out per position: forward_kl sum p (log p - log q),
-    reverse_kl sum q (log q - log p), jsd beta KL(p || M) + (1 - beta) KL(q || M) with M = beta p +
-    (1 - beta) q (p the teacher's, q the student's; a token of probability 0 adds 0). mask False: 0."""
+    their logit maps (apply_logit_map: the student's logit_map, the teacher's teacher_logit_map;
+    default none) over the first vocab_size rows, log_softmax, and the divergence written out per
+    position: forward_kl sum p (log p - log q), reverse_kl sum q (log q - log p), jsd beta KL(p || M)
+    + (1 - beta) KL(q || M) with M = beta p + (1 - beta) q (p the teacher's, q the student's; a token
+    of probability 0 adds 0). mask False: 0."""
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     rows = weight.shape[0] if vocab_size is None else vocab_size
-    log_q = torch.log_softmax(apply_logit_map((hidden @ weight[:rows].T).to(acc), LogitMap(temperature, softcap)), -1)
-    log_p = torch.log_softmax(apply_logit_map((teacher_hidden @ teacher_weight[:rows].T).to(acc),
-                                              LogitMap(temperature, teacher_softcap)), -1)
+    log_q = torch.log_softmax(apply_logit_map((hidden @ weight[:rows].T).to(acc), logit_map), -1)
+    log_p = torch.log_softmax(apply_logit_map((teacher_hidden @ teacher_weight[:rows].T).to(acc), teacher_logit_map),
+                              -1)
 
     def kl(log_a, log_b):  # sum a (log a - log b), 0 log 0 = 0
         a = log_a.exp()
