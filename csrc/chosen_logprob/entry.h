@@ -22,10 +22,8 @@ constexpr const char* kOp = "chosen_logprob";
 // hidden [N, H] (H >= 1), weight [V, H] in hidden's floating dtype, int64 tokens [N] or [N, k]
 // (k >= 1 tokens per position; the search and top_logprobs ops take none: null), on one device, and the option groups every op takes, valid_rows at most V.
 inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor* tokens,
-                         const LogitMap& logit_map, const VocabShard& shard, const Tiling& tiling) {
-  check_options(kOp, logit_map);
-  check_options(kOp, shard);
-  check_options(kOp, tiling);
+                         const VocabParallelOptions& groups) {
+  check_options(kOp, groups);
   check_float_dtype(kOp, "hidden", hidden);
   TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(), kOp, ": weight must have hidden's dtype ",
                    hidden.scalar_type(), ", got ", weight.scalar_type());
@@ -40,8 +38,9 @@ inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, con
   TORCH_CHECK_VALUE(weight.device() == hidden.device() && (!tokens || tokens->device() == hidden.device()), kOp,
                     ": all tensors must be on one device, got hidden on ", hidden.device(), ", weight on ",
                     weight.device(), tokens ? ", tokens on " : "", tokens ? tokens->device() : hidden.device());
-  TORCH_CHECK_VALUE(shard.valid_rows.value_or(0) <= weight.size(0), kOp, ": valid_rows must be None or at most ",
-                    "weight's rows ", weight.size(0), ", got ", *shard.valid_rows);
+  TORCH_CHECK_VALUE(groups.shard.valid_rows.value_or(0) <= weight.size(0), kOp,
+                    ": valid_rows must be None or at most weight's rows ", weight.size(0), ", got ",
+                    *groups.shard.valid_rows);
 }
 
 // An optional per-token tensor t (threshold): [N] in the accumulation dtype on hidden's device.
@@ -49,6 +48,16 @@ inline void check_per_token(const char* what, const std::optional<at::Tensor>& t
   TORCH_CHECK_VALUE(!t || (t->dim() == 1 && t->size(0) == hidden.size(0) &&
                            t->scalar_type() == acc_dtype(hidden.scalar_type()) && t->device() == hidden.device()),
                     kOp, ": ", what, " must be [N] in the accumulation dtype, on hidden's device");
+}
+
+// The stats and backward ops' inputs: check_inputs with their tokens, then their own options and the
+// sampler's threshold.
+inline void check_scoring_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
+                                 const VocabParallelOptions& groups, const Options& options,
+                                 const std::optional<at::Tensor>& threshold) {
+  check_inputs(hidden, weight, &tokens, groups);
+  check_options(kOp, options);
+  check_per_token("threshold", threshold, hidden);
 }
 
 // The rows whose tokens [N, k] all equal ignore_index (none without one) as an op leaves them out.
@@ -60,7 +69,7 @@ RowSkipping skipping_ignored(const at::Tensor& tokens, std::optional<int64_t> ig
 // tokens [N] as [N, 1]; [N, k] as they are.
 inline at::Tensor per_row(const at::Tensor& t) { return t.dim() == 1 ? t.unsqueeze(1) : t; }
 
-// A stats row of no logits: the empty partial (stats_empty), and with a top an empty top.
+// A stats row of no logits: the empty partial (partial_empty), and with a top an empty top.
 inline at::Tensor empty_stats_row(int64_t columns, const at::TensorOptions& options) {
   at::Tensor row = at::zeros({columns}, options);
   row.select(0, stats_column::max).fill_(-INFINITY);
@@ -71,18 +80,15 @@ template <class Kernels>
 at::Tensor stats(const at::Tensor& hidden, const at::Tensor& weight,
                  const at::Tensor& tokens FRL_CHOSEN_LOGPROB_OP_OPTIONS(FRL_OPTION_PARAM),
                  const std::optional<at::Tensor>& threshold) {
-  const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
-  const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
-  const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
-  check_inputs(hidden, weight, &tokens, logit_map, shard, tiling);
-  check_options(kOp, Options{FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VALUE)});
-  check_per_token("threshold", threshold, hidden);
+  const VocabParallelOptions groups{FRL_VOCAB_PARALLEL_VALUES};
+  check_scoring_inputs(hidden, weight, tokens, groups, Options{FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VALUE)},
+                       threshold);
   const at::DeviceGuard guard(hidden.device());
   const at::Tensor tokens_2d = per_row(tokens);
   const RowSkipping skipping = skipping_ignored<Kernels>(tokens_2d, ignore_index);
   const std::optional<at::Tensor> tau = threshold ? std::optional(skipping.rows(*threshold, 0)) : std::nullopt;
   const at::Tensor result = stats_impl<Kernels>(skipping.rows(hidden, 0), weight, skipping.rows(tokens_2d, 0), tau,
-                                                logit_map, shard, tiling, top_width);
+                                                groups.logit_map, groups.shard, groups.tiling, top_width);
   return skipping.all_rows(result, empty_stats_row(result.size(1), result.options()));
 }
 
@@ -91,10 +97,8 @@ at::Tensor stats(const at::Tensor& hidden, const at::Tensor& weight,
 template <class Kernels>
 void search(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& row_max, const at::Tensor& window,
             at::Tensor hist, const std::optional<at::Tensor>& top FRL_CHOSEN_LOGPROB_SEARCH_OPTIONS(FRL_OPTION_PARAM)) {
-  const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
-  const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
-  const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
-  check_inputs(hidden, weight, nullptr, logit_map, shard, tiling);
+  const VocabParallelOptions groups{FRL_VOCAB_PARALLEL_VALUES};
+  check_inputs(hidden, weight, nullptr, groups);
   const int64_t N = hidden.size(0);
   check_per_token("row_max", row_max, hidden);
   TORCH_CHECK_VALUE(window.dim() == 2 && window.size(0) == N && window.size(1) == 2 &&
@@ -112,12 +116,13 @@ void search(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor
   // The row kernels pass over inactive rows themselves: compacting is the saving, capture need not.
   const RowSkipping skipping = RowSkipping::of<Kernels>(window.select(1, 0) == 0);
   if (!skipping.compacts()) {
-    return search_impl<Kernels>(hidden, weight, row_max, window, hist, top, logit_map, shard, tiling);
+    return search_impl<Kernels>(hidden, weight, row_max, window, hist, top, groups.logit_map, groups.shard,
+                                groups.tiling);
   }
   at::Tensor hist_rows = skipping.rows(hist, 0);
   const std::optional<at::Tensor> top_rows = top ? std::optional(skipping.rows(*top, 0)) : std::nullopt;
   search_impl<Kernels>(skipping.rows(hidden, 0), weight, skipping.rows(row_max, 0), skipping.rows(window, 0),
-                       hist_rows, top_rows, logit_map, shard, tiling);
+                       hist_rows, top_rows, groups.logit_map, groups.shard, groups.tiling);
   hist.index_copy_(0, skipping.computed, hist_rows);
   if (top) top->index_copy_(0, skipping.computed, *top_rows);
 }
@@ -130,12 +135,9 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
                                             const std::optional<at::Tensor>& main_grad
                                                 FRL_CHOSEN_LOGPROB_OP_OPTIONS(FRL_OPTION_PARAM),
                                             const std::optional<at::Tensor>& threshold) {
-  const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
-  const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
-  const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
-  check_inputs(hidden, weight, &tokens, logit_map, shard, tiling);
-  check_options(kOp, Options{FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VALUE)});
-  check_per_token("threshold", threshold, hidden);
+  const VocabParallelOptions groups{FRL_VOCAB_PARALLEL_VALUES};
+  check_scoring_inputs(hidden, weight, tokens, groups, Options{FRL_CHOSEN_LOGPROB_OPTIONS(FRL_OPTION_VALUE)},
+                       threshold);
   for (const at::Tensor* t : {&row_max, &log_sum, &log_sum_minus_entropy, &grad_logprob, &grad_entropy}) {
     const bool shaped = t == &grad_logprob ? t->sizes() == tokens.sizes() : t->dim() == 1 && t->size(0) == hidden.size(0);
     TORCH_CHECK_VALUE(shaped && t->scalar_type() == acc_dtype(hidden.scalar_type()) && t->device() == hidden.device(),
@@ -156,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
                                threshold ? skipping.rows(*threshold, 0) : at::Tensor()};
   auto [grad_hidden, grad_weight] = backward_impl<Kernels>(skipping.rows(hidden, 0), weight,
                                                            skipping.rows(tokens_2d, 0), token_grads, main_grad,
-                                                           logit_map, shard, tiling);
+                                                           groups.logit_map, groups.shard, groups.tiling);
   return {skipping.all_rows(grad_hidden, at::zeros({}, grad_hidden.options())), grad_weight};
 }
 
@@ -166,15 +168,13 @@ template <class Kernels>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> top_logprobs_stats(const at::Tensor& hidden,
                                                                   const at::Tensor& weight
                                                                       FRL_TOP_LOGPROBS_OP_OPTIONS(FRL_OPTION_PARAM)) {
-  const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
-  const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
-  const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
-  check_inputs(hidden, weight, nullptr, logit_map, shard, tiling);
+  const VocabParallelOptions groups{FRL_VOCAB_PARALLEL_VALUES};
+  check_inputs(hidden, weight, nullptr, groups);
   check_options(kOp, TopLogprobsOptions{FRL_TOP_LOGPROBS_OPTIONS(FRL_OPTION_VALUE)});
   const at::DeviceGuard guard(hidden.device());
   TopIds top(hidden.size(0), k, hidden.options().dtype(acc_dtype(hidden.scalar_type())));
-  const at::Tensor stats = stats_impl<Kernels>(hidden, weight, at::Tensor(), std::nullopt, logit_map, shard, tiling, 0,
-                                               &top);
+  const at::Tensor stats = stats_impl<Kernels>(hidden, weight, at::Tensor(), std::nullopt, groups.logit_map,
+                                               groups.shard, groups.tiling, 0, &top);
   return {stats, top.values, top.ids};
 }
 

@@ -47,7 +47,7 @@ __global__ void chosen_logprob_stats_rows_kernel(const float* __restrict__ logit
        r += int64_t(gridDim.x) * kStatsRowsPerBlock) {
     const float* x = logits + r * C;
     const float tau = threshold ? threshold[r] : -INFINITY;
-    RowStats<float> lane_stats = stats_empty<float>();
+    RowStats<float> lane_stats = partial_empty<RowStats<float>>();
     for (int64_t k = int64_t(lane) * kWidth; k < C; k += kWarp * kWidth) {
       const Pack<float, kWidth> in = *reinterpret_cast<const Pack<float, kWidth>*>(x + k);
       float z[kWidth];

@@ -23,6 +23,7 @@
 
 #include "common/logit_map.h"
 #include "common/math.h"
+#include "common/softmax_partial.h"
 
 namespace fused_rl_ops::chosen_logprob {
 
@@ -37,18 +38,13 @@ namespace combined_column {
 enum : int { row_max, log_sum, entropy, chosen };
 }
 
+// A softmax partial (common/softmax_partial.h: partial_empty, partial_merge via stats_merge).
 template <typename T>
 struct RowStats {
   T max;  // m; -inf while empty
   T sum;  // s
   T ent;  // t
 };
-
-// The stats of no logits at all.
-template <typename T>
-FRL_HD RowStats<T> stats_empty() {
-  return {T(-INFINITY), T(0), T(0)};
-}
 
 // Adds one logit z to the sums taken against the row maximum m, unless the sampler's filter drops
 // it: z < tau, the token's threshold (-inf keeps every logit; a NaN is never dropped;
@@ -84,22 +80,18 @@ FRL_HD void stats_rescale(RowStats<T>& r, T m) {
   r.max = m;
 }
 
-// Merges b into a: both sums are moved to the larger maximum. A partial marked empty (max = -inf)
-// changes nothing; any NaN in either reaches the result. Symmetric (merging a into b gives the
+// Merges b into a (partial_merge): both sums are moved to the larger maximum. A partial marked empty
+// (max = -inf) changes nothing; any NaN in either reaches the result. Symmetric (merging a into b gives the
 // same bits), so the lanes of a butterfly agree.
 template <typename T>
 FRL_HD void stats_merge(RowStats<T>& a, const RowStats<T>& b) {
-  if (b.max == T(-INFINITY)) return;
-  if (a.max == T(-INFINITY)) {
-    a = b;
-    return;
-  }
-  const T m = Math<T>::max(a.max, b.max);
-  RowStats<T> moved = b;
-  stats_rescale(a, m);
-  stats_rescale(moved, m);
-  a.ent = a.ent + moved.ent;
-  a.sum = a.sum + moved.sum;
+  partial_merge(a, b, [&](T m) {
+    RowStats<T> moved = b;
+    stats_rescale(a, m);
+    stats_rescale(moved, m);
+    a.ent = a.ent + moved.ent;
+    a.sum = a.sum + moved.sum;
+  });
 }
 
 // Adds n logits z to the running stats r in one pass over them (the online softmax), as the sums
@@ -145,7 +137,7 @@ FRL_HD void stats_pick_chosen(T* chosen, const int64_t* targets, int64_t k, int6
 // summed (only the owning shard's are nonzero).
 template <typename T>
 FRL_HD void combine_row(const T* partials, int64_t ranks, int64_t N, int64_t r, int64_t columns, T* out) {
-  RowStats<T> row = stats_empty<T>();
+  RowStats<T> row = partial_empty<RowStats<T>>();
   T* o = out + r * columns;
   for (int64_t c = stats_column::chosen; c < columns; ++c) o[c] = 0;
   for (int64_t k = 0; k < ranks; ++k) {

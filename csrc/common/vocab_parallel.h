@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "common/logit_map.h"
 #include "common/options.h"
 
 #define FRL_VOCAB_SHARD(X)                                  \
@@ -45,6 +46,24 @@ void visit_options(const VocabShard& options, const Fn& fn) {
 template <class Fn>
 void visit_options(const Tiling& options, const Fn& fn) {
   FRL_TILING(FRL_OPTION_VISIT)
+}
+
+// The groups every vocab-parallel op takes first, as its entry (entry.h) makes them from its
+// parameters of the options' names: VocabParallelOptions{FRL_VOCAB_PARALLEL_VALUES}.
+struct VocabParallelOptions {
+  LogitMap logit_map;
+  VocabShard shard;
+  Tiling tiling;
+};
+
+#define FRL_VOCAB_PARALLEL_VALUES \
+  {FRL_LOGIT_MAP(FRL_OPTION_VALUE)}, {FRL_VOCAB_SHARD(FRL_OPTION_VALUE)}, {FRL_TILING(FRL_OPTION_VALUE)}
+
+template <class Fn>
+void visit_options(const VocabParallelOptions& options, const Fn& fn) {
+  visit_options(options.logit_map, fn);
+  visit_options(options.shard, fn);
+  visit_options(options.tiling, fn);
 }
 
 }  // namespace fused_rl_ops

@@ -76,31 +76,39 @@ void stats_rows_cpu(const Params& p, const Student& student, const Teacher& teac
   });
 }
 
+// Calls fn(r, s, t, row, vrow) on the threads for every token row r: s and t its student's and
+// teacher's raw logits, row its merged constants (row_constants) and vrow those as vectors.
+template <typename acc, class Fn>
+void for_each_merged_row(const Params& p, const Fn& fn) {
+  using Vec = at::vec::Vectorized<acc>;
+  const auto *xs = static_cast<const acc*>(p.logits), *xt = static_cast<const acc*>(p.teacher_logits);
+  at::parallel_for(0, p.rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const RowConstants<acc> row = row_constants<acc>(p, r);
+      fn(r, xs + r * p.cols, xt + r * p.cols, row, as_vec<Vec>(row));
+    }
+  });
+}
+
 template <typename acc, class Student, class Teacher>
 void mixture_rows_cpu(const Params& p, const Student& student, const Teacher& teacher) {
   using Vec = at::vec::Vectorized<acc>;
-  const auto *xs = static_cast<const acc*>(p.logits), *xt = static_cast<const acc*>(p.teacher_logits);
   auto* sums = static_cast<acc*>(p.mixture);
   const int64_t C = p.cols, C_vec = C - C % Vec::size();
   const auto vstudent = student.template as<Vec>();
   const auto vteacher = teacher.template as<Vec>();
   const auto weights = MixtureWeights<acc>::of(p.beta);
   const auto vweights = weights.template as<Vec>();
-  at::parallel_for(0, p.rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const acc *s = xs + r * C, *t = xt + r * C;
-      const RowConstants<acc> row = row_constants<acc>(p, r);
-      const RowConstants<Vec> vrow = as_vec<Vec>(row);
-      Vec kt(0), ks(0);
-      for (int64_t k = 0; k < C_vec; k += Vec::size()) {
-        mixture_add(vstudent(Vec::loadu(s + k)), vteacher(Vec::loadu(t + k)), vrow, vweights, kt, ks);
-      }
-      acc teacher_sum = horizontal_sum(kt), student_sum = horizontal_sum(ks);
-      for (int64_t k = C_vec; k < C; ++k) mixture_add(student(s[k]), teacher(t[k]), row, weights, teacher_sum, student_sum);
-      acc* out = sums + r * mixture_column::count;
-      out[mixture_column::teacher] += teacher_sum;
-      out[mixture_column::student] += student_sum;
+  for_each_merged_row<acc>(p, [&](int64_t r, const acc* s, const acc* t, const auto& row, const auto& vrow) {
+    Vec kt(0), ks(0);
+    for (int64_t k = 0; k < C_vec; k += Vec::size()) {
+      mixture_add(vstudent(Vec::loadu(s + k)), vteacher(Vec::loadu(t + k)), vrow, vweights, kt, ks);
     }
+    acc teacher_sum = horizontal_sum(kt), student_sum = horizontal_sum(ks);
+    for (int64_t k = C_vec; k < C; ++k) mixture_add(student(s[k]), teacher(t[k]), row, weights, teacher_sum, student_sum);
+    acc* out = sums + r * mixture_column::count;
+    out[mixture_column::teacher] += teacher_sum;
+    out[mixture_column::student] += student_sum;
   });
 }
 
@@ -108,7 +116,6 @@ void mixture_rows_cpu(const Params& p, const Student& student, const Teacher& te
 template <Kind kKind, typename acc, class Student, class Teacher>
 void grad_rows_cpu(const Params& p, const Student& student, const Teacher& teacher) {
   using Vec = at::vec::Vectorized<acc>;
-  const auto *xs = static_cast<const acc*>(p.logits), *xt = static_cast<const acc*>(p.teacher_logits);
   const auto* g = static_cast<const acc*>(p.grad);
   auto* grads = static_cast<acc*>(p.grads);
   const int64_t C = p.cols, C_vec = C - C % Vec::size();
@@ -116,21 +123,16 @@ void grad_rows_cpu(const Params& p, const Student& student, const Teacher& teach
   const auto vteacher = teacher.template as<Vec>();
   const auto weights = MixtureWeights<acc>::of(p.beta);
   const auto vweights = weights.template as<Vec>();
-  at::parallel_for(0, p.rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const acc *s = xs + r * C, *t = xt + r * C;
-      acc* d = grads + r * p.grads_stride;
-      const RowConstants<acc> row = row_constants<acc>(p, r);
-      const RowConstants<Vec> vrow = as_vec<Vec>(row);
-      const Vec vg(g[r]);
-      for (int64_t k = 0; k < C_vec; k += Vec::size()) {
-        const Vec x = Vec::loadu(s + k);
-        const Vec dz = student_logit_grad<kKind>(vstudent(x), vteacher(Vec::loadu(t + k)), vrow, vweights);
-        (dz * vg * vstudent.slope(x)).store(d + k);
-      }
-      for (int64_t k = C_vec; k < C; ++k) {
-        d[k] = student_logit_grad<kKind>(student(s[k]), teacher(t[k]), row, weights) * g[r] * student.slope(s[k]);
-      }
+  for_each_merged_row<acc>(p, [&](int64_t r, const acc* s, const acc* t, const auto& row, const auto& vrow) {
+    acc* d = grads + r * p.grads_stride;
+    const Vec vg(g[r]);
+    for (int64_t k = 0; k < C_vec; k += Vec::size()) {
+      const Vec x = Vec::loadu(s + k);
+      const Vec dz = student_logit_grad<kKind>(vstudent(x), vteacher(Vec::loadu(t + k)), vrow, vweights);
+      (dz * vg * vstudent.slope(x)).store(d + k);
+    }
+    for (int64_t k = C_vec; k < C; ++k) {
+      d[k] = student_logit_grad<kKind>(student(s[k]), teacher(t[k]), row, weights) * g[r] * student.slope(s[k]);
     }
   });
 }

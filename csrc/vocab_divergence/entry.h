@@ -24,11 +24,8 @@ constexpr const char* kOp = "vocab_divergence";
 // none, on one device; the option groups, valid_rows at most V.
 inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& teacher_hidden,
                          const at::Tensor& teacher_weight, const std::optional<at::Tensor>& mask,
-                         const LogitMap& logit_map, const VocabShard& shard, const Tiling& tiling,
-                         const Options& options) {
-  check_options(kOp, logit_map);
-  check_options(kOp, shard);
-  check_options(kOp, tiling);
+                         const VocabParallelOptions& groups, const Options& options) {
+  check_options(kOp, groups);
   check_options(kOp, options);
   check_float_dtype(kOp, "hidden", hidden);
   check_float_dtype(kOp, "teacher_hidden", teacher_hidden);
@@ -52,8 +49,9 @@ inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, con
                     kOp, ": mask must be None or [N] bool (hidden's rows)");
   for (const at::Tensor* t : {&weight, &teacher_hidden, &teacher_weight}) check_same_device(kOp, hidden, *t, "tensors");
   if (mask) check_same_device(kOp, hidden, *mask, "hidden and mask");
-  TORCH_CHECK_VALUE(shard.valid_rows.value_or(0) <= weight.size(0), kOp, ": valid_rows must be None or at most ",
-                    "weight's rows ", weight.size(0), ", got ", *shard.valid_rows);
+  TORCH_CHECK_VALUE(groups.shard.valid_rows.value_or(0) <= weight.size(0), kOp,
+                    ": valid_rows must be None or at most weight's rows ", weight.size(0), ", got ",
+                    *groups.shard.valid_rows);
 }
 
 // [N, columns] per-token tensors the ops take: in the accumulation dtype, on hidden's device (columns
@@ -79,7 +77,7 @@ inline CallConstants call_constants(const LogitMap& logit_map, const Options& op
   return {logit_map, teacher_logit_map, int(options.kind), options.beta};
 }
 
-// A row of empty Sides (side_empty): what a row no shard computes holds.
+// A row of empty Sides (partial_empty): what a row no shard computes holds.
 inline at::Tensor empty_stats_row(const at::TensorOptions& options) {
   at::Tensor row = at::zeros({stats_column::count}, options);
   row.select(0, stats_column::student_max).fill_(-INFINITY);
@@ -91,16 +89,14 @@ template <class Kernels>
 at::Tensor stats(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& teacher_hidden,
                  const at::Tensor& teacher_weight,
                  const std::optional<at::Tensor>& mask FRL_VOCAB_DIVERGENCE_OP_OPTIONS(FRL_OPTION_PARAM)) {
-  const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
-  const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
-  const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
+  const VocabParallelOptions groups{FRL_VOCAB_PARALLEL_VALUES};
   const Options options{FRL_VOCAB_DIVERGENCE_OPTIONS(FRL_OPTION_VALUE)};
-  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, logit_map, shard, tiling, options);
+  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, groups, options);
   const at::DeviceGuard guard(hidden.device());
   const RowSkipping skipping = skipping_masked<Kernels>(mask);
-  const at::Tensor result =
-      stats_impl<Kernels>(skipping.rows(hidden, 0), weight, skipping.rows(teacher_hidden, 0), teacher_weight,
-                          shard.valid_rows.value_or(weight.size(0)), call_constants(logit_map, options), tiling);
+  const at::Tensor result = stats_impl<Kernels>(
+      skipping.rows(hidden, 0), weight, skipping.rows(teacher_hidden, 0), teacher_weight,
+      groups.shard.valid_rows.value_or(weight.size(0)), call_constants(groups.logit_map, options), groups.tiling);
   return skipping.all_rows(result, empty_stats_row(result.options()));
 }
 
@@ -108,18 +104,16 @@ template <class Kernels>
 at::Tensor mixture(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& teacher_hidden,
                    const at::Tensor& teacher_weight, const std::optional<at::Tensor>& mask,
                    const at::Tensor& rows FRL_VOCAB_DIVERGENCE_OP_OPTIONS(FRL_OPTION_PARAM)) {
-  const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
-  const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
-  const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
+  const VocabParallelOptions groups{FRL_VOCAB_PARALLEL_VALUES};
   const Options options{FRL_VOCAB_DIVERGENCE_OPTIONS(FRL_OPTION_VALUE)};
-  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, logit_map, shard, tiling, options);
+  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, groups, options);
   check_per_token("rows", rows, hidden, combined_column::count);
   const at::DeviceGuard guard(hidden.device());
   // The masked rows' merged rows (empty: NaN) reach no kernel: left out, or zeroed.
   const RowSkipping skipping = skipping_masked<Kernels>(mask);
   const at::Tensor result = mixture_impl<Kernels>(
       skipping.rows(hidden, 0), weight, skipping.rows(teacher_hidden, 0), teacher_weight, skipping.rows(rows, 0),
-      shard.valid_rows.value_or(weight.size(0)), call_constants(logit_map, options), tiling);
+      groups.shard.valid_rows.value_or(weight.size(0)), call_constants(groups.logit_map, options), groups.tiling);
   return skipping.all_rows(result, at::zeros({}, result.options()));
 }
 
@@ -130,11 +124,9 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
                                             const at::Tensor& row_term, const at::Tensor& grad,
                                             const std::optional<at::Tensor>& main_grad
                                                 FRL_VOCAB_DIVERGENCE_OP_OPTIONS(FRL_OPTION_PARAM)) {
-  const LogitMap logit_map{FRL_LOGIT_MAP(FRL_OPTION_VALUE)};
-  const VocabShard shard{FRL_VOCAB_SHARD(FRL_OPTION_VALUE)};
-  const Tiling tiling{FRL_TILING(FRL_OPTION_VALUE)};
+  const VocabParallelOptions groups{FRL_VOCAB_PARALLEL_VALUES};
   const Options options{FRL_VOCAB_DIVERGENCE_OPTIONS(FRL_OPTION_VALUE)};
-  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, logit_map, shard, tiling, options);
+  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, groups, options);
   check_per_token("rows", rows, hidden, combined_column::count);
   check_per_token("row_term", row_term, hidden, 0);
   check_per_token("grad", grad, hidden, 0);
@@ -145,8 +137,8 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
   const RowSkipping skipping = skipping_masked<Kernels>(mask);
   auto [grad_hidden, grad_weight] = backward_impl<Kernels>(
       skipping.rows(hidden, 0), weight, skipping.rows(teacher_hidden, 0), teacher_weight, skipping.rows(rows, 0),
-      skipping.rows(row_term, 0), skipping.rows(grad, 0), main_grad, shard.valid_rows.value_or(weight.size(0)),
-      call_constants(logit_map, options), tiling);
+      skipping.rows(row_term, 0), skipping.rows(grad, 0), main_grad,
+      groups.shard.valid_rows.value_or(weight.size(0)), call_constants(groups.logit_map, options), groups.tiling);
   return {skipping.all_rows(grad_hidden, at::zeros({}, grad_hidden.options())), grad_weight};
 }
 

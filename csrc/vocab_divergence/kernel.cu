@@ -15,31 +15,38 @@ void with_logit_maps(const Params& p, const Fn& fn) {
   });
 }
 
-}  // namespace
-
-cudaError_t launch_vocab_divergence_stats_rows(const Params& p, cudaStream_t stream) {
+// Launches a warp-per-row kernel over p's rows, kernel_for(student, teacher) for p's pair of logit
+// maps, with both models' logits, the row shape and the maps, then args.
+template <class KernelFor, class... Args>
+cudaError_t launch_warp_rows(const Params& p, cudaStream_t stream, const KernelFor& kernel_for, Args... args) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
   cudaError_t err = cudaSuccess;
   with_logit_maps(p, [&](auto student, auto teacher) {
-    err = launch_grid_stride(vocab_divergence_stats_rows_kernel<decltype(student), decltype(teacher)>,
-                             (p.rows + kRowsPerBlock - 1) / kRowsPerBlock, kRowsPerBlock * kWarp, 0, stream,
-                             static_cast<const float*>(p.logits), static_cast<const float*>(p.teacher_logits), p.rows,
-                             p.cols, student, teacher, static_cast<float*>(p.stats));
+    err = launch_grid_stride(kernel_for(student, teacher), (p.rows + kRowsPerBlock - 1) / kRowsPerBlock,
+                             kRowsPerBlock * kWarp, 0, stream, static_cast<const float*>(p.logits),
+                             static_cast<const float*>(p.teacher_logits), p.rows, p.cols, student, teacher, args...);
   });
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
+}  // namespace
+
+cudaError_t launch_vocab_divergence_stats_rows(const Params& p, cudaStream_t stream) {
+  return launch_warp_rows(
+      p, stream,
+      [](auto student, auto teacher) {
+        return vocab_divergence_stats_rows_kernel<decltype(student), decltype(teacher)>;
+      },
+      static_cast<float*>(p.stats));
+}
+
 cudaError_t launch_vocab_divergence_mixture_rows(const Params& p, cudaStream_t stream) {
-  if (p.rows == 0 || p.cols == 0) return cudaSuccess;
-  cudaError_t err = cudaSuccess;
-  with_logit_maps(p, [&](auto student, auto teacher) {
-    err = launch_grid_stride(vocab_divergence_mixture_rows_kernel<decltype(student), decltype(teacher)>,
-                             (p.rows + kRowsPerBlock - 1) / kRowsPerBlock, kRowsPerBlock * kWarp, 0, stream,
-                             static_cast<const float*>(p.logits), static_cast<const float*>(p.teacher_logits), p.rows,
-                             p.cols, student, teacher, static_cast<const float*>(p.row),
-                             MixtureWeights<float>::of(p.beta), static_cast<float*>(p.mixture));
-  });
-  return err != cudaSuccess ? err : cudaGetLastError();
+  return launch_warp_rows(
+      p, stream,
+      [](auto student, auto teacher) {
+        return vocab_divergence_mixture_rows_kernel<decltype(student), decltype(teacher)>;
+      },
+      static_cast<const float*>(p.row), MixtureWeights<float>::of(p.beta), static_cast<float*>(p.mixture));
 }
 
 cudaError_t launch_vocab_divergence_grad_rows(const Params& p, DType grads_dtype, cudaStream_t stream) {

@@ -30,6 +30,7 @@
 
 #include "common/logit_map.h"
 #include "common/math.h"
+#include "common/softmax_partial.h"
 
 namespace fused_rl_ops::vocab_divergence {
 
@@ -47,17 +48,13 @@ namespace mixture_column {
 enum : int { teacher, student, count };  // sum p (log p - log M), sum q (log q - log M)
 }
 
+// A softmax partial (common/softmax_partial.h: partial_empty, partial_merge via side_merge).
 template <typename T>
 struct Side {
   T max;    // m; -inf while empty
   T sum;    // s
   T cross;  // c
 };
-
-template <typename T>
-FRL_HD Side<T> side_empty() {
-  return {T(-INFINITY), T(0), T(0)};
-}
 
 // Adds one token to a model's sums against its row max m: z its logit, other the other model's.
 template <typename T>
@@ -68,19 +65,16 @@ FRL_HD void side_add(T z, T other, T m, T& s, T& c) {
   c = c + Math<T>::select(no_mass, T(0), e * (z - other));
 }
 
-// Merges b into a at the larger max. An empty b changes nothing; any NaN reaches the result.
+// Merges b into a at the larger max (partial_merge). An empty b changes nothing; any NaN reaches the
+// result.
 template <typename T>
 FRL_HD void side_merge(Side<T>& a, const Side<T>& b) {
-  if (b.max == T(-INFINITY)) return;
-  if (a.max == T(-INFINITY)) {
-    a = b;
-    return;
-  }
-  const T m = Math<T>::max(a.max, b.max);
-  const T ea = Math<T>::exp(a.max - m), eb = Math<T>::exp(b.max - m);
-  a.sum = ea * a.sum + eb * b.sum;
-  a.cross = ea * a.cross + eb * b.cross;
-  a.max = m;
+  partial_merge(a, b, [&](T m) {
+    const T ea = Math<T>::exp(a.max - m), eb = Math<T>::exp(b.max - m);
+    a.sum = ea * a.sum + eb * b.sum;
+    a.cross = ea * a.cross + eb * b.cross;
+    a.max = m;
+  });
 }
 
 // Merges one chunk's Sides into a token's row of stats.
@@ -101,7 +95,7 @@ FRL_HD void stats_update_row(T* row, const Side<T>& student, const Side<T>& teac
 // Token r of partials [ranks, N, stats_column::count] -> row r of out (combined_column).
 template <typename T>
 FRL_HD void combine_row(const T* partials, int64_t ranks, int64_t N, int64_t r, T* out) {
-  Side<T> s = side_empty<T>(), t = side_empty<T>();
+  Side<T> s = partial_empty<Side<T>>(), t = partial_empty<Side<T>>();
   for (int64_t k = 0; k < ranks; ++k) {
     const T* q = partials + (k * N + r) * stats_column::count;
     side_merge(s, Side<T>{q[stats_column::student_max], q[stats_column::student_sum], q[stats_column::student_cross]});

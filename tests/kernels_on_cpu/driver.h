@@ -128,6 +128,30 @@ inline void check(cudaError_t err, const std::string& what) {
   if (err != cudaSuccess) cuda_on_host::fail(what + ": launch returned error " + std::to_string(int(err)));
 }
 
+// A combine case's buffers into p (an op's Params): the ranks' partials [ranks, N, ...] and out.
+template <class Params>
+void read_combine(Case& c, Params& p) {
+  p.partials = c.buf<float>("partials");
+  p.out = c.buf<float>("out");
+  p.ranks = c.i("ranks");
+}
+
+// A grad_rows case's destination into p (an op's Params, its logits and cols set): in place over the
+// logits (in_place 1), or columns [grads_col, grads_col + C) of grads' rows of grads_stride elements
+// in dtype. Returns the gradients' dtype.
+template <class Params>
+fused_rl_ops::DType read_grads(Case& c, Params& p) {
+  if (c.i("in_place")) {
+    p.grads = c.buf<float>("logits");
+    p.grads_stride = p.cols;
+    return fused_rl_ops::DType::kFloat32;
+  }
+  const size_t elem = c.dtype() == fused_rl_ops::DType::kFloat32 ? 4 : 2;
+  p.grads = static_cast<unsigned char*>(c.raw("grads")) + c.i("grads_col") * elem;
+  p.grads_stride = c.i("grads_stride");
+  return c.dtype();
+}
+
 // Runs `run(case)` on the case directory argv[1], writing the buffers to the directory argv[2];
 // run returns the launcher's cudaError_t.
 template <typename Run>

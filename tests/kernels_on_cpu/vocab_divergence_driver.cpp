@@ -12,9 +12,7 @@ int main(int argc, char** argv) {
     Params p;
     p.rows = c.i("N");
     if (c.kernel == "combine") {
-      p.partials = c.buf<float>("partials");
-      p.out = c.buf<float>("out");
-      p.ranks = c.i("ranks");
+      driver::read_combine(c, p);
       return launch_vocab_divergence_combine(p, nullptr);
     }
     p.logits = c.buf<float>("logits");
@@ -38,16 +36,7 @@ int main(int argc, char** argv) {
     p.kind = int(c.i("kind"));
     p.row_term = c.buf<float>("row_term");
     p.grad = c.buf<float>("grad");
-    // In place over the logits, or into columns [grads_col, grads_col + C) of grads' rows of
-    // grads_stride elements in dtype.
-    if (c.i("in_place")) {
-      p.grads = c.buf<float>("logits");
-      p.grads_stride = p.cols;
-      return launch_vocab_divergence_grad_rows(p, fused_rl_ops::DType::kFloat32, nullptr);
-    }
-    const size_t elem = c.dtype() == fused_rl_ops::DType::kFloat32 ? 4 : 2;
-    p.grads = static_cast<unsigned char*>(c.raw("grads")) + c.i("grads_col") * elem;
-    p.grads_stride = c.i("grads_stride");
-    return launch_vocab_divergence_grad_rows(p, c.dtype(), nullptr);
+    const fused_rl_ops::DType grads_dtype = driver::read_grads(c, p);
+    return launch_vocab_divergence_grad_rows(p, grads_dtype, nullptr);
   });
 }
