@@ -127,7 +127,18 @@ struct RowPieces {
   int64_t block_begin(int64_t i) const { return i / per_block * block; }
   int64_t begin(int64_t i) const { return block_begin(i) + i % per_block * piece; }
   int64_t end(int64_t i) const { return std::min(begin(i) + piece, block_begin(i) + block); }
+  int64_t at(int64_t row) const { return row / block * per_block + row % block / piece; }  // the piece of a row
 };
+
+// Piece i's rows of logits ([padded rows, n] of a pass from token row r0) = its rows of h times
+// w_chunk^T; h_tail: h's zero-padded last block (block_rows).
+template <class Kernels>
+void piece_logits(at::Tensor& logits, const at::Tensor& w_chunk, const at::Tensor& h, const at::Tensor& h_tail,
+                  const RowTiling& tiling, const RowPieces& pieces, int64_t r0, int64_t i) {
+  const int64_t b = pieces.begin(i), b0 = pieces.block_begin(i);
+  at::Tensor out = logits.narrow(0, b, pieces.end(i) - b);
+  Kernels::logits(block_rows(h, h_tail, tiling, r0 + b0).narrow(0, b - b0, out.size(0)), w_chunk, out);
+}
 
 // What a backward does with a group's logit gradients in each pass, after the group's last chunk
 // (gradient_loop; a forward does nothing): rows(w_group, logits, step, b0, b, n), the hidden
@@ -137,12 +148,15 @@ struct RowPieces {
 // gradients. step: the whole group (c0 = g0, n = k) in the pass; w_group: the group's rows of weight
 // as the GEMMs take them; logits: the pass's logits of the group's last chunk. buffers: how many
 // logits workspaces the CPU alternates between passes: 2 where the gradients stay in the logits, so
-// that a pass's weight-gradient tasks run beside the next pass's logits GEMMs.
+// that a pass's weight-gradient tasks run beside the next pass's logits GEMMs. groups_in_turn: on_chunk
+// holds a copy per group of its own (vocab_divergence's teacher weight rows), so on the CPU a group's
+// tasks start once the previous group's are done, as where weight's rows are copied: one copy at a time.
 struct GroupWork {
   std::function<void(const at::Tensor&, const at::Tensor&, const ChunkStep&, int64_t, int64_t, int64_t)> rows;
   std::function<int64_t(const ChunkStep&)> tasks;
   std::function<void(const at::Tensor&, const ChunkStep&, int64_t)> task;
   int64_t buffers = 1;
+  bool groups_in_turn = false;
 
   int64_t task_count(const ChunkStep& step) const { return tasks ? tasks(step) : 0; }
 };
@@ -176,7 +190,9 @@ class LogitsChunks {
         for (int64_t c0 = g0; c0 < g0 + k; c0 += vocab_.chunk) {
           const int64_t n = std::min(vocab_.chunk, g0 + k - c0);
           logits = logits_in(0, rows, n);
-          for (int64_t i = 0; i < pieces.count; ++i) gemm(logits, w_group.narrow(0, c0 - g0, n), pieces, r0, i);
+          for (int64_t i = 0; i < pieces.count; ++i) {
+            piece_logits<Kernels>(logits, w_group.narrow(0, c0 - g0, n), h_, h_tail_, tiling_, pieces, r0, i);
+          }
           on_chunk(logits, ChunkStep{r0, rows, g0, k, c0, n, 0, rows});
         }
         const ChunkStep whole{r0, rows, g0, k, g0, k, 0, rows};
@@ -254,13 +270,6 @@ class LogitsChunks {
     return workspace_[b].narrow(0, 0, tiling_.padded(rows) * n).view({-1, n});
   }
 
-  // Piece i's rows of logits = its rows of h (a pass from token row r0) times w_chunk^T.
-  void gemm(at::Tensor& logits, const at::Tensor& w_chunk, const RowPieces& pieces, int64_t r0, int64_t i) const {
-    const int64_t b = pieces.begin(i), b0 = pieces.block_begin(i);
-    at::Tensor out = logits.narrow(0, b, pieces.end(i) - b);
-    Kernels::logits(block_rows(h_, h_tail_, tiling_, r0 + b0).narrow(0, b - b0, out.size(0)), w_chunk, out);
-  }
-
   template <class OnChunk>
   void run_task(const Schedule& plan, const Task& task, const TaskQueue& queue, const OnChunk& on_chunk,
                 const GroupWork& group) const {
@@ -284,8 +293,9 @@ class LogitsChunks {
     }
     GroupRows& rows_of_group = plan.groups[unit.group];
     std::call_once(rows_of_group.made, [&] {
-      // A copy (reduced-precision weights) only once the previous group's is released: one at a time.
-      if (w_.scalar_type() != acc_ && unit.group > 0) {
+      // A copy (reduced-precision weights, or on_chunk's) only once the previous group's is released:
+      // one at a time.
+      if ((w_.scalar_type() != acc_ || group.groups_in_turn) && unit.group > 0) {
         queue.wait(plan.group_done(unit.group - 1), plan.groups[unit.group - 1].piece_tasks);
       }
       rows_of_group.w = Kernels::gemm_operand(w_.narrow(0, unit.g0, unit.k), acc_);
@@ -294,7 +304,7 @@ class LogitsChunks {
     const int64_t i = task.piece, c0 = unit.g0 + task.chunk * vocab_.chunk;
     const int64_t n = std::min(vocab_.chunk, unit.g0 + unit.k - c0);
     at::Tensor logits = logits_in(buffer, unit.rows, n);
-    gemm(logits, rows_of_group.w.narrow(0, c0 - unit.g0, n), pieces, unit.r0, i);
+    piece_logits<Kernels>(logits, rows_of_group.w.narrow(0, c0 - unit.g0, n), h_, h_tail_, tiling_, pieces, unit.r0, i);
     const int64_t end = std::min(pieces.end(i), unit.rows);  // no row kernel on a last block's padding
     if (pieces.begin(i) < end) {
       on_chunk(logits, ChunkStep{unit.r0, unit.rows, unit.g0, unit.k, c0, n, pieces.begin(i), end});
@@ -485,7 +495,8 @@ void search_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::T
 // (logits: the pass's raw logits of the chunk, [padded rows, n] in the accumulation dtype; d: where
 // those rows' gradients go, [end - begin, n] in the dtype the gradient GEMMs take, rows d.stride(0)
 // apart; it may be logits' own rows; with Kernels that run pieces, called concurrently for disjoint
-// rows): the hidden gradient (in the accumulation dtype, a partial sum over this shard's vocabulary)
+// rows; groups_in_turn as in GroupWork): the hidden gradient (in the accumulation dtype, a partial
+// sum over this shard's vocabulary)
 // and the weight gradient (in weight's dtype, one [V, H] tensor whose padded rows alone are zeroed).
 // With main_grad ([V, H], Megatron's gradient-accumulation buffer) the weight gradient goes into
 // main_grad's rows instead, and the returned weight gradient is empty [0, H]: where
@@ -505,7 +516,8 @@ void search_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::T
 template <class Kernels, class WriteGrads>
 std::tuple<at::Tensor, at::Tensor> gradient_loop(const at::Tensor& hidden, const at::Tensor& weight, int64_t valid_rows,
                                                  const std::optional<at::Tensor>& main_grad,
-                                                 const Tiling& tiling_options, const WriteGrads& write_grads) {
+                                                 const Tiling& tiling_options, const WriteGrads& write_grads,
+                                                 bool groups_in_turn = false) {
   const auto acc = acc_dtype(hidden.scalar_type());
   const int64_t N = hidden.size(0), V = weight.size(0), H = weight.size(1);
   at::Tensor grad_h = at::zeros({N, H}, hidden.options().dtype(acc));
@@ -548,6 +560,7 @@ std::tuple<at::Tensor, at::Tensor> gradient_loop(const at::Tensor& hidden, const
     return grads.narrow(0, 0, tiling.padded(step.rows) * step.k).view({-1, step.k});
   };
   GroupWork group;
+  group.groups_in_turn = groups_in_turn;
   // Where the gradients stay in the logits, the CPU's pieces compute a pass's logits in one workspace
   // while the weight-gradient GEMMs read the previous pass's gradients in the other.
   group.buffers = in_place ? 2 : 1;

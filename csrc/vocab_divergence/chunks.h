@@ -7,6 +7,8 @@
 
 #include <ATen/ATen.h>
 
+#include <mutex>
+
 #include "chosen_logprob/chunks.h"
 #include "vocab_divergence/math.h"
 #include "vocab_divergence/params.h"
@@ -14,21 +16,26 @@
 namespace fused_rl_ops::vocab_divergence {
 
 using chosen_logprob::ChunkStep;
+using chosen_logprob::GroupWork;
+using chosen_logprob::RowPieces;
 using chosen_logprob::RowTiling;
 using chosen_logprob::VocabTiling;
 
-// The teacher's raw logits of a chunk step of the loop, [padded rows, n] in the accumulation dtype,
-// in a workspace of its own (chunk wide) reused by every chunk; the teacher's hidden rows meet the
-// GEMMs in the same blocks as the student's (RowTiling), so batch invariance holds for both.
+// The teacher's raw logits of on_chunk's rows of a chunk step (all of a pass's, or a piece's on the
+// CPU), in the accumulation dtype, computed right before the row kernels read them: by the student's
+// GEMMs (the blocks of RowTiling, or the row pieces of RowPieces, through a last block's padding), so
+// that each GEMM has the student's shape and batch invariance holds for both models. In a workspace of
+// its own, [pass, chunk]: a step's rows from step.begin lie where they would in a chunk-wide layout
+// (n apart), so that pieces of chunks of different widths never share bytes, and the chunk loop runs
+// the steps of each piece's rows in turn. The teacher's weight rows of a group are made GEMM operands
+// once (on the CPU, fp32 copies of reduced-precision weights), by the group's first step, which
+// releases the previous group's; the chunk loop runs the groups in turn when they are copies
+// (copies_rows, GroupWork::groups_in_turn), so that one lives at a time.
 template <class Kernels>
 class TeacherLogits {
-  // All of a pass's rows per call: the loop must call on_chunk once per chunk, not per row piece
-  // from several threads at once (chosen_logprob/chunks.h, RowPieces).
-  static_assert(Kernels::kPieceRows == 0, "the teacher's logits take whole passes");
-
  public:
   TeacherLogits(const at::Tensor& hidden, const at::Tensor& weight, const RowTiling& tiling, int64_t chunk)
-      : tiling_(tiling), acc_(acc_dtype(hidden.scalar_type())), weight_(weight.contiguous()) {
+      : tiling_(tiling), chunk_(chunk), acc_(acc_dtype(hidden.scalar_type())), weight_(weight.contiguous()) {
     hidden_ = chosen_logprob::aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc_), tiling);
     if (tiling.tail_rows() > 0) {
       tail_ = at::zeros({tiling.block, hidden.size(1)}, hidden_.options());
@@ -37,20 +44,40 @@ class TeacherLogits {
     workspace_ = at::empty({tiling.pass * chunk}, hidden.options().dtype(acc_));
   }
 
+  bool copies_rows() const { return Kernels::kPieceRows > 0 && weight_.scalar_type() != acc_; }
+
+  // The logits as a pass's [padded rows, n] whose rows from step.begin to the end of its last piece
+  // are the step's: a view that starts begin * (chunk - n) elements in, where its row begin lies at
+  // begin * chunk (its rows before begin are other pieces' bytes, never read).
   at::Tensor of(const ChunkStep& step) {
-    at::Tensor logits = workspace_.narrow(0, 0, tiling_.padded(step.rows) * step.n).view({-1, step.n});
-    const at::Tensor w_chunk = Kernels::gemm_operand(weight_.narrow(0, step.c0, step.n), acc_);
-    for (int64_t b0 = 0; b0 < step.rows; b0 += tiling_.block) {
-      at::Tensor out = logits.narrow(0, b0, tiling_.block);
-      Kernels::logits(chosen_logprob::block_rows(hidden_, tail_, tiling_, step.r0 + b0), w_chunk, out);
+    const RowPieces pieces(tiling_, tiling_.padded(step.rows), Kernels::kPieceRows);
+    const int64_t first = pieces.at(step.begin), last = pieces.at(step.end - 1);
+    at::Tensor logits =
+        workspace_.narrow(0, step.begin * (chunk_ - step.n), pieces.end(last) * step.n).view({-1, step.n});
+    const at::Tensor w_chunk = rows_of_group(step).narrow(0, step.c0 - step.g0, step.n);
+    for (int64_t i = first; i <= last; ++i) {
+      chosen_logprob::piece_logits<Kernels>(logits, w_chunk, hidden_, tail_, tiling_, pieces, step.r0, i);
     }
     return logits;
   }
 
  private:
+  at::Tensor rows_of_group(const ChunkStep& step) {
+    const std::lock_guard<std::mutex> lock(group_mutex_);
+    if (group_g0_ != step.g0) {
+      group_rows_ = at::Tensor();  // released before the next is made
+      group_rows_ = Kernels::gemm_operand(weight_.narrow(0, step.g0, step.k), acc_);
+      group_g0_ = step.g0;
+    }
+    return group_rows_;
+  }
+
   RowTiling tiling_;
+  int64_t chunk_;
   at::ScalarType acc_;
-  at::Tensor hidden_, tail_, weight_, workspace_;
+  at::Tensor hidden_, tail_, weight_, workspace_, group_rows_;
+  int64_t group_g0_ = -1;
+  std::mutex group_mutex_;
 };
 
 // What every launch of one call shares: the maps, the kind and beta.
@@ -86,12 +113,15 @@ void for_each_chunk_pair(const at::Tensor& hidden, const at::Tensor& weight, con
   const RowTiling tiling(hidden.size(0), tiling_options.row_block, tiling_options.pass_rows);
   const VocabTiling vocab(valid_rows, tiling_options.chunk_size, 1);
   TeacherLogits<Kernels> teacher(teacher_hidden, teacher_weight, tiling, vocab.chunk);
+  GroupWork in_turn;
+  in_turn.groups_in_turn = teacher.copies_rows();
   chosen_logprob::for_each_logits_chunk<Kernels>(
       chosen_logprob::aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling),
       weight.narrow(0, 0, valid_rows), vocab, tiling,
       [&](const at::Tensor& logits, const ChunkStep& step) {
         on_chunk(row_params(logits, teacher.of(step), step, call), step);
-      });
+      },
+      in_turn);
 }
 
 // Both models' per-token Sides (stats_column) over this shard's valid rows.
@@ -155,7 +185,8 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
         p.grads = d.data_ptr();
         p.grads_stride = d.stride(0);
         Kernels::grad_rows(p, acc, d.scalar_type());
-      });
+      },
+      teacher.copies_rows());
 }
 
 }  // namespace fused_rl_ops::vocab_divergence

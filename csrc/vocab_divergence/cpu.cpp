@@ -1,7 +1,7 @@
 // vocab_divergence, CPU: the chunk loops with ATen GEMMs (common/cpu_gemms.h) and SIMD row kernels
-// running the shared formulas of vocab_divergence/math.h.
+// running the shared formulas of vocab_divergence/math.h, both on pieces of rows handed to the threads
+// as they come free (RowPieces in chosen_logprob/chunks.h).
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "common/combine.h"
@@ -53,41 +53,37 @@ void stats_rows_cpu(const Params& p, const Student& student, const Teacher& teac
   const int64_t C = p.cols, C_vec = C - C % Vec::size();
   const auto vstudent = student.template as<Vec>();
   const auto vteacher = teacher.template as<Vec>();
-  at::parallel_for(0, p.rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const acc *s = xs + r * C, *t = xt + r * C;
-      // The maps are nondecreasing: a row's largest z is the map of its largest x.
-      const acc ms = student(row_max(s, C)), mt = teacher(row_max(t, C));
-      const Vec vms(ms), vmt(mt);
-      Vec ss(0), cs(0), st(0), ct(0);
-      for (int64_t k = 0; k < C_vec; k += Vec::size()) {
-        const Vec zs = vstudent(Vec::loadu(s + k)), zt = vteacher(Vec::loadu(t + k));
-        side_add(zs, zt, vms, ss, cs);
-        side_add(zt, zs, vmt, st, ct);
-      }
-      Side<acc> a{ms, horizontal_sum(ss), horizontal_sum(cs)}, b{mt, horizontal_sum(st), horizontal_sum(ct)};
-      for (int64_t k = C_vec; k < C; ++k) {
-        const acc zs = student(s[k]), zt = teacher(t[k]);
-        side_add(zs, zt, ms, a.sum, a.cross);
-        side_add(zt, zs, mt, b.sum, b.cross);
-      }
-      stats_update_row(stats + r * stats_column::count, a, b);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const acc *s = xs + r * C, *t = xt + r * C;
+    // The maps are nondecreasing: a row's largest z is the map of its largest x.
+    const acc ms = student(row_max(s, C)), mt = teacher(row_max(t, C));
+    const Vec vms(ms), vmt(mt);
+    Vec ss(0), cs(0), st(0), ct(0);
+    for (int64_t k = 0; k < C_vec; k += Vec::size()) {
+      const Vec zs = vstudent(Vec::loadu(s + k)), zt = vteacher(Vec::loadu(t + k));
+      side_add(zs, zt, vms, ss, cs);
+      side_add(zt, zs, vmt, st, ct);
     }
-  });
+    Side<acc> a{ms, horizontal_sum(ss), horizontal_sum(cs)}, b{mt, horizontal_sum(st), horizontal_sum(ct)};
+    for (int64_t k = C_vec; k < C; ++k) {
+      const acc zs = student(s[k]), zt = teacher(t[k]);
+      side_add(zs, zt, ms, a.sum, a.cross);
+      side_add(zt, zs, mt, b.sum, b.cross);
+    }
+    stats_update_row(stats + r * stats_column::count, a, b);
+  }
 }
 
-// Calls fn(r, s, t, row, vrow) on the threads for every token row r: s and t its student's and
-// teacher's raw logits, row its merged constants (row_constants) and vrow those as vectors.
+// Calls fn(r, s, t, row, vrow) for every token row r: s and t its student's and teacher's raw
+// logits, row its merged constants (row_constants) and vrow those as vectors.
 template <typename acc, class Fn>
 void for_each_merged_row(const Params& p, const Fn& fn) {
   using Vec = at::vec::Vectorized<acc>;
   const auto *xs = static_cast<const acc*>(p.logits), *xt = static_cast<const acc*>(p.teacher_logits);
-  at::parallel_for(0, p.rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const RowConstants<acc> row = row_constants<acc>(p, r);
-      fn(r, xs + r * p.cols, xt + r * p.cols, row, as_vec<Vec>(row));
-    }
-  });
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const RowConstants<acc> row = row_constants<acc>(p, r);
+    fn(r, xs + r * p.cols, xt + r * p.cols, row, as_vec<Vec>(row));
+  }
 }
 
 template <typename acc, class Student, class Teacher>
@@ -138,9 +134,9 @@ void grad_rows_cpu(const Params& p, const Student& student, const Teacher& teach
 }
 
 struct CpuKernels : CpuGemms {
-  // No row pieces: each chunk's teacher logits are computed for a whole pass (vocab_divergence/chunks.h),
-  // and the row kernels split their rows between the threads themselves.
-  static constexpr int64_t kPieceRows = 0;
+  // Rows per piece (chosen_logprob/chunks.h, RowPieces), as chosen_logprob's: a divisor of the
+  // batch-invariant row block; the teacher's logits are computed by the piece (TeacherLogits).
+  static constexpr int64_t kPieceRows = 128;
 
   static void stats_rows(const Params& p, at::ScalarType acc) {
     AT_DISPATCH_FLOATING_TYPES(acc, "vocab_divergence_stats_cpu", [&] {
