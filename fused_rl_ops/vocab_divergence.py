@@ -94,7 +94,9 @@ def _kind_code(kind) -> int:
 def _resolve(hidden, weight, teacher_hidden, teacher_weight, mask, rank, world, *, kind, beta, logit_map,
              teacher_softcap, vocab_start, vocab_size, main_grad, workspace_bytes, batch_invariant):
     """(kernel options, vocab_size) of a call, after its checks. The workspace holds both models'
-    chunk buffers: the tiling is planned for half of it, with both hidden sizes' weight rows."""
+    chunk buffers (the student's, chunk_loop_bytes: two logits workspaces in the CPU's backward; the
+    teacher's logits workspace and, on the CPU, its fp32 weight rows): the tiling is planned for half
+    of it with both hidden sizes' weight rows, twice of which bounds them all."""
     own = VocabDivergenceOptions(_kind_code(kind), teacher_softcap, beta)
     _check_tensors(hidden, weight, teacher_hidden, teacher_weight, mask)
     shard, vocab_size = resolve_shard("vocab_divergence", weight.shape[0], rank, world, vocab_start, vocab_size)
