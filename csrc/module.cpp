@@ -42,8 +42,9 @@ TORCH_LIBRARY(fused_rl_ops, m) {
   m.def("chosen_logprob_search(Tensor hidden, Tensor weight, Tensor row_max, Tensor window, Tensor(a!) hist, "
         "Tensor(b!)? top" CHOSEN_LOGPROB_SEARCH_OPTIONS ") -> ()");
   // top_logprobs: each row's partials (as chosen_logprob_stats's, without tokens) and its k largest
-  // logits with their global ids.
-  m.def("top_logprobs_stats(Tensor hidden, Tensor weight" TOP_LOGPROBS_OPTIONS ") -> (Tensor, Tensor, Tensor)");
+  // logits with their global ids, the masked rows left out.
+  m.def("top_logprobs_stats(Tensor hidden, Tensor weight, Tensor? mask" TOP_LOGPROBS_OPTIONS
+        ") -> (Tensor, Tensor, Tensor)");
   // vocab_divergence: per-shard partials of both models (stats), their merge across shards
   // (combine), jsd's second pass (mixture) and the chunked backward, the masked rows left out. What
   // each takes: docs/vocab_divergence.md, "The ops underneath".

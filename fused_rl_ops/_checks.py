@@ -22,3 +22,15 @@ def check_hidden_size(op: str, hidden: torch.Tensor) -> None:
     if hidden.shape[-1] == 0:
         raise ValueError(f"{op}: hidden's last dimension (the hidden size H) must be at least 1, "
                          f"got hidden of shape {tuple(hidden.shape)}")
+
+
+def check_mask(op: str, mask, hidden: torch.Tensor) -> None:
+    """A mask of the positions an op computes (True): None, or a bool tensor of hidden's leading
+    shape (its device is checked with the op's tensors)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{op}: mask must be a tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool or mask.shape != hidden.shape[:-1]:
+        raise ValueError(f"{op}: mask must be a bool tensor of hidden's leading shape {tuple(hidden.shape[:-1])}, "
+                         f"got {mask.dtype} {tuple(mask.shape)}")

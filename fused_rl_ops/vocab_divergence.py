@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ._checks import check_hidden_size, values_readable
+from ._checks import check_hidden_size, check_mask, values_readable
 from ._library import acc_dtype, check_device, check_float_dtype
 from ._options import POSITIVE_FINITE, Rule, check_options, groups_from_arguments, option, options_dataclass
 from ._vocab_divergence_function import KINDS, VocabDivergenceFunction
@@ -78,9 +78,7 @@ def _check_tensors(hidden, weight, teacher_hidden, teacher_weight, mask):
         raise ValueError(f"{op}: teacher_weight must be [V_local, H_t] = [{weight.shape[0]}, "
                          f"{teacher_hidden.shape[-1]}] (weight's vocab rows, teacher_hidden's size), got "
                          f"{tuple(teacher_weight.shape)}")
-    if mask is not None and (mask.dtype != torch.bool or mask.shape != hidden.shape[:-1]):
-        raise ValueError(f"{op}: mask must be a bool tensor of hidden's leading shape {tuple(hidden.shape[:-1])}, "
-                         f"got {mask.dtype} {tuple(mask.shape)}")
+    check_mask(op, mask, hidden)
     check_hidden_size(op, hidden)
     check_hidden_size(op, teacher_hidden)
 

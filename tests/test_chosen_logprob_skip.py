@@ -7,18 +7,16 @@ import math
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 from torch.testing import assert_close
 
 import fused_rl_ops
 from fused_rl_ops import reference
 from fused_rl_ops._vocab_parallel.tiling import default_workspace_bytes, tiling_for
-from fused_rl_ops.testing.kernel_calls import KernelCalls, scored
+from fused_rl_ops.testing.kernel_calls import KernelCalls, gemm_dims, scored
 
 H, V, VOCAB = 24, 300, 290
 KERNELS = ("chosen_logprob_stats", "chosen_logprob_backward")
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
-GEMMS = ("aten::mm", "aten::addmm", "aten::addmm_")
 
 
 def rl_batch(device, dtype=torch.float32, batch=3, seq=20, seed=0):
@@ -66,14 +64,6 @@ def assert_ignored_rows_give_nothing(results, labels):
     lp, ent, grad_h, _ = results
     ignored = labels == -100
     assert lp[ignored].eq(0).all() and ent[ignored].eq(0).all() and grad_h[ignored].eq(0).all()
-
-
-def gemm_dims(fn) -> list:
-    """The sizes of the inputs of each GEMM fn() runs (on the CPU), inside the ops too: one set of
-    sizes per GEMM."""
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        fn()
-    return [{size for shape in event.input_shapes for size in shape} for event in prof.events() if event.name in GEMMS]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -59,7 +59,7 @@ def op_calls(device):
     tensors = {"chosen_logprob_stats": ((hidden, weight, tokens), (threshold,)),
                "chosen_logprob_backward": ((hidden, weight, tokens, *per_token, None), (threshold,)),
                "chosen_logprob_search": ((hidden, weight, per_token[0], window, hist, top), ()),
-               "top_logprobs_stats": ((hidden, weight), ()),
+               "top_logprobs_stats": ((hidden, weight, tokens != 3), ()),
                "vocab_divergence_stats": (pair, ()), "vocab_divergence_mixture": ((*pair, rows), ()),
                "vocab_divergence_backward": ((*pair, rows, *per_token[:2], None), ()),
                "clamped_swiglu": ((x,), (scale,)), "clamped_swiglu_backward": ((grad_out, x), ()),

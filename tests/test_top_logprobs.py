@@ -1,14 +1,18 @@
 """fused_rl_ops.top_logprobs against float64 over the materialised logits: ids, order and ties,
-values and gradients, padded rows, the logit map as one object, bad k, opcheck, and tensor parallel
-on gloo."""
+values and gradients, padded rows, the logit map as one object, bad k, the mask (its rows left out
+inside the op, eager and under torch.compile(fullgraph=True)), bad masks, opcheck, and tensor
+parallel on gloo."""
 import pytest
 import torch
 import torch.distributed as dist
+from torch.testing import assert_close
 
 import fused_rl_ops
 from fused_rl_ops import reference
 from fused_rl_ops.logit_options import LogitMap, LogitOptions
 from fused_rl_ops.testing.distributed import run_distributed
+from fused_rl_ops.testing.kernel_calls import KernelCalls, gemm_dims
+from fused_rl_ops.top_logprobs import scored_top_logprobs
 
 ops = torch.ops.fused_rl_ops
 H = 12
@@ -91,10 +95,107 @@ def test_bad_k_and_shapes():
         fused_rl_ops.top_logprobs(hidden, weight.double(), 2)
 
 
+def run_top(hidden, weight, k, upstream, **options):
+    """ids, logprobs and the gradients of sum(upstream * logprobs) in hidden and weight."""
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ids, lp = fused_rl_ops.top_logprobs(h, w, k, temperature=0.8, vocab_size=47, **options)
+    return (ids, lp.detach(), *torch.autograd.grad((lp * upstream).sum(), (h, w)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_mask_leaves_its_rows_out_inside_the_op(dtype):
+    """The op gets every row and the mask, and computes the rows the mask keeps: bitwise what those
+    rows alone give (ids, logprobs, both gradients), the unmasked call's within rounding (a GEMM of
+    other rows may round otherwise); the rows left out give ids -1, logprobs 0 and zero hidden
+    gradient rows, a NaN in one of them reaching nothing. The backward is chosen_logprob's, with
+    ignore_index -1 leaving them out."""
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(3, 8, H, generator=g).to(dtype), torch.randn(50, H, generator=g).to(dtype)
+    mask = torch.rand(3, 8, generator=g) < 0.5
+    mask[0, 0], mask[2, 7] = True, False
+    hidden[2, 7, 3] = float("nan")
+    upstream = torch.randn(3, 8, 5, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    with KernelCalls() as calls:
+        ids, lp, grad_h, grad_w = run_top(hidden, weight, 5, upstream, mask=mask)
+    [stats] = [call for call in calls.calls if call.op == "top_logprobs_stats"]
+    [backward] = [call for call in calls.calls if call.op == "chosen_logprob_backward"]
+    assert stats.args["hidden"].shape == (24, H) and torch.equal(stats.args["mask"], mask.reshape(-1))
+    assert backward.args["ignore_index"] == -1 and torch.equal(backward.args["tokens"].eq(-1).all(1), ~mask.reshape(-1))
+
+    alone = run_top(hidden[mask], weight, 5, upstream[mask])
+    for got, want in zip((ids[mask], lp[mask], grad_h[mask], grad_w), alone):
+        assert torch.equal(got, want)
+    assert ids[~mask].eq(-1).all() and lp[~mask].eq(0).all() and grad_h[~mask].eq(0).all()
+    assert grad_h[mask].isfinite().all() and grad_w.isfinite().all()
+    hidden[2, 7, 3] = 0.0  # the unmasked call computes that row too
+    full_ids, full_lp, full_grad_h, full_grad_w = run_top(hidden, weight, 5, upstream * mask[..., None])
+    assert torch.equal(ids[mask], full_ids[mask])
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
+    for got, want in ((lp[mask], full_lp[mask]), (grad_h[mask], full_grad_h[mask]), (grad_w, full_grad_w)):
+        assert_close(got, want, **tolerance)
+
+    scored_ids, scored_lp = scored_top_logprobs(hidden, weight, 5, mask, -100, temperature=0.8, vocab_size=47)
+    assert torch.equal(scored_ids, torch.where(mask[..., None], full_ids, -100)) and scored_lp[~mask].eq(0).all()
+
+
+def masked_call(hidden, weight, mask, upstream):
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ids, lp = fused_rl_ops.top_logprobs(h, w, 4, temperature=0.8, mask=mask)
+    return ids, lp, (lp * upstream).sum()
+
+
+@pytest.mark.parametrize("call", ["eager", "torch.compile"])
+def test_the_work_follows_the_mask_inside_the_op(call):
+    """Forward and backward, every GEMM of the ops takes the masked-in rows only (3 of 4 positions
+    left out), eager and compiled with fullgraph=True (no graph break: the count is read inside the
+    op); the compiled call gives the eager call's bits."""
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(3, 40, H, generator=g), torch.randn(300, H, generator=g)
+    mask = torch.zeros(3, 40, dtype=torch.bool)
+    mask[:, 30:39] = True
+    upstream = torch.randn(3, 40, 4, generator=g)
+
+    def run():
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        step = masked_call if call == "eager" else torch.compile(masked_call, fullgraph=True, backend="aot_eager")
+        ids, lp, loss = step(h, w, mask, upstream)
+        return (ids, lp.detach(), *torch.autograd.grad(loss, (h, w)))
+
+    run()  # compiles, where it does
+    results = []
+    gemms = gemm_dims(lambda: results.append(run()))
+    # The logits GEMM, and the two gradient GEMMs: each takes the 27 rows, none all 120.
+    assert len(gemms) >= 3 and all(27 in sizes and 120 not in sizes for sizes in gemms), gemms
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ids, lp, loss = masked_call(h, w, mask, upstream)
+    for got, want in zip(results[0], (ids, lp.detach(), *torch.autograd.grad(loss, (h, w)))):
+        assert torch.equal(got, want)
+
+
+def test_bad_masks():
+    """The wrapper's errors, and the op's own when called directly."""
+    hidden, weight = torch.randn(2, 3, H), torch.randn(30, H)
+    for bad in (torch.ones(2, 3), torch.ones(6, dtype=torch.bool), torch.ones(2, 3, 1, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"top_logprobs: mask must be a bool tensor of hidden's leading shape "
+                                             r"\(2, 3\), got"):
+            fused_rl_ops.top_logprobs(hidden, weight, 2, mask=bad)
+    with pytest.raises(TypeError, match="top_logprobs: mask must be a tensor, got list"):
+        fused_rl_ops.top_logprobs(hidden, weight, 2, mask=[[True] * 3] * 2)
+    with pytest.raises(ValueError, match="top_logprobs: all tensors must be on one device, got hidden on cpu, "
+                                         "weight on cpu, mask on meta"):
+        fused_rl_ops.top_logprobs(hidden, weight, 2, mask=torch.ones(2, 3, dtype=torch.bool, device="meta"))
+    options = (1.0, None, 0, None, 32, 0, 0, 1, 2)
+    for bad in (torch.ones(6), torch.ones(5, dtype=torch.bool), torch.ones(6, 1, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"chosen_logprob: mask must be None or \[N\] bool \(hidden's rows\)"):
+            ops.top_logprobs_stats(hidden.reshape(6, H), weight, bad, *options)
+
+
 def test_opcheck_top_logprobs_stats():
     hidden, weight = torch.randn(9, H), torch.randn(70, H)
-    torch.library.opcheck(ops.top_logprobs_stats, (hidden, weight, 0.8, None, 0, 64, 32, 0, 0, 1, 5))
-    torch.library.opcheck(ops.top_logprobs_stats, (hidden, weight, 1.0, 2.0, 0, None, 16, 0, 0, 1, 3))
+    torch.library.opcheck(ops.top_logprobs_stats, (hidden, weight, None, 0.8, None, 0, 64, 32, 0, 0, 1, 5))
+    torch.library.opcheck(ops.top_logprobs_stats, (hidden, weight, None, 1.0, 2.0, 0, None, 16, 0, 0, 1, 3))
+    for mask in (torch.arange(9) % 3 == 0, torch.zeros(9, dtype=torch.bool), torch.ones(9, dtype=torch.bool)):
+        torch.library.opcheck(ops.top_logprobs_stats, (hidden, weight, mask, 0.8, None, 0, 64, 32, 0, 0, 1, 5))
 
 
 def tensor_parallel_checks(rank, world):
@@ -121,6 +222,17 @@ def tensor_parallel_checks(rank, world):
         torch.testing.assert_close(h.grad, h1.grad, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(w.grad, w1.grad[shard], atol=1e-5, rtol=1e-5)
     assert ids[0, 0, :2].tolist() == [1, local + 2]
+    mask = torch.arange(12).reshape(3, 4) % 3 != 1
+    h = hidden.clone().requires_grad_(True)
+    ids, lp = fused_rl_ops.top_logprobs(h, weight[shard], 5, mask=mask, vocab_size=vocab_size,
+                                        tp_group=dist.group.WORLD)
+    single_ids, single_lp = fused_rl_ops.top_logprobs(hidden, weight, 5, mask=mask, vocab_size=vocab_size)
+    assert torch.equal(ids, single_ids) and ids[~mask].eq(-1).all() and lp[~mask].eq(0).all()
+    torch.testing.assert_close(lp, single_lp, atol=1e-5, rtol=1e-5)
+    lp.sum().backward()
+    assert h.grad[~mask].eq(0).all() and h.grad[mask].ne(0).any()
+    with pytest.raises(ValueError, match="disagree on the mask"):
+        fused_rl_ops.top_logprobs(hidden, weight[shard], 3, mask=mask ^ (rank == 1), tp_group=dist.group.WORLD)
     with pytest.raises(ValueError, match="disagree on the k"):
         fused_rl_ops.top_logprobs(hidden, weight[shard], 3 + rank, tp_group=dist.group.WORLD)
     with pytest.raises(ValueError, match="disagree on the softcap"):

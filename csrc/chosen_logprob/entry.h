@@ -66,6 +66,10 @@ RowSkipping skipping_ignored(const at::Tensor& tokens, std::optional<int64_t> ig
   return ignore_index ? RowSkipping::of<Kernels>((tokens == *ignore_index).all(1)) : RowSkipping{};
 }
 
+// The id top_logprobs_stats gives the rows it does not compute (before every real id, so that the
+// ranks' merged tops keep it); fused_rl_ops/top_logprobs.py's NOT_COMPUTED.
+constexpr int64_t kNotComputed = -1;
+
 // tokens [N] as [N, 1]; [N, k] as they are.
 inline at::Tensor per_row(const at::Tensor& t) { return t.dim() == 1 ? t.unsqueeze(1) : t; }
 
@@ -163,19 +167,25 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
 }
 
 // The top_logprobs op: each row's partials (stats_column, no chosen logits: [N, 3]) and its k largest
-// logits with their global ids (top_ids.h), [N, k] each, over this shard's valid rows.
+// logits with their global ids (top_ids.h), [N, k] each, over this shard's valid rows. The rows
+// mask leaves out (False) are not computed: an empty partial, values -inf and ids kNotComputed.
 template <class Kernels>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> top_logprobs_stats(const at::Tensor& hidden,
-                                                                  const at::Tensor& weight
+std::tuple<at::Tensor, at::Tensor, at::Tensor> top_logprobs_stats(const at::Tensor& hidden, const at::Tensor& weight,
+                                                                  const std::optional<at::Tensor>& mask
                                                                       FRL_TOP_LOGPROBS_OP_OPTIONS(FRL_OPTION_PARAM)) {
   const VocabParallelOptions groups{FRL_VOCAB_PARALLEL_VALUES};
   check_inputs(hidden, weight, nullptr, groups);
   check_options(kOp, TopLogprobsOptions{FRL_TOP_LOGPROBS_OPTIONS(FRL_OPTION_VALUE)});
+  check_row_mask(kOp, mask, hidden);
   const at::DeviceGuard guard(hidden.device());
-  TopIds top(hidden.size(0), k, hidden.options().dtype(acc_dtype(hidden.scalar_type())));
-  const at::Tensor stats = stats_impl<Kernels>(hidden, weight, at::Tensor(), std::nullopt, groups.logit_map,
+  const RowSkipping skipping = skipping_masked<Kernels>(mask);
+  const at::Tensor rows = skipping.rows(hidden, 0);
+  TopIds top(rows.size(0), k, hidden.options().dtype(acc_dtype(hidden.scalar_type())));
+  const at::Tensor stats = stats_impl<Kernels>(rows, weight, at::Tensor(), std::nullopt, groups.logit_map,
                                                groups.shard, groups.tiling, 0, &top);
-  return {stats, top.values, top.ids};
+  return {skipping.all_rows(stats, empty_stats_row(stats.size(1), stats.options())),
+          skipping.all_rows(top.values, at::full({}, -INFINITY, top.values.options())),
+          skipping.all_rows(top.ids, at::full({}, kNotComputed, top.ids.options()))};
 }
 
 template <class Kernels>

@@ -1,10 +1,13 @@
 // RowSkipping: how an op leaves out the rows it need not compute (chosen_logprob's ignored tokens,
-// vocab_divergence's masked positions), inside the op.
+// vocab_divergence's and top_logprobs' masked positions), inside the op.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <vector>
+
+#include "common/torch_utils.h"
 
 namespace fused_rl_ops {
 
@@ -45,5 +48,19 @@ struct RowSkipping {
     return at::where(mask_of(result), skipped_row, result);
   }
 };
+
+// A mask of the rows an op computes (True: computed): none, or [N] bool (hidden's rows) on hidden's device.
+inline void check_row_mask(const char* op, const std::optional<at::Tensor>& mask, const at::Tensor& hidden) {
+  if (!mask) return;
+  TORCH_CHECK_VALUE(mask->dim() == 1 && mask->size(0) == hidden.size(0) && mask->scalar_type() == at::kBool, op,
+                    ": mask must be None or [N] bool (hidden's rows)");
+  check_same_device(op, hidden, *mask, "hidden and mask");
+}
+
+// The masked rows (mask False) as an op leaves them out; none without a mask.
+template <class Kernels>
+RowSkipping skipping_masked(const std::optional<at::Tensor>& mask) {
+  return mask ? RowSkipping::of<Kernels>(mask->logical_not()) : RowSkipping{};
+}
 
 }  // namespace fused_rl_ops

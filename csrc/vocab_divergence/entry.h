@@ -45,10 +45,8 @@ inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, con
                         teacher_weight.size(0) == weight.size(0) && teacher_weight.size(1) == teacher_hidden.size(1),
                     kOp, ": expected teacher_hidden [N, H_t] with H_t >= 1 and teacher_weight [V, H_t] (hidden's N, ",
                     "weight's V), got ", teacher_hidden.sizes(), " and ", teacher_weight.sizes());
-  TORCH_CHECK_VALUE(!mask || (mask->dim() == 1 && mask->size(0) == hidden.size(0) && mask->scalar_type() == at::kBool),
-                    kOp, ": mask must be None or [N] bool (hidden's rows)");
+  check_row_mask(kOp, mask, hidden);
   for (const at::Tensor* t : {&weight, &teacher_hidden, &teacher_weight}) check_same_device(kOp, hidden, *t, "tensors");
-  if (mask) check_same_device(kOp, hidden, *mask, "hidden and mask");
   TORCH_CHECK_VALUE(groups.shard.valid_rows.value_or(0) <= weight.size(0), kOp,
                     ": valid_rows must be None or at most weight's rows ", weight.size(0), ", got ",
                     *groups.shard.valid_rows);
@@ -62,12 +60,6 @@ inline void check_per_token(const char* what, const at::Tensor& t, const at::Ten
                         t.device() == hidden.device(),
                     kOp, ": ", what, " must be [N", columns ? ", " + std::to_string(columns) : std::string(),
                     "] in the accumulation dtype, on hidden's device");
-}
-
-// The masked rows (mask False) as an op leaves them out; none without a mask.
-template <class Kernels>
-RowSkipping skipping_masked(const std::optional<at::Tensor>& mask) {
-  return mask ? RowSkipping::of<Kernels>(mask->logical_not()) : RowSkipping{};
 }
 
 // The teacher's map is the student's with the teacher's softcap: every other option of the map is shared.

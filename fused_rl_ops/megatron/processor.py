@@ -215,7 +215,7 @@ class RLOutputProcessor:
 
     def _top(self, hidden_states, weight, tokens, tp_group, sequence_parallel):
         """[s, b, k] top_ids and top_logprobs of the scored positions (ignore_index and 0 elsewhere),
-        computed on those rows alone (a host read of their count)."""
+        computed on those rows alone (left out inside the op: no host read)."""
         return scored_top_logprobs(
             hidden_states, weight, self.top_logprobs, self.scored_positions(tokens), self.ignore_index,
             logit_map=self.logit_options.logit_map, vocab_size=self.vocab_size, tp_group=tp_group,

@@ -4,7 +4,10 @@ the results say)."""
 from typing import NamedTuple
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
+
+GEMMS = ("aten::mm", "aten::addmm", "aten::addmm_")
 
 
 class KernelCall(NamedTuple):
@@ -46,3 +49,11 @@ def scored(tokens: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     the ignored ones: the ids of the rows the ops should compute."""
     flat = tokens.reshape(-1).cpu()
     return flat[flat != ignore_index]
+
+
+def gemm_dims(fn) -> list:
+    """The sizes of the inputs of each GEMM fn() runs (on the CPU), inside the ops too (torch.profiler
+    sees the aten calls inside an op, with their shapes): one set of sizes per GEMM."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [{size for shape in event.input_shapes for size in shape} for event in prof.events() if event.name in GEMMS]
