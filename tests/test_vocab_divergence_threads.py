@@ -4,11 +4,14 @@ csrc/vocab_divergence/chunks.h) on 1, 2 and 3 threads (3: more threads than CI's
 bits whatever the threads for the stats, jsd's mixture and the backward, and float64 autograd's
 gradients, for one pass with a narrower last chunk, several passes with a padded last row block,
 bf16 weights copied to fp32 per group (the groups in turn) with main_grad, a bf16 teacher beside an
-fp32 student (the teacher's copies alone), and float64 inputs."""
+fp32 student (the teacher's copies alone), and float64 inputs; and batch invariance over row blocks
+and pieces."""
 import pytest
 import torch
 
-from test_vocab_divergence import make_inputs, reference_run
+import fused_rl_ops
+from fused_rl_ops._vocab_parallel.tiling import INVARIANT_TILING
+from test_vocab_divergence import make_inputs, reference_run, run
 
 ops = torch.ops.fused_rl_ops
 BETA = 0.3
@@ -61,3 +64,20 @@ def test_tasks_give_the_same_bits_on_any_threads(dtype, teacher_dtype, chunk, ro
     tol = TOLERANCE[dtype]  # bf16: the CPU hands main_grad a bf16-rounded gradient
     for ours, reference in zip((divergence, grad_h, grad_w), want):
         torch.testing.assert_close(ours.double(), reference, rtol=tol, atol=tol * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("workspace_bytes", [None, 1])  # one pass; passes of one row block
+def test_batch_invariant_rows_over_blocks_and_pieces(workspace_bytes):
+    """batch_invariant=True: three rows alone give the bits they give at rows 700-702 of 1127 (the
+    second row block, its pieces of 128 rows, a padded last block), over two full chunks of the
+    vocabulary and a narrower one, with the teacher's logits computed by the piece."""
+    row_block, chunk = INVARIANT_TILING["cpu"]
+    others = 2 * row_block + 100
+    hidden, weight, teacher_hidden, teacher_weight, grad = make_inputs((3 + others,), 16, 24, 2 * chunk + 300,
+                                                                       torch.float32, "cpu")
+    order = torch.cat([torch.arange(3, 703), torch.arange(3), torch.arange(703, 3 + others)])
+    kw = dict(kind="jsd", softcap=5.0, teacher_softcap=3.0, batch_invariant=True, workspace_bytes=workspace_bytes)
+    alone = run(fused_rl_ops.vocab_divergence, hidden[:3], weight, teacher_hidden[:3], teacher_weight, grad[:3], **kw)
+    together = run(fused_rl_ops.vocab_divergence, hidden[order], weight, teacher_hidden[order], teacher_weight,
+                   grad[order], **kw)
+    assert torch.equal(alone[0], together[0][700:703]) and torch.equal(alone[1], together[1][700:703])
