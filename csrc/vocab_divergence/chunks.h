@@ -44,6 +44,8 @@ class TeacherLogits {
     workspace_ = at::empty({tiling.pass * chunk}, hidden.options().dtype(acc_));
   }
 
+  // Whether a group's weight rows are copies that the chunk loop's tasks must make in turn (GroupWork).
+  // Whether a group's weight rows are copies that the CPU's tasks must make in turn (GroupWork).
   bool copies_rows() const { return Kernels::kPieceRows > 0 && weight_.scalar_type() != acc_; }
 
   // The logits as a pass's [padded rows, n] whose rows from step.begin to the end of its last piece
