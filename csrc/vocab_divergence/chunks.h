@@ -44,7 +44,6 @@ class TeacherLogits {
     workspace_ = at::empty({tiling.pass * chunk}, hidden.options().dtype(acc_));
   }
 
-  // Whether a group's weight rows are copies that the chunk loop's tasks must make in turn (GroupWork).
   // Whether a group's weight rows are copies that the CPU's tasks must make in turn (GroupWork).
   bool copies_rows() const { return Kernels::kPieceRows > 0 && weight_.scalar_type() != acc_; }
 
