@@ -451,15 +451,6 @@ def main_headline(rows, shape, all_paths) -> list:
     return headline
 
 
-def run_contention(args, log):
-    """--contention (benchmarks/contention.py), on the CPU."""
-    N, H, V = args.shape[0] if args.shape else (256, 128, 8192) if args.quick else contention.SHAPE
-    rows = contention.measure_contention(N, H, V, torch.float32, 1 if args.quick else 5, log)
-    write_json(args.json, "chosen_logprob", "cpu", rows, headline=contention.contention_headline(rows),
-               tables=[contention.contention_table(rows)], goals={c: what for c, (what, _) in contention.GOALS.items()})
-    contention.print_goals(rows)
-
-
 def main():
     args = parse_args(__doc__, shape_options)
     log = RowLog(args.json)
@@ -479,7 +470,7 @@ def main():
         n_sweep = [(N, 1024, 32768) for N in (1024, 2048, 4096)] if args.quick else \
             [(N, 4096, 131072) for N in (2048, 4096, 8192, 16384)]
     if args.contention:
-        return run_contention(args, log)
+        return contention.run_contention("chosen_logprob", args, log, contention.chosen_logprob_paths)
     if args.shape:
         shapes = [tuple(shape) for shape in args.shape]
     if args.sampler_filter:

@@ -8,7 +8,8 @@ backward of fused and naive, each in a fresh process (CPU).
 The issue's goals are printed and written to the JSON ("goals"), at the main shape (2048, 512,
 32768) fp32 on the CPU: fused at most 1.1x the six GEMMs and 1.3x naive (forward_kl), with 3/4 of
 positions masked at most 0.45x of none masked, extra memory at most 1/8 of naive's. --quick runs
-tiny shapes (a smoke run: its goals mean nothing)."""
+tiny shapes (a smoke run: its goals mean nothing). --contention runs alone: the CPU path (forward_kl)
+against its six GEMMs with a core taken (benchmarks/contention.py)."""
 import math
 
 import torch
@@ -16,6 +17,7 @@ import torch
 import fused_rl_ops
 from fused_rl_ops import reference
 
+from . import contention
 from .results import RowLog, find_peers, parse_args, write_json
 from .tables import summary_table
 from .timing import fwd_bwd, record_times, time_paths
@@ -78,6 +80,14 @@ def paths_for(kind, inputs, grad):
     return runs, versions
 
 
+def contention_paths(N, H, V, dtype) -> dict:
+    """--contention's "fused" forward+backward (forward_kl) and "gemms", the op's six GEMMs."""
+    inputs = make_inputs(N, H, V, dtype, "cpu")
+    fused = fwd_bwd(lambda h, w: fused_rl_ops.vocab_divergence(h, w, *inputs[2:], kind="forward_kl"),
+                    list(inputs[:2]), [torch.randn(N)])
+    return {"fused": fused, "gemms": six_gemms(*inputs)}
+
+
 def _peak_growth(path, N, H, V, kind):
     """Peak resident growth of one forward+backward of a path, in this (fresh) process."""
     from fused_rl_ops.testing.peak_memory import peak_rss_growth
@@ -93,8 +103,11 @@ def _peak_growth(path, N, H, V, kind):
 def main():
     from fused_rl_ops.testing.peak_memory import in_fresh_process
 
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, lambda parser: parser.add_argument(
+        "--contention", action="store_true", help="the CPU path with a core taken only (benchmarks/contention.py)"))
     log, dev = RowLog(args.json), args.device
+    if args.contention:
+        return contention.run_contention("vocab_divergence", args, log, contention_paths)
     N, H, V = (256, 64, 2048) if args.quick else (2048, 512, 32768)
     dtype, reps = torch.float32, 2 if args.quick else 5
     inputs = make_inputs(N, H, V, dtype, dev)

@@ -1,13 +1,12 @@
-"""bench_chosen_logprob --contention: the CPU path with a core taken. At one shape (default (2048,
-512, 32768) fp32), forward+backward (logprob only) of the fused op and of its own four GEMMs run
-plainly (chosen_logprob_paths.gemm_runs' "fused fwd+bwd": the logits twice, the hidden and weight
-gradients, one torch.mm each), with 1 and 2 threads, on a quiet machine and with one busy process
-(a Python busy loop) that the benchmark starts and stops itself, on two cores (this process's threads
-and the busy process pinned to the first two it may use). Each round times every combination once
-(busy process on, then off), so the machine's own noise falls on all of them alike; medians over the
-rounds. The goals (docs/chosen_logprob.md, "Threads and a busy machine"): with the busy process the
-fused op takes at most 1.2x its four GEMMs, and two threads are never slower than one (quiet or busy).
-Reported, never asserted."""
+"""--contention (bench_chosen_logprob, bench_vocab_divergence): an op's CPU path with a core taken. At
+one shape (default (2048, 512, 32768) fp32), forward+backward of the fused op and of its own GEMMs run
+plainly (given by the benchmark: chosen_logprob's four, vocab_divergence's six), with 1 and 2
+threads, on a quiet machine and with one busy process (a Python busy loop) that the benchmark starts
+and stops itself, on two cores (this process's threads and the busy process pinned to the first two
+it may use). Each round times every combination once (busy process on, then off), so the machine's
+own noise falls on all of them alike; medians over the rounds. The goals (docs/chosen_logprob.md,
+"Threads and a busy machine"): with the busy process the fused op takes at most 1.2x its GEMMs, and
+two threads are never slower than one (quiet or busy). Reported, never asserted."""
 import contextlib
 import os
 import subprocess
@@ -18,6 +17,7 @@ import torch
 
 from .chosen_logprob_paths import gemm_runs, make_inputs, path_fn, run_once
 from .load import BUSY_OTHER_CORES, LoadProbe
+from .results import write_json
 from .tables import print_row, summary_table
 from .timing import Timing, keep_freed_heap, time_call
 
@@ -25,7 +25,7 @@ SHAPE = (2048, 512, 32768)
 THREADS = (1, 2)
 LOADS = ("quiet", "busy")
 GOALS = {
-    "goal_busy<=1.2x_gemms": ("with one busy process on the two cores, the fused op at most 1.2x its own four "
+    "goal_busy<=1.2x_gemms": ("with one busy process on the two cores, the fused op at most 1.2x its own "
                               "GEMMs run plainly (same thread count)",
                               lambda r: r["fused/gemms"] <= 1.2 if r["contention"] == "busy" else None),
     "goal_2threads<=1thread": ("the fused op with two threads no slower than with one (quiet and busy)",
@@ -68,12 +68,19 @@ def busy_process(cpus, on=True):
         proc.wait()
 
 
-def measure_contention(N, H, V, dtype, reps, log) -> list:
-    """One row per (load, threads): fused and gemms median times (ms), fused/gemms, and the fused
-    op's time with 2 threads over its time with 1 on the same load; each row logged."""
+def chosen_logprob_paths(N, H, V, dtype) -> dict:
+    """chosen_logprob's "fused" forward+backward (logprob only) and "gemms", its four GEMMs
+    (chosen_logprob_paths.gemm_runs' "fused fwd+bwd": the logits twice, the hidden and weight
+    gradients, one torch.mm each)."""
     hidden, weight, tokens = make_inputs(N, H, V, dtype, "cpu")
-    paths = {"fused": run_once(path_fn("fused", False, {}), "fwd+bwd", hidden, weight, tokens),
-             "gemms": gemm_runs(hidden, weight)["fused fwd+bwd"]}
+    return {"fused": run_once(path_fn("fused", False, {}), "fwd+bwd", hidden, weight, tokens),
+            "gemms": gemm_runs(hidden, weight)["fused fwd+bwd"]}
+
+
+def measure_contention(N, H, V, dtype, reps, log, paths) -> list:
+    """One row per (load, threads) of paths ("fused" and "gemms" closures at (N, H, V) in dtype):
+    their median times (ms), fused/gemms, and the fused op's time with 2 threads over its time with
+    1 on the same load; each row logged."""
     samples = {(load, t, p): [] for load in LOADS for t in THREADS for p in paths}
     probes = {load: [] for load in LOADS}
     threads_before, cpus = torch.get_num_threads(), two_cores()
@@ -126,15 +133,15 @@ COLUMNS = ["N", "H", "V", "contention", "threads", "fused_ms", "gemms_ms", "fuse
            "gemms_2/1_threads", "other_cores"]
 
 
-def contention_table(rows) -> dict:
-    return summary_table("chosen_logprob with a core taken: fwd+bwd time (ms) of the fused op and its own four "
-                         "GEMMs run plainly, 1 and 2 threads, quiet and with one busy process on the two cores; "
+def contention_table(op, rows) -> dict:
+    return summary_table(f"{op} with a core taken: fwd+bwd time (ms) of the fused op and its own GEMMs run "
+                         "plainly, 1 and 2 threads, quiet and with one busy process on the two cores; "
                          "goals: " + "; ".join(f"{c}: {what}" for c, (what, _) in GOALS.items()),
                          rows, COLUMNS + list(GOALS))
 
 
 def contention_headline(rows) -> list:
-    return [{"metric": f"fused / its four GEMMs, fwd+bwd, {r['contention']}, {r['threads']} thread(s), "
+    return [{"metric": f"fused / its GEMMs, fwd+bwd, {r['contention']}, {r['threads']} thread(s), "
                        "N={N} H={H} V={V}".format(**r), "value": r["fused/gemms"], "busy": r["busy"]} for r in rows] + [
         {"metric": f"fused 2 threads / 1 thread, fwd+bwd, {r['contention']}, N={r['N']} H={r['H']} V={r['V']}",
          "value": r["fused_2/1_threads"], "busy": r["busy"]} for r in rows if "fused_2/1_threads" in r]
@@ -146,3 +153,15 @@ def print_goals(rows):
         judged = [r[column] for r in rows if column in r]
         print(f"{'MET' if all(judged) else 'NOT MET'}: {what} "
               f"({sum(judged)} of {len(judged)} rows)")
+
+
+def run_contention(op, args, log, make_paths):
+    """--contention of op's benchmark (its --quick, --json and --shape where it has one), on the CPU:
+    make_paths(N, H, V, dtype) gives the "fused" and "gemms" closures."""
+    shape = getattr(args, "shape", None)
+    N, H, V = shape[0] if shape else (256, 128, 8192) if args.quick else SHAPE
+    rows = measure_contention(N, H, V, torch.float32, 1 if args.quick else 5, log,
+                              make_paths(N, H, V, torch.float32))
+    write_json(args.json, op, "cpu", rows, headline=contention_headline(rows), tables=[contention_table(op, rows)],
+               goals={c: what for c, (what, _) in GOALS.items()})
+    print_goals(rows)

@@ -1,10 +1,13 @@
-"""bench_chosen_logprob --contention (benchmarks/contention.py) at a tiny shape: its rows, ratios and
-goal columns, and the busy process it starts and stops itself. No timing is asserted."""
+"""--contention (benchmarks/contention.py) at a tiny shape: its rows, ratios and goal columns, the
+busy process it starts and stops itself, and vocab_divergence's mode from its arguments to its JSON.
+No timing is asserted."""
+import argparse
+import json
 import os
 
 import torch
 
-from benchmarks import contention
+from benchmarks import bench_vocab_divergence, contention
 from benchmarks.results import RowLog
 
 
@@ -27,7 +30,8 @@ def test_pinning_restores_every_thread():
 
 def test_the_mode_at_a_tiny_shape(capsys):
     threads = torch.get_num_threads()
-    rows = contention.measure_contention(64, 32, 512, torch.float32, 1, RowLog(None))
+    rows = contention.measure_contention(64, 32, 512, torch.float32, 1, RowLog(None),
+                                         contention.chosen_logprob_paths(64, 32, 512, torch.float32))
     assert torch.get_num_threads() == threads
     assert [(r["contention"], r["threads"]) for r in rows] == [("quiet", 1), ("quiet", 2), ("busy", 1), ("busy", 2)]
     for row in rows:
@@ -39,8 +43,20 @@ def test_the_mode_at_a_tiny_shape(capsys):
         assert two["fused_2/1_threads"] == two["fused_ms"] / one["fused_ms"]
         assert two["goal_2threads<=1thread"] == (two["fused_2/1_threads"] <= 1.0)
     assert rows[3]["goal_busy<=1.2x_gemms"] == (rows[3]["fused/gemms"] <= 1.2)
-    table = contention.contention_table(rows)
+    table = contention.contention_table("chosen_logprob", rows)
     assert set(contention.GOALS) <= set(table["columns"])
     contention.print_goals(rows)
     printed = capsys.readouterr().out
     assert printed.count("MET: ") == len(contention.GOALS)
+
+
+def test_vocab_divergences_mode_writes_its_rows(tmp_path, capsys):
+    path = tmp_path / "contention.json"
+    args = argparse.Namespace(quick=True, json=str(path))
+    contention.run_contention("vocab_divergence", args, RowLog(args.json), bench_vocab_divergence.contention_paths)
+    written = json.loads(path.read_text())
+    assert written["benchmark"] == "vocab_divergence" and set(written["goals"]) == set(contention.GOALS)
+    rows = written["results"]
+    assert [(r["contention"], r["threads"], r["V"]) for r in rows] == [
+        ("quiet", 1, 8192), ("quiet", 2, 8192), ("busy", 1, 8192), ("busy", 2, 8192)]
+    assert capsys.readouterr().out.count("MET: ") == len(contention.GOALS)
