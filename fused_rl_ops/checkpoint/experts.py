@@ -23,8 +23,8 @@ import torch
 from ._torch_private import EXTRA_STATE_KEY_SUFFIX
 from .sharding import ShardingMetadataError, ShardSpec
 
-__all__ = ["ExpertLayout", "check_expert_counts", "check_grouped_glu_not_interleaved", "expert_prefix",
-           "is_extra_state"]
+__all__ = ["ExpertLayout", "check_expert_counts", "check_expert_gradient_reduction", "check_grouped_glu_not_interleaved",
+           "expert_prefix", "is_extra_state"]
 
 _SEQUENTIAL_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?local_experts\.)(?P<index>\d+)(?P<rest>\..+)$")
 _GROUPED_NAME = re.compile(
@@ -205,3 +205,22 @@ def check_grouped_glu_not_interleaved(module):
             raise ValueError(
                 f"{name or '<model>'}: grouped experts with interleaved GLU rows (moe_mlp_glu_interleave_size="
                 f"{size}) are not supported: their fc1 is not the [W ; V] the checkpoint stores")
+
+
+def check_expert_gradient_reduction(state: dict, tp_size: int, expert_tp_size: int):
+    """Raises for expert parameters that megatron-core marks for the dense data-parallel gradient
+    reduction (`allreduce` True) while the experts' TP degree is not the dense one: their copies on
+    ranks outside that group are then never reduced together and drift apart in training, so the
+    checkpoint would keep one copy of several. megatron-core 0.18 marks experts so at expert-parallel
+    degree 1 (0.19 reduces them over the expert data-parallel group)."""
+    if tp_size == expert_tp_size:
+        return
+    for name, tensor in state.items():
+        if expert_prefix(name) is not None and getattr(tensor, "allreduce", None) is True:
+            raise ValueError(
+                f"{name}: an expert parameter whose gradient is reduced over the dense data-parallel group "
+                f"(allreduce=True) while the experts' tensor-parallel degree ({expert_tp_size}) is not the dense "
+                f"one ({tp_size}): its copies on the tensor-parallel ranks are never reduced together and drift "
+                "apart in training. megatron-core 0.18 trains experts so at expert-parallel degree 1; use "
+                "megatron-core >= 0.19, expert_tensor_parallel_size = tensor_model_parallel_size, or "
+                "expert_model_parallel_size > 1")

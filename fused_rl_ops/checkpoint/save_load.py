@@ -39,7 +39,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ._torch_private import EXTRA_STATE_KEY_SUFFIX
 from .chunks import placement
-from .experts import check_expert_counts, check_grouped_glu_not_interleaved, is_extra_state
+from .experts import (check_expert_counts, check_expert_gradient_reduction, check_grouped_glu_not_interleaved,
+                      is_extra_state)
 from .integrity import ChecksummedReader, ChecksummedWriter, require_xxhash
 from .metadata import check_data_files, read_metadata
 from .planners import LoadPlanner, SavePlanner
@@ -96,6 +97,7 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
     state = _state_of(module_or_state_dict)
     with raised_together():
         layout = layout_of(state, (tp_group, ep_group, expert_tp_group, pp_group), module)
+        check_expert_gradient_reduction(state, layout.tp.size, layout.expert_tp.size)
         entries = local_entries(state, layout)
         if optimizer is not None:
             entries.update(entries_to_save(optimizer, state, entries))

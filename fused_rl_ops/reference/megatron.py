@@ -1,6 +1,8 @@
 """The naive Megatron baseline of fused_rl_ops.megatron's output processor: materialised logits
 through Megatron's own output layer, vocab_parallel_cross_entropy and TP gathers, written apart
 from the fused processor (no code shared with it). The tests and the example compare against it."""
+import inspect
+
 import torch
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.mappings import (
@@ -13,6 +15,14 @@ from ..logit_options import LogitOptions
 from . import apply_logit_map, sampler_filter
 
 __all__ = ["NaiveRLOutputProcessor"]
+
+
+def _vocab_parallel_cross_entropy(logits, tokens, tp_group):
+    """Megatron's vocab_parallel_cross_entropy over tp_group; megatron-core 0.18's takes no group
+    (it reduces over parallel_state's tensor-parallel group, the output layer's there)."""
+    if "tp_group" in inspect.signature(vocab_parallel_cross_entropy).parameters:
+        return vocab_parallel_cross_entropy(logits, tokens, tp_group=tp_group)
+    return vocab_parallel_cross_entropy(logits, tokens)
 
 
 class NaiveRLOutputProcessor:
@@ -65,7 +75,7 @@ class NaiveRLOutputProcessor:
             rank = 0 if tp_group is None else tp_group.rank()
             logits = filtered.narrow(-1, rank * logits.shape[-1], logits.shape[-1]).contiguous()
         # vocab_parallel_cross_entropy overwrites its input; the entropy needs the logits.
-        cross_entropy = vocab_parallel_cross_entropy(logits.clone(), tokens.masked_fill(~keep, 0), tp_group=tp_group)
+        cross_entropy = _vocab_parallel_cross_entropy(logits.clone(), tokens.masked_fill(~keep, 0), tp_group)
         outputs = {"logprobs": torch.where(keep, -cross_entropy, 0.0)}
         if self.return_entropy:
             full_vocab_logits = gather_from_tensor_model_parallel_region(logits, group=tp_group)[..., : self.vocab_size]
