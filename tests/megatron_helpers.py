@@ -7,11 +7,15 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from megatron.core import package_info
 from torch.testing import assert_close
 
 from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config
 from fused_rl_ops.testing.ppo import model_inputs
 
+# megatron-core 0.18 (verl's) lacks what 0.19 added: MTP labels from the input ids, mtp_detach_heads,
+# MTP acceptance counts, expert gradients reduced over the expert groups whenever expert TP != TP.
+MEGATRON_0_18 = package_info.__version__.startswith("0.18.")
 B, S = 2, 8  # b != s, so a [b, s] / [s, b] mix-up cannot pass
 VOCAB = 256  # the model's (padded) vocabulary
 REAL_VOCAB = 200  # the tokenizer's, for the padded-vocab checks
