@@ -132,19 +132,26 @@ def _reshard(rank, world_size, root):
 
 
 def _refuses_experts_reduced_over_the_dense_group(root):
-    """At TP 2, expert TP 1, EP 1, experts marked for the dense data-parallel gradient reduction
-    (megatron-core 0.18's marking; planted on 0.19, which reduces them over the expert groups) are
-    refused by save_sharded: their copies on the two TP ranks are never reduced together."""
+    """At TP 2, expert TP 1, EP 1, megatron-core 0.18 reduces the experts' gradients over the dense
+    data-parallel group (allreduce=True): a training step leaves their copies on the two TP ranks
+    apart, and save_sharded refuses them, saying why. (0.19 reduces them over the expert groups:
+    there 0.18's marking and a drifted copy are planted.)"""
     from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees
 
     set_parallel_degrees(tp=2, expert_tp=1)
-    model, _, optimizer, _ = build("chained", seed=1)
+    model, ddp_model, optimizer, _ = build("chained", seed=1)
     experts = [param for name, param in model.named_parameters() if ".experts." in name]
     assert experts and all(param.allreduce is MEGATRON_0_18 for param in experts)
-    for param in experts:
-        param.allreduce = True
-    with pytest.raises(ValueError, match=r"experts\.local_experts\.0\..*: an expert parameter whose gradient is "
-                                         r"reduced over the dense data-parallel group .* megatron-core 0.18"):
+    if MEGATRON_0_18:
+        train(ddp_model, optimizer, range(1))
+    else:
+        for param in experts:
+            param.allreduce = True
+        with torch.no_grad():
+            experts[0].add_(parallel_state.get_tensor_model_parallel_rank())
+    with pytest.raises(ValueError, match=r"experts\.local_experts\.\d\..*: ranks \d and \d both hold .* different bytes.* "
+                                         r"The experts' gradients are reduced over the dense data-parallel group .* "
+                                         r"megatron-core 0.18"):
         save_sharded(model, f"{root}/experts_reduced_over_the_dense_group", optimizer=optimizer)
 
 

@@ -28,7 +28,8 @@ from fused_rl_ops.megatron import attach, detach, rl_output_processor  # noqa: E
 from fused_rl_ops.megatron.mtp import FusedMTPLoss  # noqa: E402
 from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
 from fused_rl_ops.testing.ppo import model_inputs  # noqa: E402
-from megatron_helpers import MEGATRON_0_18, assert_close_by_name, same_on_all_ranks, take_grads  # noqa: E402
+from megatron_helpers import (MEGATRON_0_18, MTP_LOGGED, assert_close_by_name, logged_mtp_metrics,  # noqa: E402
+                              same_on_all_ranks, take_grads)
 
 if MEGATRON_0_18:
     from megatron.core.models.gpt.fine_grained_callables import PostProcessNode
@@ -55,20 +56,6 @@ def output_layer_outputs(model):
         yield outputs
     finally:
         handle.remove()
-
-
-LOGGED = {"loss_values": "values"} if MEGATRON_0_18 else {key: key for key in ("loss_values", "correct_values",
-                                                                               "total_values")}
-
-
-def logged_metrics():
-    """MTPLossLoggingHelper's per-depth loss, correct and total (0.18: the loss alone) since the last
-    call, those logged; empties its tracker (whose tensors keep the size of the first model's
-    mtp_num_layers)."""
-    tracker = MTPLossLoggingHelper.tracker
-    metrics = {key: tracker[tracked].clone() for key, tracked in LOGGED.items() if tracked in tracker}
-    tracker.clear()
-    return metrics
 
 
 def mtp_scored_rows(mask, depths, labels_from_input_ids):
@@ -129,7 +116,7 @@ def _check_against_megatron(depths, *, tied=False, masked=False, labels_from_inp
             cross_entropy = model(*inputs, labels=labels, loss_mask=loss_mask)
     assert len(calls) == 1 + len(scored_mtp_rows)  # Megatron materialises logits for every MTP depth
     (cross_entropy * mask).mean().backward()
-    megatron_grads, megatron_metrics = take_grads(model), logged_metrics()
+    megatron_grads, megatron_metrics = take_grads(model), logged_mtp_metrics()
 
     attach(model, rl_output_processor())
     assert gpt_model.process_mtp_loss is not MEGATRON_PROCESS_MTP_LOSS
@@ -140,7 +127,7 @@ def _check_against_megatron(depths, *, tied=False, masked=False, labels_from_inp
     assert calls == []
     assert_close(outputs["logprobs"], -(cross_entropy * mask).detach())
     assert_close_by_name(take_grads(model), megatron_grads)
-    metrics = logged_metrics()
+    metrics = logged_mtp_metrics()
     # The MTP depths' positions with loss_mask 1 (Megatron >= 0.19 counts them: total_values), then the main head's.
     scored_rows = scored_mtp_rows + [int(mask.sum())]
     for op in ("chosen_logprob_stats", "chosen_logprob_backward"):  # every position, the scored ones computed
@@ -159,7 +146,7 @@ def _check_against_megatron(depths, *, tied=False, masked=False, labels_from_inp
     model.eval()  # not training: Megatron logs nothing; neither does the fused path
     with torch.no_grad():
         model(*inputs, labels=labels, loss_mask=loss_mask, output_processor_context=context)
-    assert LOGGED["loss_values"] not in MTPLossLoggingHelper.tracker
+    assert MTP_LOGGED["loss_values"] not in MTPLossLoggingHelper.tracker
     model.train()
 
     detach(model)
@@ -167,7 +154,7 @@ def _check_against_megatron(depths, *, tied=False, masked=False, labels_from_inp
     with output_layer_outputs(model) as calls:
         model(*inputs, labels=chosen, loss_mask=loss_mask)
     assert len(calls) == 1 + depths
-    logged_metrics()
+    logged_mtp_metrics()
 
 
 def _check_routing_is_per_model():
@@ -188,7 +175,7 @@ def _check_routing_is_per_model():
     assert calls == []
     detach(second)
     assert gpt_model.process_mtp_loss is MEGATRON_PROCESS_MTP_LOSS
-    logged_metrics()
+    logged_mtp_metrics()
 
 
 def _check_schedule_plan_post_process_node():
@@ -204,10 +191,10 @@ def _check_schedule_plan_post_process_node():
     handle = model.mtp.register_forward_hook(lambda module, args, output: concatenated.append(output))
     outputs = model(tokens, position_ids, attention_mask, labels=tokens)
     (-outputs["logprobs"].mean()).backward()
-    forward_grads, forward_metrics = take_grads(model), logged_metrics()
+    forward_grads, forward_metrics = take_grads(model), logged_mtp_metrics()
     model(tokens, position_ids, attention_mask, labels=tokens)
     handle.remove()
-    logged_metrics()
+    logged_mtp_metrics()
     state = types.SimpleNamespace(
         input_ids=tokens, position_ids=position_ids, labels=tokens, decoder_input=None, rotary_pos_emb=None,
         rotary_pos_cos=None, rotary_pos_sin=None, loss_mask=None, attention_mask=attention_mask,
@@ -220,7 +207,7 @@ def _check_schedule_plan_post_process_node():
     assert_close(node_outputs["logprobs"], outputs["logprobs"].detach(), rtol=0, atol=0)
     (-node_outputs["logprobs"].mean()).backward()
     assert_close_by_name(take_grads(model), forward_grads)
-    metrics = logged_metrics()
+    metrics = logged_mtp_metrics()
     for key, expected in forward_metrics.items():
         assert torch.equal(metrics[key], expected), key
     detach(model)
@@ -282,7 +269,7 @@ def run_both(model, hidden_states, labels, loss_mask, **overrides):
         hidden = hidden_states.detach().clone().requires_grad_(True)
         returned = process_mtp_loss(**mtp_loss_call(model, hidden, labels, loss_mask, **overrides))
         returned.sum().backward()
-        results.append((returned.detach(), hidden.grad, model.output_layer.weight.grad.clone(), logged_metrics()))
+        results.append((returned.detach(), hidden.grad, model.output_layer.weight.grad.clone(), logged_mtp_metrics()))
         model.zero_grad()
     return results
 
@@ -394,14 +381,14 @@ def _pipeline_parallel(rank, world_size):
     last_stage = parallel_state.is_pipeline_last_stage()
     run_schedule(model, batches, lambda cross_entropy: cross_entropy.mean())
     megatron_grads = take_grads(model)
-    megatron_metrics = logged_metrics() if last_stage else None
+    megatron_metrics = logged_mtp_metrics() if last_stage else None
     attach(model, rl_output_processor())
     with output_layer_outputs(model) if last_stage else contextlib.nullcontext([]) as calls:
         run_schedule(model, batches, lambda outputs: -outputs["logprobs"].mean())
     assert calls == []
     assert_close_by_name(take_grads(model), megatron_grads)
     if last_stage:
-        metrics = logged_metrics()
+        metrics = logged_mtp_metrics()
         assert_close(metrics["loss_values"], megatron_metrics["loss_values"])
         if not MEGATRON_0_18:
             assert torch.equal(metrics["total_values"], megatron_metrics["total_values"])

@@ -39,8 +39,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ._torch_private import EXTRA_STATE_KEY_SUFFIX
 from .chunks import placement
-from .experts import (check_expert_counts, check_expert_gradient_reduction, check_grouped_glu_not_interleaved,
-                      is_extra_state)
+from .experts import check_expert_counts, check_grouped_glu_not_interleaved, expert_drift_cause, is_extra_state
 from .integrity import ChecksummedReader, ChecksummedWriter, require_xxhash
 from .metadata import check_data_files, read_metadata
 from .planners import LoadPlanner, SavePlanner
@@ -97,11 +96,14 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
     state = _state_of(module_or_state_dict)
     with raised_together():
         layout = layout_of(state, (tp_group, ep_group, expert_tp_group, pp_group), module)
-        check_expert_gradient_reduction(state, layout.tp.size, layout.expert_tp.size)
         entries = local_entries(state, layout)
         if optimizer is not None:
             entries.update(entries_to_save(optimizer, state, entries))
-    check_ranks_agree(entries, layout, with_checksums=True)
+    try:
+        check_ranks_agree(entries, layout, with_checksums=True)
+    except ValueError as error:
+        cause = expert_drift_cause(str(error), state, layout.tp.size, layout.expert_tp.size)
+        raise ValueError(f"{error}{cause}") from None
     entries = {name: entry for name, entry in entries.items() if not entry.optional}
     state, placements = _dcp_state(entries, _alias)
     with _quiet_if_one_process():
