@@ -1,4 +1,4 @@
-"""The processor under Megatron's overlapped parameter all-gather (megatron-core 0.19.2, CPU / gloo).
+"""The processor under Megatron's overlapped parameter all-gather (megatron-core 0.18 and 0.19, CPU / gloo).
 
 With `DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True,
 overlap_grad_reduce=True)`, Megatron's DDP all-gathers each bucket of updated parameters lazily and

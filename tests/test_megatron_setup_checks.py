@@ -1,5 +1,5 @@
 """Set-up mistakes a trainer can make with the Megatron integration, each refused or reported where it
-happens instead of training silently wrong (megatron-core 0.19.2, CPU / gloo):
+happens instead of training silently wrong (megatron-core 0.18 and 0.19, CPU / gloo):
 
 - a value head whose parameters differ between the TP ranks (built after a per-rank seed): attach
   refuses it on every rank, naming the fix, and the fix it names works;

@@ -1,4 +1,4 @@
-"""Megatron-core integration (tested with megatron-core 0.19.2; importing this imports megatron-core):
+"""Megatron-core integration (tested with megatron-core 0.18 and 0.19; importing this imports megatron-core):
 the RL output processor (with on-policy distillation: the teacher's processor), its registration on
 every Megatron code path, the clamped SwiGLU MLP (dense and MoE experts), and the check that a
 configured clamp is never dropped."""
