@@ -2,14 +2,37 @@
 and the backward, over every row (the ops leave out the ignored ones themselves)."""
 import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ._library import ops
 from ._vocab_parallel import sampler_filter
-from ._vocab_parallel.group import CHOSEN, CombinedColumns
 from ._vocab_parallel.main_grad import placeholder_gradient
+
+
+class CombinedColumns(NamedTuple):
+    """The columns of chosen_logprob_combine's [N, 3 + k] output: the shards' partials merged
+    (combined_column): the row max, the log-sum relative to it (lse = row_max + log_sum), the
+    entropy [N] each, and the chosen logits [N, k]."""
+    row_max: torch.Tensor
+    log_sum: torch.Tensor
+    entropy: torch.Tensor
+    chosen: torch.Tensor
+
+
+# chosen_logprob_stats' [N, 3 + k] partials of a shard (stats_column): its max m, sum exp(z - m),
+# sum exp(z - m) (z - m), then from column CHOSEN the k chosen logits (0 where another shard holds
+# the token), then with top_width the row's top; their merge keeps CHOSEN as the first chosen column.
+CHOSEN = 3
+
+
+def combine(tp, stats: torch.Tensor) -> CombinedColumns:
+    """The ranks' partials of chosen_logprob_stats ([N, 3 + k] each) merged over tp. lse = row_max +
+    log_sum, kept apart: z - row_max is exact near the top of the row."""
+    merged = ops.chosen_logprob_combine(tp.gather(stats))
+    return CombinedColumns(*merged[:, :CHOSEN].unbind(1), merged[:, CHOSEN:])
 
 
 def _kept_set(hidden, weight, stats, merged, options, kernel_options, tp):
@@ -34,7 +57,7 @@ def _filtered(hidden, weight, tokens, stats, merged, options, kernel_options, tp
     if kept is None:  # a stats pass over the logits at or above the threshold
         unfiltered = kernel_options._replace(own=dataclasses.replace(kernel_options.own, top_width=0))
         stats = ops.chosen_logprob_stats(hidden, weight, tokens, *unfiltered.arguments(), threshold)
-        return tp.combine(stats), threshold
+        return combine(tp, stats), threshold
     # From the tops; rows that are not filtered (threshold -inf: a NaN or inf) as they are.
     filtered = torch.isfinite(threshold)
     return CombinedColumns(*(torch.where(filtered, k.to(c.dtype), c) for k, c in zip(kept, merged[:3])),
@@ -53,7 +76,7 @@ class ChosenLogprobFunction(torch.autograd.Function):
         entropy is the caller's to replace."""
         per_position = tokens.dim() == 1
         stats = ops.chosen_logprob_stats(hidden, weight, tokens, *kernel_options.arguments())
-        merged = tp.combine(stats[:, :CHOSEN + (1 if per_position else tokens.shape[1])])
+        merged = combine(tp, stats[:, :CHOSEN + (1 if per_position else tokens.shape[1])])
         merged, threshold = _filtered(hidden, weight, tokens, stats, merged, options, kernel_options, tp)
         # Per-position values against the entries: [N] against [N], or [N, 1] against [N, k].
         per_entry = (lambda t: t) if per_position else (lambda t: t[:, None])

@@ -5,7 +5,7 @@ overlap_grad_reduce=True)`, Megatron's DDP all-gathers each bucket of updated pa
 waits for a bucket in the forward pre-hook of a module that owns one of its parameters. The
 processor, the MTP loss and a value head given as a weight read their weights without running
 their modules' forwards, so they run those modules' forward pre-hooks first
-(fused_rl_ops/megatron/param_sync.py). Without that, the bucket holding the output weight alone
+(fused_rl_ops/megatron/output_layer.py). Without that, the bucket holding the output weight alone
 (`bucket_size` = its element count, as a real [V/tp, H] output weight is larger than Megatron's
 bucket) is dispatched and never waited for, and the second step dies in Megatron's
 `start_param_sync` (`assert self.param_gather_handle is None`).

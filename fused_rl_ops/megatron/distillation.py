@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 import fused_rl_ops
 
+from .output_layer import gather_sequence_parallel
+
 __all__ = ["TEACHER_OUTPUTS", "TeacherOutputProcessor", "teacher_output_processor"]
 
 # The keys of what the teacher's forward returns: hidden_states [s(/tp), b, h_t] after its final
@@ -55,22 +57,21 @@ def _teacher_of(name, context, student_weight, tp_size):
     return teacher
 
 
-def student_divergence(processor, hidden_states, weight, tokens, context, output_layer, main_grad, gather):
-    """[s, b] divergence of the student's gathered [s, b, h] hidden states from the teacher's in
-    context (processor: the RLOutputProcessor; tokens [s, b] or [s, b, k] with ignore_index where loss_mask is
-    0; gather: the sequence-parallel gather)."""
-    name = type(processor).__name__
-    tp_group = output_layer.tp_group
-    teacher = _teacher_of(name, context, weight, dist.get_world_size(tp_group))
+def student_divergence(caller, hidden_states, shard, context, *, kind, beta, logit_map, mask, vocab_size,
+                       batch_invariant, check_group):
+    """[s, b] divergence of the student's gathered [s, b, h] hidden states over its OutputShard from
+    the teacher's outputs in context, under the student's logit_map, at the positions of mask [s, b]
+    (the others 0, not computed); kind, beta, vocab_size, batch_invariant and check_group as
+    fused_rl_ops.vocab_divergence takes them. caller names the processor in errors."""
+    teacher = _teacher_of(caller, context, shard.weight, shard.tp_size())
     teacher_hidden = teacher["hidden_states"]
     if teacher["sequence_parallel"]:
-        teacher_hidden = gather(teacher_hidden.detach(), tp_group)
+        teacher_hidden = gather_sequence_parallel(teacher_hidden.detach(), shard.tp_group)
     if teacher_hidden.shape[:2] != hidden_states.shape[:2]:
-        raise ValueError(f"{name}: the teacher's hidden states [s, b, h_t] {list(teacher_hidden.shape)} do not "
+        raise ValueError(f"{caller}: the teacher's hidden states [s, b, h_t] {list(teacher_hidden.shape)} do not "
                          f"match the student's [s, b, h] {list(hidden_states.shape)}")
     return fused_rl_ops.vocab_divergence(
-        hidden_states, weight, teacher_hidden, teacher["output_weight"], kind=processor.divergence, beta=processor.beta,
-        logit_map=processor.logit_options.logit_map, teacher_softcap=teacher["softcap"],
-        mask=processor.scored_positions(tokens), vocab_size=processor.vocab_size, tp_group=tp_group,
-        reduce_hidden_grad=not output_layer.sequence_parallel, main_grad=main_grad,
-        batch_invariant=processor.batch_invariant, check_group=processor.host_checks)
+        hidden_states, shard.weight, teacher_hidden, teacher["output_weight"], kind=kind, beta=beta,
+        logit_map=logit_map, teacher_softcap=teacher["softcap"], mask=mask, vocab_size=vocab_size,
+        tp_group=shard.tp_group, reduce_hidden_grad=shard.reduce_hidden_grad, main_grad=shard.main_grad,
+        batch_invariant=batch_invariant, check_group=check_group)
