@@ -12,7 +12,7 @@ from ._chosen_logprob_function import CHOSEN, ChosenLogprobFunction, CombinedCol
 from ._library import acc_dtype, check_device
 from ._options import INTEGER, NON_NEGATIVE_INTEGER, check_options, groups_from_arguments, option, options_dataclass
 from ._vocab_parallel import agreement
-from ._vocab_parallel.agreement import agreed, agreed_dataclass, agreed_options
+from ._vocab_parallel.agreement import AgreedCall, agreed, agreed_dataclass, agreed_options
 from ._vocab_parallel.call import ResolvedCall, check_output_layer, resolve_call
 from ._vocab_parallel.group import TensorParallelGroup
 from ._vocab_parallel.kernel_options import SHARED_GROUPS, KernelOptions
@@ -45,14 +45,10 @@ SEARCH_GROUPS = SHARED_GROUPS
 
 
 @agreed_dataclass
-class _Agreed:
+class _Agreed(AgreedCall):
     """What every rank of tp_group must pass alike besides its shard, each by the name its error uses:
-    the call's own arguments, then the logit options."""
-    token_count: int = agreed("token count", agreement.INTEGER)
-    hidden_size: int = agreed("hidden size", agreement.INTEGER)
-    dtype: torch.dtype = agreed("dtype", agreement.DTYPE)
+    the call's own arguments (token_count: the token entries), then the logit options."""
     ignore_index: int = agreed("ignore_index", agreement.INTEGER)
-    vocab_size: int = agreed("vocab_size", agreement.INTEGER)
     reduce_hidden_grad: bool = agreed("reduce_hidden_grad", agreement.INTEGER)
     skip_ignored: bool = agreed("skipping of ignored rows (skip_ignored)", agreement.INTEGER)
     tokens: torch.Tensor = agreed("token ids", agreement.FINGERPRINT)

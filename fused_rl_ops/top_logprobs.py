@@ -14,7 +14,7 @@ from ._checks import check_mask, values_readable
 from ._library import acc_dtype, check_device, ops
 from ._options import POSITIVE_INTEGER, check_options, groups_from_arguments, option, options_dataclass
 from ._vocab_parallel import agreement
-from ._vocab_parallel.agreement import agreed, agreed_dataclass, agreed_options
+from ._vocab_parallel.agreement import AgreedCall, agreed, agreed_dataclass, agreed_options
 from ._vocab_parallel.call import ResolvedCall, check_output_layer, resolve_call
 from ._vocab_parallel.group import TensorParallelGroup
 from ._vocab_parallel.kernel_options import SHARED_GROUPS, KernelOptions
@@ -45,14 +45,10 @@ TOP_LOGPROBS_GROUPS = SHARED_GROUPS + (TopLogprobsOptions,)
 
 
 @agreed_dataclass
-class _Agreed:
+class _Agreed(AgreedCall):
     """What every rank of tp_group must pass alike besides its shard, each by the name its error uses:
-    the call's own arguments, then the logit map."""
-    token_count: int = agreed("token count", agreement.INTEGER)
-    hidden_size: int = agreed("hidden size", agreement.INTEGER)
-    dtype: torch.dtype = agreed("dtype", agreement.DTYPE)
+    the call's own arguments (token_count: hidden's rows), then the logit map."""
     k: int = agreed("k", agreement.INTEGER)
-    vocab_size: int = agreed("vocab_size", agreement.INTEGER)
     mask: Optional[torch.Tensor] = agreed("mask", agreement.FINGERPRINT)
     logit_map: LogitMap = agreed_options()
 

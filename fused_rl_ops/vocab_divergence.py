@@ -12,7 +12,7 @@ from ._library import acc_dtype, check_device, check_float_dtype
 from ._options import POSITIVE_FINITE, Rule, check_options, groups_from_arguments, option, options_dataclass
 from ._vocab_divergence_function import KINDS, VocabDivergenceFunction
 from ._vocab_parallel import agreement
-from ._vocab_parallel.agreement import agreed, agreed_dataclass, agreed_options
+from ._vocab_parallel.agreement import AgreedCall, agreed, agreed_dataclass, agreed_options
 from ._vocab_parallel.call import ResolvedCall, check_output_layer, resolve_call
 from ._vocab_parallel.group import TensorParallelGroup
 from ._vocab_parallel.kernel_options import SHARED_GROUPS, KernelOptions
@@ -49,15 +49,12 @@ _FLOAT = agreement.option_codec(float)
 
 
 @agreed_dataclass
-class _Agreed:
+class _Agreed(AgreedCall):
     """What every rank of tp_group must pass alike besides its shard, each by the name its error uses:
-    the call's own arguments, then the logit map."""
-    token_count: int = agreed("token count", agreement.INTEGER)
-    hidden_size: int = agreed("hidden size", agreement.INTEGER)
+    the call's own arguments (token_count: hidden's rows; hidden_size and dtype: the student's), then
+    the logit map."""
     teacher_hidden_size: int = agreed("teacher hidden size", agreement.INTEGER)
-    dtype: torch.dtype = agreed("dtype", agreement.DTYPE)
     teacher_dtype: torch.dtype = agreed("teacher dtype", agreement.DTYPE)
-    vocab_size: int = agreed("vocab_size", agreement.INTEGER)
     reduce_hidden_grad: bool = agreed("reduce_hidden_grad", agreement.INTEGER)
     kind: int = agreed("kind", agreement.INTEGER)
     beta: float = agreed("beta", _FLOAT)

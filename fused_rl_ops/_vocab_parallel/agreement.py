@@ -72,9 +72,9 @@ def agreed_options():
 
 
 def agreed_dataclass(cls):
-    """cls as a frozen, keyword-only dataclass of what the ranks of a tensor-parallel group must pass
-    alike besides their shards (a vocab_size field among them), with FIELDS: the Field of each
-    value compared, in order."""
+    """cls (AgreedCall or a subclass) as a frozen, keyword-only dataclass of what the ranks of a
+    tensor-parallel group must pass alike besides their shards, with FIELDS: the Field of each value
+    compared, in order (a base class's first)."""
     cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
     hints = typing.get_type_hints(cls)
     fields = []
@@ -88,11 +88,20 @@ def agreed_dataclass(cls):
     return cls
 
 
+@agreed_dataclass
+class AgreedCall:
+    """What the ranks of every vocab-parallel op compare; an op's subclass adds its own."""
+    token_count: int = agreed("token count", INTEGER)
+    hidden_size: int = agreed("hidden size", INTEGER)
+    dtype: torch.dtype = agreed("dtype", DTYPE)
+    vocab_size: int = agreed("vocab_size", INTEGER)
+
+
 def check_agreement(op: str, tp_group, declaration: type, error: Optional[Exception], shard: Optional[tuple],
                     agreed_values) -> None:
     """Raises on every rank of tp_group, with the same message, when any rank rejected its arguments
     (error; shard and agreed_values are then None) or the ranks disagree on a field of declaration
-    (an agreed_dataclass; agreed_values: this rank's record of it), or hold shards (vocab_start,
+    (an AgreedCall subclass; agreed_values: this rank's record of it), or hold shards (vocab_start,
     V_local) that do not tile [0, total rows), or a vocab_size beyond the total rows."""
     fields = declaration.FIELDS
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(tp_group)) else "cpu"

@@ -16,7 +16,7 @@ class ResolvedCall(NamedTuple):
     """A call resolved on this rank."""
     kernel_options: KernelOptions
     local_rows: int  # weight's rows: the shard is [vocab_start, vocab_start + local_rows)
-    agreed: object  # what the ranks must pass alike: a record of the op's agreement.agreed_dataclass
+    agreed: agreement.AgreedCall  # what the ranks must pass alike: a record of the op's subclass
 
     @property
     def vocab_size(self) -> int:
@@ -28,7 +28,7 @@ def resolve_call(op: str, tp_group: Optional[dist.ProcessGroup], check_group: bo
                  resolve: Callable[[int, int], ResolvedCall]) -> ResolvedCall:
     """resolve(rank, world)'s ResolvedCall, which raises TypeError or ValueError on bad arguments.
     With several ranks in tp_group and check_group, every rank raises the same error when any rank's
-    arguments are bad, the ranks disagree on a field of agreed (the op's agreed_dataclass) or their
+    arguments are bad, the ranks disagree on a field of agreed (the op's AgreedCall subclass) or their
     shards do not tile the vocabulary; otherwise a bad argument raises on its rank alone."""
     world, rank = (dist.get_world_size(tp_group), dist.get_rank(tp_group)) if tp_group is not None else (1, 0)
     call, error = None, None
