@@ -5,8 +5,8 @@
   and entropy, and every parameter's gradient of a loss of both, against verl's unfused path on the
   same model (the logits divided by the temperature, vocab_parallel_log_probs_from_logits and
   vocab_parallel_entropy).
-- verl's own engine forward end to end on THD packed rows, at TP 2 with sequence parallel:
-  fused_forward_model_engine with the processor installed against gptmodel_forward_model_engine
+- verl's own engine forward end to end on THD packed rows, at TP 2 with sequence parallel and at
+  context parallel 2: fused_forward_model_engine with the processor installed against gptmodel_forward_model_engine
   with verl's functions as its logits processor; values and gradients.
 - install refuses a verl or megatron-core it was not made for, and the plugin module installs the
   processor when verl imports it; the processor passes its options on and refuses wrong input.
@@ -83,37 +83,40 @@ def test_through_megatrons_hook_at_tp2_matches_verls_functions():
 
 
 def _engine_forward_end_to_end(rank, world_size):
-    """verl's fused engine forward (the processor installed) against its unfused one, on the
-    THD rows verl packs, TP 2 with sequence parallel. The model scores each position on its own
-    (self-only attention: Megatron's local attention refuses THD rows on the CPU) and has no
-    position embedding (verl's packed path passes no position ids)."""
-    set_parallel_degrees(tp=2)
-    model = tiny_model("gpt", tiny_config(sequence_parallel=True, init_method_std=0.3),
-                       edit_spec=with_self_only_attention, seq_length=sum(DOCUMENTS))
-    model.embedding.add_position_embedding = False
-    patch_fused_forward(model)  # what verl's engine does when use_fused_kernels is on
-    g = torch.Generator().manual_seed(12)
-    input_ids = torch.nested.as_nested_tensor([torch.randint(0, VOCAB, (n,), generator=g) for n in DOCUMENTS],
-                                              layout=torch.jagged)
-    coeff = torch.randn(2, sum(DOCUMENTS), generator=g)
-    fused_rl_ops.verl.install()
-    try:
-        fused = fused_forward_model_engine(vision_model=False)(
-            model, input_ids, input_ids.clone(), {}, TEMPERATURE, calculate_entropy=True, pad_token_id=0)
-    finally:
-        fused_rl_ops.verl.uninstall()
-    verl_path = gptmodel_forward_model_engine(model, input_ids, {}, logits_processor=verls_own,
-                                              logits_processor_args={"label": input_ids.clone()})
-    grads = []
-    for outputs in (fused, verl_path):
-        assert outputs["log_probs"].is_nested and outputs["log_probs"].size(0) == len(DOCUMENTS)
-        (coeff[0] * outputs["log_probs"].values() + coeff[1] * outputs["entropy"].values()).sum().backward()
-        allreduce_sequence_parallel_grads(model)
-        grads.append(take_grads(model))
-    for name in ("log_probs", "entropy"):
-        assert_close(fused[name].values(), verl_path[name].values(), msg=lambda message: f"{name}: {message}")
-    assert "output_layer.weight" in grads[1]
-    assert_close_by_name(*grads)
+    """verl's fused engine forward (the processor installed) against its unfused one, on the THD
+    rows verl packs: TP 2 with sequence parallel, then context parallel 2 (verl's zigzag split). The
+    model scores each position on its own (self-only attention: Megatron's local attention refuses
+    THD rows on the CPU) and has no position embedding (verl's packed path passes no position ids)."""
+    for tp, cp in ((2, 1), (1, 2)):
+        set_parallel_degrees(tp=tp, cp=cp)
+        model = tiny_model("gpt", tiny_config(sequence_parallel=tp > 1, init_method_std=0.3),
+                           edit_spec=with_self_only_attention, seq_length=2 * sum(DOCUMENTS))
+        model.embedding.add_position_embedding = False
+        patch_fused_forward(model)  # what verl's engine does when use_fused_kernels is on
+        g = torch.Generator().manual_seed(12)
+        input_ids = torch.nested.as_nested_tensor([torch.randint(0, VOCAB, (n,), generator=g) for n in DOCUMENTS],
+                                                  layout=torch.jagged)
+        coeff = torch.randn(2, sum(DOCUMENTS), generator=g)
+        fused_rl_ops.verl.install()
+        try:
+            fused = fused_forward_model_engine(vision_model=False)(
+                model, input_ids, input_ids.clone(), {}, TEMPERATURE, calculate_entropy=True, pad_token_id=0)
+        finally:
+            fused_rl_ops.verl.uninstall()
+        verl_path = gptmodel_forward_model_engine(model, input_ids, {}, logits_processor=verls_own,
+                                                  logits_processor_args={"label": input_ids.clone()})
+        grads = []
+        for outputs in (fused, verl_path):
+            assert outputs["log_probs"].is_nested and outputs["log_probs"].size(0) == len(DOCUMENTS)
+            (coeff[0] * outputs["log_probs"].values() + coeff[1] * outputs["entropy"].values()).sum().backward()
+            allreduce_sequence_parallel_grads(model)
+            grads.append(take_grads(model))
+        what = f"TP {tp} CP {cp}"
+        for name in ("log_probs", "entropy"):
+            assert_close(fused[name].values(), verl_path[name].values(),
+                         msg=lambda message: f"{what} {name}: {message}")
+        assert "output_layer.weight" in grads[1], what
+        assert_close_by_name(*grads)
 
 
 def test_verls_engine_forward_on_packed_rows_end_to_end():
