@@ -180,13 +180,27 @@ def test_install_refuses_a_verl_it_was_not_made_for(verl_own, monkeypatch, chang
         model_forward_fused.fused_output_processor, fused_rl_ops.verl.VerlOutputProcessor)
 
 
+PLUGIN_CHECK = """
+import pytest
+from megatron.core.models.gpt.gpt_model import GPTModel
+with_hook = GPTModel.forward
+GPTModel.forward = lambda self, input_ids, labels=None: None
+with pytest.raises(RuntimeError, match="GPTModel.forward has no output_processor hook"):
+    import verl  # the plugin refuses a megatron-core without the hook, and with it the import
+GPTModel.forward = with_hook
+import verl  # again: verl imports the plugin again, which installs this time
+from verl.models.mcore import model_forward_fused
+import fused_rl_ops.verl
+assert isinstance(model_forward_fused.fused_output_processor, fused_rl_ops.verl.VerlOutputProcessor)
+"""
+
+
 def test_plugin_installs_when_verl_imports_it():
-    """VERL_USE_EXTERNAL_MODULES=fused_rl_ops.verl.plugin: `import verl` installs the processor."""
-    check = ("import verl\nfrom verl.models.mcore import model_forward_fused as m\n"
-             "import fused_rl_ops.verl as v\nassert isinstance(m.fused_output_processor, v.VerlOutputProcessor)")
+    """VERL_USE_EXTERNAL_MODULES=fused_rl_ops.verl.plugin: `import verl` installs the processor, or
+    fails with install's reason."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="fused_rl_ops.verl.plugin")
-    result = subprocess.run([sys.executable, "-c", check], cwd=root, env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", PLUGIN_CHECK], cwd=root, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
