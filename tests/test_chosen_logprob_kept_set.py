@@ -65,7 +65,7 @@ def test_kept_set_matches_float64(dtype, settings):
     logit_map = LogitOptions(**{n: settings[n] for n in ("temperature", "softcap") if n in settings}).logit_map
     ours = fwd_bwd(lambda h, w: fused_rl_ops.chosen_logprob(h, w, tokens, kept_ids=kept, return_entropy=True,
                                                             return_is_kept=True, workspace_bytes=1, **settings),
-                   hidden, weight, grad_lp.float(), grad_ent.float())
+                   hidden, weight, grad_lp, grad_ent)
     expected = fwd_bwd(lambda h, w: kept_set_logprob(h, w, tokens, kept, logit_map=logit_map,
                                                      vocab_size=settings.get("vocab_size")),
                        hidden.double(), weight.double(), grad_lp, grad_ent)
