@@ -206,3 +206,21 @@ def tensor_parallel_checks(rank, world):
 
 def test_kept_set_tensor_parallel_matches_single_rank():
     run_distributed(tensor_parallel_checks, 2)
+
+
+def test_kept_set_under_torch_compile():
+    """fullgraph=True: eager's values and gradients (no graph break, no host read)."""
+    hidden, weight, tokens, kept = inputs(dtype=torch.float32)
+
+    def step(h, w):
+        lp, ent = fused_rl_ops.chosen_logprob(h, w, tokens, kept_ids=kept, return_entropy=True)
+        return torch.where(lp.isfinite(), lp, 0.0).sum() + ent.sum()
+
+    results = []
+    for fn in (torch.compile(step, fullgraph=True, backend="aot_eager"), step):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss = fn(h, w)
+        loss.backward()
+        results.append((loss, h.grad, w.grad))
+    for compiled, eager in zip(*results):
+        torch.testing.assert_close(compiled, eager)
