@@ -51,8 +51,10 @@ call, top_p (alone or after top_k) at most 2.5x.
 
 The distillation case (--distillation runs it alone, at the main shapes; chosen_logprob_distillation):
 forward+backward of chosen_logprob with k = 1, 8 and 64 tokens per position and of top_logprobs
-(k = 64), fused and naive (materialised logits, log_softmax, gather / topk), in the same rounds;
-goals: k = 64 at most 1.15x k = 1, top_logprobs at most 1.3x chosen_logprob with one token.
+(k = 64), fused and naive (materialised logits, log_softmax, gather / topk), and of the rollout
+sampler's kept set (kept_ids of 63 ids: kept/k64, its time over chosen_logprob with the same 64
+tokens), in the same rounds; goals: k = 64 at most 1.15x k = 1, top_logprobs at most 1.3x
+chosen_logprob with one token.
 
 The plot (--json PATH -> PATH.png) draws time and peak memory of forward+backward (logprob only)
 against V and against N for every path (the sweeps), and against the masked share at the last main

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ._checks import values_readable
 from ._chosen_logprob_function import CHOSEN, ChosenLogprobFunction, CombinedColumns
+from ._kept_set import KeptSet
 from ._library import acc_dtype, check_device
 from ._options import INTEGER, NON_NEGATIVE_INTEGER, check_options, groups_from_arguments, option, options_dataclass
 from ._vocab_parallel import agreement
@@ -72,10 +73,11 @@ def _check_tensors(hidden, weight, tokens):
 
 
 def _resolve(hidden, weight, tokens, options, rank, world, *, ignore_index, skip_ignored, vocab_start, vocab_size,
-             reduce_hidden_grad, main_grad, workspace_bytes, batch_invariant, check_tokens) -> ResolvedCall:
+             reduce_hidden_grad, main_grad, workspace_bytes, batch_invariant, check_tokens, kept) -> ResolvedCall:
     """The call on this rank, after its checks: top_k at or beyond the vocabulary filters nothing
-    (None). The tiling is planned for the rows the ops compute: the scored ones when the token check
-    has counted them, else all (the ops then use less)."""
+    (None); with a KeptSet (kept) the ops score its entries. The tiling is planned for the rows the
+    ops compute: the scored ones when the token check has counted them, else all (the ops then use
+    less); with kept those of the scored tokens, skip_ignored leaving out the others' entries."""
     _check_tensors(hidden, weight, tokens)
     shard, vocab_size = resolve_shard("chosen_logprob", weight.shape[0], rank, world, vocab_start, vocab_size)
     check_main_grad("chosen_logprob", main_grad, weight)
@@ -83,6 +85,8 @@ def _resolve(hidden, weight, tokens, options, rank, world, *, ignore_index, skip
     if check_tokens:
         scored_rows = check_token_range("chosen_logprob", tokens, vocab_size, ignore_index,
                                         per_position=tokens.dim() < hidden.dim())
+        if kept is not None:
+            kept.check_range(vocab_size)
         planned_rows = scored_rows if skip_ignored else planned_rows
     if workspace_bytes is None:
         workspace_bytes = default_workspace_bytes(hidden, planned_rows)
@@ -90,6 +94,7 @@ def _resolve(hidden, weight, tokens, options, rank, world, *, ignore_index, skip
                         batch_invariant)
     if options.top_k is not None and options.top_k >= vocab_size:
         options = dataclasses.replace(options, top_k=None)
+    tokens = tokens if kept is None else kept.entries
     own = ChosenLogprobOptions(ignore_index if skip_ignored else None, options.top_k or 0)
     agreed_values = _Agreed(token_count=tokens.numel(), hidden_size=hidden.shape[-1], dtype=hidden.dtype,
                             ignore_index=ignore_index, vocab_size=vocab_size, reduce_hidden_grad=reduce_hidden_grad,
@@ -121,6 +126,7 @@ def chosen_logprob(
     batch_invariant: bool = False,
     return_is_max: bool = False,
     return_is_kept: bool = False,
+    kept_ids: Optional[torch.Tensor] = None,
 ):
     """log softmax(z)[tokens] over the (vocab-parallel) vocabulary, z = map(hidden @ weight.T) under
     the logit options, without a [tokens, vocab] tensor (docs/chosen_logprob.md has every detail).
@@ -148,25 +154,34 @@ def chosen_logprob(
     instead of returning one. workspace_bytes bounds the chunk loop's buffers (default: the size of
     the scored rows of hidden, within [1 MiB, DEFAULT_WORKSPACE_BYTES]). batch_invariant=True: each
     token's logprob, entropy and hidden gradient are bitwise independent of the other tokens.
+    kept_ids [..., k] (int, padded with ignore_index; the positions' leading shape): the ids the
+    rollout sampler kept at each position, in place of top_k / top_p: logprob renormalised over
+    them (-inf, is_kept False for a token outside), entropy over them; an id given twice counts once.
     """
     # Traced, captured or meta tensors: both host checks are skipped, out-of-range ids get NaN (below).
-    readable = values_readable(hidden, weight, tokens)
+    readable = values_readable(hidden, weight, tokens, kept_ids)
     check_tokens = check_tokens and readable
+    kept = None
 
     def resolve(rank, world):
+        nonlocal kept
         options = given_once("chosen_logprob", "logit_options", logit_options,
                              LogitOptions(temperature=temperature, softcap=softcap, top_k=top_k, top_p=top_p),
                              LogitOptions())
+        if kept_ids is not None:
+            _check_tensors(hidden, weight, tokens)
+            kept = KeptSet.of(hidden, tokens, kept_ids, options, ignore_index, skip_ignored)
         return _resolve(hidden, weight, tokens, options, rank, world, ignore_index=ignore_index,
                         skip_ignored=skip_ignored, vocab_start=vocab_start, vocab_size=vocab_size,
                         reduce_hidden_grad=reduce_hidden_grad, main_grad=main_grad, workspace_bytes=workspace_bytes,
-                        batch_invariant=batch_invariant, check_tokens=check_tokens)
+                        batch_invariant=batch_invariant, check_tokens=check_tokens, kept=kept)
 
     call = resolve_call("chosen_logprob", tp_group, check_group and readable, _Agreed, resolve)
 
     positions = hidden.shape[:-1]
-    # The ops' tokens: [N] for one per position, [N, k] for k.
-    flat = tokens.reshape(positions.numel(), *tokens.shape[len(positions):]).to(torch.int64)
+    # The ops' tokens: [N] for one per position, [N, k] for k (with kept_ids: the kept set's entries).
+    scored = tokens if kept is None else kept.entries
+    flat = scored.reshape(positions.numel(), *scored.shape[len(positions):]).to(torch.int64)
     ignored = flat == ignore_index
     logprob, entropy, is_max, is_kept = ChosenLogprobFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, flat, ignored, main_grad, call.agreed.logit_options,
@@ -177,6 +192,8 @@ def chosen_logprob(
     if not check_tokens:
         logprob, out_of_range = mark_out_of_range(flat, ignored, call.vocab_size, logprob)
         is_max, is_kept = is_max & ~out_of_range, is_kept & ~out_of_range
+    if kept is not None:
+        logprob, entropy, is_max, is_kept = kept.renormalised(logprob, is_max, is_kept)
     per_entry = [logprob] + [is_max] * return_is_max + [is_kept] * return_is_kept
     outputs = [t.reshape(tokens.shape) for t in per_entry]
     outputs[1:1] = [entropy.reshape(positions)] * return_entropy

@@ -11,7 +11,9 @@ and logprobs 0, and are not computed).
 
 Tokens come from `labels` or `context["tokens"]` (exactly one), [b, s] like `loss_mask`, or from
 the context [b, s, k] (k tokens per position: logprobs [b, s, k]; a position is scored when any of
-its entries is). Positions with loss_mask 0 or ignore_index get logprob 0, entropy 0 and no
+its entries is). output_processor_context={"kept_ids": [b, s, k]} (ids padded with ignore_index):
+the ids the rollout sampler kept at each position, in place of top_k / top_p (chosen_logprob's
+kept_ids: logprobs renormalised over them, entropy over them). Positions with loss_mask 0 or ignore_index get logprob 0, entropy 0 and no
 gradient, and are not computed (chosen_logprob's skip_ignored: its ops leave them out; under CUDA
 graph capture every position is computed, with the same results). The
 weight is the local vocab shard (tied embedding or output_layer.weight) over the output layer's TP
@@ -98,6 +100,7 @@ class RLOutputProcessor:
         )
         expected_shape = (hidden_states.shape[1], seq_length)
         tokens = self._tokens(labels, context, expected_shape, hidden_states)
+        kept_ids = self._kept_ids(context, expected_shape, hidden_states)
         if loss_mask is not None:
             self._check_batch_shape("loss_mask", loss_mask, expected_shape, hidden_states)
             masked = (loss_mask == 0).reshape(*loss_mask.shape, *[1] * (tokens.dim() - 2))
@@ -105,7 +108,7 @@ class RLOutputProcessor:
         # Megatron's DDP hooks (overlap_param_gather) wait for the weights' all-gather (output_layer.py).
         shard = OutputShard.read(output_layer, output_weight)
         # Work in the model's [s, b] layout and transpose only the small per-token results.
-        outputs = self._outputs(shard.gather(hidden_states), shard, tokens.transpose(0, 1), context)
+        outputs = self._outputs(shard.gather(hidden_states), shard, tokens.transpose(0, 1), context, kept_ids)
         return {name: outputs[name].transpose(0, 1).contiguous() for name in self.output_names}
 
     def _tokens(self, labels, context, expected_shape, hidden_states):
@@ -120,6 +123,17 @@ class RLOutputProcessor:
             return self._check_batch_shape("labels", labels, expected_shape, hidden_states)
         return self._check_batch_shape("output_processor_context['tokens']", context_tokens, expected_shape,
                                        hidden_states, per_position=True)
+
+    def _kept_ids(self, context, expected_shape, hidden_states):
+        """output_processor_context['kept_ids'] [b, s, k] in the model's [s, b, k] layout, or None."""
+        kept_ids = context.get("kept_ids") if isinstance(context, dict) else None
+        if kept_ids is None:
+            return None
+        name = "output_processor_context['kept_ids']"
+        if isinstance(kept_ids, torch.Tensor) and kept_ids.dim() != 3:
+            raise ValueError(f"{type(self).__name__}: {name} must be [b, s, k] with [b, s] = {list(expected_shape)}, "
+                             f"got {list(kept_ids.shape)}")
+        return self._check_batch_shape(name, kept_ids, expected_shape, hidden_states, per_position=True).transpose(0, 1)
 
     def _check_batch_shape(self, name, tensor, expected_shape, hidden_states, per_position=False):
         """tensor, if it is a [b, s] tensor for these hidden states (per_position: or [b, s, k], k >=
@@ -136,8 +150,8 @@ class RLOutputProcessor:
             )
         return tensor
 
-    def _outputs(self, hidden_states, shard, tokens, context):
-        """The [s, b] outputs by name from the gathered [s, b, h] hidden states."""
+    def _outputs(self, hidden_states, shard, tokens, context, kept_ids):
+        """The [s, b] outputs by name from the gathered [s, b, h] hidden states (kept_ids [s, b, k] or None)."""
         result = fused_rl_ops.chosen_logprob(
             hidden_states, shard.weight, tokens,
             logit_options=self.logit_options,
@@ -150,6 +164,7 @@ class RLOutputProcessor:
             batch_invariant=self.batch_invariant,
             check_tokens=self.host_checks,
             check_group=self.host_checks,
+            kept_ids=kept_ids,
         )
         outputs = dict(zip(("logprobs", "entropy"), result if self.return_entropy else (result,)))
         if self.divergence is not None:
