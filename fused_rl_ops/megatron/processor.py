@@ -28,6 +28,8 @@ import dataclasses
 import torch
 
 import fused_rl_ops
+from fused_rl_ops._checks import values_readable
+from fused_rl_ops._vocab_parallel.tokens import check_token_range
 from fused_rl_ops.logit_options import LogitOptions
 from fused_rl_ops.top_logprobs import scored_top_logprobs
 
@@ -49,10 +51,11 @@ class RLOutputProcessor:
     output_names: the keys of the returned dict, in order ("logprobs", then "entropy", "values").
     batch_invariant: passed on to chosen_logprob (a token's outputs bitwise independent of the rest
     of the batch); the naive reference processor has no such option.
-    host_checks: chosen_logprob's token-range and TP group checks; False skips both: an
-    out-of-range token then gets a NaN logprob and NaN gradients, and a rank with invalid arguments
-    raises alone. Under torch.compile and CUDA graph capture both are skipped whatever host_checks
-    says (see chosen_logprob's check_tokens).
+    host_checks: the token-range check (here, naming the caller's tensor and its [b, s] index, then
+    chosen_logprob's) and chosen_logprob's TP group check; False skips them: an out-of-range token
+    then gets a NaN logprob and NaN gradients, and a rank with invalid arguments raises alone. Under
+    torch.compile and CUDA graph capture they are skipped whatever host_checks says (see
+    chosen_logprob's check_tokens).
     divergence: None, or the kind of fused_rl_ops.vocab_divergence ("forward_kl", "reverse_kl",
     "jsd", with beta) from the teacher in output_processor_context={"teacher": ...}
     (fused_rl_ops/megatron/distillation.py).
@@ -97,13 +100,16 @@ class RLOutputProcessor:
             torch.distributed.get_world_size(output_layer.tp_group) if sequence_parallel else 1
         )
         expected_shape = (hidden_states.shape[1], seq_length)
-        tokens = self._tokens(labels, context, expected_shape, hidden_states)
+        tokens_name, tokens = self._tokens(labels, context, expected_shape, hidden_states)
         if loss_mask is not None:
             self._check_batch_shape("loss_mask", loss_mask, expected_shape, hidden_states)
             masked = (loss_mask == 0).reshape(*loss_mask.shape, *[1] * (tokens.dim() - 2))
             tokens = tokens.masked_fill(masked, self.ignore_index)
         # Megatron's DDP hooks (overlap_param_gather) wait for the weights' all-gather (output_layer.py).
         shard = OutputShard.read(output_layer, output_weight)
+        if self.host_checks:
+            check_token_ids(type(self).__name__, tokens_name, tokens, self.vocab_size or shard.total_rows(),
+                            self.ignore_index)
         # Work in the model's [s, b] layout and transpose only the small per-token results.
         outputs = self._outputs(shard.gather(hidden_states), shard, tokens.transpose(0, 1), context)
         return {name: outputs[name].transpose(0, 1).contiguous() for name in self.output_names}
@@ -116,10 +122,12 @@ class RLOutputProcessor:
                 "output_processor_context={'tokens': tokens}"
                 + (" (got both)" if labels is not None else " (got neither)")
             )
-        if labels is not None:
-            return self._check_batch_shape("labels", labels, expected_shape, hidden_states)
-        return self._check_batch_shape("output_processor_context['tokens']", context_tokens, expected_shape,
-                                       hidden_states, per_position=True)
+        name = "labels" if labels is not None else "output_processor_context['tokens']"
+        tokens = self._check_batch_shape(name, labels if labels is not None else context_tokens, expected_shape,
+                                         hidden_states, per_position=labels is None)
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{type(self).__name__}: {name} must be int64 or int32, got {tokens.dtype}")
+        return name, tokens
 
     def _check_batch_shape(self, name, tensor, expected_shape, hidden_states, per_position=False):
         """tensor, if it is a [b, s] tensor for these hidden states (per_position: or [b, s, k], k >=
@@ -134,6 +142,9 @@ class RLOutputProcessor:
                 f"{list(hidden_states.shape)} ([s, b, h], s split over TP ranks with sequence parallel), "
                 f"got {list(tensor.shape)}"
             )
+        if tensor.device != hidden_states.device:
+            raise ValueError(f"{type(self).__name__}: {name} must be on the hidden states' device "
+                             f"{hidden_states.device}, got {tensor.device}")
         return tensor
 
     def _outputs(self, hidden_states, shard, tokens, context):
@@ -186,6 +197,15 @@ class RLOutputProcessor:
 
     def _value_from_weight(self, hidden_states):
         return fused_rl_ops.value_head(hidden_states, self.value_head)
+
+
+def check_token_ids(caller, name, tokens, vocab_size, ignore_index):
+    """Raises when an id of tokens (the caller's tensor `name`, [b, s] or [b, s, k]) is neither in
+    [0, vocab_size) nor ignore_index, naming its index in that layout: checked here, before the
+    processor transposes to Megatron's [s, b], so the op's own check (on the transposed ids) then
+    passes. Skipped where the host may not read values (torch.compile, CUDA graph capture)."""
+    if values_readable(tokens):
+        check_token_range(caller, tokens, vocab_size, ignore_index, per_position=tokens.dim() == 2, name=name)
 
 
 def rl_output_processor(*, return_entropy=True, value_head=None, ignore_index=-100, vocab_size=None,
