@@ -203,7 +203,9 @@ def check_token_ids(caller, name, tokens, vocab_size, ignore_index):
     """Raises when an id of tokens (the caller's tensor `name`, [b, s] or [b, s, k]) is neither in
     [0, vocab_size) nor ignore_index, naming its index in that layout: checked here, before the
     processor transposes to Megatron's [s, b], so the op's own check (on the transposed ids) then
-    passes. Skipped where the host may not read values (torch.compile, CUDA graph capture)."""
+    passes (one more host read of two integers). Each rank checks its own ids: Megatron gives the
+    ranks of a TP group the same. Skipped where the host may not read values (torch.compile, CUDA
+    graph capture)."""
     if values_readable(tokens):
         check_token_range(caller, tokens, vocab_size, ignore_index, per_position=tokens.dim() == 2, name=name)
 
