@@ -11,6 +11,9 @@ its processor's), 0 and not computed where loss_mask is 0 or the label is ignore
 sequence parallel both models' hidden states are gathered (the teacher's without a gradient).
 Teacher and student share the tokenizer and the TP degree, so that each rank holds the same vocab
 rows of both output layers; a teacher whose vocab partition differs is refused."""
+import warnings
+
+import torch
 import torch.distributed as dist
 
 import fused_rl_ops
@@ -26,20 +29,35 @@ TEACHER_OUTPUTS = ("hidden_states", "output_weight", "sequence_parallel", "tp_si
 
 
 class TeacherOutputProcessor:
-    """The teacher's output processor (module docstring); softcap: the teacher's final logit cap."""
+    """The teacher's output processor (module docstring); softcap: the teacher's final logit cap.
+
+    The divergence gives the teacher no gradient, so its outputs are returned detached: a teacher run
+    with autograd recording (its weights require grad, outside torch.no_grad()) then drops the graph
+    of its forward as the forward returns, instead of holding its activations through the student's
+    step. Building that graph cost the forward time and peak memory for nothing: the first such call
+    warns, naming the fix."""
 
     def __init__(self, *, softcap=None):
         self.softcap = softcap
+        self.warned_of_graph = False
 
     def __call__(self, *, hidden_states, output_layer, output_weight=None, **unused_keywords):
         weight = output_weight if output_weight is not None else output_layer.weight
-        return dict(zip(TEACHER_OUTPUTS, (hidden_states, weight, bool(output_layer.sequence_parallel),
+        if (hidden_states.requires_grad or weight.requires_grad) and torch.is_grad_enabled() \
+                and not self.warned_of_graph:
+            self.warned_of_graph = True
+            warnings.warn("teacher_output_processor: the teacher's forward ran with autograd recording (its weights "
+                          "require grad): it built a graph that the divergence never uses (no gradient reaches "
+                          "the teacher; its outputs are returned detached). Run the teacher under torch.no_grad(), "
+                          "or call teacher.requires_grad_(False) once", UserWarning, stacklevel=2)
+        return dict(zip(TEACHER_OUTPUTS, (hidden_states.detach(), weight.detach(), bool(output_layer.sequence_parallel),
                                           dist.get_world_size(output_layer.tp_group), self.softcap)))
 
 
 def teacher_output_processor(*, softcap=None) -> TeacherOutputProcessor:
     """An output processor for the teacher model: its forward returns a dict of TEACHER_OUTPUTS (its
-    hidden states and output-weight shard) instead of logits. Run the teacher under torch.no_grad()."""
+    hidden states and output-weight shard, detached) instead of logits. Run the teacher under
+    torch.no_grad(); a teacher run with autograd recording warns once (TeacherOutputProcessor)."""
     return TeacherOutputProcessor(softcap=softcap)
 
 

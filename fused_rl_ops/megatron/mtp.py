@@ -33,7 +33,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, 
 import fused_rl_ops
 
 from .output_layer import OutputShard
-from .processor import RLOutputProcessor
+from .processor import RLOutputProcessor, check_token_ids
 
 __all__ = ["FusedMTPLoss", "route_mtp_loss"]
 
@@ -83,6 +83,9 @@ class FusedMTPLoss:
         if labels_from_input_ids:
             loss_mask, _ = roll(loss_mask)  # the last position has no next token
         shard = OutputShard.read(output_layer, output_weight, detach=config.mtp_detach_heads)
+        if self.host_checks and not labels_from_input_ids:  # before rolling: the index in the caller's labels
+            check_token_ids("FusedMTPLoss", "labels", labels.masked_fill(loss_mask == 0, self.ignore_index),
+                            shard.total_rows(), self.ignore_index)
         # Megatron rescales by the unrolled token count under calculate_per_token_loss.
         main_num_tokens = loss_mask.sum()
         depth_labels = labels

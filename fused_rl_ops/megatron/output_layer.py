@@ -130,6 +130,10 @@ class OutputShard:
     def tp_size(self) -> int:
         return dist.get_world_size(self.tp_group)
 
+    def total_rows(self) -> int:
+        """The vocab rows of all TP ranks (the padded vocabulary); a stand-in without a group: its own."""
+        return self.weight.shape[0] * (self.tp_size() if self.tp_group is not None else 1)
+
     def gather(self, hidden_states):
         """[s(/tp), b, h] hidden states -> [s, b, h]: gathered with sequence parallel."""
         return gather_sequence_parallel(hidden_states, self.tp_group) if self.sequence_parallel else hidden_states

@@ -30,6 +30,8 @@ import dataclasses
 import torch
 
 import fused_rl_ops
+from fused_rl_ops._checks import values_readable
+from fused_rl_ops._vocab_parallel.tokens import check_token_range
 from fused_rl_ops.logit_options import LogitOptions
 from fused_rl_ops.top_logprobs import scored_top_logprobs
 
@@ -51,10 +53,11 @@ class RLOutputProcessor:
     output_names: the keys of the returned dict, in order ("logprobs", then "entropy", "values").
     batch_invariant: passed on to chosen_logprob (a token's outputs bitwise independent of the rest
     of the batch); the naive reference processor has no such option.
-    host_checks: chosen_logprob's token-range and TP group checks; False skips both: an
-    out-of-range token then gets a NaN logprob and NaN gradients, and a rank with invalid arguments
-    raises alone. Under torch.compile and CUDA graph capture both are skipped whatever host_checks
-    says (see chosen_logprob's check_tokens).
+    host_checks: the token-range check (here, naming the caller's tensor and its [b, s] index, then
+    chosen_logprob's) and chosen_logprob's TP group check; False skips them: an out-of-range token
+    then gets a NaN logprob and NaN gradients, and a rank with invalid arguments raises alone. Under
+    torch.compile and CUDA graph capture they are skipped whatever host_checks says (see
+    chosen_logprob's check_tokens).
     divergence: None, or the kind of fused_rl_ops.vocab_divergence ("forward_kl", "reverse_kl",
     "jsd", with beta) from the teacher in output_processor_context={"teacher": ...}
     (fused_rl_ops/megatron/distillation.py).
@@ -99,7 +102,7 @@ class RLOutputProcessor:
             torch.distributed.get_world_size(output_layer.tp_group) if sequence_parallel else 1
         )
         expected_shape = (hidden_states.shape[1], seq_length)
-        tokens = self._tokens(labels, context, expected_shape, hidden_states)
+        tokens_name, tokens = self._tokens(labels, context, expected_shape, hidden_states)
         kept_ids = self._kept_ids(context, expected_shape, hidden_states)
         if loss_mask is not None:
             self._check_batch_shape("loss_mask", loss_mask, expected_shape, hidden_states)
@@ -107,6 +110,9 @@ class RLOutputProcessor:
             tokens = tokens.masked_fill(masked, self.ignore_index)
         # Megatron's DDP hooks (overlap_param_gather) wait for the weights' all-gather (output_layer.py).
         shard = OutputShard.read(output_layer, output_weight)
+        if self.host_checks:
+            check_token_ids(type(self).__name__, tokens_name, tokens, self.vocab_size or shard.total_rows(),
+                            self.ignore_index)
         # Work in the model's [s, b] layout and transpose only the small per-token results.
         outputs = self._outputs(shard.gather(hidden_states), shard, tokens.transpose(0, 1), context, kept_ids)
         return {name: outputs[name].transpose(0, 1).contiguous() for name in self.output_names}
@@ -119,10 +125,12 @@ class RLOutputProcessor:
                 "output_processor_context={'tokens': tokens}"
                 + (" (got both)" if labels is not None else " (got neither)")
             )
-        if labels is not None:
-            return self._check_batch_shape("labels", labels, expected_shape, hidden_states)
-        return self._check_batch_shape("output_processor_context['tokens']", context_tokens, expected_shape,
-                                       hidden_states, per_position=True)
+        name = "labels" if labels is not None else "output_processor_context['tokens']"
+        tokens = self._check_batch_shape(name, labels if labels is not None else context_tokens, expected_shape,
+                                         hidden_states, per_position=labels is None)
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{type(self).__name__}: {name} must be int64 or int32, got {tokens.dtype}")
+        return name, tokens
 
     def _kept_ids(self, context, expected_shape, hidden_states):
         """output_processor_context['kept_ids'] [b, s, k] in the model's [s, b, k] layout, or None."""
@@ -148,6 +156,9 @@ class RLOutputProcessor:
                 f"{list(hidden_states.shape)} ([s, b, h], s split over TP ranks with sequence parallel), "
                 f"got {list(tensor.shape)}"
             )
+        if tensor.device != hidden_states.device:
+            raise ValueError(f"{type(self).__name__}: {name} must be on the hidden states' device "
+                             f"{hidden_states.device}, got {tensor.device}")
         return tensor
 
     def _outputs(self, hidden_states, shard, tokens, context, kept_ids):
@@ -201,6 +212,17 @@ class RLOutputProcessor:
 
     def _value_from_weight(self, hidden_states):
         return fused_rl_ops.value_head(hidden_states, self.value_head)
+
+
+def check_token_ids(caller, name, tokens, vocab_size, ignore_index):
+    """Raises when an id of tokens (the caller's tensor `name`, [b, s] or [b, s, k]) is neither in
+    [0, vocab_size) nor ignore_index, naming its index in that layout: checked here, before the
+    processor transposes to Megatron's [s, b], so the op's own check (on the transposed ids) then
+    passes (one more host read of two integers). Each rank checks its own ids: Megatron gives the
+    ranks of a TP group the same. Skipped where the host may not read values (torch.compile, CUDA
+    graph capture)."""
+    if values_readable(tokens):
+        check_token_range(caller, tokens, vocab_size, ignore_index, per_position=tokens.dim() == 2, name=name)
 
 
 def rl_output_processor(*, return_entropy=True, value_head=None, ignore_index=-100, vocab_size=None,
