@@ -103,7 +103,7 @@ class RLOutputProcessor:
             masked = (loss_mask == 0).reshape(*loss_mask.shape, *[1] * (tokens.dim() - 2))
             tokens = tokens.masked_fill(masked, self.ignore_index)
         # Megatron's DDP hooks (overlap_param_gather) wait for the weights' all-gather (output_layer.py).
-        shard = OutputShard.read(output_layer, output_weight)
+        shard = OutputShard.read(output_layer, output_weight, batch_invariant=self.batch_invariant)
         # Work in the model's [s, b] layout and transpose only the small per-token results.
         outputs = self._outputs(shard.gather(hidden_states), shard, tokens.transpose(0, 1), context)
         return {name: outputs[name].transpose(0, 1).contiguous() for name in self.output_names}
