@@ -134,5 +134,5 @@ class ChosenLogprobFunction(torch.autograd.Function):
         if ctx.main_grad is not None:
             grad_weight = placeholder_gradient(weight, ctx.weight_placeholder)
         else:
-            grad_weight = grad_weights[0] if len(grad_weights) == 1 else torch.cat(grad_weights)
+            grad_weight = ctx.pieces.concat(grad_weights)
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None, None, None

@@ -1,17 +1,18 @@
 """batch_invariant=True across tensor-parallel degrees: chosen_logprob's logprob, entropy and hidden
 gradient, and the weight gradient reassembled from the shards, are bitwise the same at TP 1, 2, 4 and
-8 (real ranks on gloo), with every logit option and many tokens per position; a TP 2 run inside a
-larger, different batch gives TP 1's bits; close to float64; the configurations it cannot keep the
-promise for are refused."""
+8 (real ranks on gloo), with every logit option and many tokens per position; so are top_logprobs'
+ids and logprobs and vocab_divergence's divergence of every kind, with their gradients; a TP 2 run
+inside a larger, different batch gives TP 1's bits; close to float64; the configurations it cannot
+keep the promise for are refused."""
 import pytest
 import torch
 import torch.distributed as dist
 
 import fused_rl_ops
-from fused_rl_ops import reference
+from fused_rl_ops import LogitOptions, reference
 from fused_rl_ops.testing.distributed import run_distributed
 
-H, PADDED_V, VOCAB, N = 32, 4096, 4000, 150
+H, HT, PADDED_V, VOCAB, N = 32, 20, 4096, 4000, 150
 # Each case: chosen_logprob's logit options, and the token layout ("one": [N], "many": [N, 3]).
 CASES = {
     "plain": (dict(temperature=0.9), "one"),
@@ -22,6 +23,8 @@ CASES = {
     "many": (dict(temperature=0.7), "many"),
 }
 OTHERS = 170  # the other tokens of the larger batch
+# The other ops' cases: top_logprobs' ids and logprobs, and vocab_divergence of each kind.
+OP_CASES = ("top_logprobs", "forward_kl", "reverse_kl", "jsd")
 
 
 def problem():
@@ -39,7 +42,9 @@ def problem():
     many[::11, 1] = -100
     many[5] = -100  # a position with every entry ignored
     grads = torch.randn(N + OTHERS, 3, generator=g), torch.randn(N + OTHERS, generator=g)
-    return dict(weight=weight, hidden=hidden, one=one, many=many, grad_lp=grads[0], grad_ent=grads[1])
+    teacher = dict(teacher_weight=torch.randn(PADDED_V, HT, generator=g) * (2.0 / HT**0.5),
+                   teacher_hidden=torch.randn(N + OTHERS, HT, generator=g) * 1.5)
+    return dict(weight=weight, hidden=hidden, one=one, many=many, grad_lp=grads[0], grad_ent=grads[1], **teacher)
 
 
 def run(p, rows, options, layout, rank=0, world=1):
@@ -57,13 +62,33 @@ def run(p, rows, options, layout, rank=0, world=1):
     return [lp.detach(), ent.detach(), hidden.grad, weight.grad]
 
 
+def run_op(p, rows, name, rank=0, world=1):
+    """top_logprobs' ids and logprobs (k 5, a mask), or vocab_divergence of kind name, of rows of
+    the problem on this rank, then the hidden gradient and this rank's weight gradient."""
+    local = slice(rank * PADDED_V // world, (rank + 1) * PADDED_V // world)
+    hidden = p["hidden"][rows].clone().requires_grad_(True)
+    weight = p["weight"][local].clone().requires_grad_(True)
+    kw = dict(vocab_size=VOCAB, batch_invariant=True, tp_group=dist.group.WORLD if world > 1 else None,
+              temperature=0.9)
+    if name == "top_logprobs":
+        outputs = fused_rl_ops.top_logprobs(hidden, weight, 5, mask=p["one"][rows] != -100, **kw)
+        loss = (outputs[1] * p["grad_lp"][rows, :1]).sum()
+    else:
+        outputs = [fused_rl_ops.vocab_divergence(hidden, weight, p["teacher_hidden"][rows],
+                                                 p["teacher_weight"][local], kind=name, softcap=3.0,
+                                                 workspace_bytes=1, **kw)]
+        loss = (outputs[0] * p["grad_ent"][rows]).sum()
+    loss.backward()
+    return [t.detach() for t in outputs] + [hidden.grad, weight.grad]
+
+
 def bits(t):
     return t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int64)
 
 
 def assert_same_bits(got, want, what):
-    for k, name in enumerate(("logprob", "entropy", "hidden gradient", "weight gradient")[:len(got)]):
-        assert torch.equal(bits(got[k]), bits(want[k])), (what, name, int((bits(got[k]) != bits(want[k])).sum()))
+    for k in range(len(got)):
+        assert torch.equal(bits(got[k]), bits(want[k])), (what, k, int((bits(got[k]) != bits(want[k])).sum()))
 
 
 def ranks_body(rank, world, path):
@@ -80,6 +105,11 @@ def ranks_body(rank, world, path):
             got = run(p, larger, options, layout, rank, world)
             where = torch.argsort(larger)[:N]
             results[name + " in a larger batch"] = [got[0][where], got[1][where], got[2][where]]
+    for name in OP_CASES:
+        results[name] = run_op(p, scored, name, rank, world)
+        if world == 2:
+            got = run_op(p, larger, name, rank, world)
+            results[name + " in a larger batch"] = [t[torch.argsort(larger)[:N]] for t in got[:-1]]
     torch.save(results, f"{path}/rank{rank}.pt")
     refused_configurations(rank, world, p)
 
@@ -106,27 +136,28 @@ def results(tmp_path_factory):
     """Every case's results at TP 1 and at TP 2, 4 and 8 (the weight gradient reassembled)."""
     p = problem()
     by_world = {1: {name: run(p, torch.arange(N), options, layout) for name, (options, layout) in CASES.items()}}
+    by_world[1].update({name: run_op(p, torch.arange(N), name) for name in OP_CASES})
     for world in (2, 4, 8):
         path = tmp_path_factory.mktemp(f"tp{world}")
         run_distributed(ranks_body, world, str(path))
         ranks = [torch.load(path / f"rank{r}.pt") for r in range(world)]
         for r in ranks[1:]:  # every rank holds the same per-token results
             for name in r:
-                assert_same_bits(r[name][:3], ranks[0][name][:3], (world, name, "rank"))
-        by_world[world] = {name: res[:3] + [torch.cat([r[name][3] for r in ranks])] if len(res) == 4 else res
+                assert_same_bits(r[name][:-1], ranks[0][name][:-1], (world, name, "rank"))
+        by_world[world] = {name: res if "larger" in name else res[:-1] + [torch.cat([r[name][-1] for r in ranks])]
                            for name, res in ranks[0].items()}
     return by_world
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(OP_CASES))
 def test_same_bits_at_every_degree(results, name):
     for world in (2, 4, 8):
         assert_same_bits(results[world][name], results[1][name], (world, name))
 
 
-@pytest.mark.parametrize("name", ["plain", "top_k", "top_p", "many"])
+@pytest.mark.parametrize("name", ["plain", "top_k", "top_p", "many", *OP_CASES])
 def test_tp2_inside_a_larger_batch_gives_tp1_alone(results, name):
-    assert_same_bits(results[2][name + " in a larger batch"], results[1][name][:3], name)
+    assert_same_bits(results[2][name + " in a larger batch"], results[1][name][:-1], name)
 
 
 @pytest.mark.parametrize("name", ["plain", "softcap", "top_k_top_p", "many"])
@@ -142,4 +173,30 @@ def test_close_to_float64(results, name):
     ent = ent[:, 0] if layout == "many" else ent
     (torch.where(torch.isfinite(lp), lp, 0.0) * grad_lp).sum().add((ent * p["grad_ent"][:N]).sum()).backward()
     for ours, ref in zip(results[1][name], (lp, ent, hidden.grad, weight.grad)):
+        torch.testing.assert_close(ours.double(), ref.detach(), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["top_logprobs", "jsd"])
+def test_other_ops_close_to_float64(results, name):
+    p = problem()
+    hidden = p["hidden"][:N].double().requires_grad_(True)
+    weight = p["weight"].double().requires_grad_(True)
+    student = LogitOptions(temperature=0.9, softcap=None if name == "top_logprobs" else 3.0).logit_map
+    if name == "top_logprobs":
+        ids = results[1][name][0]
+        logp = torch.log_softmax(reference.apply_logit_map(hidden @ weight[:VOCAB].T, student), -1)
+        scored = (p["one"][:N] != -100)[:, None]
+        want = [torch.where(scored, logp.gather(1, ids.clamp(min=0)), 0.0)]
+        # The ids: the 5 largest in descending order.
+        assert torch.equal(ids[scored[:, 0]], logp[scored[:, 0]].topk(5).indices)
+        loss = (want[0] * p["grad_lp"][:N, :1]).sum()
+    else:
+        want = [reference.vocab_divergence(hidden, weight, p["teacher_hidden"][:N].double(),
+                                           p["teacher_weight"].double(), kind=name, logit_map=student,
+                                           teacher_logit_map=LogitOptions(temperature=0.9).logit_map,
+                                           vocab_size=VOCAB)]
+        loss = (want[0] * p["grad_ent"][:N]).sum()
+    loss.backward()
+    got = results[1][name]
+    for ours, ref in zip(got[-3:], want + [hidden.grad, weight.grad]):
         torch.testing.assert_close(ours.double(), ref.detach(), atol=2e-5, rtol=2e-5)

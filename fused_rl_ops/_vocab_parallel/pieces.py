@@ -77,6 +77,11 @@ class VocabPieces:
             yield (kernel_options._replace(shard=piece_shard),
                    *(None if t is None else t.narrow(0, start, self.rows) for t in row_tensors))
 
+    @staticmethod
+    def concat(parts: list) -> torch.Tensor:
+        """The pieces' [rows, ...] tensors (weight gradients, in vocabulary order) as the shard's."""
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def gather(self, stacked: torch.Tensor) -> torch.Tensor:
         """The pieces' [count, ...] of every rank, [ranks * count, ...] in vocabulary order."""
         return self.tp.gather(stacked).flatten(0, 1)

@@ -162,7 +162,7 @@ class RLOutputProcessor:
             outputs["top_ids"], outputs["top_logprobs"] = scored_top_logprobs(
                 hidden_states, shard.weight, self.top_logprobs, self.scored_positions(tokens), self.ignore_index,
                 logit_map=self.logit_options.logit_map, vocab_size=self.vocab_size, tp_group=shard.tp_group,
-                reduce_hidden_grad=shard.reduce_hidden_grad)
+                reduce_hidden_grad=shard.reduce_hidden_grad, batch_invariant=self.batch_invariant)
         if self.value_head is not None:
             outputs["values"] = self._apply_value_head(shard.replicated(hidden_states))
         return outputs
