@@ -18,6 +18,7 @@ from ._vocab_parallel.call import ResolvedCall, check_output_layer, resolve_call
 from ._vocab_parallel.group import TensorParallelGroup
 from ._vocab_parallel.kernel_options import SHARED_GROUPS, KernelOptions
 from ._vocab_parallel.main_grad import check_main_grad, weight_placeholder
+from ._vocab_parallel.pieces import VocabPieces, check_virtual_shards
 from ._vocab_parallel.sampler_filter import TOP_HEADER
 from ._vocab_parallel.shard import resolve_shard
 from ._vocab_parallel.tiling import DEFAULT_WORKSPACE_BYTES, default_workspace_bytes, tiling_for
@@ -81,6 +82,8 @@ def _resolve(hidden, weight, tokens, options, rank, world, *, ignore_index, skip
     _check_tensors(hidden, weight, tokens)
     shard, vocab_size = resolve_shard("chosen_logprob", weight.shape[0], rank, world, vocab_start, vocab_size)
     check_main_grad("chosen_logprob", main_grad, weight)
+    if batch_invariant:
+        check_virtual_shards("chosen_logprob", weight.shape[0], rank, world, shard.vocab_start)
     planned_rows = hidden.numel() // hidden.shape[-1]
     if check_tokens:
         scored_rows = check_token_range("chosen_logprob", tokens, vocab_size, ignore_index,
@@ -185,7 +188,8 @@ def chosen_logprob(
     ignored = flat == ignore_index
     logprob, entropy, is_max, is_kept = ChosenLogprobFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, flat, ignored, main_grad, call.agreed.logit_options,
-        call.kernel_options, TensorParallelGroup(tp_group), bool(reduce_hidden_grad),
+        call.kernel_options, VocabPieces.of(TensorParallelGroup(tp_group), call.local_rows, batch_invariant),
+        bool(reduce_hidden_grad),
         weight_placeholder(weight, main_grad))
     if skip_ignored:  # the ops left out the rows of no scored entry: their partials are empty
         entropy = torch.where(ignored if ignored.dim() == 1 else ignored.all(1), 0.0, entropy)

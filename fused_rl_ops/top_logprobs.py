@@ -18,6 +18,7 @@ from ._vocab_parallel.agreement import AgreedCall, agreed, agreed_dataclass, agr
 from ._vocab_parallel.call import ResolvedCall, check_output_layer, resolve_call
 from ._vocab_parallel.group import TensorParallelGroup
 from ._vocab_parallel.kernel_options import SHARED_GROUPS, KernelOptions
+from ._vocab_parallel.pieces import VocabPieces, check_virtual_shards
 from ._vocab_parallel.shard import resolve_shard
 from ._vocab_parallel.tiling import default_workspace_bytes, tiling_for
 from .logit_options import LogitMap, LogitOptions, given_once
@@ -66,21 +67,22 @@ def merge_tops(values: torch.Tensor, ids: torch.Tensor, k: int):
 
 class TopLogprobsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, mask, kernel_options, tp, reduce_hidden_grad):
+    def forward(ctx, hidden, weight, mask, kernel_options, pieces, reduce_hidden_grad):
         """hidden [N, H], mask [N] bool or None (True: computed); kernel_options the op's
-        (KernelOptions, own: TopLogprobsOptions). Returns ids [N, k] int64 and their logprobs [N, k];
-        NOT_COMPUTED and 0 at the rows mask leaves out."""
+        (KernelOptions, own: TopLogprobsOptions), pieces its VocabPieces. Returns ids [N, k] int64
+        and their logprobs [N, k]; NOT_COMPUTED and 0 at the rows mask leaves out."""
         k = kernel_options.own.k
-        stats, values, ids = ops.top_logprobs_stats(hidden, weight, mask, *kernel_options.arguments())
+        stats, values, ids = (torch.stack(t) for t in zip(*(
+            ops.top_logprobs_stats(hidden, w, mask, *o.arguments()) for o, w in pieces.each(kernel_options, weight))))
         # The merged partials as chosen_logprob_combine gives them, with no chosen column.
-        row_max, log_sum, entropy = ops.chosen_logprob_combine(tp.gather(stats)).unbind(1)
-        values, ids = merge_tops(tp.gather(values), tp.gather(ids), k)
+        row_max, log_sum, entropy = ops.chosen_logprob_combine(pieces.gather(stats)).unbind(1)
+        values, ids = merge_tops(pieces.gather(values), pieces.gather(ids), k)
         logprobs = (values - row_max[:, None]) - log_sum[:, None]
         if mask is not None:
             logprobs = torch.where(mask[:, None], logprobs, 0.0)  # an empty row's -inf - -inf
         ctx.mark_non_differentiable(ids)
         ctx.save_for_backward(hidden, weight, ids, row_max, log_sum, entropy)
-        ctx.kernel_options, ctx.tp, ctx.reduce_hidden_grad = kernel_options, tp, reduce_hidden_grad
+        ctx.kernel_options, ctx.pieces, ctx.reduce_hidden_grad = kernel_options, pieces, reduce_hidden_grad
         ctx.masked = mask is not None
         return ids, logprobs
 
@@ -88,18 +90,24 @@ class TopLogprobsFunction(torch.autograd.Function):
     def backward(ctx, grad_ids, grad_logprobs):
         hidden, weight, ids, row_max, log_sum, entropy = ctx.saved_tensors
         grad_logprobs = torch.zeros_like(ids, dtype=row_max.dtype) if grad_logprobs is None else grad_logprobs
-        # chosen_logprob's backward op, no filter: the rows not computed (all k ids NOT_COMPUTED, which
-        # no computed row has) left out as it leaves out ignored tokens.
-        grad_hidden, grad_weight = ops.chosen_logprob_backward(
-            hidden, weight, ids, row_max, log_sum, log_sum - entropy, grad_logprobs.to(row_max.dtype).contiguous(),
-            torch.zeros_like(row_max), None, *ctx.kernel_options.shared_arguments(),
-            ignore_index=NOT_COMPUTED if ctx.masked else None)
-        if ctx.reduce_hidden_grad and ctx.tp.distributed:
-            dist.all_reduce(grad_hidden, group=ctx.tp.group)  # fp32: the sum is taken before rounding
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
+        grad_logprobs, grad_weights = grad_logprobs.to(row_max.dtype).contiguous(), []
+
+        def hidden_grads():
+            # chosen_logprob's backward op per piece, no filter: the rows not computed (all k ids
+            # NOT_COMPUTED, which no computed row has) left out as it leaves out ignored tokens.
+            for o, w in ctx.pieces.each(ctx.kernel_options, weight):
+                grad_hidden, grad_weight = ops.chosen_logprob_backward(
+                    hidden, w, ids, row_max, log_sum, log_sum - entropy, grad_logprobs, torch.zeros_like(row_max),
+                    None, *o.shared_arguments(), ignore_index=NOT_COMPUTED if ctx.masked else None)
+                grad_weights.append(grad_weight)
+                yield grad_hidden
+
+        grad_hidden = ctx.pieces.sum(hidden_grads(), ctx.reduce_hidden_grad)
+        return grad_hidden.to(hidden.dtype), ctx.pieces.concat(grad_weights), None, None, None, None
 
 
-def _resolve(hidden, weight, k, mask, logit_map, rank, world, vocab_start, vocab_size) -> ResolvedCall:
+def _resolve(hidden, weight, k, mask, logit_map, rank, world, vocab_start, vocab_size,
+             batch_invariant) -> ResolvedCall:
     """The call on this rank, after its checks."""
     check_output_layer(_OP, hidden, weight)
     check_mask(_OP, mask, hidden)
@@ -107,9 +115,11 @@ def _resolve(hidden, weight, k, mask, logit_map, rank, world, vocab_start, vocab
     shard, vocab_size = resolve_shard(_OP, weight.shape[0], rank, world, vocab_start, vocab_size)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size:
         raise ValueError(f"{_OP}: k must be an integer in [1, vocab_size = {vocab_size}], got {k!r}")
+    if batch_invariant:
+        check_virtual_shards(_OP, weight.shape[0], rank, world, shard.vocab_start)
     rows = hidden.numel() // hidden.shape[-1]
     tiling = tiling_for(rows, hidden.shape[-1], hidden.element_size(), default_workspace_bytes(hidden),
-                        hidden.device, False)
+                        hidden.device, batch_invariant)
     agreed_values = _Agreed(token_count=rows, hidden_size=hidden.shape[-1], dtype=hidden.dtype, k=k,
                             vocab_size=vocab_size, mask=mask, logit_map=logit_map)
     return ResolvedCall(KernelOptions(logit_map, shard, tiling, TopLogprobsOptions(k)), weight.shape[0], agreed_values)
@@ -119,7 +129,7 @@ def top_logprobs(hidden: torch.Tensor, weight: torch.Tensor, k: int, *, temperat
                  softcap: Optional[float] = None, logit_map: Optional[LogitMap] = None,
                  mask: Optional[torch.Tensor] = None, vocab_size: Optional[int] = None,
                  tp_group: Optional[dist.ProcessGroup] = None, vocab_start: Optional[int] = None,
-                 reduce_hidden_grad: bool = True):
+                 reduce_hidden_grad: bool = True, batch_invariant: bool = False):
     """The k most likely tokens of each position of hidden [..., H] under z = map(hidden @ weight.T),
     over the (vocab-parallel) vocabulary, without a [tokens, vocab] tensor (docs/chosen_logprob.md,
     "A model's own top tokens").
@@ -138,17 +148,19 @@ def top_logprobs(hidden: torch.Tensor, weight: torch.Tensor, k: int, *, temperat
     every rank returns the same ids and logprobs; the ranks must pass the same arguments and masks
     (every rank raises the same error when they do not, unless traced), and the hidden gradient is
     summed over the group unless reduce_hidden_grad=False (a sequence-parallel gather's backward
-    sums it)."""
+    sums it). batch_invariant=True: each position's ids, logprobs and hidden gradient are bitwise
+    independent of the other positions and of the TP degree (chosen_logprob's promise)."""
     def resolve(rank, world):
         given_map = given_once(_OP, "logit_map", logit_map,
                                LogitOptions(temperature=temperature, softcap=softcap).logit_map,
                                LogitOptions().logit_map)
-        return _resolve(hidden, weight, k, mask, given_map, rank, world, vocab_start, vocab_size)
+        return _resolve(hidden, weight, k, mask, given_map, rank, world, vocab_start, vocab_size, batch_invariant)
 
     call = resolve_call(_OP, tp_group, values_readable(hidden, weight, mask), _Agreed, resolve)
     ids, logprobs = TopLogprobsFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
                                               None if mask is None else mask.reshape(-1), call.kernel_options,
-                                              TensorParallelGroup(tp_group), bool(reduce_hidden_grad))
+                                              VocabPieces.of(TensorParallelGroup(tp_group), call.local_rows,
+                                                             batch_invariant), bool(reduce_hidden_grad))
     shape = (*hidden.shape[:-1], k)
     return ids.reshape(shape), logprobs.reshape(shape)
 

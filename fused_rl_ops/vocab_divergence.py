@@ -17,6 +17,7 @@ from ._vocab_parallel.call import ResolvedCall, check_output_layer, resolve_call
 from ._vocab_parallel.group import TensorParallelGroup
 from ._vocab_parallel.kernel_options import SHARED_GROUPS, KernelOptions
 from ._vocab_parallel.main_grad import check_main_grad, weight_placeholder
+from ._vocab_parallel.pieces import VocabPieces, check_virtual_shards
 from ._vocab_parallel.shard import resolve_shard
 from ._vocab_parallel.tiling import default_workspace_bytes, tiling_for
 from .logit_options import LogitMap, LogitOptions, given_once
@@ -109,6 +110,8 @@ def _resolve(hidden, weight, teacher_hidden, teacher_weight, mask, rank, world, 
     _check_tensors(hidden, weight, teacher_hidden, teacher_weight, mask)
     shard, vocab_size = resolve_shard("vocab_divergence", weight.shape[0], rank, world, vocab_start, vocab_size)
     check_main_grad("vocab_divergence", main_grad, weight)
+    if batch_invariant:
+        check_virtual_shards("vocab_divergence", weight.shape[0], rank, world, shard.vocab_start)
     rows = hidden.numel() // hidden.shape[-1]
     if workspace_bytes is None:
         workspace_bytes = default_workspace_bytes(hidden)
@@ -185,8 +188,8 @@ def vocab_divergence(
     mask1d = None if mask is None else mask.reshape(-1)
     divergence = VocabDivergenceFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]),
-        teacher_weight.detach(), mask1d, main_grad, call.kernel_options, TensorParallelGroup(tp_group),
-        bool(reduce_hidden_grad), weight_placeholder(weight, main_grad))
+        teacher_weight.detach(), mask1d, main_grad, call.kernel_options,
+        VocabPieces.of(TensorParallelGroup(tp_group), call.local_rows, batch_invariant), bool(reduce_hidden_grad), weight_placeholder(weight, main_grad))
     return divergence.reshape(hidden.shape[:-1])
 
 

@@ -17,7 +17,9 @@ they read its weight and call ops over it. What that takes, here once:
   and its main_grad where Megatron's own output layer adds the weight gradient straight into it.
 - Sequence parallel: the [s/tp, b, h] hidden states gathered along s as Megatron's gather does (the
   backward reduce-scatters, so the ops leave their hidden gradient unreduced: reduce_hidden_grad),
-  and the gradient of what every TP rank computes alike from them scaled by 1/tp.
+  and the gradient of what every TP rank computes alike from them scaled by 1/tp. With
+  batch_invariant the sum over the ranks is the ops' own, in their fixed order: they reduce their
+  hidden gradients, and the gather's backward takes this rank's slice of the complete gradient.
 """
 import functools
 import weakref
@@ -65,11 +67,12 @@ class _GatherSequence(torch.autograd.Function):
     along dim 0, the gradient reduce-scattered back. Megatron's forward fills a new tensor in place
     (all_gather_into_tensor); under torch.compile on torch 2.11.0 an autograd.Function that returns a
     tensor filled in place gets zero gradients (pytorch/pytorch#180642; not seen on 2.14.1), so this one
-    concatenates the gathered pieces instead."""
+    concatenates the gathered pieces instead. own_slice: the backward takes this rank's slice of a
+    gradient that is already complete on every rank instead."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, own_slice):
+        ctx.group, ctx.own_slice = group, own_slice
         x = x.contiguous()
         pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(pieces, x, group=group)
@@ -77,15 +80,18 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.own_slice:
+            return grad.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)].contiguous(), None, None
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
         dist.reduce_scatter_tensor(out, grad, group=ctx.group)
-        return out, None
+        return out, None, None
 
 
-def gather_sequence_parallel(hidden_states, group):
-    """[s/tp, b, h] sequence-parallel hidden states -> [s, b, h] on every rank of group."""
-    return _GatherSequence.apply(hidden_states, group)
+def gather_sequence_parallel(hidden_states, group, own_slice=False):
+    """[s/tp, b, h] sequence-parallel hidden states -> [s, b, h] on every rank of group; the gradient
+    reduce-scattered back, or with own_slice (its gradient complete on every rank) sliced."""
+    return _GatherSequence.apply(hidden_states, group, own_slice)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -108,24 +114,25 @@ class OutputShard:
     tp_group: Optional[dist.ProcessGroup]
     sequence_parallel: bool
     main_grad: Optional[torch.Tensor]  # where the weight gradient goes instead of being returned
+    batch_invariant: bool = False  # the ops sum the hidden gradient over TP themselves (module docstring)
 
     @classmethod
-    def read(cls, output_layer, output_weight=None, *, detach=False) -> "OutputShard":
+    def read(cls, output_layer, output_weight=None, *, detach=False, batch_invariant=False) -> "OutputShard":
         """The shard of output_layer (output_weight: the tied embedding's weight Megatron passes),
         after the forward pre-hooks of the modules whose parameters are read; detach: the weight as
-        a constant (no gradient, no main_grad)."""
+        a constant (no gradient, no main_grad); batch_invariant: the ops' calls are."""
         _run_forward_pre_hooks_of_read_modules(output_layer)
         weight = output_weight if output_weight is not None else output_layer.weight
         if detach:
-            return cls(weight.detach(), output_layer.tp_group, output_layer.sequence_parallel, None)
+            return cls(weight.detach(), output_layer.tp_group, output_layer.sequence_parallel, None, batch_invariant)
         main_grad = _fused_main_grad(output_layer, weight)
-        return cls(weight, output_layer.tp_group, output_layer.sequence_parallel, main_grad)
+        return cls(weight, output_layer.tp_group, output_layer.sequence_parallel, main_grad, batch_invariant)
 
     @property
     def reduce_hidden_grad(self) -> bool:
         """Whether an op sums its hidden gradient over the TP group: not with sequence parallel, whose
-        gather's backward does (the gradient is summed exactly once)."""
-        return not self.sequence_parallel
+        gather's backward does (the gradient is summed exactly once), unless batch_invariant."""
+        return not self.sequence_parallel or self.batch_invariant
 
     def tp_size(self) -> int:
         return dist.get_world_size(self.tp_group)
@@ -136,13 +143,15 @@ class OutputShard:
 
     def gather(self, hidden_states):
         """[s(/tp), b, h] hidden states -> [s, b, h]: gathered with sequence parallel."""
-        return gather_sequence_parallel(hidden_states, self.tp_group) if self.sequence_parallel else hidden_states
+        if not self.sequence_parallel:
+            return hidden_states
+        return gather_sequence_parallel(hidden_states, self.tp_group, own_slice=self.batch_invariant)
 
     def replicated(self, gathered_hidden_states):
         """The gathered hidden states as the input of a computation every TP rank does alike (the value
         head): each rank then holds the full gradient and the gather's backward sums over the ranks,
-        hence 1/tp with sequence parallel."""
-        if not self.sequence_parallel:
+        hence 1/tp with sequence parallel (not with batch_invariant: the backward takes a slice)."""
+        if not self.sequence_parallel or self.batch_invariant:
             return gathered_hidden_states
         return _ScaleGrad.apply(gathered_hidden_states, 1.0 / self.tp_size())
 

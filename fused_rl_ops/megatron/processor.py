@@ -109,7 +109,7 @@ class RLOutputProcessor:
             masked = (loss_mask == 0).reshape(*loss_mask.shape, *[1] * (tokens.dim() - 2))
             tokens = tokens.masked_fill(masked, self.ignore_index)
         # Megatron's DDP hooks (overlap_param_gather) wait for the weights' all-gather (output_layer.py).
-        shard = OutputShard.read(output_layer, output_weight)
+        shard = OutputShard.read(output_layer, output_weight, batch_invariant=self.batch_invariant)
         if self.host_checks:
             check_token_ids(type(self).__name__, tokens_name, tokens, self.vocab_size or shard.total_rows(),
                             self.ignore_index)
@@ -188,7 +188,7 @@ class RLOutputProcessor:
             outputs["top_ids"], outputs["top_logprobs"] = scored_top_logprobs(
                 hidden_states, shard.weight, self.top_logprobs, self.scored_positions(tokens), self.ignore_index,
                 logit_map=self.logit_options.logit_map, vocab_size=self.vocab_size, tp_group=shard.tp_group,
-                reduce_hidden_grad=shard.reduce_hidden_grad)
+                reduce_hidden_grad=shard.reduce_hidden_grad, batch_invariant=self.batch_invariant)
         if self.value_head is not None:
             outputs["values"] = self._apply_value_head(shard.replicated(hidden_states))
         return outputs
