@@ -3,8 +3,8 @@
 A page's python blocks run in order, as one program, given the inputs the page names (a config,
 tokens, models): the Megatron pages on 2 gloo ranks at TP 2 (megatron.md's context-parallel block at
 CP 2), transformers.md in process; what the blocks compute is checked against float64 or the models'
-own logits. docs/rl_recipe.md and docs/distillation.md are run by their own tests. A block that is
-not meant to run is fenced so: "python signature" (a signature), "bash" (shell commands);
+own logits. docs/rl_recipe.md, docs/distillation.md and docs/verl.md are run by their own tests. A
+block that is not meant to run is fenced so: "python signature" (a signature), "bash" (shell commands);
 test_every_python_block_is_run_or_marked holds every page to it."""
 import os
 import re
@@ -22,7 +22,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```$", flags=re.DOTALL | re.MULTILINE)
 FENCES = {"python": "run by a test", "python signature": "a signature, not run", "bash": "shell commands, not run"}
 RUN_HERE = {"README.md", "checkpoint.md", "megatron.md", "transformers.md", "vocab_divergence.md"}
-RUN_ELSEWHERE = {"rl_recipe.md": "test_docs_recipe.py", "distillation.md": "test_docs_distillation.py"}
+RUN_ELSEWHERE = {"rl_recipe.md": "test_docs_recipe.py", "distillation.md": "test_docs_distillation.py",
+                 "verl.md": "test_verl.py"}
 B, S, VOCAB, PADDED_VOCAB = 2, 8, 200, 256
 
 

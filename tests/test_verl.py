@@ -145,6 +145,23 @@ def test_install_replaces_verls_processor_and_uninstall_puts_it_back(verl_own):
         fused_rl_ops.verl.install(rl_output_processor())
 
 
+def test_docs_verl_page_runs_as_written(verl_own, monkeypatch):
+    """docs/verl.md's python block (install, install with the sampler's filter, uninstall) as written."""
+    from test_docs_code import run_page
+
+    installed, install = [], fused_rl_ops.verl.install
+
+    def recording_install(processor=None):
+        install(processor)
+        installed.append(model_forward_fused.fused_output_processor)
+
+    monkeypatch.setattr(fused_rl_ops.verl, "install", recording_install)
+    run_page("verl.md", lambda index, namespace: {})
+    assert [type(p) for p in installed] == [fused_rl_ops.verl.VerlOutputProcessor] * 2
+    assert installed[1].logit_options == {"top_k": 50, "top_p": 0.95}
+    assert model_forward_fused.fused_output_processor is verl_own
+
+
 def _processor_without_output_weight(*, hidden_states, output_layer, labels, context, config, **kwargs):
     """A fused_output_processor of another signature."""
 
