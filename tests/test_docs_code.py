@@ -85,6 +85,22 @@ def _megatron_inputs(config):
                 response_mask=response_mask, completion_mask=response_mask, loss_mask=response_mask.float())
 
 
+def _packed_inputs(lengths):
+    """megatron.md's packed-rows block's inputs: one THD row of documents of these lengths."""
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    response_mask = torch.cat([(torch.arange(n) >= n // 2).long() for n in lengths])[None]
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    return dict(tokens=tokens, position_ids=position_ids, response_mask=response_mask, cu_seqlens=cu_seqlens,
+                packed_seq_params=packed, cp_size=parallel_state.get_context_parallel_world_size(),
+                cp_rank=parallel_state.get_context_parallel_rank())
+
+
 def _clamped_config(**overrides):
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
@@ -137,7 +153,11 @@ def _megatron_page():
             model = tiny_model("gpt", tiny_config(), seq_length=S, edit_spec=with_self_only_attention)
             attach(model, rl_output_processor(vocab_size=VOCAB))
             return {**_megatron_inputs(model.config), "model": model}
-        if index == 2:  # gpt-oss's MoE layers
+        if index == 2:  # packed rows: two documents of 4 tokens in one row, on the same CP 2 model
+            assert ns["out"]["logprobs"].shape == (B, S // 2) and ns["out"]["logprobs"].le(0).all()
+            return _packed_inputs([4, 4])
+        if index == 3:  # gpt-oss's MoE layers
+            assert ns["out"]["logprobs"].shape == (1, S // 2) and ns["out"]["logprobs"].le(0).all()
             set_parallel_degrees(tp=2)
             return _megatron_inputs(_clamped_config(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
                                                     moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
@@ -145,7 +165,6 @@ def _megatron_page():
         return _megatron_inputs(_clamped_config())
 
     ns = run_page("megatron.md", prepare)
-    assert ns["out"]["logprobs"].shape == (B, S // 2) and ns["out"]["logprobs"].le(0).all()
     experts = {type(m).__name__ for m in ns["model"].modules() if type(m).__name__.endswith("SequentialMLP")}
     assert experts == {"ClampedSwiGLUSequentialMLP"}
 
