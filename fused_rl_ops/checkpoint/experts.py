@@ -23,8 +23,8 @@ import torch
 from ._torch_private import EXTRA_STATE_KEY_SUFFIX
 from .sharding import ShardingMetadataError, ShardSpec
 
-__all__ = ["ExpertLayout", "check_expert_counts", "check_grouped_glu_not_interleaved", "expert_drift_cause",
-           "expert_prefix", "is_extra_state"]
+__all__ = ["ExpertLayout", "check_expert_counts", "check_grouped_glu_not_interleaved", "expert_prefix",
+           "experts_reduced_over_the_dense_group", "is_extra_state"]
 
 _SEQUENTIAL_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?local_experts\.)(?P<index>\d+)(?P<rest>\..+)$")
 _GROUPED_NAME = re.compile(
@@ -208,19 +208,17 @@ def check_grouped_glu_not_interleaved(module):
 
 
 
-def expert_drift_cause(error: str, state: dict, tp_size: int, expert_tp_size: int) -> str:
-    """Why an expert tensor's copies differ between ranks (error, a check's message, names it first),
-    where the cause is megatron-core's marking: "" unless state's experts are reduced over the
-    dense data-parallel group (`allreduce` True) while the experts' TP degree is not the dense one.
-    Their copies on ranks outside that group are then never reduced together and drift apart in
-    training; megatron-core 0.18 marks experts so at expert-parallel degree 1 (0.19 reduces them
-    over the expert data-parallel group)."""
-    if tp_size == expert_tp_size or expert_prefix(error.split(":")[0]) is None:
-        return ""
-    if not any(expert_prefix(name) and getattr(tensor, "allreduce", None) is True for name, tensor in state.items()):
-        return ""
-    return (f". The experts' gradients are reduced over the dense data-parallel group (allreduce=True) while their "
-            f"tensor-parallel degree ({expert_tp_size}) is not the dense one ({tp_size}): their copies on the "
+def experts_reduced_over_the_dense_group(state: dict, tp_size: int, expert_tp_size: int) -> Optional[str]:
+    """Why expert copies can hold different bytes at a save, or None: megatron-core marks state's
+    experts for the dense data-parallel gradient reduction (`allreduce` True) while their TP degree
+    is not the dense one, so their copies on ranks outside that group are never reduced together and
+    drift apart in training. megatron-core 0.18 marks experts so at expert-parallel degree 1 (0.19
+    reduces them over the expert data-parallel group)."""
+    if tp_size == expert_tp_size or not any(
+            expert_prefix(name) and getattr(tensor, "allreduce", None) is True for name, tensor in state.items()):
+        return None
+    return (f"the experts' gradients are reduced over the dense data-parallel group (allreduce=True) while their "
+            f"tensor-parallel degree ({expert_tp_size}) is not the dense one ({tp_size}), so their copies on the "
             "tensor-parallel ranks are never reduced together and drift apart in training, as megatron-core 0.18 "
-            "trains experts at expert-parallel degree 1. Use megatron-core >= 0.19, expert_tensor_parallel_size = "
+            "trains experts at expert-parallel degree 1; use megatron-core >= 0.19, expert_tensor_parallel_size = "
             "tensor_model_parallel_size, or expert_model_parallel_size > 1")

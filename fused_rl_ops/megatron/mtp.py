@@ -33,8 +33,8 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, 
 
 import fused_rl_ops
 
-from .param_sync import run_forward_pre_hooks_of_read_modules
-from .processor import RLOutputProcessor, _fused_main_grad, _gather_sequence_parallel
+from .output_layer import OutputShard
+from .processor import RLOutputProcessor, check_token_ids
 
 __all__ = ["FusedMTPLoss", "route_mtp_loss"]
 
@@ -83,20 +83,18 @@ class FusedMTPLoss:
             loss_mask = torch.ones_like(labels)
         if labels_from_input_ids:
             loss_mask, _ = roll(loss_mask)  # the last position has no next token
-        run_forward_pre_hooks_of_read_modules(output_layer)  # as in the processor
-        weight = output_weight if output_weight is not None else output_layer.weight
-        main_grad = None
-        if getattr(config, "mtp_detach_heads", False):  # megatron-core >= 0.19
-            weight = weight.detach()
-        else:
-            main_grad = _fused_main_grad(output_layer, weight)
+        # megatron-core 0.18 has no mtp_detach_heads
+        shard = OutputShard.read(output_layer, output_weight, detach=getattr(config, "mtp_detach_heads", False))
+        if self.host_checks and not labels_from_input_ids:  # before rolling: the index in the caller's labels
+            check_token_ids("FusedMTPLoss", "labels", labels.masked_fill(loss_mask == 0, self.ignore_index),
+                            shard.total_rows(), self.ignore_index)
         # Megatron rescales by the unrolled token count under calculate_per_token_loss.
         main_num_tokens = loss_mask.sum()
         depth_labels = labels
         for depth, hidden in enumerate(depth_hidden):
             depth_labels, _ = roll(depth_labels)
             loss_mask, num_tokens = roll(loss_mask)
-            logprob, is_max = self._logprob(hidden, output_layer, weight, main_grad, depth_labels, loss_mask)
+            logprob, is_max = self._logprob(hidden, shard, depth_labels, loss_mask)
             mtp_loss = loss_mask * -logprob
             if is_training:
                 _log(mtp_loss, num_tokens, is_max, loss_mask.bool(), depth, depths)
@@ -108,19 +106,15 @@ class FusedMTPLoss:
             main_hidden = MTPLossAutoScaler.apply(main_hidden, scaled)
         return main_hidden
 
-    def _logprob(self, hidden, output_layer, weight, main_grad, labels, loss_mask):
+    def _logprob(self, hidden, shard, labels, loss_mask):
         """[b, s] logprobs of labels and whether each label's logit is its row's maximum."""
         tokens = labels.masked_fill(loss_mask == 0, self.ignore_index).t()
-        tp_group = output_layer.tp_group
-        sequence_parallel = output_layer.sequence_parallel
-        if sequence_parallel:
-            hidden = _gather_sequence_parallel(hidden, tp_group)
         logprob, is_max = fused_rl_ops.chosen_logprob(
-            hidden, weight, tokens,
+            shard.gather(hidden), shard.weight, tokens,
             ignore_index=self.ignore_index,
-            tp_group=tp_group,
-            reduce_hidden_grad=not sequence_parallel,
-            main_grad=main_grad,
+            tp_group=shard.tp_group,
+            reduce_hidden_grad=shard.reduce_hidden_grad,
+            main_grad=shard.main_grad,
             batch_invariant=self.batch_invariant,
             check_tokens=self.host_checks,
             check_group=self.host_checks,
