@@ -23,8 +23,8 @@ def build_mismatch(built_torch: str, built_cuda: Optional[str], running_torch: s
 def _check_build():
     """Refuses to load an extension that is missing or built for another torch, saying how to build it."""
     how_to_build = ("build it against the running torch: `pip install --no-build-isolation --no-deps "
-               "--force-reinstall <where you installed it from>`, or `python setup.py build_ext --inplace` in a "
-               "checkout (docs/build.md)")
+                    "--force-reinstall <where you installed it from>`, or `python setup.py build_ext --inplace` "
+                    "in a checkout (docs/build.md)")
     try:
         from . import _build_info
     except ImportError:

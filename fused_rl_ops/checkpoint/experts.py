@@ -207,7 +207,6 @@ def check_grouped_glu_not_interleaved(module):
                 f"{size}) are not supported: their fc1 is not the [W ; V] the checkpoint stores")
 
 
-
 def experts_reduced_over_the_dense_group(state: dict, tp_size: int, expert_tp_size: int) -> Optional[str]:
     """Why expert copies can hold different bytes at a save, or None: megatron-core marks state's
     experts for the dense data-parallel gradient reduction (`allreduce` True) while their TP degree
