@@ -5,10 +5,13 @@ weight_hard_loss=0, compiled=False: its chunks in eager torch) and the op's six 
 and the fused path at masked fractions of positions. Memory: the peak resident growth of forward +
 backward of fused and naive, each in a fresh process (CPU).
 
-The issue's goals are printed and written to the JSON ("goals"), at the main shape (2048, 512,
-32768) fp32 on the CPU: fused at most 1.1x the six GEMMs and 1.3x naive (forward_kl), with 3/4 of
-positions masked at most 0.45x of none masked, extra memory at most 1/8 of naive's. --quick runs
-tiny shapes (a smoke run: its goals mean nothing). --contention runs alone: the CPU path (forward_kl)
+The main shape: (2048, 512, 32768) fp32 on the CPU; on CUDA the training shape (8192, 4096, 131072)
+bf16, without torch.compile of the naive path (its compile would take the GPU run's budget), with
+each path's extra peak memory (torch.cuda.max_memory_allocated beyond the inputs, the gradients
+included) beside its time. The issue's goals are printed and written to the JSON ("goals"): fused
+at most 1.1x the six GEMMs and 1.3x naive (forward_kl), with 3/4 of positions masked at most 0.45x
+of none masked, extra memory at most 1/8 of naive's. --quick runs tiny shapes (a smoke run: its
+goals mean nothing). --contention runs alone: the CPU path (forward_kl)
 against its six GEMMs with a core taken (benchmarks/contention.py)."""
 import math
 
@@ -67,12 +70,13 @@ def liger_loader(kind):
     return load
 
 
-def paths_for(kind, inputs, grad):
-    """name -> a forward+backward closure of each path at this kind."""
+def paths_for(kind, inputs, grad, compiled=True):
+    """name -> a forward+backward closure of each path at this kind (compiled: with torch.compile of
+    the naive path)."""
     fused = lambda h, w, th, tw: fused_rl_ops.vocab_divergence(h, w, th, tw, kind=kind)  # noqa: E731
     naive = lambda h, w, th, tw: reference.vocab_divergence(h, w, th, tw, kind=kind)  # noqa: E731
     peers, versions = find_peers({"liger": ("liger-kernel", liger_loader(kind))})
-    fns = {"fused": fused, "naive": naive, "compiled": torch.compile(naive), **peers}
+    fns = {"fused": fused, "naive": naive, **({"compiled": torch.compile(naive)} if compiled else {}), **peers}
     # fwd_bwd passes only the student's tensors: the teacher's ride in the closure.
     runs = {name: fwd_bwd(lambda h, w, fn=fn: fn(h, w, *inputs[2:]), list(inputs[:2]),
                           None if name == "liger" else [grad]) for name, fn in fns.items()}
@@ -86,6 +90,16 @@ def contention_paths(N, H, V, dtype) -> dict:
     fused = fwd_bwd(lambda h, w: fused_rl_ops.vocab_divergence(h, w, *inputs[2:], kind="forward_kl"),
                     list(inputs[:2]), [torch.randn(N)])
     return {"fused": fused, "gemms": six_gemms(*inputs)}
+
+
+def cuda_peak_mib(run) -> float:
+    """Extra peak CUDA memory (MiB) of one call of run, beyond what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def _peak_growth(path, N, H, V, kind):
@@ -108,22 +122,32 @@ def main():
     log, dev = RowLog(args.json), args.device
     if args.contention:
         return contention.run_contention("vocab_divergence", args, log, contention_paths)
-    N, H, V = (256, 64, 2048) if args.quick else (2048, 512, 32768)
-    dtype, reps = torch.float32, 2 if args.quick else 5
+    training = dev == "cuda" and not args.quick
+    N, H, V = (256, 64, 2048) if args.quick else (8192, 4096, 131072) if training else (2048, 512, 32768)
+    dtype, reps = torch.bfloat16 if training else torch.float32, 2 if args.quick else 5
     inputs = make_inputs(N, H, V, dtype, dev)
     grad = torch.randn(N, device=dev)
     rows, goals, versions = [], {}, {}
     for kind in ("forward_kl", "jsd"):
-        runs, versions = paths_for(kind, inputs, grad)
+        runs, versions = paths_for(kind, inputs, grad, compiled=not training)
         for fraction in MASKED_FRACTIONS[1:]:
             mask = mask_of(N, fraction, dev)
             runs[f"masked_{fraction}"] = fwd_bwd(
                 lambda h, w, mask=mask: fused_rl_ops.vocab_divergence(h, w, *inputs[2:], kind=kind, mask=mask),
                 list(inputs[:2]), [grad])
         times = time_paths(runs, dev, reps=reps)
-        row = record_times({"N": N, "H": H, "V": V, "dtype": "float32", "kind": kind, "mode": "fwd+bwd"}, times)
+        row = record_times({"N": N, "H": H, "V": V, "dtype": str(dtype).removeprefix("torch."), "kind": kind,
+                            "mode": "fwd+bwd"}, times)
         for name in times:
             row[f"x_{name}"] = row["fused_ms"] / row[f"{name}_ms"]
+        if dev == "cuda":
+            for name in ("fused", "naive", "liger"):
+                if name in runs:
+                    for t in inputs[:2]:  # the gradients count as extra memory, as the run makes them anew
+                        t.grad = None
+                    row[f"{name}_MiB"] = cuda_peak_mib(runs[name])
+            if kind == "forward_kl":
+                goals["fused / naive extra memory"] = row["fused_MiB"] / row["naive_MiB"]
         rows.append(log("results", row))
         if kind == "forward_kl":
             goals["fused / six GEMMs"] = row["x_six_gemms"]
@@ -133,10 +157,12 @@ def main():
         memory = {path: in_fresh_process(_peak_growth, path, N, H, V, "forward_kl") for path in ("fused", "naive")}
         goals["fused / naive extra memory"] = memory["fused"] / memory["naive"]
         rows.append(log("memory", {f"{path}_peak_MiB": b / 2**20 for path, b in memory.items()}))
-    table = summary_table("vocab_divergence, forward+backward (x_<path> = fused time / path time)", rows[:2],
-                          ["kind", "fused_ms", "naive_ms", "compiled_ms", "six_gemms_ms", "x_naive", "x_six_gemms"]
-                          + [c for c in ("liger_ms", "x_liger") if c in rows[1]]
-                          + [f"masked_{f}_ms" for f in MASKED_FRACTIONS[1:]])
+    table = summary_table("vocab_divergence, forward+backward (x_<path> = fused time / path time; extra peak "
+                          "memory in MiB on CUDA)", rows[:2],
+                          [c for c in ["dtype", "kind", "fused_ms", "naive_ms", "compiled_ms", "six_gemms_ms",
+                                       "x_naive", "x_six_gemms", "liger_ms", "x_liger"]
+                           + [f"masked_{f}_ms" for f in MASKED_FRACTIONS[1:]]
+                           + ["fused_MiB", "naive_MiB", "liger_MiB"] if c in rows[1]])
     print("\ngoals (measured / at most):")
     checked = {}
     for name, limit in GOALS.items():
