@@ -4,9 +4,10 @@
 # PYTHON names a python with that torch), for its architecture (TORCH_CUDA_ARCH_LIST, default 9.0),
 # in a copy of the checkout (build/gpu-build/, so the in-place build here is left alone); then the
 # two files the package loads, the extension and its build info, go into gpu_build/fused_rl_ops/
-# (git-ignored, about 3 MB): the folder to bring along to the GPU machine's checkout. gpu_check.sh
-# loads them where their build info names that machine's torch and GPU architecture, and builds
-# there where they do not match or do not load.
+# (git-ignored, about 3 MB) with the digest of the sources (gpu_build/SOURCES): the folder to bring
+# along to the GPU machine's checkout. gpu_check.sh loads them where the checkout's sources are
+# those and their build info names that machine's torch and GPU architecture, and builds there
+# where they differ or do not load.
 # Usage: PYTHON=/path/to/python3.12 scripts/build_for_gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,5 +40,8 @@ cp "$COPY"/fused_rl_ops/_C*.so "$COPY/fused_rl_ops/_build_info.py" "$CARRIED/fus
 if command -v strip >/dev/null; then
   strip --strip-debug "$CARRIED"/fused_rl_ops/_C*.so
 fi
+# What it was built from: gpu_check.sh builds anew where the checkout's sources differ.
+(cd "$COPY" && find csrc setup.py -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1) \
+  >"$CARRIED/SOURCES"
 echo "build_for_gpu: built in $((SECONDS - start))s; $CARRIED/: $(du -sh "$CARRIED" | cut -f1)"
 cat "$CARRIED/fused_rl_ops/_build_info.py"

@@ -73,13 +73,19 @@ stage() {  # stage NAME BUDGET_S COMMAND...: runs COMMAND, output in OUT/NAME.lo
 }
 
 # The build scripts/build_for_gpu.sh made beforehand (CARRIED_BUILD/fused_rl_ops/: the extension and
-# its build info), put in place where its info names this torch and this GPU's architecture and it
-# then loads with its CUDA kernels; prints which build is loaded, or why none is.
+# its build info; CARRIED_BUILD/SOURCES: the digest of the sources it was built from), put in place
+# where it was built from this checkout's sources, its info names this torch and this GPU's
+# architecture and it then loads with its CUDA kernels; prints which build is loaded, or why none is.
 CARRIED_BUILD="${CARRIED_BUILD:-gpu_build}"
 load_carried_build() {
   local files=("$CARRIED_BUILD"/fused_rl_ops/_C*.so "$CARRIED_BUILD/fused_rl_ops/_build_info.py")
   if [ ! -f "${files[0]}" ] || [ ! -f "${files[1]}" ]; then
     echo "no carried build in $CARRIED_BUILD/: building here"
+    return 1
+  fi
+  if [ "$(cat "$CARRIED_BUILD/SOURCES" 2>/dev/null)" != "$(find csrc setup.py -type f -print0 | sort -z |
+        xargs -0 sha256sum | sha256sum | cut -d' ' -f1)" ]; then
+    echo "the carried build was made from other sources than this checkout's (csrc/, setup.py): building here"
     return 1
   fi
   "$PY" - "${files[1]}" <<'EOF' || return 1
