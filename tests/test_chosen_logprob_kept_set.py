@@ -57,15 +57,19 @@ SETTINGS = [dict(), dict(temperature=0.7, softcap=2.5), dict(vocab_size=V - 5), 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(s) or "plain")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_kept_set_matches_float64(dtype, settings):
+def test_kept_set_matches_float64(device, dtype, settings):
     """Values, is_kept and the hidden and weight gradients of any upstream gradient, against
     float64 log_softmax over the kept set of the same (rounded) inputs."""
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 inputs run on the CPU only")
     hidden, weight, tokens, kept = inputs(dtype=dtype)
     grad_lp, grad_ent = gradients(tokens.shape)
     logit_map = LogitOptions(**{n: settings[n] for n in ("temperature", "softcap") if n in settings}).logit_map
-    ours = fwd_bwd(lambda h, w: fused_rl_ops.chosen_logprob(h, w, tokens, kept_ids=kept, return_entropy=True,
-                                                            return_is_kept=True, workspace_bytes=1, **settings),
-                   hidden, weight, grad_lp, grad_ent)
+    ours = fwd_bwd(lambda h, w: fused_rl_ops.chosen_logprob(h, w, tokens.to(device), kept_ids=kept.to(device),
+                                                            return_entropy=True, return_is_kept=True,
+                                                            workspace_bytes=1, **settings),
+                   hidden.to(device), weight.to(device), grad_lp.to(device), grad_ent.to(device))
+    ours = tuple(t.cpu() for t in ours)
     expected = fwd_bwd(lambda h, w: kept_set_logprob(h, w, tokens, kept, logit_map=logit_map,
                                                      vocab_size=settings.get("vocab_size")),
                        hidden.double(), weight.double(), grad_lp, grad_ent)
@@ -78,13 +82,14 @@ def test_kept_set_matches_float64(dtype, settings):
         torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype], msg=what)
 
 
-def test_a_kept_set_of_the_top_k_is_top_k():
+def test_a_kept_set_of_the_top_k_is_top_k(device):
     """Where the set is each position's k largest logits, the call is the top_k call: logprob,
     entropy, is_kept and gradients (fp32, within rounding)."""
     hidden, weight, tokens, _ = inputs(dtype=torch.float32)
     top = (hidden.double() @ weight.double().T).topk(K, -1).indices
     tokens = torch.where(torch.arange(15).reshape(3, 5) % 3 == 0, tokens, top[..., 2])  # in and out of the top
-    grad_lp, grad_ent = gradients(tokens.shape)
+    hidden, weight, tokens, top = (t.to(device) for t in (hidden, weight, tokens, top))
+    grad_lp, grad_ent = (t.to(device) for t in gradients(tokens.shape))
     results = [fwd_bwd(lambda h, w: fused_rl_ops.chosen_logprob(h, w, tokens, return_entropy=True,
                                                                 return_is_kept=True, **options),
                        hidden, weight, grad_lp.float(), grad_ent.float()) for options in (dict(kept_ids=top),
@@ -137,15 +142,16 @@ def test_many_sampled_tokens_per_position():
     assert lp[..., 2].eq(0).all() and not is_kept[..., 2].any()
 
 
-def test_nonfinite_values_are_never_hidden():
+def test_nonfinite_values_are_never_hidden(device):
     """A NaN hidden row: NaN logprob (the sampled token in its set or not) and entropy there alone,
     as float64 gives. A NaN logit outside the set: NaN too (the full softmax is part of the
     computation; float64 over the set alone would not see it)."""
-    hidden, weight, tokens, kept = inputs(dtype=torch.float32)
+    hidden, weight, tokens, kept = (t.to(device) for t in inputs(dtype=torch.float32))
     hidden[0, 1, 3] = math.nan  # position (0, 1) samples outside its set
     hidden[0, 3, 3] = math.nan
     lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, tokens, kept_ids=kept, return_entropy=True)
-    want, want_ent, _ = kept_set_logprob(hidden.double(), weight.double(), tokens, kept)
+    want, want_ent, _ = (t.to(device) for t in kept_set_logprob(hidden.double().cpu(), weight.double().cpu(),
+                                                                tokens.cpu(), kept.cpu()))
     assert torch.equal(lp.isnan(), want.isnan()) and torch.equal(ent.isnan(), want_ent.isnan())
     assert lp[0, 1].isnan() and lp[0, 3].isnan() and lp.isnan().sum() == 2 and ent.isnan().sum() == 2
     weight[V - 1, 0] = math.nan  # no kept id names row V - 1
