@@ -102,6 +102,9 @@ if [ "$(cat "$VENV/deps.stamp" 2>/dev/null)" != "$deps_stamp" ]; then
   if [ ${#NO_DEPS[@]} -gt 0 ]; then
     run_logged "build/pip-$STACK-no-deps.log" "${pip[@]}" --no-deps "${NO_DEPS[@]}"
   fi
+  # verl 0.9.1's wheel installs a top-level package named `tests`, which would shadow the checkout's
+  # tests/ in the subprocesses that import tests.<module>: this venv's copy is removed.
+  python -c 'import os, shutil, sysconfig; shutil.rmtree(os.path.join(sysconfig.get_paths()["purelib"], "tests"), ignore_errors=True)'
   echo "$deps_stamp" >"$VENV/deps.stamp"
 fi
 if [ "$STACK" != newest ]; then
