@@ -14,6 +14,7 @@ from fused_rl_ops.logit_options import LogitOptions
 from fused_rl_ops.reference.kept_set import kept_set_logprob
 from fused_rl_ops.testing.distributed import run_distributed
 from fused_rl_ops.testing.kernel_calls import KernelCalls
+from test_chosen_logprob_many_tokens import assert_compiled_matches_eager  # noqa: E402
 
 H, V, K = 16, 60, 6
 TOLERANCE = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=2e-5, rtol=2e-5),
@@ -222,11 +223,4 @@ def test_kept_set_under_torch_compile():
         lp, ent = fused_rl_ops.chosen_logprob(h, w, tokens, kept_ids=kept, return_entropy=True)
         return torch.where(lp.isfinite(), lp, 0.0).sum() + ent.sum()
 
-    results = []
-    for fn in (torch.compile(step, fullgraph=True, backend="aot_eager"), step):
-        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        loss = fn(h, w)
-        loss.backward()
-        results.append((loss, h.grad, w.grad))
-    for compiled, eager in zip(*results):
-        torch.testing.assert_close(compiled, eager)
+    assert_compiled_matches_eager(step, hidden, weight)

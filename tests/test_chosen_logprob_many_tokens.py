@@ -192,6 +192,11 @@ def test_many_tokens_and_top_logprobs_under_torch_compile():
         _, top = fused_rl_ops.top_logprobs(h, w, 5)
         return torch.where(lp.isfinite(), lp, 0.0).sum() + ent.sum() + top.sum()
 
+    assert_compiled_matches_eager(step, hidden, weight)
+
+
+def assert_compiled_matches_eager(step, hidden, weight):
+    """step(h, w) -> loss under torch.compile(fullgraph=True) against eager: the loss and both gradients."""
     results = []
     for fn in (torch.compile(step, fullgraph=True, backend="aot_eager"), step):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
