@@ -306,7 +306,7 @@ STATS_WIDTH = 4  # stats_rows' columns per access on its vector path (kStatsWidt
 
 def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, temperature, passes, softcap=None, threshold=None,
                    offset=0):
-    """chosen_logprob_stats_rows_kernel merging logits [N, C] into stats (softcap None: none; threshold:
+    """The stats_rows kernel (vocab_parallel_stats_rows_kernel) merging logits [N, C] into stats (softcap None: none; threshold:
     the logits below it dropped; offset: the logits' elements past a 16-byte boundary); checks the
     path the launcher took (vector where C and the logits allow); returns the stats it wrote, in
     float64."""

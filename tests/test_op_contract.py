@@ -1,6 +1,6 @@
 """Each op's contract is declared once per language: its options come in groups (the logit map, the
 vocab shard, the tiling every vocab-parallel op takes, then the op's own), each declared in C++
-(csrc/common/logit_map.h, csrc/common/vocab_parallel.h, csrc/<op>/options.h, which make the
+(csrc/vocab_parallel/logit_map.h, csrc/vocab_parallel/options.h, csrc/<op>/options.h, which make the
 registered schema) and in Python (an options dataclass per group), and its tensor checks in
 csrc/<op>/entry.h and the op's Python module. These tests hold the two languages to one contract:
 every op's schema takes its groups in order, each group's fields as declared, and every op, called

@@ -38,9 +38,10 @@ def test_every_kernel_source_runs_in_the_harness_through_a_driver_of_the_table()
 
 @pytest.mark.parametrize("op", op_table.OPS, ids=lambda op: op.name)
 def test_sanitizer_cases_reach_every_operator_of_their_op(op):
+    """Each of its operators, and perhaps another op's (top_logprobs' backward is chosen_logprob's)."""
     with KernelCalls() as calls:
         op.sanitizer_cases("cpu")
-    assert {call.op for call in calls.calls} == set(op.torch_ops)
+    assert set(op.torch_ops) <= {call.op for call in calls.calls}
 
 
 def test_chosen_logprob_sanitizer_cases_use_softcap_and_the_sampler_filter(monkeypatch):

@@ -1,5 +1,5 @@
 """vocab_divergence's CPU chunk loop as tasks of row pieces (LogitsChunks::as_tasks in
-csrc/chosen_logprob/chunks.h, the teacher's logits by the piece: TeacherLogits in
+csrc/vocab_parallel/chunk_loop.h, the teacher's logits by the piece: TeacherLogits in
 csrc/vocab_divergence/chunks.h) on 1, 2 and 3 threads (3: more threads than CI's two cores): the same
 bits whatever the threads for the stats, jsd's mixture and the backward, and float64 autograd's
 gradients, for one pass with a narrower last chunk, several passes with a padded last row block,

@@ -1,7 +1,7 @@
 // How an op's options (its non-tensor arguments) are declared: in groups, each once as a list
 //   #define FRL_<GROUP>(X) X(C++ type, name, schema type, schema default, rule) ...
 // in the order the schema takes them: the groups every vocab-parallel op shares (FRL_LOGIT_MAP in
-// common/logit_map.h, FRL_VOCAB_SHARD and FRL_TILING in common/vocab_parallel.h) and an op's own
+// vocab_parallel/logit_map.h, FRL_VOCAB_SHARD and FRL_TILING in vocab_parallel/options.h) and an op's own
 // (FRL_<OP>_OPTIONS in <op>/options.h). An op's schema takes its groups one after the other. From
 // a list the macros below make the schema's arguments (module.cpp), the group's struct, the
 // parameters of the typed op functions (entry.h) and their checks (check_options,

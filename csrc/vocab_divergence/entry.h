@@ -10,10 +10,10 @@
 
 #include <optional>
 
-#include "common/combine.h"
-#include "common/row_skipping.h"
 #include "vocab_divergence/chunks.h"
 #include "vocab_divergence/options.h"
+#include "vocab_parallel/combine.h"
+#include "vocab_parallel/row_skipping.h"
 
 namespace fused_rl_ops::vocab_divergence {
 

@@ -1,5 +1,5 @@
-// vocab_divergence's own options, after the groups every vocab-parallel op takes (common/logit_map.h:
-// the student's map, the teacher's being the same with teacher_softcap; common/vocab_parallel.h), declared once
+// vocab_divergence's own options, after the groups every vocab-parallel op takes (vocab_parallel/options.h:
+// the student's map, the teacher's being the same with teacher_softcap), declared once
 // (how: common/options.h; what each means: docs/vocab_divergence.md, "The ops underneath"). Python
 // declares them as VocabDivergenceOptions (fused_rl_ops/vocab_divergence.py).
 #pragma once
@@ -7,8 +7,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "common/logit_map.h"
-#include "common/vocab_parallel.h"
+#include "vocab_parallel/options.h"
 
 namespace fused_rl_ops {
 
@@ -31,8 +30,7 @@ struct OpenUnitInterval {  // NaN fails both comparisons
   X(double, beta, "float", "=0.5", OpenUnitInterval)
 
 // Every option of the ops, group by group, in the schema's order.
-#define FRL_VOCAB_DIVERGENCE_OP_OPTIONS(X) \
-  FRL_LOGIT_MAP(X) FRL_VOCAB_SHARD(X) FRL_TILING(X) FRL_VOCAB_DIVERGENCE_OPTIONS(X)
+#define FRL_VOCAB_DIVERGENCE_OP_OPTIONS(X) FRL_VOCAB_PARALLEL_OPTIONS(X) FRL_VOCAB_DIVERGENCE_OPTIONS(X)
 
 namespace fused_rl_ops::vocab_divergence {
 

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "common/logit_map.h"
+#include "vocab_parallel/logit_map.h"
 
 namespace fused_rl_ops::vocab_divergence {
 

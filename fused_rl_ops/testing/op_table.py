@@ -61,8 +61,7 @@ OPS = (
     Op("chosen_logprob",
        operators={"chosen_logprob_stats": CHOSEN_LOGPROB_GROUPS, "chosen_logprob_combine": (),
                   "chosen_logprob_backward": CHOSEN_LOGPROB_GROUPS,
-                  "chosen_logprob_search": CHOSEN_LOGPROB_SEARCH_GROUPS,
-                  "top_logprobs_stats": TOP_LOGPROBS_GROUPS},
+                  "chosen_logprob_search": CHOSEN_LOGPROB_SEARCH_GROUPS},
        benchmark="bench_chosen_logprob",
        # The V and N sweeps do not fit in the run: a later one.
        gpu_runs=(BenchmarkRun("bench_chosen_logprob", 200, ("--no-sweeps",)),
@@ -70,6 +69,13 @@ OPS = (
                  BenchmarkRun("bench_chosen_logprob_distillation", 60, ("--distillation",))),
        kernels_on_cpu_driver="chosen_logprob_driver",
        sanitizer_cases=sanitizer_cases.chosen_logprob),
+    # Its benchmark is chosen_logprob's distillation run; its backward is chosen_logprob's.
+    Op("top_logprobs",
+       operators={"top_logprobs_stats": TOP_LOGPROBS_GROUPS},
+       benchmark=None,
+       gpu_runs=(),
+       kernels_on_cpu_driver="top_logprobs_driver",
+       sanitizer_cases=sanitizer_cases.top_logprobs),
     Op("vocab_divergence",
        operators={"vocab_divergence_stats": VOCAB_DIVERGENCE_GROUPS, "vocab_divergence_combine": (),
                   "vocab_divergence_mixture": VOCAB_DIVERGENCE_GROUPS,

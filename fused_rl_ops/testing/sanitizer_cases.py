@@ -35,7 +35,7 @@ CHOSEN_LOGPROB_SETTINGS = [{}, dict(softcap=3.0), dict(top_k=7), dict(top_p=0.9,
 def chosen_logprob(device):
     """Several chunks (the last one partial), padded rows, an ignored token; with each setting
     above; the weight gradient returned and added into a main_grad. Then three tokens per position
-    (an ignored entry, a duplicate) and top_logprobs (its top_ids_rows)."""
+    (an ignored entry, a duplicate)."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         hidden = torch.randn(37, 33, device=device, dtype=dtype, requires_grad=True)
         weight = (torch.randn(300, 33, device=device, dtype=dtype) * 0.2).requires_grad_(True)
@@ -52,8 +52,20 @@ def chosen_logprob(device):
         lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, many, temperature=0.7, vocab_size=290,
                                               return_entropy=True, workspace_bytes=1, softcap=3.0)
         (lp.sum() + ent.sum()).backward()
-        _, top = fused_rl_ops.top_logprobs(hidden, weight, 5, temperature=0.7, vocab_size=290)
-        top.sum().backward()
+
+
+def top_logprobs(device):
+    """Several chunks (the last one partial), padded rows, a masked position, with and without a
+    softcap; the backward (chosen_logprob's ops)."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        hidden = torch.randn(37, 33, device=device, dtype=dtype, requires_grad=True)
+        weight = (torch.randn(300, 33, device=device, dtype=dtype) * 0.2).requires_grad_(True)
+        mask = torch.ones(37, dtype=torch.bool, device=device)
+        mask[3] = False
+        for settings in ({}, dict(softcap=3.0)):
+            _, top = fused_rl_ops.top_logprobs(hidden, weight, 5, temperature=0.7, vocab_size=290, mask=mask,
+                                               **settings)
+            top.sum().backward()
 
 
 def value_head(device):

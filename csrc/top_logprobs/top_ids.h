@@ -1,5 +1,5 @@
-// A row's k largest logits with their ids (fused_rl_ops.top_logprobs), shared by the CPU and CUDA
-// kernels. Unlike the sampler filter's top (sampler_filter.h), which counts ties, this one orders
+// A row's k largest logits with their ids, shared by the CPU and CUDA kernels. Unlike the sampler
+// filter's top, which counts ties, this one orders
 // its entries strictly: a larger logit first, between equal logits the lower id first, so that the
 // k entries kept are exactly the first k of that order over every logit given, whatever the chunks,
 // whatever the ranks (their tops merge by the same order). The heap starts full of placeholders
@@ -12,7 +12,7 @@
 
 #include "common/math.h"
 
-namespace fused_rl_ops::chosen_logprob {
+namespace fused_rl_ops::top_logprobs {
 
 // The id of a placeholder: after every real id.
 constexpr int64_t kNoId = INT64_MAX;
@@ -40,4 +40,4 @@ FRL_HD void top_ids_push(T* values, int64_t* ids, int64_t k, T v, int64_t id) {
   ids[i] = id;
 }
 
-}  // namespace fused_rl_ops::chosen_logprob
+}  // namespace fused_rl_ops::top_logprobs

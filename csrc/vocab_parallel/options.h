@@ -15,8 +15,8 @@
 #include <cstdint>
 #include <optional>
 
-#include "common/logit_map.h"
 #include "common/options.h"
+#include "vocab_parallel/logit_map.h"
 
 #define FRL_VOCAB_SHARD(X)                                  \
   X(int64_t, vocab_start, "int", "", NonNegativeInteger) \
@@ -55,6 +55,9 @@ struct VocabParallelOptions {
   VocabShard shard;
   Tiling tiling;
 };
+
+// Every option of those groups, in the schema's order: what every vocab-parallel op takes first.
+#define FRL_VOCAB_PARALLEL_OPTIONS(X) FRL_LOGIT_MAP(X) FRL_VOCAB_SHARD(X) FRL_TILING(X)
 
 #define FRL_VOCAB_PARALLEL_VALUES \
   {FRL_LOGIT_MAP(FRL_OPTION_VALUE)}, {FRL_VOCAB_SHARD(FRL_OPTION_VALUE)}, {FRL_TILING(FRL_OPTION_VALUE)}
