@@ -114,3 +114,23 @@ def groups_from_arguments(declarations, args: tuple, kwargs: dict) -> tuple:
                 values[declared.name] = kwargs.pop(declared.name)
         groups.append(declaration(**values))
     return tuple(groups), (args[position:], kwargs)
+
+
+def prefixed_options(declaration, prefix: str, name: str, doc: str) -> type:
+    """An options dataclass `name` of declaration's options named prefix + each name, with their
+    rules, defaults and agreement: a group that a schema takes twice (vocab_divergence's teacher's
+    logit map beside the student's), made from its declaration so that an option added there is
+    here too. Its of(options, **changes) makes one from an instance of declaration, changes by the
+    prefixed names."""
+    hints = typing.get_type_hints(declaration)
+    namespace = {"__annotations__": {}, "__module__": declaration.__module__, "__doc__": doc,
+                 "__post_init__": lambda self: check_options(type(self).__name__, self)}
+    for f in dataclasses.fields(declaration):
+        namespace["__annotations__"][prefix + f.name] = hints[f.name]
+        namespace[prefix + f.name] = dataclasses.field(default=f.default, metadata=f.metadata)
+
+    def of(cls, options, **changes):
+        return cls(**{prefix + o.name: getattr(options, o.name) for o in declaration.OPTIONS} | changes)
+
+    namespace["of"] = classmethod(of)
+    return options_dataclass(type(name, (), namespace))

@@ -9,7 +9,8 @@ take the map as LogitMap (csrc/common/logit_map.h) and the filter through per-to
 """
 from typing import Optional
 
-from ._options import POSITIVE_FINITE, POSITIVE_INTEGER, PROBABILITY, check_options, option, options_dataclass
+from ._options import (POSITIVE_FINITE, POSITIVE_INTEGER, PROBABILITY, check_options, option, options_dataclass,
+                       prefixed_options)
 
 
 @options_dataclass
@@ -23,6 +24,13 @@ class LogitMap:
 
     def __post_init__(self):
         check_options(type(self).__name__, self)
+
+
+TeacherLogitMap = prefixed_options(
+    LogitMap, "teacher_", "TeacherLogitMap",
+    """A second model's logit map (vocab_divergence's teacher's), an option group of its own in the
+    schema: LogitMap's options named teacher_<name> (FRL_TEACHER_LOGIT_MAP); TeacherLogitMap.of(map,
+    teacher_softcap=...) makes one from a LogitMap.""")
 
 
 @options_dataclass(kw_only=True)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ._checks import check_hidden_size, check_mask, values_readable
 from ._library import acc_dtype, check_device, check_float_dtype
-from ._options import POSITIVE_FINITE, Rule, check_options, groups_from_arguments, option, options_dataclass
+from ._options import Rule, check_options, groups_from_arguments, option, options_dataclass
 from ._vocab_divergence_function import KINDS, VocabDivergenceFunction
 from ._vocab_parallel import agreement
 from ._vocab_parallel.group import TensorParallelGroup
@@ -17,40 +17,39 @@ from ._vocab_parallel.kernel_options import SHARED_GROUPS, KernelOptions
 from ._vocab_parallel.main_grad import check_main_grad, weight_placeholder
 from ._vocab_parallel.shard import resolve_shard
 from ._vocab_parallel.tiling import default_workspace_bytes, tiling_for
-from .logit_options import LogitMap, LogitOptions, given_once
+from .logit_options import LogitMap, LogitOptions, TeacherLogitMap, given_once
 
 __all__ = ["VocabDivergenceOptions", "vocab_divergence"]
 
-# As csrc/vocab_divergence/options.h: DivergenceKind, OpenUnitInterval.
+# As the C++ declaration's rules DivergenceKind, OpenUnitInterval.
 DIVERGENCE_KIND = Rule("0 (forward_kl), 1 (reverse_kl) or 2 (jsd)", lambda v: 0 <= v <= 2)
 OPEN_UNIT_INTERVAL = Rule("a number in (0, 1)", lambda v: 0 < v < 1)
 
 
 @options_dataclass
 class VocabDivergenceOptions:
-    """vocab_divergence's own option group, after LogitMap (the student's map; the teacher's is the
-    same with teacher_softcap, built in csrc/vocab_divergence/entry.h), VocabShard and Tiling in
-    every op of it (declared for C++ in csrc/vocab_divergence/options.h): the divergence's kind
-    (KINDS' code), the teacher's softcap and jsd's beta (the teacher's weight in the mixture)."""
+    """vocab_divergence's own option group (declared for C++ as FRL_VOCAB_DIVERGENCE_OPTIONS), after
+    the student's LogitMap, the teacher's TeacherLogitMap, VocabShard and Tiling in every op of it:
+    the divergence's kind (KINDS' code) and jsd's beta (the teacher's weight in the mixture)."""
     kind: int = option(DIVERGENCE_KIND, default=0)
-    teacher_softcap: Optional[float] = option(POSITIVE_FINITE, default=None)
     beta: float = option(OPEN_UNIT_INTERVAL, default=0.5)
 
     def __post_init__(self):
         check_options(type(self).__name__, self)
 
 
-# The option groups of every op of it, in their schemas' order.
-OP_GROUPS = SHARED_GROUPS + (VocabDivergenceOptions,)
+# The option groups of every op of it, in their schemas' order: both models' maps first.
+OP_GROUPS = (LogitMap, TeacherLogitMap, *SHARED_GROUPS[1:], VocabDivergenceOptions)
 
 _FLOAT = agreement.option_codec(float)
 # What every rank of tp_group must agree on besides its shard, in order: the call's own arguments,
-# then the logit map.
+# then both logit maps.
 _AGREED_FIELDS = [("token count", agreement.INTEGER), ("hidden size", agreement.INTEGER),
                   ("teacher hidden size", agreement.INTEGER), ("dtype", agreement.DTYPE),
                   ("teacher dtype", agreement.DTYPE), ("vocab_size", agreement.INTEGER),
                   ("reduce_hidden_grad", agreement.INTEGER), ("kind", agreement.INTEGER), ("beta", _FLOAT),
-                  ("teacher_softcap", _FLOAT), ("mask", agreement.FINGERPRINT)] + agreement.agreed_fields(LogitMap)
+                  ("mask", agreement.FINGERPRINT)] + agreement.agreed_fields(LogitMap) \
+    + agreement.agreed_fields(TeacherLogitMap)
 
 
 def _check_tensors(hidden, weight, teacher_hidden, teacher_weight, mask):
@@ -95,7 +94,9 @@ def _resolve(hidden, weight, teacher_hidden, teacher_weight, mask, rank, world, 
     chunk buffers (the student's, chunk_loop_bytes: two logits workspaces in the CPU's backward; the
     teacher's logits workspace and, on the CPU, its fp32 weight rows): the tiling is planned for half
     of it with both hidden sizes' weight rows, twice of which bounds them all."""
-    own = VocabDivergenceOptions(_kind_code(kind), teacher_softcap, beta)
+    own = VocabDivergenceOptions(_kind_code(kind), beta)
+    # The teacher's map is the student's with its own softcap.
+    teacher_logit_map = TeacherLogitMap.of(logit_map, teacher_softcap=teacher_softcap)
     _check_tensors(hidden, weight, teacher_hidden, teacher_weight, mask)
     shard, vocab_size = resolve_shard("vocab_divergence", weight.shape[0], rank, world, vocab_start, vocab_size)
     check_main_grad("vocab_divergence", main_grad, weight)
@@ -105,7 +106,7 @@ def _resolve(hidden, weight, teacher_hidden, teacher_weight, mask, rank, world, 
     element_size = max(hidden.element_size(), teacher_hidden.element_size())
     tiling = tiling_for(rows, hidden.shape[-1] + teacher_hidden.shape[-1], element_size, max(workspace_bytes // 2, 1),
                         hidden.device, batch_invariant)
-    return KernelOptions(logit_map, shard, tiling, own), vocab_size
+    return KernelOptions(logit_map, shard, tiling, own, teacher_logit_map), vocab_size
 
 
 def vocab_divergence(
@@ -170,8 +171,8 @@ def vocab_divergence(
         values = None if error is not None else [
             hidden.numel() // hidden.shape[-1], hidden.shape[-1], teacher_hidden.shape[-1], hidden.dtype,
             teacher_hidden.dtype, vocab_size, reduce_hidden_grad, kernel_options.own.kind, kernel_options.own.beta,
-            kernel_options.own.teacher_softcap, -1 if mask is None else agreement.token_fingerprint(mask)
-        ] + agreement.agreed_values(logit_map)
+            -1 if mask is None else agreement.token_fingerprint(mask)
+        ] + agreement.agreed_values(logit_map) + agreement.agreed_values(kernel_options.teacher_logit_map)
         shard = None if error is not None else (kernel_options.shard.vocab_start, weight.shape[0])
         agreement.check_agreement("vocab_divergence", tp_group, _AGREED_FIELDS, error, shard, values)
     elif error is not None:

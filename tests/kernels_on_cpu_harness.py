@@ -289,11 +289,11 @@ def running_stats(earlier, has_earlier):
     return stats
 
 
-def logit_map_scalars(temperature, softcap=None) -> dict:
-    """A case's logit map, as the driver reads it: a scalar per option of LogitMap (FRL_LOGIT_MAP),
-    an optional one left out when None."""
+def logit_map_scalars(temperature, softcap=None, prefix="") -> dict:
+    """A case's logit map, as the driver reads it (read_logit_map): a scalar prefix + name per option
+    of LogitMap (FRL_LOGIT_MAP), an optional one left out when None."""
     options = dataclasses.asdict(LogitMap(temperature, softcap))
-    return {name: value for name, value in options.items() if value is not None}
+    return {prefix + name: value for name, value in options.items() if value is not None}
 
 
 def threshold_buffer(threshold):

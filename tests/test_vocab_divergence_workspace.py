@@ -32,7 +32,7 @@ def test_the_cpu_chunk_loops_allocate_what_the_tiling_plans_for(tmp_path, dtype,
     teacher_hidden, teacher_weight = teacher_hidden.to(teacher_dtype), teacher_weight.to(teacher_dtype)
     tensors = (hidden, weight, teacher_hidden, teacher_weight, None)
     e, e_t, acc = hidden.element_size(), teacher_hidden.element_size(), 8 if dtype == torch.float64 else 4
-    options = (1.0, None, 0, None, chunk, row_block, pass_rows)
+    options = (1.0, None, 1.0, None, 0, None, chunk, row_block, pass_rows)  # both maps, shard, tiling
     block = row_block or N
     rows = min(pass_rows // block * block if pass_rows else N, -(-N // block) * block)
     several_passes = rows < N

@@ -1,7 +1,7 @@
 // Full-vocabulary divergences between a student's and a teacher's softmax, per-row math shared by
 // the CPU and CUDA kernels. The GEMMs give both models' raw logits over the same vocab rows; each
-// model's softmax takes z = map(x), its logit map of vocab_parallel/logit_map.h (the teacher's is the student's
-// with its own softcap). With q the student's probabilities and p the teacher's:
+// model's softmax takes z = map(x), its own logit map (vocab_parallel/logit_map.h). With q the
+// student's probabilities and p the teacher's:
 //   forward_kl = KL(p || q) = sum p (log p - log q)
 //   reverse_kl = KL(q || p) = sum q (log q - log p)
 //   jsd = beta KL(p || M) + (1 - beta) KL(q || M),  M = beta p + (1 - beta) q.

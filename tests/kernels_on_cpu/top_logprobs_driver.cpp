@@ -1,13 +1,9 @@
 // Calls top_logprobs' launchers (csrc/top_logprobs/kernel.cu) on the CPU: stats_rows (the shared
-// softmax-stats kernel, without tokens) and top_ids_rows. A case's logit map: a scalar per option of
-// FRL_LOGIT_MAP (csrc/vocab_parallel/logit_map.h), an optional one left out for none.
+// softmax-stats kernel, without tokens) and top_ids_rows. A case's logit map: driver::read_logit_map's.
 #include "driver.h"
 #include "top_logprobs/kernel.h"
 
 using namespace fused_rl_ops::top_logprobs;
-
-#define SET_LOGIT_MAP_OPTION(type, name, schema_type, schema_default, rule) \
-  if (c.has_scalar(#name)) p.logit_map.name = c.d(#name);
 
 int main(int argc, char** argv) {
   return driver::main(argc, argv, [](driver::Case& c) {
@@ -16,7 +12,7 @@ int main(int argc, char** argv) {
     p.logits = c.buf<float>("logits");
     p.cols = c.i("C");
     p.col0 = c.i("col0");
-    FRL_LOGIT_MAP(SET_LOGIT_MAP_OPTION)
+    p.logit_map = driver::read_logit_map(c);
     if (c.kernel == "stats_rows") {
       p.stats = c.buf<float>("stats");
       return launch_top_logprobs_stats_rows(p, nullptr);
