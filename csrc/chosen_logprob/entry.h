@@ -1,8 +1,6 @@
-// chosen_logprob's ops, one implementation for the CPU and CUDA kernels (cpu.cpp's, cuda.cpp's),
-// each device file registering these templates with its own Kernels. Each op checks its contract
-// first: its option groups as they are declared (chosen_logprob/options.h), and the shapes, dtypes
-// and devices its kernels rely on, in the words of fused_rl_ops/chosen_logprob.py's checks. Then it
-// leaves out the rows it need not compute (RowSkipping) and runs its chunk walks (chosen_logprob/chunks.h).
+// chosen_logprob's ops, written once over a device's Kernels, which each device file registers.
+// Each checks its contract first (its option groups, and what its kernels rely on, in the words of
+// the Python checks), leaves out the rows it need not compute (RowSkipping), then walks the chunks.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,7 +1,6 @@
-// chosen_logprob's own options, after the groups every vocab-parallel op takes
-// (vocab_parallel/options.h), declared once (how: common/options.h; what each means:
-// docs/chosen_logprob.md, "The ops underneath"). Python declares them as ChosenLogprobOptions
-// (fused_rl_ops/chosen_logprob.py).
+// chosen_logprob's own options, after the groups every vocab-parallel op takes, declared once (how:
+// common/options.h). Python declares them as ChosenLogprobOptions; docs/chosen_logprob.md, "The ops
+// underneath", says what each means.
 #pragma once
 
 #include "vocab_parallel/options.h"

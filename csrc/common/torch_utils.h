@@ -1,7 +1,6 @@
 // Helpers for the torch-side glue of the CPU and CUDA kernels (not for .cu files): dtype mappings,
-// and the checks each op makes of its arguments, worded as fused_rl_ops' Python checks word them
-// (fused_rl_ops/_options.py, _library.py): ValueError for a bad value or shape, TypeError for a bad
-// dtype.
+// and the checks each op makes of its arguments, worded as the Python checks word them: ValueError
+// for a bad value or shape, TypeError for a bad dtype.
 #pragma once
 
 #include <ATen/ATen.h>

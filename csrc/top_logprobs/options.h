@@ -1,6 +1,5 @@
-// top_logprobs' own options, after the groups every vocab-parallel op takes
-// (vocab_parallel/options.h), declared once (how: common/options.h). Python declares them as
-// TopLogprobsOptions (fused_rl_ops/top_logprobs.py).
+// top_logprobs' own options, after the groups every vocab-parallel op takes, declared once (how:
+// common/options.h). Python declares them as TopLogprobsOptions.
 #pragma once
 
 #include "vocab_parallel/options.h"

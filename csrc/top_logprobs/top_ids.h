@@ -1,11 +1,8 @@
-// A row's k largest logits with their ids, shared by the CPU and CUDA kernels. Unlike the sampler
-// filter's top, which counts ties, this one orders
-// its entries strictly: a larger logit first, between equal logits the lower id first, so that the
-// k entries kept are exactly the first k of that order over every logit given, whatever the chunks,
-// whatever the ranks (their tops merge by the same order). The heap starts full of placeholders
-// (-inf, kNoId), after every real logit, -inf ones included, so it needs no count: with k at most
-// the vocabulary every placeholder is pushed out. A NaN is never taken in (it is not before
-// anything); its row's logprobs are NaN anyway.
+// A row's k largest logits with their ids, shared by the CPU and CUDA kernels. Strictly ordered (a
+// larger logit first, between equal ones the lower id), unlike the sampler filter's top, so that the
+// k kept are the first k of that order whatever the chunks and ranks, whose tops merge by it. It
+// starts full of placeholders (-inf, kNoId) that every real logit precedes, so it needs no count; a
+// NaN is never taken (its row's logprobs are NaN anyway).
 #pragma once
 
 #include <cstdint>

@@ -16,16 +16,11 @@
 
 namespace fused_rl_ops::vocab_divergence {
 
-// The teacher's raw logits of on_chunk's rows of a chunk step (all of a pass's, or a piece's on the
-// CPU), in the accumulation dtype, computed right before the row kernels read them: by the student's
-// GEMMs (the blocks of RowTiling, or the row pieces of RowPieces, through a last block's padding), so
-// that each GEMM has the student's shape and batch invariance holds for both models. In a workspace of
-// its own, [pass, chunk]: a step's rows from step.begin lie where they would in a chunk-wide layout
-// (n apart), so that pieces of chunks of different widths never share bytes, and the chunk loop runs
-// the steps of each piece's rows in turn. The teacher's weight rows of a group are made GEMM operands
-// once (on the CPU, fp32 copies of reduced-precision weights), by the group's first step, which
-// releases the previous group's; the chunk loop runs the groups in turn when they are copies
-// (copies_rows, GroupWork::groups_in_turn), so that one lives at a time.
+// The teacher's raw logits of on_chunk's rows of a chunk step, computed right before the row kernels
+// read them by GEMMs of the student's shapes (so batch invariance holds for both models), in a
+// workspace of their own laid out chunk-wide, so that pieces of chunks of different widths never
+// share bytes. A group's weight rows are made GEMM operands once (on the CPU, fp32 copies), one group
+// at a time (copies_rows: the chunk loop then runs the groups in turn).
 template <class Kernels>
 class TeacherLogits {
  public:

@@ -1,8 +1,6 @@
-// vocab_divergence's ops, one implementation for the CPU and CUDA kernels (cpu.cpp's, cuda.cpp's),
-// each device file registering these templates with its own Kernels. Each op checks its contract
-// first: its option groups as declared (vocab_divergence/options.h), and the shapes, dtypes and
-// devices its kernels rely on, in the words of fused_rl_ops/vocab_divergence.py's checks. Then it
-// leaves out the masked rows (RowSkipping) and runs its chunk loop (vocab_divergence/chunks.h).
+// vocab_divergence's ops, written once over a device's Kernels, which each device file registers.
+// Each checks its contract first (its option groups, and what its kernels rely on, in the words of
+// the Python checks), leaves out the masked rows (RowSkipping), then walks the chunks.
 #pragma once
 
 #include <ATen/ATen.h>

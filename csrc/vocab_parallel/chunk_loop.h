@@ -28,17 +28,12 @@
 
 namespace fused_rl_ops {
 
-// What a backward does with a group's logit gradients in each pass, after the group's last chunk
-// (gradient_loop; a forward does nothing): rows(w_group, logits, step, b0, b, n), the hidden
-// gradient's GEMM for the pass's rows [b, b + n) of the row block that starts at b0, once per row
-// piece (a block on CUDA; on the CPU run by the piece's task of the group's last chunk); then
-// tasks(step) weight-gradient tasks, task(logits, step, t) each, once every row of the pass has its
-// gradients. step: the whole group (c0 = g0, n = k) in the pass; w_group: the group's rows of weight
-// as the GEMMs take them; logits: the pass's logits of the group's last chunk. buffers: how many
-// logits workspaces the CPU alternates between passes: 2 where the gradients stay in the logits, so
-// that a pass's weight-gradient tasks run beside the next pass's logits GEMMs. groups_in_turn: on_chunk
-// holds a copy per group of its own (vocab_divergence's teacher weight rows), so on the CPU a group's
-// tasks start once the previous group's are done, as where weight's rows are copied: one copy at a time.
+// What a backward does after each pass's last chunk of a group (gradient_loop; a forward: nothing):
+// rows(w_group, logits, step, b0, b, n), the hidden gradient's GEMM for rows [b, b + n) of the block
+// at b0, once per piece; then tasks(step) weight-gradient tasks, task(logits, step, t) each, once the
+// pass's rows all have their gradients. buffers: logits workspaces alternated by pass (2 lets the
+// CPU's weight-gradient tasks overlap the next pass's GEMMs). groups_in_turn: on_chunk copies a
+// group's rows of its own (the teacher's), so that the CPU holds one group's copy at a time.
 struct GroupWork {
   std::function<void(const at::Tensor&, const at::Tensor&, const ChunkStep&, int64_t, int64_t, int64_t)> rows;
   std::function<int64_t(const ChunkStep&)> tasks;
@@ -92,13 +87,9 @@ class LogitsChunks {
     }
   }
 
-  // The CPU's schedule: a task per row piece of each pass's chunk (its logits GEMM, on_chunk for its
-  // rows and, after the group's last chunk, its rows' GroupWork), and the passes' weight-gradient
-  // tasks, all in one TaskQueue region, in loop order. A piece's tasks follow each other (its rows'
-  // sums over the vocabulary keep vocab order, and its rows of the workspace are its own); a pass's
-  // weight-gradient tasks wait for all of its pieces, and are queued after the next pass's pieces
-  // where the workspaces alternate. So a thread waits only where a piece it needs is still being
-  // computed, not for every thread at the end of each chunk.
+  // The CPU's schedule: a task per row piece of each pass's chunk, and the passes' weight-gradient
+  // tasks, in one TaskQueue region in loop order. A task waits only for what it reads, never for
+  // every thread at a chunk's end, where a thread its core shares with another process held them all.
   template <class OnChunk>
   void as_tasks(const OnChunk& on_chunk, const GroupWork& group) const {
     const Schedule plan(*this, group);
@@ -258,14 +249,10 @@ LogitsChunks<Kernels>::Schedule::Schedule(const LogitsChunks& loop, const GroupW
   }
 }
 
-// For each group of weight's rows (vocab.rows of them), each pass of token rows and each chunk of
-// the group, nested in that order and in vocab order (so each token row meets the chunks in vocab
-// order): on_chunk(logits, step), logits[:rows] = h[r0 : r0 + rows] w[c0 : c0 + n]^T, [rows, n] in
-// the accumulation dtype (then the padding of a last block, up to a multiple of the block), in a
-// workspace reused by every chunk and pass (group.buffers of them on the CPU, alternating by pass),
-// for the rows [step.begin, step.end) of the pass (once for all rows, or once per piece, RowPieces,
-// right after the piece's GEMM; pieces of different chunks may run at once, never two of the same
-// rows); then the group's work (GroupWork) after the group's chunks of each pass.
+// on_chunk(logits, step) for each group of weight's rows, pass of token rows and chunk, nested in
+// that order, so that each token row meets the chunks in vocab order. logits: the pass's [padded
+// rows, n] = h w_chunk^T in the accumulation dtype, in a reused workspace; step: the rows on_chunk
+// takes (all, or a CPU piece; no two tasks on one row at once). Then the group's GroupWork.
 template <class Kernels, class OnChunk>
 void for_each_logits_chunk(const at::Tensor& h, const at::Tensor& weight, const VocabTiling& vocab,
                            const RowTiling& tiling, const OnChunk& on_chunk, const GroupWork& group = GroupWork()) {

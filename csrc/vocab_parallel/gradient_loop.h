@@ -11,30 +11,16 @@
 
 namespace fused_rl_ops {
 
-// The backward's chunk loop of every vocab-parallel op: the gradients of this shard, whose first
-// valid_rows rows of weight are vocabulary (the rest padding), from the logit gradients that
-// write_grads(logits, step, d) writes for on_chunk's rows [step.begin, step.end) of each chunk
-// (logits: the pass's raw logits of the chunk, [padded rows, n] in the accumulation dtype; d: where
-// those rows' gradients go, [end - begin, n] in the dtype the gradient GEMMs take, rows d.stride(0)
-// apart; it may be logits' own rows; with Kernels that run pieces, called concurrently for disjoint
-// rows; groups_in_turn as in GroupWork): the hidden gradient (in the accumulation dtype, a partial
-// sum over this shard's vocabulary)
-// and the weight gradient (in weight's dtype, one [V, H] tensor whose padded rows alone are zeroed).
-// With main_grad ([V, H], Megatron's gradient-accumulation buffer) the weight gradient goes into
-// main_grad's rows instead, and the returned weight gradient is empty [0, H]: where
-// Kernels::fuses_main_grad and main_grad is in the accumulation dtype, the weight-gradient GEMMs add
-// into it themselves (Megatron's gradient_accumulation_fusion: no rounding to weight's dtype on the
-// way); else each group's weight gradient, in weight's dtype as an unfused backward hands it over,
-// is added through a [group, H] buffer.
-// The logit gradients of each chunk are written in the dtype the gradient GEMMs take: over
-// the logits in place when that is the accumulation dtype and a gradient GEMM takes one chunk
-// (grad_chunks = 1); else into a buffer of a group's grad_chunks chunks, [pass, group], so that
-// each gradient GEMM takes the whole group (K = group rows). The hidden gradient takes one GEMM per
-// row block (row piece on the CPU) and group, summed over groups in vocab order. The weight gradient
-// takes one GEMM per group over all rows (K = N) when they take one pass, or when they take several
-// and that buffer, made [N, group] to hold every pass's gradients, is no larger than the [group, H]
-// accumulator it spares; else one per group and pass, summed over passes in order in the
-// accumulation dtype (on the CPU each by pieces of the group's rows).
+// The gradients of this shard, whose first valid_rows rows of weight are vocabulary: the hidden
+// gradient (accumulation dtype, this shard's partial sum) and the weight gradient (weight's dtype,
+// its padding rows zero), from the logit gradients write_grads(logits, step, d) writes for on_chunk's
+// rows (d: [end - begin, n] in the gradient GEMMs' dtype, perhaps logits' own rows; on the CPU called
+// at once for disjoint rows). With main_grad (Megatron's buffer) the weight gradient is added there,
+// inside the GEMMs where the device can (no rounding on the way), and an empty [0, H] is returned.
+// The logit gradients stay in the logits where one GEMM takes one chunk in the accumulation dtype,
+// else a buffer holds a group's (grad_chunks chunks a GEMM: fewer, larger GEMMs). The weight gradient
+// takes one GEMM per group over every row where the passes' gradients fit in no more memory than the
+// [group, H] sum a GEMM per pass needs.
 template <class Kernels, class WriteGrads>
 std::tuple<at::Tensor, at::Tensor> gradient_loop(const at::Tensor& hidden, const at::Tensor& weight, int64_t valid_rows,
                                                  const std::optional<at::Tensor>& main_grad,

@@ -11,7 +11,7 @@ from .._library import ops
 
 class StatsColumns(NamedTuple):
     """The columns of chosen_logprob_stats' [N, 3 + k] output (k tokens per position): a vocab
-    shard's partials of each position's row (csrc/chosen_logprob/math.h, stats_column): the max m
+    shard's partials of each position's row (the C++ stats_column): the max m
     of its logits, s = sum exp(z - m), t = sum exp(z - m) (z - m), and the k chosen logits (0 when
     another shard holds the token). With top_width the row's top follows them
     (sampler_filter.TOP_HEADER + top_width columns)."""

@@ -32,14 +32,14 @@ class BenchmarkRun:
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """name: the public function, its csrc/<name>/ sources and its tests/test_<name>.py.
+    """name: the public function, its C++ op folder and its tests/test_<name>.py.
     operators: its operators (torch.ops.fused_rl_ops.<each>), each with its option groups
         (dataclasses mirroring the C++ X-macro lists) in the order its schema takes them; () for an
         operator that takes tensors only.
     benchmark: its module in benchmarks/ (python -m benchmarks.<benchmark>); None: none.
     gpu_runs: the runs of that benchmark on a GPU machine (scripts/gpu_check.sh).
-    kernels_on_cpu_driver: tests/kernels_on_cpu/<driver>.cpp, which runs csrc/<name>/kernel.cu's
-        launchers on the CPU (the harness builds it; its cases are in
+    kernels_on_cpu_driver: tests/kernels_on_cpu/<driver>.cpp, which runs its CUDA launchers on the
+        CPU (the harness builds it; its cases are in
         tests/test_kernels_on_cpu_<name>*.py); None: the op launches no kernels of its own.
     sanitizer_cases: small calls of its CUDA kernels for compute-sanitizer, (device) -> None."""
     name: str
