@@ -1,8 +1,8 @@
 """Each op's contract is declared once per language: its options come in groups (the logit map, the
-vocab shard, the tiling every vocab-parallel op takes, then the op's own), each declared in C++
-(csrc/vocab_parallel/logit_map.h, csrc/vocab_parallel/options.h, csrc/<op>/options.h, which make the
-registered schema) and in Python (an options dataclass per group), and its tensor checks in
-csrc/<op>/entry.h and the op's Python module. These tests hold the two languages to one contract:
+vocab shard, the tiling every vocab-parallel op takes, vocab_divergence's teacher's map, then the
+op's own), each declared in C++ (csrc/vocab_parallel/logit_map.h, csrc/vocab_parallel/options.h,
+csrc/<op>/options.h, which make the registered schema) and in Python (an options dataclass per
+group), and its tensor checks in csrc/<op>/entry.h and the op's Python module. These tests hold the two languages to one contract:
 every op's schema takes its groups in order, each group's fields as declared, and every op, called
 directly through torch.ops (on real and on meta tensors, where the fake kernels check), accepts and
 refuses exactly what each group's Python declaration accepts and refuses, with the same error. The
