@@ -38,7 +38,16 @@ if CUDA_HOME:
     # torch.utils.cpp_extension reads CUDA_HOME when imported.
     os.environ["CUDA_HOME"] = CUDA_HOME
 
-import torch  # noqa: E402
+try:
+    import torch  # noqa: E402
+except ImportError:
+    # pip's default isolated build hides the installed torch; compiling against another one (the
+    # newest, were it a build requirement) would give an extension that cannot load.
+    sys.exit("fused_rl_ops: torch is not importable in this build environment (pip's build isolation hides an "
+             "installed one). The extension must be compiled against the torch it will run with: install torch "
+             "(>=2.11,<2.16) first, then build without isolation:\n"
+             "    pip install setuptools wheel ninja\n"
+             "    pip install --no-build-isolation <the same path, git URL or fused_rl_ops[extras]>")
 from torch.utils import cpp_extension  # noqa: E402
 
 WITH_CUDA = CUDA_HOME is not None and torch.version.cuda is not None

@@ -36,7 +36,7 @@ import torch
 from fused_rl_ops.testing.distributed import run_distributed
 
 from .load import LoadProbe, busy_note, is_busy
-from .plots import bar_chart, pyplot, save_figure
+from .plots import bars_figure
 from .results import parse_args, png_path, write_json
 from .tables import summary_table
 
@@ -215,13 +215,11 @@ def main():
         print("  ! " + busy_note(adapter))
     plot_file = png_path(args.json)
     if plot_file:
-        plt = pyplot()
-        fig, ax = plt.subplots(figsize=(6, 4))
-        bar_chart(ax, ["save", "load", "staged load"],
-                  {row["writer"]: [row["save_s"], row["load_s"], row.get("staged_load_s")] for row in rows}, "seconds")
-        ax.set_title(f"checkpoint save / load, TP={TP} on gloo, {adapter['params'] / 1e6:.1f}M fp32 parameters"
-                     + (" (! busy)" if adapter["busy"] else ""), fontsize=9)
-        save_figure(fig, plot_file)
+        bars_figure([{"groups": ["save", "load", "staged load"], "ylabel": "seconds",
+                      "values": {row["writer"]: [row["save_s"], row["load_s"], row.get("staged_load_s")]
+                                 for row in rows}}],
+                    f"checkpoint save / load, TP={TP} on gloo, {adapter['params'] / 1e6:.1f}M fp32 parameters",
+                    plot_file, busy=adapter["busy"])
     headline = [{"metric": f"adapter {op} overhead over plain DCP (%)", "value": adapter[f"{op}_overhead_%"],
                  "busy": adapter["busy"]} for op in ("save", "load", "staged_load")]
     write_json(args.json, "checkpoint", "cpu", rows, headline=headline, tables=[table], plot=plot_file, reps=reps)

@@ -25,7 +25,8 @@ say whether fused meets the project's goals on the row (reported, not asserted):
 the peer's and at most the naive path's, extra peak memory at most the peer's. The peer (goal_peer)
 is torch_lce; a torch without F.linear_cross_entropy (before 2.14: the GPU machine's 2.11) has none,
 and the goals are judged against the fused peers instead, the faster (the smaller) of Liger and
-Cut Cross-Entropy on the row.
+Cut Cross-Entropy on the row. A --quick run (tiny shapes, where fixed costs dominate) judges no
+goal here or in the modes below (goals.py).
 
 The RL-shaped case (--masked-only runs it alone): at each main shape the same batch with 0%, 50% and
 75% of its positions ignored (-100; the first part of every 512 positions, as prompts are),
@@ -51,8 +52,10 @@ call, top_p (alone or after top_k) at most 2.5x.
 
 The distillation case (--distillation runs it alone, at the main shapes; chosen_logprob_distillation):
 forward+backward of chosen_logprob with k = 1, 8 and 64 tokens per position and of top_logprobs
-(k = 64), fused and naive (materialised logits, log_softmax, gather / topk), in the same rounds;
-goals: k = 64 at most 1.15x k = 1, top_logprobs at most 1.3x chosen_logprob with one token.
+(k = 64), fused and naive (materialised logits, log_softmax, gather / topk), and of the rollout
+sampler's kept set (kept_ids of 63 ids: kept/k64, its time over chosen_logprob with the same 64
+tokens), in the same rounds; goals: k = 64 at most 1.15x k = 1, top_logprobs at most 1.3x
+chosen_logprob with one token.
 
 The plot (--json PATH -> PATH.png) draws time and peak memory of forward+backward (logprob only)
 against V and against N for every path (the sweeps), and against the masked share at the last main
@@ -68,7 +71,7 @@ import torch
 import fused_rl_ops
 from fused_rl_ops import reference
 
-from . import contention, roofline
+from . import contention, goals, roofline
 from .chosen_logprob_distillation import (DISTILLATION_GOALS, distillation_headline, distillation_table,
                                           measure_distillation)
 from .chosen_logprob_paths import gemm_runs, load_peers, make_inputs, path_fn, paths_for, peak_mib, run_once
@@ -115,7 +118,6 @@ GOALS = {  # column -> (what it checks, its value on a row: True / False, or Non
                        "liger and cce on a torch without F.linear_cross_entropy)",
                        lambda r: against_peer(r, "_MiB", lambda fused, peer: fused <= peer)),
 }
-TIME_GOALS, MEMORY_GOALS = ["goal_time<=peer/2", "goal_time<=naive"], ["goal_mem<=peer"]
 MASKED = (0.0, 0.5, 0.75)  # the RL-shaped case's shares of ignored positions
 
 SAMPLER_FILTERS = {"plain": {}, "top_k": dict(top_k=50), "top_p": dict(top_p=0.95),
@@ -141,13 +143,6 @@ MASKED_GOALS = {
                                lambda r: all(r["fused_ms"] < r[f"{p}_ms"] for p in other_paths(r))
                                if r["masked_%"] == 50 else None),
 }
-
-
-def add_goals(row, goals, declared=GOALS):
-    for column in goals:
-        met = declared[column][1](row)
-        if met is not None:
-            row[column] = met
 
 
 def max_error(fn, hidden, weight, tokens, rows=256):
@@ -260,14 +255,12 @@ def timed_rows(N, H, V, dtype, dev, peers, reps, log, ceilings=None) -> list:
             runs = {p: run_once(path_fn(p, entropy, peers), mode, hidden, weight, tokens) for p in paths}
             record_times(row, time_paths({**runs, "gemm": gemms[mode]}, dev, reps=reps))
             add_ratios(row, paths, N, H, V, mode)
-            add_goals(row, TIME_GOALS)
             if ceilings:
                 add_roofline(row, dtype, ceilings)
             rows.append(log("results", row))
             times = [c for c in row if c.endswith(("_ms", "/fused", "_%gemm")) and "iqr" not in c]
             print_row(row, ["N", "H", "V", "entropy", "mode", "fused_ms"] + [c for c in ROOFLINE_COLUMNS if c in row]
-                      + [c for c in times if c != "fused_ms" and c not in ROOFLINE_COLUMNS]
-                      + [c for c in TIME_GOALS if c in row])
+                      + [c for c in times if c != "fused_ms" and c not in ROOFLINE_COLUMNS])
     return rows
 
 
@@ -280,7 +273,6 @@ def measure_shape(N, H, V, dtype, dev, peers, reps, log, ceilings=None) -> list:
         memory[f"{path}_MiB"] = peak_mib(path, [(N, H, V)], dtype, dev, peers)[0]
         memory[f"{path}_max_err"] = max_error(path_fn(path, False, peers), hidden, weight, tokens)
     memory["naive/fused_mem"] = memory["naive_MiB"] / memory["fused_MiB"]
-    add_goals(memory, MEMORY_GOALS)
     rows.append(log("results", memory))
     print_row(memory, list(memory))
     return rows
@@ -309,11 +301,9 @@ def measure_masked(N, H, V, dtype, dev, peers, reps, log) -> list:
             if not entropy:
                 for path in paths:
                     row[f"{path}_MiB"] = peak_mib(path, [(N, H, V)], dtype, dev, peers, masked=masked)[0]
-            add_goals(row, MASKED_GOALS, MASKED_GOALS)
             rows.append(log("masked", row))
             print_row(row, ["N", "H", "V", "masked_%", "entropy", "fused/unmasked"]
-                      + [c for c in row if c.endswith(("_ms", "/fused", "_MiB")) and "iqr" not in c]
-                      + [c for c in MASKED_GOALS if c in row])
+                      + [c for c in row if c.endswith(("_ms", "/fused", "_MiB")) and "iqr" not in c])
     return rows
 
 
@@ -334,10 +324,9 @@ def measure_sampler_filter(N, H, V, dtype, dev, reps, log) -> list:
         record_times(row, time_paths(runs, dev, reps=reps))
         for name in list(SAMPLER_FILTERS)[1:]:
             row[f"{name}/plain"] = row[f"{name}_ms"] / row["plain_ms"]
-        add_goals(row, SAMPLER_GOALS, SAMPLER_GOALS)
         rows.append(log("sampler_filter", row))
         print_row(row, ["N", "H", "V", "entropy"] + [f"{name}_ms" for name in SAMPLER_FILTERS]
-                  + [f"{name}/plain" for name in list(SAMPLER_FILTERS)[1:]] + list(SAMPLER_GOALS))
+                  + [f"{name}/plain" for name in list(SAMPLER_FILTERS)[1:]])
     return rows
 
 
@@ -347,7 +336,7 @@ def sampler_filter_table(rows):
         "top_p=0.95 and both, and each over the plain call; goals: "
         + "; ".join(f"{c}: {what}" for c, (what, _) in SAMPLER_GOALS.items()),
         rows, ["N", "H", "V", "entropy"] + [f"{name}_ms" for name in SAMPLER_FILTERS]
-        + [f"{name}/plain" for name in list(SAMPLER_FILTERS)[1:]] + list(SAMPLER_GOALS))
+        + [f"{name}/plain" for name in list(SAMPLER_FILTERS)[1:]] + goals.judged_columns(rows, SAMPLER_GOALS))
 
 
 def sampler_filter_headline(rows) -> list:
@@ -360,7 +349,7 @@ def summary_tables(rows, all_paths):
     timed = [r for r in rows if "fused_ms" in r]
     key = ["N", "H", "V", "entropy", "mode"]
     expected = [c for c in ROOFLINE_COLUMNS if any(c in r for r in timed)]
-    return [
+    tables = [
         summary_table("chosen_logprob: median time (ms); ratios are path time / fused time"
                       + ("; fused_roofline*: what the fused kernels should take on the device" if expected else ""),
                       timed, key + ["fused_ms"] + expected + [f"{p}_ms" for p in all_paths[1:]] + ["gemm_ms"]
@@ -374,11 +363,14 @@ def summary_tables(rows, all_paths):
         summary_table("chosen_logprob: extra peak memory (MiB) and max |error| against float64",
                       [r for r in rows if "fused_MiB" in r], ["N", "H", "V"] + [f"{p}_MiB" for p in all_paths]
                       + ["naive/fused_mem"] + [f"{p}_max_err" for p in all_paths]),
-        summary_table("chosen_logprob: goals (" + "; ".join(f"{c}: {GOALS[c][0]}" for c in GOALS) + ")",
-                      [r for r in rows if any(c in r for c in GOALS)],
-                      ["N", "H", "V", "entropy", "mode", "goal_peer", "fused_ms", "torch_lce_ms", "liger_ms",
-                       "cce_ms", "naive_ms", "fused_MiB", "torch_lce_MiB", "liger_MiB", "cce_MiB"] + list(GOALS)),
     ]
+    judged = [r for r in rows if any(c in r for c in GOALS)]
+    if judged:
+        tables.append(summary_table(
+            "chosen_logprob: goals (" + "; ".join(f"{c}: {GOALS[c][0]}" for c in GOALS) + ")", judged,
+            ["N", "H", "V", "entropy", "mode", "goal_peer", "fused_ms", "torch_lce_ms", "liger_ms", "cce_ms",
+             "naive_ms", "fused_MiB", "torch_lce_MiB", "liger_MiB", "cce_MiB"] + list(GOALS)))
+    return tables
 
 
 def masked_table(rows, all_paths):
@@ -390,7 +382,8 @@ def masked_table(rows, all_paths):
         + "; ".join(f"{c}: {what}" for c, (what, _) in MASKED_GOALS.items()),
         rows, ["N", "H", "V", "masked_%", "entropy"] + [f"{p}_ms" for p in all_paths]
         + ["fused_compiled_ms", "fused/unmasked", "compiled/fused"]
-        + [f"{p}/fused" for p in all_paths[1:]] + [f"{p}_MiB" for p in all_paths] + list(MASKED_GOALS))
+        + [f"{p}/fused" for p in all_paths[1:]] + [f"{p}_MiB" for p in all_paths]
+        + goals.judged_columns(rows, MASKED_GOALS))
 
 
 def shape_options(parser):
@@ -475,23 +468,29 @@ def main():
         shapes = [tuple(shape) for shape in args.shape]
     if args.sampler_filter:
         rows = [row for N, H, V in shapes for row in measure_sampler_filter(N, H, V, dtype, dev, reps, log)]
+        goals.judge(rows, SAMPLER_GOALS, args.quick)
         write_json(args.json, "chosen_logprob", dev, rows, headline=sampler_filter_headline(rows),
-                   tables=[sampler_filter_table(rows)], goals={c: what for c, (what, _) in SAMPLER_GOALS.items()})
+                   tables=[sampler_filter_table(rows)], goals=goals.described(SAMPLER_GOALS, args.quick))
+        goals.print_verdicts(rows, SAMPLER_GOALS, args.quick)
         return
     if args.distillation:
         rows = [row for N, H, V in shapes for row in measure_distillation(N, H, V, dtype, dev, reps, log)]
+        goals.judge(rows, DISTILLATION_GOALS, args.quick)
         write_json(args.json, "chosen_logprob", dev, rows, headline=distillation_headline(rows),
-                   tables=[distillation_table(rows)], goals=DISTILLATION_GOALS)
+                   tables=[distillation_table(rows)], goals=goals.described(DISTILLATION_GOALS, args.quick))
+        goals.print_verdicts(rows, DISTILLATION_GOALS, args.quick)
         return
     peers, versions = load_peers(dev)
     all_paths = paths_for(False, peers)
     ceilings = roofline.ceilings_for(dev)
     rows = [] if args.masked_only else [row for N, H, V in shapes
                                         for row in measure_shape(N, H, V, dtype, dev, peers, reps, log, ceilings)]
+    goals.judge(rows, GOALS, args.quick)
     tables = summary_tables(rows, all_paths) if rows else []
     if ceilings and rows:
         tables += [roofline_table(N, H, V, dtype, ceilings) for N, H, V in shapes]
     masked_rows = [row for N, H, V in shapes for row in measure_masked(N, H, V, dtype, dev, peers, reps, log)]
+    goals.judge(masked_rows, MASKED_GOALS, args.quick)
     tables.append(masked_table(masked_rows, all_paths))
 
     sweeps = not (args.no_sweeps or args.masked_only)
@@ -511,8 +510,9 @@ def main():
         headline = main_headline(rows, shapes[-1], all_paths) + headline
     write_json(args.json, "chosen_logprob", dev, rows + masked_rows, headline=headline, tables=tables, peers=versions,
                plot=plot_file, sweeps={"V": v_curve, "N": n_curve}, flop_counting=FLOP_COUNTING,
-               goals={column: what for column, (what, _) in {**GOALS, **MASKED_GOALS}.items()},
+               goals=goals.described({**GOALS, **MASKED_GOALS}, args.quick),
                roofline={"ceilings": dataclasses.asdict(ceilings), "model": roofline.__doc__} if ceilings else None)
+    goals.print_verdicts(rows + masked_rows, {**GOALS, **MASKED_GOALS}, args.quick)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ and stops itself, on two cores (this process's threads and the busy process pinn
 it may use). Each round times every combination once (busy process on, then off), so the machine's
 own noise falls on all of them alike; medians over the rounds. The goals (docs/chosen_logprob.md,
 "Threads and a busy machine"): with the busy process the fused op takes at most 1.2x its GEMMs, and
-two threads are never slower than one (quiet or busy). Reported, never asserted."""
+two threads are never slower than one (quiet or busy). Reported, never asserted; a --quick run
+judges none (goals.py)."""
 import contextlib
 import os
 import subprocess
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from . import goals
 from .chosen_logprob_paths import gemm_runs, make_inputs, path_fn, run_once
 from .load import BUSY_OTHER_CORES, LoadProbe
 from .results import write_json
@@ -121,11 +123,8 @@ def measure_contention(N, H, V, dtype, reps, log, paths) -> list:
             row["load_before"], row["load_after"] = timed[0]["load_before"], timed[-1]["load_after"]
             row["busy"] = row["other_cores"] - (load == "busy") > BUSY_OTHER_CORES
     for row in rows:
-        for column, (_, met) in GOALS.items():
-            if met(row) is not None:
-                row[column] = met(row)
         log("contention", row)
-        print_row(row, COLUMNS + [c for c in GOALS if c in row])
+        print_row(row, COLUMNS)
     return rows
 
 
@@ -137,7 +136,7 @@ def contention_table(op, rows) -> dict:
     return summary_table(f"{op} with a core taken: fwd+bwd time (ms) of the fused op and its own GEMMs run "
                          "plainly, 1 and 2 threads, quiet and with one busy process on the two cores; "
                          "goals: " + "; ".join(f"{c}: {what}" for c, (what, _) in GOALS.items()),
-                         rows, COLUMNS + list(GOALS))
+                         rows, COLUMNS + goals.judged_columns(rows, GOALS))
 
 
 def contention_headline(rows) -> list:
@@ -147,21 +146,13 @@ def contention_headline(rows) -> list:
          "value": r["fused_2/1_threads"], "busy": r["busy"]} for r in rows if "fused_2/1_threads" in r]
 
 
-def print_goals(rows):
-    """Whether each goal is met, in words (a goal is met where every row that judges it meets it)."""
-    for column, (what, _) in GOALS.items():
-        judged = [r[column] for r in rows if column in r]
-        print(f"{'MET' if all(judged) else 'NOT MET'}: {what} "
-              f"({sum(judged)} of {len(judged)} rows)")
-
-
 def run_contention(op, args, log, make_paths):
     """--contention of op's benchmark (its --quick, --json and --shape where it has one), on the CPU:
     make_paths(N, H, V, dtype) gives the "fused" and "gemms" closures."""
     shape = getattr(args, "shape", None)
     N, H, V = shape[0] if shape else (256, 128, 8192) if args.quick else SHAPE
-    rows = measure_contention(N, H, V, torch.float32, 1 if args.quick else 5, log,
-                              make_paths(N, H, V, torch.float32))
+    rows = goals.judge(measure_contention(N, H, V, torch.float32, 1 if args.quick else 5, log,
+                                          make_paths(N, H, V, torch.float32)), GOALS, args.quick)
     write_json(args.json, op, "cpu", rows, headline=contention_headline(rows), tables=[contention_table(op, rows)],
-               goals={c: what for c, (what, _) in GOALS.items()})
-    print_goals(rows)
+               goals=goals.described(GOALS, args.quick))
+    goals.print_verdicts(rows, GOALS, args.quick)

@@ -34,19 +34,29 @@ def bar_chart(ax, groups: list, values: dict, ylabel: str, ceiling=None, ceiling
     ax.legend(fontsize=8)
 
 
+def bars_figure(panels: list, title: str, path, busy=False):
+    """Panels of grouped bars side by side, each a dict of bar_chart's arguments (groups, values,
+    ylabel, and ceiling where it has one) with its "title"; the figure titled, marked where a row
+    was measured on a busy machine, and saved to path."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        bar_chart(ax, **{k: v for k, v in panel.items() if k != "title"})
+        ax.set_title(panel.get("title", ""), fontsize=9)
+    fig.suptitle(title + ("  (! = busy machine)" if busy else ""), fontsize=10)
+    save_figure(fig, path)
+
+
 def bandwidth_figure(rows: list, paths: list, label, title: str, device: str, path):
     """Effective GB/s of every path per row (label(row) names the group), forward and forward+backward
     side by side, with the machine's copy bandwidth as the ceiling."""
     if not path:
         return
-    plt = pyplot()
-    modes = sorted({r["mode"] for r in rows})
-    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
-    for ax, mode in zip(axes[0], modes):
+    panels = []
+    for mode in sorted({r["mode"] for r in rows}):
         chosen = [r for r in rows if r["mode"] == mode]
-        bar_chart(ax, [label(r) + (" !" if r.get("busy") else "") for r in chosen],
-                  {p: [r.get(f"{p}_GB/s") for r in chosen] for p in paths}, "effective GB/s",
-                  ceiling=copy_bandwidth(device), ceiling_label="measured copy bandwidth")
-        ax.set_title(mode)
-    fig.suptitle(f"{title} on {device}" + ("  (! = busy machine)" if any(r.get("busy") for r in rows) else ""))
-    save_figure(fig, path)
+        panels.append({"title": mode, "groups": [label(r) + (" !" if r.get("busy") else "") for r in chosen],
+                       "values": {p: [r.get(f"{p}_GB/s") for r in chosen] for p in paths},
+                       "ylabel": "effective GB/s", "ceiling": copy_bandwidth(device),
+                       "ceiling_label": "measured copy bandwidth"})
+    bars_figure(panels, f"{title} on {device}", path, busy=any(r.get("busy") for r in rows))

@@ -1,7 +1,41 @@
-"""Loads the compiled kernels and says what they were built with."""
+"""Loads the compiled kernels, once it is sure they were built for the running torch, and says what
+they were built with."""
+from typing import Optional
+
 import torch
 
-from . import _C  # noqa: F401  (importing registers the fused_rl_ops::* operators)
+
+def build_mismatch(built_torch: str, built_cuda: Optional[str], running_torch: str,
+                   running_cuda: Optional[str]) -> Optional[str]:
+    """Why an extension built against torch built_torch (with CUDA kernels for built_cuda, or None)
+    cannot load under running_torch (running_cuda), or None when it can. libtorch's C++ ABI changes
+    between releases (a 2.15.0 build under 2.11.0: an undefined symbol), so the release must be the
+    same, its local tag (+cu130, +cpu: the same C++ code) aside; CUDA kernels need the CUDA major
+    version they were linked against (their libcudart)."""
+    if built_torch.split("+")[0] != running_torch.split("+")[0]:
+        return f"it was built against torch {built_torch} and torch {running_torch} is running"
+    if built_cuda and (running_cuda or "").split(".")[0] != built_cuda.split(".")[0]:
+        return (f"its CUDA kernels were built for CUDA {built_cuda} and the running torch {running_torch} "
+                f"has {'CUDA ' + running_cuda if running_cuda else 'no CUDA'}")
+    return None
+
+
+def _check_build():
+    """Refuses to load an extension that is missing or built for another torch, saying how to build it."""
+    how_to_build = ("build it against the running torch: `pip install --no-build-isolation --no-deps "
+                    "--force-reinstall <where you installed it from>`, or `python setup.py build_ext --inplace` "
+                    "in a checkout (docs/build.md)")
+    try:
+        from . import _build_info
+    except ImportError:
+        raise ImportError(f"fused_rl_ops is not built here (no _build_info.py): {how_to_build}") from None
+    mismatch = build_mismatch(_build_info.TORCH, _build_info.CUDA, torch.__version__, torch.version.cuda)
+    if mismatch:
+        raise ImportError(f"fused_rl_ops cannot load its kernels: {mismatch}; {how_to_build}")
+
+
+_check_build()
+from . import _C  # noqa: E402, F401  (importing registers the fused_rl_ops::* operators)
 
 ops = torch.ops.fused_rl_ops
 

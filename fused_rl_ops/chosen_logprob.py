@@ -7,21 +7,25 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ._checks import check_hidden_size, values_readable
-from ._chosen_logprob_function import ChosenLogprobFunction
-from ._library import acc_dtype, check_device, check_float_dtype
+from ._checks import values_readable
+from ._chosen_logprob_function import CHOSEN, ChosenLogprobFunction, CombinedColumns
+from ._kept_set import KeptSet
+from ._library import acc_dtype, check_device
 from ._options import INTEGER, NON_NEGATIVE_INTEGER, check_options, groups_from_arguments, option, options_dataclass
 from ._vocab_parallel import agreement
-from ._vocab_parallel.group import CHOSEN, CombinedColumns, StatsColumns, TensorParallelGroup
+from ._vocab_parallel.agreement import AgreedCall, agreed, agreed_dataclass, agreed_options
+from ._vocab_parallel.call import ResolvedCall, check_output_layer, resolve_call
+from ._vocab_parallel.group import TensorParallelGroup
 from ._vocab_parallel.kernel_options import SHARED_GROUPS, KernelOptions
 from ._vocab_parallel.main_grad import check_main_grad, weight_placeholder
+from ._vocab_parallel.pieces import VocabPieces, check_virtual_shards
 from ._vocab_parallel.sampler_filter import TOP_HEADER
 from ._vocab_parallel.shard import resolve_shard
 from ._vocab_parallel.tiling import DEFAULT_WORKSPACE_BYTES, default_workspace_bytes, tiling_for
 from ._vocab_parallel.tokens import check_token_range, mark_out_of_range
 from .logit_options import LogitOptions, given_once
 
-__all__ = ["ChosenLogprobOptions", "CombinedColumns", "DEFAULT_WORKSPACE_BYTES", "StatsColumns", "chosen_logprob"]
+__all__ = ["ChosenLogprobOptions", "CombinedColumns", "DEFAULT_WORKSPACE_BYTES", "chosen_logprob"]
 
 
 @options_dataclass
@@ -41,32 +45,23 @@ class ChosenLogprobOptions:
 OP_GROUPS = SHARED_GROUPS + (ChosenLogprobOptions,)
 SEARCH_GROUPS = SHARED_GROUPS
 
-# What every rank of tp_group must agree on besides its shard, in order: the call's own arguments,
-# then the logit options.
-_AGREED_FIELDS = [("token count", agreement.INTEGER), ("hidden size", agreement.INTEGER),
-                  ("dtype", agreement.DTYPE), ("ignore_index", agreement.INTEGER),
-                  ("vocab_size", agreement.INTEGER), ("reduce_hidden_grad", agreement.INTEGER),
-                  ("skipping of ignored rows (skip_ignored)", agreement.INTEGER),
-                  ("token ids", agreement.FINGERPRINT)] + agreement.agreed_fields(LogitOptions)
+
+@agreed_dataclass
+class _Agreed(AgreedCall):
+    """What every rank of tp_group must pass alike besides its shard, each by the name its error uses:
+    the call's own arguments (token_count: the token entries), then the logit options."""
+    ignore_index: int = agreed("ignore_index", agreement.INTEGER)
+    reduce_hidden_grad: bool = agreed("reduce_hidden_grad", agreement.INTEGER)
+    skip_ignored: bool = agreed("skipping of ignored rows (skip_ignored)", agreement.INTEGER)
+    tokens: torch.Tensor = agreed("token ids", agreement.FINGERPRINT)
+    logit_options: LogitOptions = agreed_options()
 
 
-def check_tensors(hidden, weight, tokens, op="chosen_logprob"):
-    """The checks of hidden, weight and tokens (None: the op takes none, top_logprobs)."""
-    for name, t in (("hidden", hidden), ("weight", weight)) + ((("tokens", tokens),) if tokens is not None else ()):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-    cpu = hidden.device.type == "cpu"
-    check_float_dtype(op, "hidden", hidden, allow_float64=cpu)
-    check_float_dtype(op, "weight", weight, allow_float64=cpu)
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"{op}: weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
-    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"{op}: expected hidden [..., H] and weight [V_local, H], got {tuple(hidden.shape)} "
-                         f"and {tuple(weight.shape)}")
-    check_hidden_size(op, hidden)
-    if tokens is None:
-        check_device(op, hidden=hidden, weight=weight)
-        return
+def _check_tensors(hidden, weight, tokens):
+    op = "chosen_logprob"
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"{op}: tokens must be a tensor, got {type(tokens).__name__}")
+    check_output_layer(op, hidden, weight)
     if tokens.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{op}: tokens must be int64 or int32, got {tokens.dtype}")
     leading = tuple(hidden.shape[:-1])
@@ -79,17 +74,22 @@ def check_tensors(hidden, weight, tokens, op="chosen_logprob"):
 
 
 def _resolve(hidden, weight, tokens, options, rank, world, *, ignore_index, skip_ignored, vocab_start, vocab_size,
-             main_grad, workspace_bytes, batch_invariant, check_tokens):
-    """(options, kernel options, vocab_size) of a call, after its checks: top_k at or beyond the
-    vocabulary filters nothing (None). The tiling is planned for the rows the ops compute: the
-    scored ones when the token check has counted them, else all (the ops then use less)."""
-    check_tensors(hidden, weight, tokens)
+             reduce_hidden_grad, main_grad, workspace_bytes, batch_invariant, check_tokens, kept) -> ResolvedCall:
+    """The call on this rank, after its checks: top_k at or beyond the vocabulary filters nothing
+    (None); with a KeptSet (kept) the ops score its entries. The tiling is planned for the rows the
+    ops compute: the scored ones when the token check has counted them, else all (the ops then use
+    less); with kept those of the scored tokens, skip_ignored leaving out the others' entries."""
+    _check_tensors(hidden, weight, tokens)
     shard, vocab_size = resolve_shard("chosen_logprob", weight.shape[0], rank, world, vocab_start, vocab_size)
     check_main_grad("chosen_logprob", main_grad, weight)
+    if batch_invariant:
+        check_virtual_shards("chosen_logprob", weight.shape[0], rank, world, shard.vocab_start)
     planned_rows = hidden.numel() // hidden.shape[-1]
     if check_tokens:
         scored_rows = check_token_range("chosen_logprob", tokens, vocab_size, ignore_index,
                                         per_position=tokens.dim() < hidden.dim())
+        if kept is not None:
+            kept.check_range(vocab_size)
         planned_rows = scored_rows if skip_ignored else planned_rows
     if workspace_bytes is None:
         workspace_bytes = default_workspace_bytes(hidden, planned_rows)
@@ -97,8 +97,12 @@ def _resolve(hidden, weight, tokens, options, rank, world, *, ignore_index, skip
                         batch_invariant)
     if options.top_k is not None and options.top_k >= vocab_size:
         options = dataclasses.replace(options, top_k=None)
+    tokens = tokens if kept is None else kept.entries
     own = ChosenLogprobOptions(ignore_index if skip_ignored else None, options.top_k or 0)
-    return options, KernelOptions(options.logit_map, shard, tiling, own), vocab_size
+    agreed_values = _Agreed(token_count=tokens.numel(), hidden_size=hidden.shape[-1], dtype=hidden.dtype,
+                            ignore_index=ignore_index, vocab_size=vocab_size, reduce_hidden_grad=reduce_hidden_grad,
+                            skip_ignored=skip_ignored, tokens=tokens, logit_options=options)
+    return ResolvedCall(KernelOptions(options.logit_map, shard, tiling, own), weight.shape[0], agreed_values)
 
 
 def chosen_logprob(
@@ -125,6 +129,7 @@ def chosen_logprob(
     batch_invariant: bool = False,
     return_is_max: bool = False,
     return_is_kept: bool = False,
+    kept_ids: Optional[torch.Tensor] = None,
 ):
     """log softmax(z)[tokens] over the (vocab-parallel) vocabulary, z = map(hidden @ weight.T) under
     the logit options, without a [tokens, vocab] tensor (docs/chosen_logprob.md has every detail).
@@ -152,44 +157,47 @@ def chosen_logprob(
     instead of returning one. workspace_bytes bounds the chunk loop's buffers (default: the size of
     the scored rows of hidden, within [1 MiB, DEFAULT_WORKSPACE_BYTES]). batch_invariant=True: each
     token's logprob, entropy and hidden gradient are bitwise independent of the other tokens.
+    kept_ids [..., k] (int, padded with ignore_index; the positions' leading shape): the ids the
+    rollout sampler kept at each position, in place of top_k / top_p: logprob renormalised over
+    them (-inf, is_kept False for a token outside), entropy over them; an id given twice counts once.
     """
-    tp = TensorParallelGroup(tp_group)
-    world, rank = (dist.get_world_size(tp_group), dist.get_rank(tp_group)) if tp_group is not None else (1, 0)
     # Traced, captured or meta tensors: both host checks are skipped, out-of-range ids get NaN (below).
-    readable = values_readable(hidden, weight, tokens)
-    check_tokens, check_group = check_tokens and readable, check_group and readable
-    error = None
-    try:
+    readable = values_readable(hidden, weight, tokens, kept_ids)
+    check_tokens = check_tokens and readable
+    kept = None
+
+    def resolve(rank, world):
+        nonlocal kept
         options = given_once("chosen_logprob", "logit_options", logit_options,
                              LogitOptions(temperature=temperature, softcap=softcap, top_k=top_k, top_p=top_p),
                              LogitOptions())
-        options, kernel_options, vocab_size = _resolve(
-            hidden, weight, tokens, options, rank, world, ignore_index=ignore_index, skip_ignored=skip_ignored,
-            vocab_start=vocab_start, vocab_size=vocab_size, main_grad=main_grad, workspace_bytes=workspace_bytes,
-            batch_invariant=batch_invariant, check_tokens=check_tokens)
-    except (TypeError, ValueError) as exc:
-        error = exc
-    if world > 1 and check_group:
-        values = None if error is not None else [
-            tokens.numel(), hidden.shape[-1], hidden.dtype, ignore_index, vocab_size, reduce_hidden_grad,
-            skip_ignored, agreement.token_fingerprint(tokens)] + agreement.agreed_values(options)
-        shard = None if error is not None else (kernel_options.shard.vocab_start, weight.shape[0])
-        agreement.check_agreement("chosen_logprob", tp_group, _AGREED_FIELDS, error, shard, values)
-    elif error is not None:
-        raise error
+        if kept_ids is not None:
+            _check_tensors(hidden, weight, tokens)
+            kept = KeptSet.of(hidden, tokens, kept_ids, options, ignore_index, skip_ignored)
+        return _resolve(hidden, weight, tokens, options, rank, world, ignore_index=ignore_index,
+                        skip_ignored=skip_ignored, vocab_start=vocab_start, vocab_size=vocab_size,
+                        reduce_hidden_grad=reduce_hidden_grad, main_grad=main_grad, workspace_bytes=workspace_bytes,
+                        batch_invariant=batch_invariant, check_tokens=check_tokens, kept=kept)
+
+    call = resolve_call("chosen_logprob", tp_group, check_group and readable, _Agreed, resolve)
 
     positions = hidden.shape[:-1]
-    # The ops' tokens: [N] for one per position, [N, k] for k.
-    flat = tokens.reshape(positions.numel(), *tokens.shape[len(positions):]).to(torch.int64)
+    # The ops' tokens: [N] for one per position, [N, k] for k (with kept_ids: the kept set's entries).
+    scored = tokens if kept is None else kept.entries
+    flat = scored.reshape(positions.numel(), *scored.shape[len(positions):]).to(torch.int64)
     ignored = flat == ignore_index
     logprob, entropy, is_max, is_kept = ChosenLogprobFunction.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, flat, ignored, main_grad, options, kernel_options, tp,
-        bool(reduce_hidden_grad), weight_placeholder(weight, main_grad))
+        hidden.reshape(-1, hidden.shape[-1]), weight, flat, ignored, main_grad, call.agreed.logit_options,
+        call.kernel_options, VocabPieces.of(TensorParallelGroup(tp_group), call.local_rows, batch_invariant),
+        bool(reduce_hidden_grad),
+        weight_placeholder(weight, main_grad))
     if skip_ignored:  # the ops left out the rows of no scored entry: their partials are empty
         entropy = torch.where(ignored if ignored.dim() == 1 else ignored.all(1), 0.0, entropy)
     if not check_tokens:
-        logprob, out_of_range = mark_out_of_range(flat, ignored, vocab_size, logprob)
+        logprob, out_of_range = mark_out_of_range(flat, ignored, call.vocab_size, logprob)
         is_max, is_kept = is_max & ~out_of_range, is_kept & ~out_of_range
+    if kept is not None:
+        logprob, entropy, is_max, is_kept = kept.renormalised(logprob, is_max, is_kept)
     per_entry = [logprob] + [is_max] * return_is_max + [is_kept] * return_is_kept
     outputs = [t.reshape(tokens.shape) for t in per_entry]
     outputs[1:1] = [entropy.reshape(positions)] * return_entropy

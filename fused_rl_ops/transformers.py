@@ -77,7 +77,8 @@ def _logit_transform(model, step) -> tuple[float, Optional[float]]:
 def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,
                        labels: Optional[torch.Tensor] = None, temperature: float = 1.0, return_entropy: bool = False,
                        top_k: Optional[int] = None, top_p: Optional[float] = None,
-                       top_logprobs: Optional[int] = None, **forward_kwargs):
+                       top_logprobs: Optional[int] = None, kept_ids: Optional[torch.Tensor] = None,
+                       **forward_kwargs):
     """log softmax(logits[:, t] / temperature)[labels[:, t + 1]] for t < seq - 1, without the logits.
 
     model is a transformers CausalLM of a class in LOGITS_AFTER_HEAD. Runs its base model (the
@@ -97,6 +98,9 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
     top_k, top_p: the rollout engine's sampler filter (pass its values; None: none): logprob and
     entropy of the distribution the sampler drew from, the tokens it keeps renormalised (see
     chosen_logprob). A token the filter drops gets logprob -inf and no logprob gradient.
+    kept_ids [batch, seq, k] (ids padded with -100; unshifted like labels: kept_ids[:, t + 1] the ids
+    the sampler kept when it drew labels[:, t + 1]): in place of top_k / top_p, logprob renormalised
+    over them (-inf for a token outside) and entropy over them (chosen_logprob's kept_ids).
     labels [batch, seq, k]: k tokens per position (position t scores labels[:, t + 1, :]; an entry
     of -100 is ignored, a position whose entries all are is skipped); logprob is then [batch, seq -
     1, k]. top_logprobs=k appends (top_ids, top_logprobs) [batch, seq - 1, k]: the model's own k most
@@ -113,6 +117,11 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
         got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise ValueError(f"causal_lm_logprobs: labels must have input_ids' shape {tuple(input_ids.shape)} "
                          f"(unshifted), or that shape and k tokens per position, got {got}")
+    if kept_ids is not None and (not isinstance(kept_ids, torch.Tensor) or kept_ids.dim() != 3
+                                 or kept_ids.shape[:2] != input_ids.shape):
+        got = tuple(kept_ids.shape) if isinstance(kept_ids, torch.Tensor) else type(kept_ids).__name__
+        raise ValueError(f"causal_lm_logprobs: kept_ids must be [batch, seq, k] with input_ids' shape "
+                         f"{tuple(input_ids.shape)} (unshifted), got {got}")
     options = LogitOptions(temperature=temperature, top_k=top_k, top_p=top_p)
     scale, softcap = _logit_transform(model, step)
     options = dataclasses.replace(options, temperature=options.temperature / scale, softcap=softcap)
@@ -127,7 +136,8 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, *, attention_mask: Option
     # As nn.Linear would need: the hidden states in the head's dtype.
     hidden = hidden[:, :-1].to(weight.dtype)
     result = chosen_logprob(hidden, weight, scored_labels, logit_options=options, ignore_index=IGNORE_INDEX,
-                            vocab_size=model.config.vocab_size, return_entropy=return_entropy)
+                            vocab_size=model.config.vocab_size, return_entropy=return_entropy,
+                            kept_ids=None if kept_ids is None else kept_ids[:, 1:])
     if top_logprobs is None:
         return result
     scored = scored_labels != IGNORE_INDEX

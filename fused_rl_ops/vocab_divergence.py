@@ -12,9 +12,12 @@ from ._library import acc_dtype, check_device, check_float_dtype
 from ._options import Rule, check_options, groups_from_arguments, option, options_dataclass
 from ._vocab_divergence_function import KINDS, VocabDivergenceFunction
 from ._vocab_parallel import agreement
+from ._vocab_parallel.agreement import AgreedCall, agreed, agreed_dataclass, agreed_options
+from ._vocab_parallel.call import ResolvedCall, check_output_layer, resolve_call
 from ._vocab_parallel.group import TensorParallelGroup
 from ._vocab_parallel.kernel_options import SHARED_GROUPS, KernelOptions
 from ._vocab_parallel.main_grad import check_main_grad, weight_placeholder
+from ._vocab_parallel.pieces import VocabPieces, check_virtual_shards
 from ._vocab_parallel.shard import resolve_shard
 from ._vocab_parallel.tiling import default_workspace_bytes, tiling_for
 from .logit_options import LogitMap, LogitOptions, TeacherLogitMap, given_once
@@ -42,34 +45,42 @@ class VocabDivergenceOptions:
 OP_GROUPS = (LogitMap, TeacherLogitMap, *SHARED_GROUPS[1:], VocabDivergenceOptions)
 
 _FLOAT = agreement.option_codec(float)
-# What every rank of tp_group must agree on besides its shard, in order: the call's own arguments,
-# then both logit maps.
-_AGREED_FIELDS = [("token count", agreement.INTEGER), ("hidden size", agreement.INTEGER),
-                  ("teacher hidden size", agreement.INTEGER), ("dtype", agreement.DTYPE),
-                  ("teacher dtype", agreement.DTYPE), ("vocab_size", agreement.INTEGER),
-                  ("reduce_hidden_grad", agreement.INTEGER), ("kind", agreement.INTEGER), ("beta", _FLOAT),
-                  ("mask", agreement.FINGERPRINT)] + agreement.agreed_fields(LogitMap) \
-    + agreement.agreed_fields(TeacherLogitMap)
+
+
+@agreed_dataclass
+class _Agreed(AgreedCall):
+    """What every rank of tp_group must pass alike besides its shard, each by the name its error uses:
+    the call's own arguments (token_count: hidden's rows; hidden_size and dtype: the student's), then
+    both logit maps."""
+    teacher_hidden_size: int = agreed("teacher hidden size", agreement.INTEGER)
+    teacher_dtype: torch.dtype = agreed("teacher dtype", agreement.DTYPE)
+    reduce_hidden_grad: bool = agreed("reduce_hidden_grad", agreement.INTEGER)
+    kind: int = agreed("kind", agreement.INTEGER)
+    beta: float = agreed("beta", _FLOAT)
+    mask: Optional[torch.Tensor] = agreed("mask", agreement.FINGERPRINT)
+    logit_map: LogitMap = agreed_options()
+    teacher_logit_map: TeacherLogitMap = agreed_options()
 
 
 def _check_tensors(hidden, weight, teacher_hidden, teacher_weight, mask):
+    """The student's hidden and weight as every vocab-parallel op checks them, then the teacher's
+    against them."""
     op = "vocab_divergence"
-    tensors = dict(hidden=hidden, weight=weight, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight)
-    for name, t in dict(tensors, mask=mask).items():
-        if not isinstance(t, torch.Tensor) and not (name == "mask" and t is None):
+    check_output_layer(op, hidden, weight)
+    teacher = dict(teacher_hidden=teacher_hidden, teacher_weight=teacher_weight)
+    for name, t in teacher.items():
+        if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-    check_device(op, **tensors, mask=mask)
-    for name, t in tensors.items():
+    check_mask(op, mask, hidden)
+    check_device(op, hidden=hidden, weight=weight, **teacher, mask=mask)
+    for name, t in teacher.items():
         check_float_dtype(op, name, t, allow_float64=hidden.device.type == "cpu")
-    for h, w in (("hidden", "weight"), ("teacher_hidden", "teacher_weight")):
-        if tensors[w].dtype != tensors[h].dtype:
-            raise TypeError(f"{op}: {w} must have {h}'s dtype {tensors[h].dtype}, got {tensors[w].dtype}")
+    if teacher_weight.dtype != teacher_hidden.dtype:
+        raise TypeError(f"{op}: teacher_weight must have teacher_hidden's dtype {teacher_hidden.dtype}, got "
+                        f"{teacher_weight.dtype}")
     if (hidden.dtype == torch.float64) != (teacher_hidden.dtype == torch.float64):
         raise TypeError(f"{op}: float64 inputs must be float64 for both models, got {hidden.dtype} and "
                         f"{teacher_hidden.dtype}")
-    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"{op}: expected hidden [..., H] and weight [V_local, H], got {tuple(hidden.shape)} "
-                         f"and {tuple(weight.shape)}")
     if teacher_hidden.shape[:-1] != hidden.shape[:-1]:
         raise ValueError(f"{op}: teacher_hidden must have hidden's leading shape {tuple(hidden.shape[:-1])}, got "
                          f"{tuple(teacher_hidden.shape)}")
@@ -77,8 +88,6 @@ def _check_tensors(hidden, weight, teacher_hidden, teacher_weight, mask):
         raise ValueError(f"{op}: teacher_weight must be [V_local, H_t] = [{weight.shape[0]}, "
                          f"{teacher_hidden.shape[-1]}] (weight's vocab rows, teacher_hidden's size), got "
                          f"{tuple(teacher_weight.shape)}")
-    check_mask(op, mask, hidden)
-    check_hidden_size(op, hidden)
     check_hidden_size(op, teacher_hidden)
 
 
@@ -89,24 +98,33 @@ def _kind_code(kind) -> int:
 
 
 def _resolve(hidden, weight, teacher_hidden, teacher_weight, mask, rank, world, *, kind, beta, logit_map,
-             teacher_softcap, vocab_start, vocab_size, main_grad, workspace_bytes, batch_invariant):
-    """(kernel options, vocab_size) of a call, after its checks. The workspace holds both models'
-    chunk buffers (the student's, chunk_loop_bytes: two logits workspaces in the CPU's backward; the
-    teacher's logits workspace and, on the CPU, its fp32 weight rows): the tiling is planned for half
-    of it with both hidden sizes' weight rows, twice of which bounds them all."""
+             teacher_softcap, reduce_hidden_grad, vocab_start, vocab_size, main_grad, workspace_bytes,
+             batch_invariant) -> ResolvedCall:
+    """The call on this rank, after its checks. The workspace holds both models' chunk buffers (the
+    student's, chunk_loop_bytes: two logits workspaces in the CPU's backward; the teacher's logits
+    workspace and, on the CPU, its fp32 weight rows): the tiling is planned for half of it with both
+    hidden sizes' weight rows, twice of which bounds them all."""
     own = VocabDivergenceOptions(_kind_code(kind), beta)
     # The teacher's map is the student's with its own softcap.
     teacher_logit_map = TeacherLogitMap.of(logit_map, teacher_softcap=teacher_softcap)
     _check_tensors(hidden, weight, teacher_hidden, teacher_weight, mask)
     shard, vocab_size = resolve_shard("vocab_divergence", weight.shape[0], rank, world, vocab_start, vocab_size)
     check_main_grad("vocab_divergence", main_grad, weight)
+    if batch_invariant:
+        check_virtual_shards("vocab_divergence", weight.shape[0], rank, world, shard.vocab_start)
     rows = hidden.numel() // hidden.shape[-1]
     if workspace_bytes is None:
         workspace_bytes = default_workspace_bytes(hidden)
     element_size = max(hidden.element_size(), teacher_hidden.element_size())
     tiling = tiling_for(rows, hidden.shape[-1] + teacher_hidden.shape[-1], element_size, max(workspace_bytes // 2, 1),
                         hidden.device, batch_invariant)
-    return KernelOptions(logit_map, shard, tiling, own, teacher_logit_map), vocab_size
+    agreed_values = _Agreed(token_count=rows, hidden_size=hidden.shape[-1],
+                            teacher_hidden_size=teacher_hidden.shape[-1],
+                            dtype=hidden.dtype, teacher_dtype=teacher_hidden.dtype, vocab_size=vocab_size,
+                            reduce_hidden_grad=reduce_hidden_grad, kind=own.kind, beta=own.beta,
+                            mask=mask, logit_map=logit_map, teacher_logit_map=teacher_logit_map)
+    return ResolvedCall(KernelOptions(logit_map, shard, tiling, own, teacher_logit_map), weight.shape[0],
+                        agreed_values)
 
 
 def vocab_divergence(
@@ -150,39 +168,29 @@ def vocab_divergence(
     teacher's tensors are constants, even when they require a gradient); with tp_group the hidden
     gradient is summed over the group unless reduce_hidden_grad=False (a sequence-parallel gather's
     backward sums it). check_group makes every rank of tp_group raise the same error on bad
-    arguments (skipped under torch.compile, CUDA graph capture and for meta tensors). main_grad,
-    workspace_bytes and batch_invariant as chosen_logprob takes them.
+    arguments (skipped under torch.compile, CUDA graph capture and for meta tensors).
+    main_grad ([V_local, H], Megatron's gradient-accumulation buffer) takes the weight gradient
+    instead of returning one. workspace_bytes bounds the chunk loop's buffers, both models' (default:
+    the size of hidden, within [1 MiB, fused_rl_ops.DEFAULT_WORKSPACE_BYTES]). batch_invariant=True: each
+    position's divergence and hidden gradient are bitwise independent of the other positions.
     """
-    tp = TensorParallelGroup(tp_group)
-    world, rank = (dist.get_world_size(tp_group), dist.get_rank(tp_group)) if tp_group is not None else (1, 0)
-    check_group = check_group and values_readable(hidden, weight, teacher_hidden, teacher_weight, mask)
-    error = None
-    try:
-        logit_map = given_once("vocab_divergence", "logit_map", logit_map,
+    def resolve(rank, world):
+        given_map = given_once("vocab_divergence", "logit_map", logit_map,
                                LogitOptions(temperature=temperature, softcap=softcap).logit_map,
                                LogitOptions().logit_map)
-        kernel_options, vocab_size = _resolve(
-            hidden, weight, teacher_hidden, teacher_weight, mask, rank, world, kind=kind, beta=beta,
-            logit_map=logit_map, teacher_softcap=teacher_softcap, vocab_start=vocab_start, vocab_size=vocab_size,
-            main_grad=main_grad, workspace_bytes=workspace_bytes, batch_invariant=batch_invariant)
-    except (TypeError, ValueError) as exc:
-        error = exc
-    if world > 1 and check_group:
-        values = None if error is not None else [
-            hidden.numel() // hidden.shape[-1], hidden.shape[-1], teacher_hidden.shape[-1], hidden.dtype,
-            teacher_hidden.dtype, vocab_size, reduce_hidden_grad, kernel_options.own.kind, kernel_options.own.beta,
-            -1 if mask is None else agreement.token_fingerprint(mask)
-        ] + agreement.agreed_values(logit_map) + agreement.agreed_values(kernel_options.teacher_logit_map)
-        shard = None if error is not None else (kernel_options.shard.vocab_start, weight.shape[0])
-        agreement.check_agreement("vocab_divergence", tp_group, _AGREED_FIELDS, error, shard, values)
-    elif error is not None:
-        raise error
+        return _resolve(hidden, weight, teacher_hidden, teacher_weight, mask, rank, world, kind=kind, beta=beta,
+                        logit_map=given_map, teacher_softcap=teacher_softcap, reduce_hidden_grad=reduce_hidden_grad,
+                        vocab_start=vocab_start, vocab_size=vocab_size, main_grad=main_grad,
+                        workspace_bytes=workspace_bytes, batch_invariant=batch_invariant)
+
+    readable = values_readable(hidden, weight, teacher_hidden, teacher_weight, mask)
+    call = resolve_call("vocab_divergence", tp_group, check_group and readable, _Agreed, resolve)
 
     mask1d = None if mask is None else mask.reshape(-1)
     divergence = VocabDivergenceFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]),
-        teacher_weight.detach(), mask1d, main_grad, kernel_options, tp, bool(reduce_hidden_grad),
-        weight_placeholder(weight, main_grad))
+        teacher_weight.detach(), mask1d, main_grad, call.kernel_options,
+        VocabPieces.of(TensorParallelGroup(tp_group), call.local_rows, batch_invariant), bool(reduce_hidden_grad), weight_placeholder(weight, main_grad))
     return divergence.reshape(hidden.shape[:-1])
 
 

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The first run on a GPU machine, one call of about 8 minutes (TOTAL_S, default 480) that yields
-# every number. Needs Python 3.12 with torch, nvcc, ninja and pytest; no package registry:
+# every number, with the build scripts/build_for_gpu.sh made beforehand (gpu_build/, brought along):
+# loaded where it matches the machine's torch and GPU, else built here. Needs Python 3.12 with
+# torch, nvcc, ninja and pytest; no package registry:
 # megatron-core, the benchmark peers and pytest-timeout come from wheelhouse/
 # (scripts/fetch_peer_wheels.sh), installed into build/peers. The stages, in order:
-#   peers (beside the build), build for the local GPU only, build_info;
-#   tests: the CUDA tests only (-m per_device), beside the three compute-sanitizer tools (memcheck
+#   peers (beside the build), the carried build or a build for the local GPU only, build_info;
+#   tests: the CUDA tests only (-m per_device; every op's first file before any op's second), beside the three compute-sanitizer tools (memcheck
 #     with PYTORCH_NO_CUDA_MEMORY_CACHING=1; racecheck and synccheck on the package's kernels only)
 #     on scripts/sanitizer_cases.py;
 #   the kernel benchmarks, in the op table's order (python -m fused_rl_ops.testing.op_table
@@ -38,7 +40,7 @@ TOTAL_S="${TOTAL_S:-480}"
 # the summary at the end) and GRACE_S (a stage out of its time gets SIGINT, then SIGKILL GRACE_S
 # later); a stage with less than MIN_STAGE_S left is skipped. The benchmarks' budgets are the op
 # table's; <STAGE>_S (e.g. BENCH_VALUE_HEAD_S) overrides one.
-PEERS_S="${PEERS_S:-60}" BUILD_S="${BUILD_S:-200}" TESTS_S="${TESTS_S:-150}" SANITIZER_S="${SANITIZER_S:-150}"
+PEERS_S="${PEERS_S:-60}" BUILD_S="${BUILD_S:-200}" TESTS_S="${TESTS_S:-120}" SANITIZER_S="${SANITIZER_S:-120}"
 REPORT_S=60 RESERVE_S=15 MIN_STAGE_S="${MIN_STAGE_S:-20}" GRACE_S="${GRACE_S:-15}"
 TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-60}"  # per test, with pytest-timeout; faulthandler dumps the stacks then too
 deadline=$((SECONDS + TOTAL_S))
@@ -70,6 +72,42 @@ stage() {  # stage NAME BUDGET_S COMMAND...: runs COMMAND, output in OUT/NAME.lo
   [ "$status" = passed ]
 }
 
+# The build scripts/build_for_gpu.sh made beforehand (CARRIED_BUILD/fused_rl_ops/: the extension and
+# its build info; CARRIED_BUILD/SOURCES: the digest of the sources it was built from), put in place
+# where it was built from this checkout's sources, its info names this torch and this GPU's
+# architecture and it then loads with its CUDA kernels; prints which build is loaded, or why none is.
+CARRIED_BUILD="${CARRIED_BUILD:-gpu_build}"
+load_carried_build() {
+  local files=("$CARRIED_BUILD"/fused_rl_ops/_C*.so "$CARRIED_BUILD/fused_rl_ops/_build_info.py")
+  if [ ! -f "${files[0]}" ] || [ ! -f "${files[1]}" ]; then
+    echo "no carried build in $CARRIED_BUILD/: building here"
+    return 1
+  fi
+  if [ "$(cat "$CARRIED_BUILD/SOURCES" 2>/dev/null)" != "$(find csrc setup.py -type f -print0 | sort -z |
+        xargs -0 sha256sum | sha256sum | cut -d' ' -f1)" ]; then
+    echo "the carried build was made from other sources than this checkout's (csrc/, setup.py): building here"
+    return 1
+  fi
+  "$PY" - "${files[1]}" <<'EOF' || return 1
+import runpy, sys, torch
+info = runpy.run_path(sys.argv[1])
+arch = "%d.%d" % torch.cuda.get_device_capability()
+archs = (info["CUDA_ARCHS"] or "").replace("+PTX", "").replace(";", " ").split()
+if info["TORCH"] != torch.__version__ or arch not in archs:
+    print(f"the carried build is for torch {info['TORCH']}, CUDA architectures {info['CUDA_ARCHS']}; "
+          f"here torch {torch.__version__}, {arch}: building here")
+    sys.exit(1)
+EOF
+  cp "${files[@]}" fused_rl_ops/
+  if ! "$PY" -c 'import fused_rl_ops, sys; sys.exit(not fused_rl_ops.has_cuda_kernels())' >/dev/null 2>&1; then
+    rm -f "fused_rl_ops/$(basename "${files[0]}")" fused_rl_ops/_build_info.py
+    echo "the carried build does not load with its CUDA kernels: building here"
+    return 1
+  fi
+  echo "carried build loaded from $CARRIED_BUILD/: $("$PY" -c 'from fused_rl_ops import _build_info as b
+print(f"torch {b.TORCH}, CUDA {b.CUDA}, architectures {b.CUDA_ARCHS}")')"
+}
+
 skip() {  # skip NAME REASON
   echo "=== $1: skipped, $2"
   summary stage "$1" status=skipped reason="$2"
@@ -89,8 +127,6 @@ else
   fi
   export MAX_JOBS="$(nproc)"
 fi
-# What the test stage runs: the CUDA tests (tests/test_gpu_check.py gives a stand-in).
-read -ra TEST_SELECTION <<<"${TEST_SELECTION:--m per_device tests}"
 mapfile -t facts < <("$PY" - <<'EOF'
 import platform, sys, torch
 print(f"python={platform.python_version()}")
@@ -114,7 +150,11 @@ else
 fi
 if [ "$REHEARSAL" = 1 ]; then
   skip build "rehearsal: uses the extension built here (a rebuild with other settings would replace it)"
+elif carried="$(load_carried_build)"; then
+  echo "=== $carried"
+  skip build "$carried"
 else
+  echo "=== $carried"
   stage build "$BUILD_S" "$PY" setup.py build_ext --inplace
 fi
 wait
@@ -130,6 +170,16 @@ elif [ "$DEVICE" = cuda ] && ! "$PY" -c 'import fused_rl_ops, sys; sys.exit(not 
   ready="the build has no CUDA kernels (build.log, build_info.log)"
 else
   ready=yes
+fi
+# What the test stage runs: the CUDA tests (tests/test_gpu_check.py gives a stand-in), every op's
+# first file before any op's second (the op table's order), so that a cut stage has checked every op.
+if [ -n "${TEST_SELECTION:-}" ]; then
+  read -ra TEST_SELECTION <<<"$TEST_SELECTION"
+elif [ "$ready" = yes ] && test_files="$("$PY" -m fused_rl_ops.testing.op_table test-files tests)"; then
+  mapfile -t TEST_SELECTION <<<"$test_files"
+  TEST_SELECTION=(-m per_device "${TEST_SELECTION[@]}")
+else
+  TEST_SELECTION=(-m per_device tests)
 fi
 # The benchmark stages, from the op table: STAGE BUDGET_S MODULE [ARGUMENT...] a line; a budget
 # overridden by <STAGE>_S.

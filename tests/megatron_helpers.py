@@ -7,11 +7,19 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from megatron.core import package_info
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from torch.testing import assert_close
 
 from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config
 from fused_rl_ops.testing.ppo import model_inputs
 
+# megatron-core 0.18 (verl's) lacks what 0.19 added: MTP labels from the input ids, mtp_detach_heads,
+# MTP acceptance counts, expert gradients reduced over the expert groups whenever expert TP != TP.
+MEGATRON_0_18 = package_info.__version__.startswith("0.18.")
+# MTPLossLoggingHelper's tracker keys of what it logs per MTP depth (0.18: the loss alone).
+MTP_LOGGED = {"loss_values": "values"} if MEGATRON_0_18 else {key: key for key in ("loss_values", "correct_values",
+                                                                                   "total_values")}
 B, S = 2, 8  # b != s, so a [b, s] / [s, b] mix-up cannot pass
 VOCAB = 256  # the model's (padded) vocabulary
 REAL_VOCAB = 200  # the tokenizer's, for the padded-vocab checks
@@ -108,3 +116,13 @@ def float64_reference(hidden_states, weight, tokens, temperature=1.0, vocab_size
     chosen = log_probs.gather(-1, tokens.t().unsqueeze(-1)).squeeze(-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1)
     return chosen.t(), entropy.t()
+
+
+def logged_mtp_metrics():
+    """MTPLossLoggingHelper's per-depth loss, correct and total (0.18: the loss alone) since the last
+    call, those logged; empties its tracker (whose tensors keep the size of the first model's
+    mtp_num_layers)."""
+    tracker = MTPLossLoggingHelper.tracker
+    metrics = {key: tracker[tracked].clone() for key, tracked in MTP_LOGGED.items() if tracked in tracker}
+    tracker.clear()
+    return metrics

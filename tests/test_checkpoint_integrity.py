@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from fused_rl_ops.checkpoint import integrity, load_sharded, save_load, save_sharded
+from fused_rl_ops.checkpoint.metadata import read_metadata
 from fused_rl_ops.testing.checkpoint import (Toy, add_parameter, annotated, assert_all_same, data_file,
                                              die_after_file_operation, flip_bits, legacy, logical_state, random_bits,
                                              same_bits, stored_items, tensors_of, tp_group_of_size)
@@ -268,7 +269,7 @@ def test_verifying_reader_loads_bit_exact(tmp_path):
     state, good = _reader_state(), str(tmp_path / "good")
     dcp.save(state, storage_writer=integrity.ChecksummedWriter(good))
     target = _reader_targets()
-    dcp.load(target, storage_reader=integrity.ChecksummedReader(good))
+    dcp.load(target, storage_reader=integrity.ChecksummedReader(good, read_metadata(good)))
     assert same_bits(target["big"], state["big"]) and same_bits(target["small"], state["small"])
     assert target["obj"] == state["obj"]
     odd = {"empty": torch.empty(0, 5), "scalar": torch.tensor(2.5, dtype=torch.float64),
@@ -278,7 +279,8 @@ def test_verifying_reader_loads_bit_exact(tmp_path):
     into = {"empty": torch.ones(0, 5), "scalar": torch.tensor(0.0, dtype=torch.float64),
             "mask": torch.zeros(3, dtype=torch.bool), "ids": torch.zeros(12, dtype=torch.int32),
             "half": torch.zeros(3, 5, dtype=torch.float16).t()}
-    dcp.load(into, storage_reader=integrity.ChecksummedReader(str(tmp_path / "odd")))
+    odd_path = str(tmp_path / "odd")
+    dcp.load(into, storage_reader=integrity.ChecksummedReader(odd_path, read_metadata(odd_path)))
     assert all(torch.equal(into[name].to(t.dtype), t) for name, t in odd.items() if name != "half")
     assert same_bits(into["half"], odd["half"])
 
@@ -357,6 +359,6 @@ def test_verifying_reader_catches_a_flip_anywhere_in_an_item(tmp_path, where):
         fresh = _reader_targets()
         with pytest.raises(dcp.CheckpointException, match=rf"{name}: its bytes {start}..{end} in data file {file} "
                                                          r".* do not match the checksum"):
-            dcp.load(fresh, storage_reader=integrity.ChecksummedReader(str(damaged)))
+            dcp.load(fresh, storage_reader=integrity.ChecksummedReader(str(damaged), read_metadata(str(damaged))))
         assert fresh["obj"] == ""
         shutil.rmtree(damaged)

@@ -1,7 +1,7 @@
 """save_sharded / load_sharded with megatron-core's own optimizers: bf16 parameters (Float16Module),
 fp32 main parameters and Adam state in Float16OptimizerWithFloat16Params, DistributedOptimizer (the
 state sharded over the data-parallel ranks in flat buffers) and the ChainedOptimizer that
-get_megatron_optimizer builds, on megatron-core 0.19.2 (CPU / gloo, the shims of
+get_megatron_optimizer builds, on megatron-core 0.18 and 0.19 (CPU / gloo, the shims of
 fused_rl_ops.testing.megatron_cpu).
 
 References are the saved layout's state assembled by the tests' own rule (megatron_training_state:
@@ -21,14 +21,26 @@ from fused_rl_ops.testing.distributed import run_distributed
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 from megatron.core import parallel_state  # noqa: E402
 
+from megatron_helpers import MEGATRON_0_18  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("checkpoint_dependencies")
 
 VOCAB = 256
 # What save_sharded is given: the optimizer get_megatron_optimizer builds (a ChainedOptimizer: for a
-# model whose experts have their own groups, expert TP 1 under TP 2, of one optimizer for the dense
-# parameters and one for the experts), or the one optimizer inside it for a dense model; with the
-# data-parallel sharded DistributedOptimizer or not.
+# model whose experts have their own groups, of one optimizer for the dense parameters and one for
+# the experts), or the one optimizer inside it for a dense model; with the data-parallel sharded
+# DistributedOptimizer or not.
 KINDS = {"distributed": (True, False), "float16": (False, False), "chained": (True, True)}
+
+
+def set_saved_layout(kind):
+    """Where the models of kind train and save (4 ranks): TP 2 x DP 2. The experts have their own
+    groups at expert TP 1: on megatron-core 0.19 at EP 1 (the experts' data-parallel degree 4); 0.18
+    gives experts their own gradient reduction only at EP > 1 (at EP 1 their copies drift apart and
+    save_sharded refuses them: _refuses_experts_reduced_over_the_dense_group), so there at EP 2."""
+    from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees
+
+    set_parallel_degrees(tp=2, expert_tp=1, ep=2 if MEGATRON_0_18 and kind == "chained" else 1)
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=[0, 1],
            moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", add_bias_linear=False)
 
@@ -81,9 +93,9 @@ def layer_offset():
 def _reshard(rank, world_size, root):
     from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees
 
-    set_parallel_degrees(tp=2, expert_tp=1)  # TP 2 x DP 2, the experts' data-parallel degree 4
     saved = {}
     for kind in KINDS:
+        set_saved_layout(kind)
         model, ddp_model, optimizer, to_save = build(kind, seed=1)
         assert len(optimizer.chained_optimizers) == (2 if kind == "chained" else 1)
         train(ddp_model, optimizer, range(2))
@@ -116,6 +128,31 @@ def _reshard(rank, world_size, root):
         load_sharded(model, f"{root}/{kind}", optimizer=to_load, staged=True)
         assert_same_megatron_state(megatron_training_state(model, optimizer, layer_offset()), saved[kind])
     _refusals(root)
+    _refuses_experts_reduced_over_the_dense_group(root)
+
+
+def _refuses_experts_reduced_over_the_dense_group(root):
+    """At TP 2, expert TP 1, EP 1, megatron-core 0.18 reduces the experts' gradients over the dense
+    data-parallel group (allreduce=True): a training step leaves their copies on the two TP ranks
+    apart, and save_sharded refuses them, saying why. (0.19 reduces them over the expert groups:
+    there 0.18's marking and a drifted copy are planted.)"""
+    from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees
+
+    set_parallel_degrees(tp=2, expert_tp=1)
+    model, ddp_model, optimizer, _ = build("chained", seed=1)
+    experts = [param for name, param in model.named_parameters() if ".experts." in name]
+    assert experts and all(param.allreduce is MEGATRON_0_18 for param in experts)
+    if MEGATRON_0_18:
+        train(ddp_model, optimizer, range(1))
+    else:
+        for param in experts:
+            param.allreduce = True
+        with torch.no_grad():
+            experts[0].add_(parallel_state.get_tensor_model_parallel_rank())
+    with pytest.raises(ValueError, match=r"experts\.local_experts\.\d\..*: ranks \d and \d both hold .* different bytes; "
+                                         r"a checkpoint keeps one copy: the experts' gradients are reduced over the "
+                                         r"dense data-parallel group .* megatron-core 0.18"):
+        save_sharded(model, f"{root}/experts_reduced_over_the_dense_group", optimizer=optimizer)
 
 
 def _refusals(root):
@@ -144,17 +181,16 @@ def test_megatron_optimizer_state_reshards_bit_for_bit(tmp_path):
     """Saved at TP 2 x DP 2 from a DistributedOptimizer, a Float16OptimizerWithFloat16Params and
     get_megatron_optimizer's ChainedOptimizer, loaded at TP 1 x DP 4, TP 4 and PP 2 x DP 2 into a
     fresh model and optimizer of the same kind: the bf16 parameters, the fp32 main parameters and
-    every Adam state are the saved ones bit for bit, the hyperparameters too."""
+    every Adam state are the saved ones bit for bit, the hyperparameters too. Experts whose
+    gradients are reduced over the dense group where they should not be are refused."""
     run_distributed(_reshard, 4, str(tmp_path))
 
 
 # --- resume at the same layout (4 processes, TP 2 x DP 2) ------------------------------------------
 
 def _resume(rank, world_size, root):
-    from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees
-
-    set_parallel_degrees(tp=2, expert_tp=1)
     for kind in KINDS:
+        set_saved_layout(kind)
         straight_model, straight_ddp, straight_optimizer, _ = build(kind, seed=1)
         train(straight_ddp, straight_optimizer, range(5))
 

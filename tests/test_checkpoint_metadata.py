@@ -267,3 +267,66 @@ def test_metadata_that_is_no_dcp_metadata_is_damage(saved):
 def _sealed_load(path, metadata):
     _write_sealed(path, metadata)
     return _load(path, staged=True)
+
+
+class _LeavesATrace:
+    """Unpickled by Python's full unpickler, calls open(path, "w"): the file is the trace of code run."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+_OPEN = rf"{open.__module__}\.{open.__qualname__}"
+
+
+@pytest.mark.parametrize("where", ["whole file", "planner_data", "an item's data file"])
+def test_metadata_that_would_run_code_is_refused_naming_it(saved, tmp_path, where):
+    """A .metadata crafted to call open when unpickled, sealed with the package's own seal_of so
+    that the seal matches: as the whole file, as a field the load never looks at (its structure
+    checks would pass), and as a field the structure checks would reject only after unpickling.
+    The load refuses it naming the function, nothing is called, and the module is unchanged."""
+    trace = tmp_path / "trace"
+    metadata = _metadata(saved)
+    if where == "whole file":
+        metadata = _LeavesATrace(str(trace))
+    elif where == "planner_data":
+        metadata.planner_data = _LeavesATrace(str(trace))
+    else:
+        next(iter(metadata.storage_data.values())).relative_path = _LeavesATrace(str(trace))
+    error = _sealed_load(saved, metadata)
+    assert not trace.exists()
+    assert isinstance(error, ValueError) and re.search(
+        rf"checkpoint metadata {re.escape(saved)}/\.metadata is refused: it names {_OPEN}, which is none of the "
+        "classes DCP's metadata is made of", str(error)), error
+
+
+def test_a_stored_object_that_would_run_code_is_refused_naming_it(tmp_path):
+    """Objects are read as data only, both ways the loader reads them: a module's extra state (read
+    with the tensors) and an optimizer's param group (read ahead of them), each saved by
+    save_sharded itself, so every checksum matches. The load refuses each naming the function,
+    nothing is called, and the same checkpoint without the crafted object loads."""
+    trace, path = tmp_path / "trace", str(tmp_path / "ckpt")
+    save_sharded(Toy(SAVED, 1, 0, step={"count": 7, "note": _LeavesATrace(str(trace))}), path)
+    for staged in (False, True):
+        error = _load(path, staged)
+        assert isinstance(error, RuntimeError) and re.search(
+            rf"_extra_state: the object stored for it is refused: it names {_OPEN}, which "
+            r"torch.load\(weights_only=True\) does not allow", str(error)), error
+    assert not trace.exists()
+
+    module = Toy(SAVED, 1, 0, step=7).requires_grad_(True)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    optimizer.param_groups[0]["note"] = _LeavesATrace(str(trace))
+    save_sharded(module, path, optimizer=optimizer)
+    target = Toy(LOADED_BEFORE, 1, 0, step=0).requires_grad_(True)
+    with pytest.raises(ValueError, match=rf"reading the optimizer's objects from checkpoint {re.escape(repr(path))} failed: "
+                                         rf".*/optimizer/param_group: the object stored for it is refused: it names "
+                                         rf"{_OPEN}"):
+        load_sharded(target, path, optimizer=torch.optim.SGD(target.parameters(), lr=0.1))
+    assert not trace.exists() and target.step == 0
+    optimizer.param_groups[0]["note"] = "plain data"
+    save_sharded(module, path, optimizer=optimizer)
+    assert _load(path, staged=False) is None

@@ -5,7 +5,7 @@ import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from fused_rl_ops._vocab_parallel.group import CombinedColumns
+from fused_rl_ops.chosen_logprob import CombinedColumns
 from fused_rl_ops.logit_options import LogitMap, LogitOptions
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),

@@ -16,6 +16,8 @@ from fused_rl_ops.testing.kernel_calls import KernelCalls
 
 ops = torch.ops.fused_rl_ops
 H, V, K = 16, 60, 4
+# float64 inputs (CPU) and fp32 (CUDA: no float64 kernels there) against float64 of the same values.
+TOLERANCE = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=2e-5, rtol=2e-5)}
 
 
 def inputs(seed=0, shape=(3, 5), vocab=V, dtype=torch.float64):
@@ -54,16 +56,21 @@ SETTINGS = [dict(), dict(temperature=0.7, softcap=2.5), dict(top_k=9), dict(top_
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(s) or "plain")
 @pytest.mark.parametrize("padded", [False, True])
-def test_many_tokens_match_float64(settings, padded):
-    hidden, weight, tokens = inputs()
+def test_many_tokens_match_float64(device, settings, padded):
+    """float64 inputs on the CPU, fp32 on CUDA (no float64 kernels there), against float64 of the same
+    values."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    hidden, weight, tokens = inputs(dtype=dtype)
     vocab_size = V - 5 if padded else V
     logit = LogitOptions(**{n: settings[n] for n in ("temperature", "softcap", "top_k", "top_p") if n in settings})
     g = torch.Generator().manual_seed(1)
     grad_lp, grad_ent = torch.randn(tokens.shape, generator=g, dtype=torch.float64), torch.randn(
         tokens.shape[:-1], generator=g, dtype=torch.float64)
-    ours = fwd_bwd(lambda h, w: fused_rl_ops.chosen_logprob(h, w, tokens, return_entropy=True, workspace_bytes=1,
-                                                            vocab_size=vocab_size, **settings),
-                   hidden, weight, grad_lp, grad_ent)
+    ours = fwd_bwd(lambda h, w: fused_rl_ops.chosen_logprob(h, w, tokens.to(device), return_entropy=True,
+                                                            workspace_bytes=1, vocab_size=vocab_size, **settings),
+                   hidden.to(device), weight.to(device), grad_lp.to(device, dtype), grad_ent.to(device, dtype))
+    ours = [t.cpu().double() for t in ours]
+    hidden, weight = hidden.double(), weight.double()
     expected = fwd_bwd(lambda h, w: float64_reference(h, w, tokens, logit, vocab_size), hidden, weight, grad_lp,
                        grad_ent)
     assert ours[0].shape == tokens.shape and ours[1].shape == tokens.shape[:-1]
@@ -76,14 +83,14 @@ def test_many_tokens_match_float64(settings, padded):
         expected = (*expected[:2], expected[2] + ent_grad[2], expected[3] + ent_grad[3])
     assert torch.equal(ours[0].isneginf(), expected[0].isneginf())  # the entries the filter drops
     for got, want, what in zip(ours, expected, ("logprob", "entropy", "hidden grad", "weight grad")):
-        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10, msg=what)
+        torch.testing.assert_close(got, want, **TOLERANCE[dtype], msg=what)
     assert ours[3][vocab_size:].eq(0).all()  # padded rows get no gradient
 
 
-def test_entries_equal_one_token_calls_and_take_one_pass():
+def test_entries_equal_one_token_calls_and_take_one_pass(device):
     """Column j of a [..., k] call is the one-token call on tokens[..., j] (bitwise, fp32), and the
     k entries cost one stats and one backward call with every entry, not k."""
-    hidden, weight, tokens = inputs(dtype=torch.float32)
+    hidden, weight, tokens = (t.to(device) for t in inputs(dtype=torch.float32))
     with KernelCalls() as calls:
         lp, ent, is_max, is_kept = fused_rl_ops.chosen_logprob(hidden, weight, tokens, return_entropy=True,
                                                                return_is_max=True, return_is_kept=True, top_k=7)
@@ -102,8 +109,8 @@ def test_entries_equal_one_token_calls_and_take_one_pass():
     assert [c.op for c in calls.calls].count("chosen_logprob_backward") == 1
 
 
-def test_positions_whose_entries_are_all_ignored_are_not_computed():
-    hidden, weight, tokens = inputs(dtype=torch.float32)
+def test_positions_whose_entries_are_all_ignored_are_not_computed(device):
+    hidden, weight, tokens = (t.to(device) for t in inputs(dtype=torch.float32))
     h = hidden.clone().requires_grad_(True)
     with KernelCalls() as calls:
         lp, ent = fused_rl_ops.chosen_logprob(h, weight, tokens, return_entropy=True)
@@ -167,8 +174,8 @@ def test_many_tokens_tensor_parallel_matches_single_rank(world):
     run_distributed(tensor_parallel_checks, world)
 
 
-def test_nonfinite_row_is_nan_for_every_entry():
-    hidden, weight, tokens = inputs(dtype=torch.float32)
+def test_nonfinite_row_is_nan_for_every_entry(device):
+    hidden, weight, tokens = (t.to(device) for t in inputs(dtype=torch.float32))
     hidden[0, 1, 0] = math.nan
     lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, tokens, return_entropy=True)
     assert lp[0, 1].isnan().all() and ent[0, 1].isnan() and lp[0, 2].isfinite().all()

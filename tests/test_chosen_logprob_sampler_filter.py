@@ -52,12 +52,14 @@ def assert_clear_boundaries(logits, top_k=None, top_p=None):
         assert ((cumulative - top_p).abs() > MARGIN).all(), "test data: a top-p boundary within rounding"
 
 
-def run_ours(hidden, weight, tokens, grad_lp, grad_ent, **kw):
-    h = hidden.detach().clone().requires_grad_(True)
-    w = weight.detach().clone().requires_grad_(True)
-    lp, ent, kept = fused_rl_ops.chosen_logprob(h, w, tokens, return_entropy=True, return_is_kept=True, **kw)
-    (torch.where(kept, lp, 0.0) * grad_lp + ent * grad_ent).sum().backward()
-    return lp, ent, h.grad, w.grad, kept
+def run_ours(hidden, weight, tokens, grad_lp, grad_ent, device="cpu", **kw):
+    """logprob, entropy, both gradients and is_kept of a call on device, on the CPU."""
+    h = hidden.detach().clone().to(device).requires_grad_(True)
+    w = weight.detach().clone().to(device).requires_grad_(True)
+    lp, ent, kept = fused_rl_ops.chosen_logprob(h, w, tokens.to(device), return_entropy=True, return_is_kept=True,
+                                                **kw)
+    (torch.where(kept, lp, 0.0) * grad_lp.to(device) + ent * grad_ent.to(device)).sum().backward()
+    return tuple(t.cpu() for t in (lp, ent, h.grad, w.grad, kept))
 
 
 def run_reference(hidden, weight, tokens, grad_lp, grad_ent, **kw):
@@ -78,7 +80,7 @@ def assert_matches(ours, ref, tol):
 
 @pytest.mark.parametrize("filter_", FILTERS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
 @pytest.mark.parametrize("temperature,softcap,vocab_size", [(1.0, None, None), (0.7, None, 290), (1.3, 4.0, 297)])
-def test_matches_float64_reference(filter_, temperature, softcap, vocab_size):
+def test_matches_float64_reference(device, filter_, temperature, softcap, vocab_size):
     """Every filter at several temperatures, with a softcap and a padded vocabulary (rows past
     vocab_size are padding), chunks of 128 vocab rows."""
     N, H, V = 48, 32, 300
@@ -88,7 +90,7 @@ def test_matches_float64_reference(filter_, temperature, softcap, vocab_size):
     kw = dict(temperature=temperature, softcap=softcap, vocab_size=vocab_size, **filter_)
     assert_clear_boundaries(reference_logits(hidden, weight, temperature, softcap, vocab_size), **filter_)
     grad_lp, grad_ent = torch.randn(N), torch.randn(N)
-    ours = run_ours(hidden, weight, tokens, grad_lp, grad_ent, workspace_bytes=1, **kw)
+    ours = run_ours(hidden, weight, tokens, grad_lp, grad_ent, device, workspace_bytes=1, **kw)
     ref = run_reference(hidden, weight, tokens, grad_lp, grad_ent, **kw)
     assert_matches(ours, ref, TOLERANCE[torch.float32])
     assert ours[0][~ours[4] & (tokens != -100)].eq(-math.inf).all()
@@ -107,7 +109,7 @@ def test_float64_inputs_match_to_rounding():
 
 
 @pytest.mark.parametrize("top_p", [0.5, 0.95])
-def test_top_p_over_more_tokens_than_the_candidates(top_p):
+def test_top_p_over_more_tokens_than_the_candidates(device, top_p):
     """A flat distribution: the nucleus holds more tokens than the stats pass's candidates, so the
     threshold is searched window by window."""
     N, H, V = 12, 16, 4000
@@ -117,11 +119,11 @@ def test_top_p_over_more_tokens_than_the_candidates(top_p):
     assert (reference.sampler_filter(logits, None, top_p).isfinite().sum(1) > TOP_P_CANDIDATES).any()
     grads = torch.randn(N), torch.randn(N)
     kw = dict(temperature=0.8, top_p=top_p)
-    assert_matches(run_ours(hidden, weight, tokens, *grads, workspace_bytes=1, **kw),
+    assert_matches(run_ours(hidden, weight, tokens, *grads, device, workspace_bytes=1, **kw),
                    run_reference(hidden, weight, tokens, *grads, **kw), TOLERANCE[torch.float32])
 
 
-def test_tokens_outside_the_kept_set():
+def test_tokens_outside_the_kept_set(device):
     """A sampled token outside the kept set (the engines disagree at the boundary) gets logprob -inf,
     is_kept False and no logprob gradient; its entropy and the entropy's gradient stay the kept
     set's, finite."""
@@ -133,13 +135,13 @@ def test_tokens_outside_the_kept_set():
     grads = torch.randn(N), torch.randn(N)
     for filter_ in [dict(top_k=20), dict(top_p=0.7)]:
         assert_clear_boundaries(logits, **filter_)
-        ours = run_ours(hidden, weight, tokens, *grads, **filter_)
+        ours = run_ours(hidden, weight, tokens, *grads, device, **filter_)
         assert torch.equal(ours[4], torch.arange(N) % 2 == 0)
         assert ours[0][1::2].eq(-math.inf).all() and ours[0][::2].isfinite().all()
         assert_matches(ours, run_reference(hidden, weight, tokens, *grads, **filter_), TOLERANCE[torch.float32])
         # Only the entropy reaches the gradients of the dropped tokens' rows.
-        h = hidden.clone().requires_grad_(True)
-        lp = fused_rl_ops.chosen_logprob(h, weight, tokens, **filter_)
+        h = hidden.to(device).requires_grad_(True)
+        lp = fused_rl_ops.chosen_logprob(h, weight.to(device), tokens.to(device), **filter_)
         lp[1::2].sum().backward()  # -inf, by design: no gradient
         assert h.grad.eq(0).all()
 
@@ -155,12 +157,12 @@ def tied_inputs():
     return hidden, weight, tokens
 
 
-def test_ties_are_kept_or_dropped_together():
+def test_ties_are_kept_or_dropped_together(device):
     hidden, weight, tokens = tied_inputs()
     logits = (hidden @ weight.T).double()
     grads = torch.randn(10), torch.randn(10)
     for filter_ in [dict(top_k=4), dict(top_k=5), dict(top_p=0.3), dict(top_p=0.6), dict(top_k=10, top_p=0.5)]:
-        ours = run_ours(hidden, weight, tokens, *grads, **filter_)
+        ours = run_ours(hidden, weight, tokens, *grads, device, **filter_)
         ref = run_reference(hidden, weight, tokens, *grads, **filter_)
         assert_matches(ours, ref, TOLERANCE[torch.float32])
         # The kept sets themselves: an upper set of the logits holding every copy of its smallest.
@@ -174,7 +176,7 @@ def test_ties_are_kept_or_dropped_together():
 
 @pytest.mark.parametrize("filter_", [dict(top_k=12), dict(top_p=0.7), dict(top_k=40, top_p=0.9)],
                          ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
-def test_the_ops_leave_the_ignored_rows_out(filter_):
+def test_the_ops_leave_the_ignored_rows_out(device, filter_):
     """With ignored positions (half of them) every op gets every row, and leaves the ignored ones
     out itself: every GEMM, the search's included, forward and backward, takes the scored rows, and
     their results are the float64 reference's; without the wrapper's host read (check_tokens=False)
@@ -187,7 +189,7 @@ def test_the_ops_leave_the_ignored_rows_out(filter_):
     kw = dict(temperature=0.9, **filter_)
     results = []
     with KernelCalls() as calls:
-        gemms = gemm_dims(lambda: results.append(run_ours(hidden, weight, tokens, *grads, **kw)))
+        gemms = gemm_dims(lambda: results.append(run_ours(hidden, weight, tokens, *grads, device, **kw)))
     skipped = results[0]
     for call in calls.calls:
         rows = call.args.get("hidden", call.args.get("partials"))
@@ -198,31 +200,31 @@ def test_the_ops_leave_the_ignored_rows_out(filter_):
     assert gemms and all(N // 2 in sizes and N not in sizes for sizes in gemms), gemms
     assert_matches(skipped, run_reference(hidden, weight, tokens, *grads, **kw), TOLERANCE[torch.float32])
     assert skipped[0][::2].eq(0).all() and skipped[1][::2].eq(0).all() and skipped[2][::2].eq(0).all()
-    computed = run_ours(hidden, weight, tokens, *grads, check_tokens=False, **kw)
+    computed = run_ours(hidden, weight, tokens, *grads, device, check_tokens=False, **kw)
     for a, b in zip(computed, skipped):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
-    main_grad = torch.randn(V, H)
+    main_grad = torch.randn(V, H, device=device)
     start = main_grad.clone()
-    h = hidden.clone().requires_grad_(True)
-    lp, ent, kept = fused_rl_ops.chosen_logprob(h, weight, tokens, return_entropy=True, return_is_kept=True,
-                                                main_grad=main_grad, **kw)
-    (torch.where(kept, lp, 0.0) * grads[0] + ent * grads[1]).sum().backward()
-    torch.testing.assert_close(main_grad - start, skipped[3], atol=1e-6, rtol=1e-6)
+    h = hidden.to(device).requires_grad_(True)
+    lp, ent, kept = fused_rl_ops.chosen_logprob(h, weight.to(device), tokens.to(device), return_entropy=True,
+                                                return_is_kept=True, main_grad=main_grad, **kw)
+    (torch.where(kept, lp, 0.0) * grads[0].to(device) + ent * grads[1].to(device)).sum().backward()
+    torch.testing.assert_close((main_grad - start).cpu(), skipped[3], atol=1e-6, rtol=1e-6)
 
 
-def test_disabled_filters_are_todays_path_bitwise():
+def test_disabled_filters_are_todays_path_bitwise(device):
     hidden, weight, tokens = make_inputs(40, 16, 300, scale=4.0, seed=6)
     tokens = tokens.clamp(max=289)
     grads = torch.randn(40), torch.randn(40)
-    plain = run_ours(hidden, weight, tokens, *grads, temperature=0.9, vocab_size=290)
+    plain = run_ours(hidden, weight, tokens, *grads, device, temperature=0.9, vocab_size=290)
     for off in [dict(top_k=None, top_p=None), dict(top_k=290), dict(top_k=10**9), dict(top_p=1.0), dict(top_p=1),
                 dict(top_k=290, top_p=1.0)]:
-        ours = run_ours(hidden, weight, tokens, *grads, temperature=0.9, vocab_size=290, **off)
+        ours = run_ours(hidden, weight, tokens, *grads, device, temperature=0.9, vocab_size=290, **off)
         for a, b in zip(ours, plain):
             assert torch.equal(a, b), off
 
 
-def test_reduced_precision_and_batch_invariance():
+def test_reduced_precision_and_batch_invariance(device):
     """bf16 inputs against float64 of the same bf16 values; with batch_invariant each token's
     logprob, entropy and hidden gradient are bitwise the same alone and in a batch."""
     N, H, V = 64, 32, 600
@@ -231,16 +233,16 @@ def test_reduced_precision_and_batch_invariance():
     for filter_ in [dict(top_k=30), dict(top_p=0.85), dict(top_k=30, top_p=0.85)]:
         assert_clear_boundaries(reference_logits(hidden, weight, 0.9), **filter_)
         kw = dict(temperature=0.9, **filter_)
-        batch = run_ours(hidden, weight, tokens, *grads, batch_invariant=True, **kw)
+        batch = run_ours(hidden, weight, tokens, *grads, device, batch_invariant=True, **kw)
         assert_matches(batch, run_reference(hidden, weight, tokens, *grads, **kw), TOLERANCE[torch.bfloat16])
         for rows in (slice(0, 1), slice(5, 9)):
-            alone = run_ours(hidden[rows], weight, tokens[rows], grads[0][rows], grads[1][rows], batch_invariant=True,
-                             **kw)
+            alone = run_ours(hidden[rows], weight, tokens[rows], grads[0][rows], grads[1][rows], device,
+                             batch_invariant=True, **kw)
             for a, b in zip(alone[:3] + alone[4:], batch[:3] + batch[4:]):
                 assert torch.equal(a, b[rows])
 
 
-def test_nonfinite_logits():
+def test_nonfinite_logits(device):
     """A NaN row stays NaN (never filtered), as without the filter; -inf logits are values (of
     mass 0): top_k counts them, top_p drops them, as the float64 reference does."""
     N, H, V = 8, 16, 200
@@ -251,7 +253,7 @@ def test_nonfinite_logits():
     weight[:150, 0] = -math.inf  # 150 -inf logits in rows 1..7
     grads = torch.randn(N), torch.randn(N)
     for filter_ in [dict(top_k=60), dict(top_p=0.9), dict(top_k=60, top_p=0.9)]:
-        ours = run_ours(hidden, weight, tokens, *grads, **filter_)
+        ours = run_ours(hidden, weight, tokens, *grads, device, **filter_)
         assert ours[0][0].isnan() and ours[1][0].isnan() and ours[2][0].isnan().all()
         ref = run_reference(hidden[1:], weight, tokens[1:], grads[0][1:], grads[1][1:], **filter_)
         for a, b in zip(ours[:2], ref[:2]):
@@ -270,19 +272,21 @@ def test_invalid_filters_are_refused(bad):
         fused_rl_ops.chosen_logprob(hidden, weight, tokens, **bad)
 
 
-def test_stats_op_returns_the_candidates():
+def test_stats_op_returns_the_candidates(device):
     """Called directly, the stats op appends each row's top to its partials with a top width (top_k):
     its top_width largest logits and their counts."""
     hidden, weight, tokens = make_inputs(6, 8, 3000, scale=3.0, seed=9)
     ops = torch.ops.fused_rl_ops
     for width in (5, 1200, 0):
-        stats = ops.chosen_logprob_stats(hidden, weight, tokens, 1.0, None, 0, None, 128, top_width=width)
+        stats = ops.chosen_logprob_stats(hidden.to(device), weight.to(device), tokens.to(device), 1.0, None, 0, None,
+                                         128, top_width=width).cpu()
         assert stats.shape == (6, 4 + (TOP_HEADER + width if width else 0))
         if width:
             top = stats[:, 4:]
             assert top[:, 0].eq(3000).all() and top[:, 1].eq(width).all()  # seen, held
-            expected = (hidden @ weight.T).topk(width, 1).values
-            torch.testing.assert_close(top[:, TOP_HEADER:].sort(1, descending=True).values, expected)
+            expected = (hidden.double() @ weight.double().T).topk(width, 1).values
+            torch.testing.assert_close(top[:, TOP_HEADER:].sort(1, descending=True).values.double(), expected,
+                                       **TOLERANCE[torch.float32])
 
 
 def tensor_parallel_checks(rank, world):

@@ -9,7 +9,7 @@ import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from fused_rl_ops._vocab_parallel.group import CombinedColumns
+from fused_rl_ops.chosen_logprob import CombinedColumns
 from fused_rl_ops.testing.distributed import run_distributed
 
 TOLERANCE = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=2e-5, rtol=2e-5),

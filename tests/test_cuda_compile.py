@@ -1,5 +1,5 @@
-"""Compile gate: every CUDA source compiles for sm_90 with warnings as errors, no kernel spills
-registers (read from ptxas's resource report), and every kernel is in namespace fused_rl_ops (the
+"""Compile gate: every CUDA source compiles for sm_80 and sm_90 with warnings as errors, no kernel
+spills registers (read from ptxas's resource report), and every kernel is in namespace fused_rl_ops (the
 filter of gpu_check.sh's racecheck and synccheck); the vector paths store vectors (the sm_90 SASS,
 read with cuobjdump). Needs nvcc, not a GPU."""
 import glob
@@ -15,6 +15,10 @@ from fused_rl_ops._cuda_home import find_cuda_home
 
 CSRC = os.path.join(os.path.dirname(__file__), "..", "csrc")
 CU_FILES = sorted(glob.glob(os.path.join(CSRC, "*", "kernel.cu")))
+# The architectures gated: A100's and H100 / H200's. Not yet sm_100 (B200): ptxas spills 4 bytes
+# there in vocab_divergence's grad_rows kernel for reverse_kl, the plain map and bf16 / fp16
+# gradients; add it once that kernel compiles without spills.
+GATED_ARCHS = ("sm_80", "sm_90")
 
 
 def nvcc_path():
@@ -34,19 +38,20 @@ def cuobjdump_path():
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
-def compile_object(source, out, csrc=CSRC):
-    """nvcc -c of source for sm_90 as the gate compiles it; the CompletedProcess (ptxas's report on stderr)."""
+def compile_object(source, out, csrc=CSRC, arch="sm_90"):
+    """nvcc -c of source for arch as the gate compiles it; the CompletedProcess (ptxas's report on stderr)."""
     return subprocess.run(
-        [nvcc_path(), "-std=c++17", "-O3", "--fmad=false", "-arch=sm_90", "-Werror", "all-warnings", "-Xptxas", "-v",
+        [nvcc_path(), "-std=c++17", "-O3", "--fmad=false", f"-arch={arch}", "-Werror", "all-warnings", "-Xptxas", "-v",
          f"-I{csrc}", "-c", str(source), "-o", str(out)],
         capture_output=True, text=True,
     )
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="no CUDA toolkit on this machine")
+@pytest.mark.parametrize("arch", GATED_ARCHS)
 @pytest.mark.parametrize("source", CU_FILES, ids=lambda path: os.path.basename(os.path.dirname(path)))
-def test_compiles_for_sm90_without_warnings_or_spills(source, tmp_path):
-    result = compile_object(source, tmp_path / "out.o")
+def test_compiles_without_warnings_or_spills(source, arch, tmp_path):
+    result = compile_object(source, tmp_path / "out.o", arch=arch)
     assert result.returncode == 0, result.stderr
     report = result.stderr
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)

@@ -1,5 +1,5 @@
-"""The processor and the MTP loss under context parallel and packed sequences (megatron-core 0.19.2,
-CPU / gloo, CP 2 x TP 2 with sequence parallel on 4 ranks).
+"""The processor and the MTP loss under context parallel and packed sequences (megatron-core 0.18
+and 0.19, CPU / gloo, CP 2 x TP 2 with sequence parallel on 4 ranks).
 
 A trainer shifts the labels on the full sequence (each document's own, when packed), then gives
 each CP rank its part of tokens, labels, loss mask and position ids as Megatron's
@@ -11,11 +11,15 @@ computed on its own, and the results at CP 2 must be those at CP 1 whatever the 
 
 - The processor at CP 2, its outputs put back in sequence order, matches CP 1 on the same weights
   (logprobs, entropy, values, and every parameter's gradient summed over the CP ranks, as Megatron's
-  DDP reduces them), for a batch split by Megatron's own get_batch_on_this_cp_rank; packed rows
+  DDP reduces them), for a batch split as Megatron's own get_batch_on_this_cp_rank splits it; packed rows
   split per document match each sequence scored alone, with no label rolled across a boundary.
-- The MTP loss at CP 2, plain and packed: the gradients and the logged MTP loss and counts of the
-  attached model are those of megatron-core's own process_mtp_loss (which divides each CP rank's
-  loss by that rank's own token count).
+- The split (fused_rl_ops.megatron.context_parallel): plain rows split as get_batch_on_this_cp_rank
+  splits them at CP 2 and 4; packed rows against a reference from the definition (Transformer
+  Engine's per-document split is absent here); labels shifted within each document as megatron-core's
+  roll_tensor rolls them; the processor's batches above are split by it.
+- The MTP loss at CP 2, plain and packed: the gradients and the logged MTP loss and counts (0.18:
+  the loss) of the attached model are those of megatron-core's own process_mtp_loss (which divides
+  each CP rank's loss by that rank's own token count).
 """
 import pytest
 import torch
@@ -31,10 +35,12 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
 
 import fused_rl_ops  # noqa: E402
-from fused_rl_ops.megatron import attach, rl_output_processor  # noqa: E402
+from fused_rl_ops.megatron import (attach, context_parallel_positions, rl_output_processor, shift_labels,  # noqa: E402
+                                   split_for_context_parallel)
 from fused_rl_ops.testing.megatron_cpu import (set_parallel_degrees, tiny_config, tiny_model,  # noqa: E402
                                                with_self_only_attention)
 from fused_rl_ops.testing.ppo import allreduce_sequence_parallel_grads, shifted_labels  # noqa: E402
+from megatron_helpers import logged_mtp_metrics  # noqa: E402
 
 B, S = 2, 16  # S: a multiple of 2 x CP x TP (zigzag chunks, then sequence parallel)
 DOCUMENTS = (8, 4, 12)  # packed lengths, each a multiple of 2 x CP; their sum a multiple of 2 x CP x TP
@@ -69,22 +75,81 @@ def full_batch(lengths, seed):
     return {key: torch.cat([document[key] for document in documents], dim=1) for key in documents[0]}
 
 
-def zigzag_positions(lengths, cp_size, cp_rank):
-    """The positions of a row that CP rank cp_rank holds, in its order: each document of the row
-    (lengths) cut into 2 x cp_size chunks, the rank's chunks cp_rank and 2 x cp_size - 1 - cp_rank."""
-    positions, start = [], 0
-    for length in lengths:
-        chunk = length // (2 * cp_size)
-        for index in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            positions.append(torch.arange(start + index * chunk, start + (index + 1) * chunk))
-        start += length
-    return torch.cat(positions)
+def cu_seqlens(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
 def packed_seq_params(lengths):
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+    offsets = cu_seqlens(lengths)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
                            max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+
+
+# ------------------------------------------------------------- the split helpers, in one process
+
+
+def positions_by_owner(lengths, cp_size, cp_rank):
+    """The reference from the definition, position by position: a position at offset p of a document
+    of length L lies in chunk p // (L / (2 x CP)); chunk c belongs to rank c, or 2 x CP - 1 - c past
+    the middle. A rank keeps the positions of its chunks, in row order."""
+    owner = []
+    for length in lengths:
+        chunk = length // (2 * cp_size)
+        owner += [min(p // chunk, 2 * cp_size - 1 - p // chunk) for p in range(length)]
+    return torch.tensor([p for p, rank in enumerate(owner) if rank == cp_rank], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("lengths", [(16,), (8, 16, 0, 24), (32, 8)], ids=["one", "packed", "packed2"])
+def test_context_parallel_positions_are_megatrons_zigzag(cp_size, lengths):
+    """Each rank's positions from the definition, for plain and packed rows (documents whose length is
+    a multiple of 2 x CP, one of them empty); together the ranks hold each position once, as many each."""
+    offsets = cu_seqlens(lengths) if len(lengths) > 1 else None
+    held = [context_parallel_positions(sum(lengths), cp_size, rank, offsets) for rank in range(cp_size)]
+    for rank, positions in enumerate(held):
+        assert torch.equal(positions, positions_by_owner(lengths, cp_size, rank)), rank
+    assert torch.equal(torch.cat(held).sort().values, torch.arange(sum(lengths)))
+    assert len({positions.numel() for positions in held}) == 1
+    tokens = torch.arange(2 * sum(lengths)).reshape(2, -1)
+    batch = {"tokens": tokens, "labels": shift_labels(tokens, offsets), "loss_mask": None}
+    local = split_for_context_parallel(batch, cp_size, cp_size - 1, offsets)
+    assert torch.equal(local["tokens"], tokens[:, held[-1]]) and local["loss_mask"] is None
+    assert torch.equal(local["labels"], batch["labels"][:, held[-1]])
+
+
+def test_shift_labels_is_megatrons_roll_within_each_document():
+    """shift_labels against megatron-core's roll_tensor (packed: rolled within each document), which
+    puts 0 where shift_labels puts ignore_index: at each document's last position."""
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    tokens = torch.randint(1, REAL_VOCAB, (1, sum(DOCUMENTS)), generator=torch.Generator().manual_seed(1))
+    ends = torch.tensor(DOCUMENTS).cumsum(0) - 1
+    for offsets, packed, last in ((None, None, [sum(DOCUMENTS) - 1]),
+                                  (cu_seqlens(DOCUMENTS), packed_seq_params(DOCUMENTS), ends)):
+        labels = shift_labels(tokens, offsets)
+        rolled, _ = roll_tensor(tokens, shifts=-1, dims=-1, packed_seq_params=packed)
+        at_end = torch.zeros_like(tokens, dtype=torch.bool)
+        at_end[:, last] = True
+        assert torch.equal(labels, torch.where(at_end, -100, rolled)) and rolled[at_end].eq(0).all()
+    assert torch.equal(shift_labels(tokens, cu_seqlens(DOCUMENTS), ignore_index=-1)[:, ends], torch.full((1, 3), -1))
+
+
+def test_context_parallel_split_refuses_what_it_cannot_split():
+    batch = {"tokens": torch.zeros(2, 24, dtype=torch.long), "loss_mask": torch.ones(2, 24)}
+    with pytest.raises(ValueError, match=r"document 1 \(positions 8\.\.18\) has length 10, not a multiple of "
+                                         r"2 x cp_size = 4.*pad it"):
+        split_for_context_parallel(batch, 2, 0, torch.tensor([0, 8, 18, 24]))
+    with pytest.raises(ValueError, match=r"the row has length 24, not a multiple of 2 x cp_size = 16"):
+        split_for_context_parallel(batch, 8, 0)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be .* from 0 to the row's length 24"):
+        split_for_context_parallel(batch, 2, 0, torch.tensor([0, 8, 20]))
+    with pytest.raises(ValueError, match=r"cp_rank must lie in \[0, cp_size\).*cp_size=2, cp_rank=2"):
+        split_for_context_parallel(batch, 2, 2)
+    with pytest.raises(ValueError, match=r"batch must hold \[b, s, \.\.\.\] tensors of one sequence length"):
+        split_for_context_parallel({**batch, "labels": torch.zeros(2, 16)}, 2, 0)
+
+
+# ------------------------------------------------------------------------------ CP 2 x TP 2
 
 
 def forward_backward(model, batch, packed=None):
@@ -140,19 +205,22 @@ def _processor_at_cp2(plain_at_cp1, packed_at_cp1):
     cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     model = build()
     batch = full_batch((S,), seed=3)
-    local = get_batch_on_this_cp_rank({**batch, "cu_seqlens": None}, is_hybrid_cp=False,
-                                      cp_group=parallel_state.get_context_parallel_group())
-    positions = zigzag_positions((S,), cp_size, cp_rank)
-    for key, tensor in batch.items():  # Megatron's split is the zigzag the packed rows get below
-        assert torch.equal(local[key], tensor[:, positions]), key
-    outputs, grads = forward_backward(model, {key: local[key] for key in batch})
+    local = split_for_context_parallel(batch, cp_size, cp_rank)
+    # Megatron's own split of plain rows, at CP 2 (the CP group) and at CP 4 (the world's 4 ranks).
+    for group in (parallel_state.get_context_parallel_group(), dist.group.WORLD):
+        megatron_local = get_batch_on_this_cp_rank({**batch, "cu_seqlens": None}, is_hybrid_cp=False, cp_group=group)
+        ours = split_for_context_parallel(batch, dist.get_world_size(group), dist.get_rank(group))
+        assert all(torch.equal(ours[key], megatron_local[key]) for key in batch), dist.get_world_size(group)
+    positions = context_parallel_positions(S, cp_size, cp_rank)
+    outputs, grads = forward_backward(model, local)
     for name, expected in plain_at_cp1[0].items():
         assert_close(in_sequence_order(outputs[name], positions), expected, msg=lambda m: f"plain {name}: {m}")
     assert_close_by_name(grads, plain_at_cp1[1], "plain")
 
     documents = full_batch(DOCUMENTS, seed=4)
-    positions = zigzag_positions(DOCUMENTS, cp_size, cp_rank)
-    outputs, grads = forward_backward(model, {key: t[:, positions] for key, t in documents.items()},
+    positions = context_parallel_positions(sum(DOCUMENTS), cp_size, cp_rank, cu_seqlens(DOCUMENTS))
+    outputs, grads = forward_backward(model, split_for_context_parallel(documents, cp_size, cp_rank,
+                                                                        cu_seqlens(DOCUMENTS)),
                                       packed_seq_params(DOCUMENTS))
     for name, expected in packed_at_cp1[0].items():
         assert_close(in_sequence_order(outputs[name], positions), expected, msg=lambda m: f"packed {name}: {m}")
@@ -162,22 +230,14 @@ def _processor_at_cp2(plain_at_cp1, packed_at_cp1):
     assert torch.all(in_sequence_order(outputs["logprobs"], positions)[:, ends] == 0)
 
 
-def logged_mtp_metrics():
-    """MTPLossLoggingHelper's loss, correct and total values since the last call; empties its tracker."""
-    tracker = MTPLossLoggingHelper.tracker
-    metrics = {key: tracker[key].clone() for key in ("loss_values", "correct_values", "total_values")}
-    tracker.clear()
-    return metrics
-
-
 def _mtp_at_cp2():
     """Megatron's own MTP loss against the attached processor's, plain and packed, at CP 2: the main
     loss sum(cross entropy) on Megatron's side, -sum(logprobs) on ours (the same, so the gradients
     differ only through the MTP loss)."""
     cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     plain, documents = full_batch((S,), seed=5), full_batch(DOCUMENTS, seed=6)
-    cases = {"plain": ({key: t[:, zigzag_positions((S,), cp_size, cp_rank)] for key, t in plain.items()}, None),
-             "packed": ({key: t[:, zigzag_positions(DOCUMENTS, cp_size, cp_rank)] for key, t in documents.items()},
+    cases = {"plain": (split_for_context_parallel(plain, cp_size, cp_rank), None),
+             "packed": (split_for_context_parallel(documents, cp_size, cp_rank, cu_seqlens(DOCUMENTS)),
                         packed_seq_params(DOCUMENTS))}
     megatron, fused = build(mtp=True), build(mtp=True)
     attach(fused, rl_output_processor())
@@ -191,7 +251,7 @@ def _mtp_at_cp2():
         (-out["logprobs"]).sum().backward()
         metrics = logged_mtp_metrics()
         assert_close(metrics["loss_values"], expected["loss_values"], msg=lambda m: f"{what}: {m}")
-        for key in ("correct_values", "total_values"):
+        for key in metrics.keys() - {"loss_values"}:  # megatron-core >= 0.19's acceptance counts
             assert torch.equal(metrics[key], expected[key]), (what, key)
         for model in (megatron, fused):
             allreduce_sequence_parallel_grads(model)

@@ -1,4 +1,4 @@
-"""fused_rl_ops.megatron on megatron-core 0.19.2, on CPU / gloo with the test-only shims: every path
+"""fused_rl_ops.megatron on megatron-core 0.18 and 0.19, on CPU / gloo with the test-only shims: every path
 by which a model reaches its output layer gets a check that the processor ran there, on the hidden
 states the output layer would have seen, and that its logprobs equal Megatron's own
 -vocab_parallel_cross_entropy: GPTModel forward, GPTModel schedule plan (forward and backward),

@@ -1,4 +1,4 @@
-"""MoE experts with clamped_swiglu on megatron-core 0.19.2, on CPU / gloo with the test-only shims.
+"""MoE experts with clamped_swiglu on megatron-core 0.18 and 0.19, on CPU / gloo with the test-only shims.
 
 End to end: a tiny GPTModel with a dense and an MoE layer in gpt-oss's configuration (top-2 router
 over 4 SequentialMLP experts, quick-GELU gate, clamp 7, linear offset 1), built through

@@ -1,4 +1,4 @@
-"""An MoE model's checkpoint across (TP, EP) layouts, end to end on megatron-core 0.19.2 (CPU / gloo):
+"""An MoE model's checkpoint across (TP, EP) layouts, end to end on megatron-core 0.18 and 0.19 (CPU / gloo):
 the gpt-oss-style model of test_megatron_moe saved at TP 2 (sequence parallel) / EP 1, loaded at
 TP 1 / EP 2, saved there and loaded back at TP 2 / EP 1; and the same model with SequentialMLP
 experts loaded into grouped-GEMM experts (TEGroupedMLP, Transformer Engine stood in) and back."""
@@ -13,14 +13,28 @@ from fused_rl_ops.testing.distributed import run_distributed
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 from megatron.core import parallel_state  # noqa: E402
-from megatron.core.extensions.transformer_engine import _set_expert_parameter_attributes  # noqa: E402
 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP  # noqa: E402
 from megatron.core.utils import get_pg_size  # noqa: E402
 
 from fused_rl_ops.checkpoint import load_sharded, save_sharded  # noqa: E402
 from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_model  # noqa: E402
 from fused_rl_ops.testing.ppo import model_inputs  # noqa: E402
+from megatron_helpers import MEGATRON_0_18  # noqa: E402
 from test_megatron_moe import B, S, VOCAB, moe_config  # noqa: E402
+
+if MEGATRON_0_18:
+    def _set_expert_parameter_attributes(module, parallel_mode, use_expert_pgs):
+        """What megatron-core 0.18's TEGroupedLinear and Transformer Engine (<= 2.12) set: every
+        weight<i> split on dim 0 (column) or 1 (row) with stride 1, a column bias<i> on dim 0, and
+        the gradient group."""
+        for name, param in module.named_parameters(recurse=False):
+            param.allreduce = not use_expert_pgs
+            if name.startswith("weight") or parallel_mode == "column":
+                param.tensor_model_parallel = True
+                param.partition_dim = 1 if parallel_mode == "row" and name.startswith("weight") else 0
+                param.partition_stride = 1
+else:
+    from megatron.core.extensions.transformer_engine import _set_expert_parameter_attributes
 
 LAYOUTS = {  # name: (parallel degrees, config overrides); no biases: the TP 2 layout cannot train them
     "tp2-ep1": (dict(tp=2, expert_tp=1), dict(sequence_parallel=True, add_bias_linear=False)),

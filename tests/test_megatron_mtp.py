@@ -1,8 +1,10 @@
 """Multi-token prediction with an attached processor (fused_rl_ops.megatron.mtp), on megatron-core
-0.19.2, CPU / gloo, against megatron-core's own MTP path with the same weights and settings: its
-labels= loss (or, with labels from input_ids, its logits), its gradients, and what
-MTPLossLoggingHelper logs. Each spawned run groups several checks (imports and builds dominate)."""
+0.18 and 0.19, CPU / gloo, against megatron-core's own MTP path with the same weights and settings:
+its labels= loss (or, with labels from input_ids, its logits), its gradients, and what
+MTPLossLoggingHelper logs (0.18: the loss alone). Each spawned run groups several checks (imports and
+builds dominate)."""
 import contextlib
+import inspect
 import types
 
 import pytest
@@ -15,7 +17,6 @@ from fused_rl_ops.testing.kernel_calls import KernelCalls
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 from megatron.core import parallel_state  # noqa: E402
-from megatron.core.models.common.utils import PostProcessNode  # noqa: E402
 from megatron.core.models.gpt import gpt_model  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
@@ -27,7 +28,13 @@ from fused_rl_ops.megatron import attach, detach, rl_output_processor  # noqa: E
 from fused_rl_ops.megatron.mtp import FusedMTPLoss  # noqa: E402
 from fused_rl_ops.testing.megatron_cpu import set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
 from fused_rl_ops.testing.ppo import model_inputs  # noqa: E402
-from megatron_helpers import assert_close_by_name, same_on_all_ranks, take_grads  # noqa: E402
+from megatron_helpers import (MEGATRON_0_18, MTP_LOGGED, assert_close_by_name, logged_mtp_metrics,  # noqa: E402
+                              same_on_all_ranks, take_grads)
+
+if MEGATRON_0_18:
+    from megatron.core.models.gpt.fine_grained_callables import PostProcessNode
+else:
+    from megatron.core.models.common.utils import PostProcessNode
 
 B, S = 2, 8
 VOCAB = 256
@@ -51,13 +58,13 @@ def output_layer_outputs(model):
         handle.remove()
 
 
-def logged_metrics():
-    """MTPLossLoggingHelper's per-depth loss, correct and total since the last call; empties its
-    tracker (whose tensors keep the size of the first model's mtp_num_layers)."""
-    tracker = MTPLossLoggingHelper.tracker
-    metrics = {key: tracker[key].clone() for key in ("loss_values", "correct_values", "total_values")}
-    tracker.clear()
-    return metrics
+def mtp_scored_rows(mask, depths, labels_from_input_ids):
+    """The positions each MTP depth scores: loss_mask rolled once per depth (and once more for labels
+    from the input ids, which 0.18 does not derive: no MTP loss there)."""
+    if labels_from_input_ids and MEGATRON_0_18:
+        return []
+    shift = int(labels_from_input_ids)
+    return [int(mask[:, depth + shift:].sum()) for depth in range(1, depths + 1)]
 
 
 def gather_vocab(local):
@@ -100,15 +107,16 @@ def _check_against_megatron(depths, *, tied=False, masked=False, labels_from_inp
     chosen = tokens if labels is None else labels
     MTPLossLoggingHelper.tracker.clear()
 
+    scored_mtp_rows = mtp_scored_rows(mask, depths, labels is None)
     with output_layer_outputs(model) as calls:
         if labels is None:  # Megatron returns logits; its MTP labels come from the input ids
             logits = model(*inputs, loss_mask=loss_mask).transpose(0, 1)
             cross_entropy = vocab_parallel_cross_entropy(logits.contiguous(), chosen.t().contiguous()).t()
         else:
             cross_entropy = model(*inputs, labels=labels, loss_mask=loss_mask)
-    assert len(calls) == 1 + depths  # Megatron materialises logits for every MTP depth
+    assert len(calls) == 1 + len(scored_mtp_rows)  # Megatron materialises logits for every MTP depth
     (cross_entropy * mask).mean().backward()
-    megatron_grads, megatron_metrics = take_grads(model), logged_metrics()
+    megatron_grads, megatron_metrics = take_grads(model), logged_mtp_metrics()
 
     attach(model, rl_output_processor())
     assert gpt_model.process_mtp_loss is not MEGATRON_PROCESS_MTP_LOSS
@@ -119,23 +127,26 @@ def _check_against_megatron(depths, *, tied=False, masked=False, labels_from_inp
     assert calls == []
     assert_close(outputs["logprobs"], -(cross_entropy * mask).detach())
     assert_close_by_name(take_grads(model), megatron_grads)
-    metrics = logged_metrics()
-    # The MTP depths' positions with loss_mask 1 (Megatron counts them: total_values), then the main head's.
-    scored_rows = metrics["total_values"].long().tolist() + [int(mask.sum())]
+    metrics = logged_mtp_metrics()
+    # The MTP depths' positions with loss_mask 1 (Megatron >= 0.19 counts them: total_values), then the main head's.
+    scored_rows = scored_mtp_rows + [int(mask.sum())]
     for op in ("chosen_logprob_stats", "chosen_logprob_backward"):  # every position, the scored ones computed
         assert {len(tokens) for tokens in kernel_calls.tokens(op)} == {S * B}, op
         rows = [tokens.tolist() for tokens in kernel_calls.computed_tokens(op)]
         assert sorted(map(len, rows)) == sorted(scored_rows) and all(-100 not in r for r in rows), op
-    assert_close(metrics["loss_values"], megatron_metrics["loss_values"])
-    assert torch.equal(metrics["total_values"], megatron_metrics["total_values"])
-    assert torch.equal(metrics["correct_values"], megatron_metrics["correct_values"])
-    if labels is not None and not masked:
-        assert (metrics["correct_values"] >= 2).all()  # the acceptance counts are exercised
+    if scored_mtp_rows:
+        assert_close(metrics["loss_values"], megatron_metrics["loss_values"])
+    if not MEGATRON_0_18:
+        assert metrics["total_values"].long().tolist() == scored_mtp_rows
+        assert torch.equal(metrics["total_values"], megatron_metrics["total_values"])
+        assert torch.equal(metrics["correct_values"], megatron_metrics["correct_values"])
+        if labels is not None and not masked:
+            assert (metrics["correct_values"] >= 2).all()  # the acceptance counts are exercised
 
     model.eval()  # not training: Megatron logs nothing; neither does the fused path
     with torch.no_grad():
         model(*inputs, labels=labels, loss_mask=loss_mask, output_processor_context=context)
-    assert "total_values" not in MTPLossLoggingHelper.tracker
+    assert MTP_LOGGED["loss_values"] not in MTPLossLoggingHelper.tracker
     model.train()
 
     detach(model)
@@ -143,7 +154,7 @@ def _check_against_megatron(depths, *, tied=False, masked=False, labels_from_inp
     with output_layer_outputs(model) as calls:
         model(*inputs, labels=chosen, loss_mask=loss_mask)
     assert len(calls) == 1 + depths
-    logged_metrics()
+    logged_mtp_metrics()
 
 
 def _check_routing_is_per_model():
@@ -164,7 +175,7 @@ def _check_routing_is_per_model():
     assert calls == []
     detach(second)
     assert gpt_model.process_mtp_loss is MEGATRON_PROCESS_MTP_LOSS
-    logged_metrics()
+    logged_mtp_metrics()
 
 
 def _check_schedule_plan_post_process_node():
@@ -180,10 +191,10 @@ def _check_schedule_plan_post_process_node():
     handle = model.mtp.register_forward_hook(lambda module, args, output: concatenated.append(output))
     outputs = model(tokens, position_ids, attention_mask, labels=tokens)
     (-outputs["logprobs"].mean()).backward()
-    forward_grads, forward_metrics = take_grads(model), logged_metrics()
+    forward_grads, forward_metrics = take_grads(model), logged_mtp_metrics()
     model(tokens, position_ids, attention_mask, labels=tokens)
     handle.remove()
-    logged_metrics()
+    logged_mtp_metrics()
     state = types.SimpleNamespace(
         input_ids=tokens, position_ids=position_ids, labels=tokens, decoder_input=None, rotary_pos_emb=None,
         rotary_pos_cos=None, rotary_pos_sin=None, loss_mask=None, attention_mask=attention_mask,
@@ -196,7 +207,7 @@ def _check_schedule_plan_post_process_node():
     assert_close(node_outputs["logprobs"], outputs["logprobs"].detach(), rtol=0, atol=0)
     (-node_outputs["logprobs"].mean()).backward()
     assert_close_by_name(take_grads(model), forward_grads)
-    metrics = logged_metrics()
+    metrics = logged_mtp_metrics()
     for key, expected in forward_metrics.items():
         assert torch.equal(metrics[key], expected), key
     detach(model)
@@ -223,7 +234,8 @@ def _models_against_megatron(rank, world_size):
     _check_against_megatron(1)
     _check_against_megatron(2, tied=True, masked=True, calculate_per_token_loss=True, mtp_loss_scaling_factor=0.3)
     _check_against_megatron(2, masked=True, labels_from_input_ids=True)
-    _check_against_megatron(2, tied=True, mtp_detach_heads=True)
+    if not MEGATRON_0_18:  # 0.19's option
+        _check_against_megatron(2, tied=True, mtp_detach_heads=True)
     _check_routing_is_per_model()
     _check_ties_count_as_accepted()
     _check_schedule_plan_post_process_node()
@@ -240,12 +252,13 @@ def test_mtp_models_match_megatron(tp):
 
 
 def mtp_loss_call(model, hidden_states, labels, loss_mask, **overrides):
-    """process_mtp_loss's keywords as GPTModel._postprocess passes them."""
+    """process_mtp_loss's keywords as GPTModel._postprocess passes them (0.18: no tp_group, input_ids)."""
     call = dict(hidden_states=hidden_states, labels=labels, loss_mask=loss_mask, output_layer=model.output_layer,
                 output_weight=None, runtime_gather_output=None, is_training=True,
                 compute_language_model_loss=model.compute_language_model_loss, config=model.config, cp_group=None,
                 tp_group=model.output_layer.tp_group, packed_seq_params=None, scale_logits_fn=None, input_ids=None)
-    return {**call, **overrides}
+    taken = inspect.signature(MEGATRON_PROCESS_MTP_LOSS).parameters
+    return {name: value for name, value in {**call, **overrides}.items() if name in taken}
 
 
 def run_both(model, hidden_states, labels, loss_mask, **overrides):
@@ -256,7 +269,7 @@ def run_both(model, hidden_states, labels, loss_mask, **overrides):
         hidden = hidden_states.detach().clone().requires_grad_(True)
         returned = process_mtp_loss(**mtp_loss_call(model, hidden, labels, loss_mask, **overrides))
         returned.sum().backward()
-        results.append((returned.detach(), hidden.grad, model.output_layer.weight.grad.clone(), logged_metrics()))
+        results.append((returned.detach(), hidden.grad, model.output_layer.weight.grad.clone(), logged_mtp_metrics()))
         model.zero_grad()
     return results
 
@@ -265,15 +278,15 @@ def assert_same_results(megatron, fused):
     for name, expected, actual in zip(("returned", "hidden grad", "weight grad"), megatron, fused):
         assert_close(actual, expected, rtol=1e-4, atol=1e-6, msg=lambda message: f"{name}: {message}")
     assert_close(fused[3]["loss_values"], megatron[3]["loss_values"], rtol=1e-5, atol=1e-6)
-    for key in ("correct_values", "total_values"):
+    for key in fused[3].keys() - {"loss_values"}:
         assert torch.equal(fused[3][key], megatron[3][key]), key
 
 
 def _check_ties_count_as_accepted():
     """Integer hidden states and weights make every logit exact, and ties frequent (one planted
     across the TP shards). Each label is the highest id tied for its row's maximum: the fused path
-    accepts every one, Megatron's argmax (the lowest tied id) only those of rows with one maximum;
-    loss and gradients agree."""
+    accepts every one, Megatron's argmax (the lowest tied id) only those of rows with one maximum
+    (0.19; 0.18 counts none); loss and gradients agree."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     model = mtp_model(1)
@@ -294,10 +307,11 @@ def _check_ties_count_as_accepted():
     megatron, fused = run_both(model, hidden_local, labels, None)
     valid = S - 1
     unique = (tied.sum(-1)[:valid] == 1).sum()
-    assert fused[3]["total_values"].item() == B * valid
-    assert fused[3]["correct_values"].item() == B * valid
-    assert megatron[3]["correct_values"].item() == unique < B * valid
-    megatron[3]["correct_values"] = fused[3]["correct_values"]
+    if not MEGATRON_0_18:  # 0.18 logs no acceptance counts
+        assert fused[3]["total_values"].item() == B * valid
+        assert fused[3]["correct_values"].item() == B * valid
+        assert megatron[3]["correct_values"].item() == unique < B * valid
+        megatron[3]["correct_values"] = fused[3]["correct_values"]
     assert_same_results(megatron, fused)
 
 
@@ -317,11 +331,13 @@ def _rolling_cases(rank, world_size):
     totals = {}
     for group in (None, cp_group):
         for packed in (None, packs[group]):
-            for given_labels in (labels, None):
+            for given_labels in (labels,) if MEGATRON_0_18 else (labels, None):  # 0.18: no labels, no MTP loss
                 megatron, fused = run_both(model, hidden, given_labels, loss_mask, cp_group=group,
                                            packed_seq_params=packed, input_ids=labels)
                 assert_same_results(megatron, fused)
-                totals[group, packed is None, given_labels is None] = fused[3]["total_values"]
+                # The positions scored (0.18: the loss, which they change too).
+                totals[group, packed is None, given_labels is None] = fused[3].get("total_values",
+                                                                                   fused[3]["loss_values"])
     for group in (None, cp_group):
         assert not torch.equal(totals[group, True, False], totals[group, False, False])  # packing rolls differently
 
@@ -365,16 +381,17 @@ def _pipeline_parallel(rank, world_size):
     last_stage = parallel_state.is_pipeline_last_stage()
     run_schedule(model, batches, lambda cross_entropy: cross_entropy.mean())
     megatron_grads = take_grads(model)
-    megatron_metrics = logged_metrics() if last_stage else None
+    megatron_metrics = logged_mtp_metrics() if last_stage else None
     attach(model, rl_output_processor())
     with output_layer_outputs(model) if last_stage else contextlib.nullcontext([]) as calls:
         run_schedule(model, batches, lambda outputs: -outputs["logprobs"].mean())
     assert calls == []
     assert_close_by_name(take_grads(model), megatron_grads)
     if last_stage:
-        metrics = logged_metrics()
+        metrics = logged_mtp_metrics()
         assert_close(metrics["loss_values"], megatron_metrics["loss_values"])
-        assert torch.equal(metrics["total_values"], megatron_metrics["total_values"])
+        if not MEGATRON_0_18:
+            assert torch.equal(metrics["total_values"], megatron_metrics["total_values"])
     detach(model)
 
 

@@ -1,11 +1,11 @@
-"""The processor under Megatron's overlapped parameter all-gather (megatron-core 0.19.2, CPU / gloo).
+"""The processor under Megatron's overlapped parameter all-gather (megatron-core 0.18 and 0.19, CPU / gloo).
 
 With `DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True,
 overlap_grad_reduce=True)`, Megatron's DDP all-gathers each bucket of updated parameters lazily and
 waits for a bucket in the forward pre-hook of a module that owns one of its parameters. The
 processor, the MTP loss and a value head given as a weight read their weights without running
 their modules' forwards, so they run those modules' forward pre-hooks first
-(fused_rl_ops/megatron/param_sync.py). Without that, the bucket holding the output weight alone
+(fused_rl_ops/megatron/output_layer.py). Without that, the bucket holding the output weight alone
 (`bucket_size` = its element count, as a real [V/tp, H] output weight is larger than Megatron's
 bucket) is dispatched and never waited for, and the second step dies in Megatron's
 `start_param_sync` (`assert self.param_gather_handle is None`).
@@ -18,7 +18,9 @@ logprobs and values, the final bf16 parameters, fp32 main weights and Adam state
 same run with overlap_param_gather off (overlap_grad_reduce and the bucket size the same in both:
 the buckets decide the order the gradient norm is summed in, so another layout would change the
 clipped updates in their last bits); and the bucket of the weight the processor reads was still being
-gathered when the processor's call waited for it.
+gathered when the processor's call waited for it. Saved before the last step's all-gather, the
+data-parallel replicas differ, and save_sharded's error names the cause and the fix
+(`ddp_model.start_param_sync(force_sync=True)`).
 """
 import pytest
 import torch
@@ -30,6 +32,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
 
 import fused_rl_ops  # noqa: E402
+from fused_rl_ops.checkpoint import save_sharded  # noqa: E402
 from fused_rl_ops.megatron import rl_output_processor  # noqa: E402
 from fused_rl_ops.testing.checkpoint import assert_same_megatron_state, megatron_training_state  # noqa: E402
 from fused_rl_ops.testing.megatron_cpu import megatron_bf16_training, set_parallel_degrees, tiny_config, tiny_model  # noqa: E402
@@ -113,7 +116,21 @@ def final_state(model, ddp_model, optimizer):
     return megatron_training_state(model, optimizer)
 
 
-def _overlap_matches_no_overlap(rank, world_size, tp):
+def check_save_names_the_pending_gather(model, ddp_model, optimizer, path):
+    """Saved after the last step and before its all-gather, the data-parallel replicas differ: the
+    error names the pending all-gather and the fix, with the optimizer given or the DDP model saved;
+    after the fix (final_state's start_param_sync(force_sync=True)) the save succeeds."""
+    fix = r"different bytes; .*overlap_param_gather .*start_param_sync\(force_sync=True\) before saving"
+    with pytest.raises(ValueError, match=fix):
+        save_sharded(model, path, optimizer=optimizer)
+    with pytest.raises(ValueError, match=fix):
+        save_sharded(ddp_model, path)
+    state = final_state(model, ddp_model, optimizer)
+    save_sharded(model, path, optimizer=optimizer)
+    return state
+
+
+def _overlap_matches_no_overlap(rank, world_size, tp, path):
     set_parallel_degrees(tp=tp)
     for tied in (False, True):
         runs = {}
@@ -123,7 +140,11 @@ def _overlap_matches_no_overlap(rank, world_size, tp):
             bucket_group = ddp_model.param_to_bucket_group[read_weight]
             spy = PendingAtWait(bucket_group)
             initial_head = model.value_head.weight.detach().clone()
-            runs[overlap] = train(ddp_model, optimizer), final_state(model, ddp_model, optimizer)
+            outputs = train(ddp_model, optimizer)
+            if overlap and not tied:
+                runs[overlap] = outputs, check_save_names_the_pending_gather(model, ddp_model, optimizer, path)
+            else:
+                runs[overlap] = outputs, final_state(model, ddp_model, optimizer)
             if overlap and not tied:
                 assert [p for bucket in bucket_group.buckets for p in bucket.params_list] == [read_weight]
                 # Dispatched by the previous bucket's wait and still in flight when the processor waited.
@@ -137,6 +158,6 @@ def _overlap_matches_no_overlap(rank, world_size, tp):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_training_with_overlapped_param_gather_is_bitwise_that_without(tp):
+def test_training_with_overlapped_param_gather_is_bitwise_that_without(tp, tmp_path, checkpoint_dependencies):
     """DP 2 at TP 1 (2 ranks) and at TP 2 with sequence parallel (4 ranks)."""
-    run_distributed(_overlap_matches_no_overlap, 2 * tp, tp)
+    run_distributed(_overlap_matches_no_overlap, 2 * tp, tp, str(tmp_path / "checkpoint"))

@@ -1,4 +1,4 @@
-"""End to end on megatron-core 0.19.2 (CPU / gloo): a PPO step of a GPTModel with the fused pieces
+"""End to end on megatron-core 0.18 and 0.19 (CPU / gloo): a PPO step of a GPTModel with the fused pieces
 (ClampedSwiGLUMLP, rl_output_processor, fused_rl_ops.ValueHead) against the same model with the
 naive ones (Megatron's MLP, the reference processor on materialised logits), at TP 2 with and
 without sequence parallelism and over two pipeline stages under get_forward_backward_func: the

@@ -31,6 +31,25 @@ def test_processor_on_one_rank_matches_float64():
     assert_close(outputs["values"], (hidden.double() @ value_weight.double()).t().float())
 
 
+def test_processor_takes_every_keyword_of_megatrons_hook_and_later_ones():
+    """The call megatron-core 0.18 / 0.19 and Megatron-LM main make (their keywords are the same), and
+    one with a keyword a later Megatron might add: the outputs of the bare call."""
+    hidden, weight = torch.randn(S, B, 16), torch.randn(VOCAB, 16)
+    output_layer = types.SimpleNamespace(weight=weight, tp_group=None, sequence_parallel=False)
+    tokens = torch.randint(0, VOCAB, (B, S))
+    processor = rl_output_processor()
+    bare = processor(hidden_states=hidden, output_layer=output_layer, labels=tokens)
+    hook_call = dict(
+        hidden_states=hidden, output_layer=output_layer, output_weight=None, labels=tokens, loss_mask=None,
+        input_ids=tokens, position_ids=torch.arange(S).expand(B, S), attention_mask=None, decoder_input=None,
+        inference_context=None, packed_seq_params=None, runtime_gather_output=None, context=None,
+        compute_language_model_loss=lambda labels, logits: None, scale_logits=lambda logits: logits,
+        config=types.SimpleNamespace(use_mup=False, mup_output_mult=1.0))
+    for call in (hook_call, {**hook_call, "a_keyword_of_a_later_megatron": object()}):
+        outputs = processor(**call)
+        assert outputs.keys() == bare.keys() and all(torch.equal(outputs[k], bare[k]) for k in bare)
+
+
 @pytest.mark.parametrize("host_checks", [True, False])
 def test_processor_skips_masked_positions(host_checks):
     """loss_mask 0 is an ignored label: logprob and entropy 0, no gradient, and no row the ops

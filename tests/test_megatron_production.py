@@ -1,4 +1,4 @@
-"""The configuration RL runs use, in one test (megatron-core 0.19.2, CPU / gloo, 4 ranks).
+"""The configuration RL runs use, in one test (megatron-core 0.18 and 0.19, CPU / gloo, 4 ranks).
 
 Phase 1, TP 2 x DP 2 with sequence parallel: a tiny bf16 GPTModel inside Float16Module with an fp32
 value head attached, Megatron's DistributedDataParallel and DistributedOptimizer with

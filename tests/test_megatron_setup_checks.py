@@ -1,5 +1,5 @@
 """Set-up mistakes a trainer can make with the Megatron integration, each refused or reported where it
-happens instead of training silently wrong (megatron-core 0.19.2, CPU / gloo):
+happens instead of training silently wrong (megatron-core 0.18 and 0.19, CPU / gloo):
 
 - a value head whose parameters differ between the TP ranks (built after a per-rank seed): attach
   refuses it on every rank, naming the fix, and the fix it names works;
@@ -9,6 +9,8 @@ happens instead of training silently wrong (megatron-core 0.19.2, CPU / gloo):
   with main_params_of=optimizer the main copies take the loaded weights, so the next step continues
   from them;
 - attach of a model that is not a Megatron language model: refused, naming causal_lm_logprobs;
+- bad labels or context tokens (an id out of range, a float tensor, another device): reported by the
+  caller's name and index in its [b, s] layout, through the processor and the MTP loss;
 - the PPO loss of fused_rl_ops.testing.ppo with tokens top_p dropped (logprob -inf): finite, and the
   float64 loss of the other tokens.
 """
@@ -116,6 +118,37 @@ def _value_head_differing_over_tp():
     detach(model)
 
 
+def _errors_name_the_callers_tensors():
+    """A bad id, a float tensor or a misplaced device is reported by the caller's name and, for an id,
+    its [b, s(, k)] index in the caller's tensor, not the processor's transposed [s, b] ids: through
+    the processor (labels, or the context's tokens [b, s, k]) and the MTP loss, at TP 2 with
+    sequence parallel, on both ranks; a bad id under loss_mask 0 is not scored, so not refused."""
+    tokens = torch.randint(0, 200, (B, S), generator=torch.Generator().manual_seed(6))
+    inputs = (tokens, *model_inputs(tokens))
+    bad_labels = shifted_labels(tokens)
+    bad_labels[1, 3] = 4242
+    many = torch.randint(0, 200, (B, S, 3), generator=torch.Generator().manual_seed(7))
+    many[0, 2, 1], many[1, 5, 0] = 999, -1
+    ids = r"token ids must lie in \[0, 200\) or equal ignore_index \(-100\); found \[{}\], the first at {}$"
+    model = tiny_model("gpt", tiny_config(sequence_parallel=True), vocab_size=VOCAB, seed=1)
+    attach(model, rl_output_processor(vocab_size=200))
+    with pytest.raises(ValueError, match="RLOutputProcessor: " + ids.format("4242", r"labels\[1, 3\]")):
+        model(*inputs, labels=bad_labels)
+    with pytest.raises(ValueError, match=ids.format("999, -1", r"output_processor_context\['tokens'\]\[0, 2, 1\]")):
+        model(*inputs, output_processor_context={"tokens": many})
+    with pytest.raises(TypeError, match=r"RLOutputProcessor: labels must be int64 or int32, got torch.float32"):
+        model(*inputs, labels=bad_labels.float())
+    with pytest.raises(ValueError, match=r"loss_mask must be on the hidden states' device cpu, got meta"):
+        model(*inputs, labels=bad_labels, loss_mask=torch.ones(B, S, device="meta"))
+    loss_mask = torch.ones(B, S)
+    loss_mask[1, 3] = 0
+    assert model(*inputs, labels=bad_labels, loss_mask=loss_mask)["logprobs"][1, 3] == 0
+    mtp_model = tiny_model("gpt", tiny_config(sequence_parallel=True, mtp_num_layers=1), vocab_size=VOCAB, seed=1)
+    attach(mtp_model, rl_output_processor())
+    with pytest.raises(ValueError, match=r"FusedMTPLoss: token ids .* \[0, 256\).*the first at labels\[1, 3\]"):
+        mtp_model(*inputs, labels=bad_labels)
+
+
 def _float16_module_after_attach():
     """Float16Module built after attach converts the head: the first forward warns, once; built
     before attach (the documented order), the head stays fp32 and nothing warns."""
@@ -192,6 +225,7 @@ def _weights_only_load(path):
 def _setup_checks(rank, world_size, path):
     set_parallel_degrees(tp=2)
     _value_head_differing_over_tp()
+    _errors_name_the_callers_tensors()
     _float16_module_after_attach()
     set_parallel_degrees(tp=1)  # DP 2: the DistributedOptimizer shards the main copies
     _weights_only_load(path)

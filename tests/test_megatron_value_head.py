@@ -1,4 +1,4 @@
-"""The value head a trainer attaches, and the processor's argument checks, on megatron-core 0.19.2
+"""The value head a trainer attaches, and the processor's argument checks, on megatron-core 0.18 and 0.19
 (CPU / gloo with the test-only shims).
 
 `attach(model, rl_output_processor(value_head=ValueHead(H)))` makes the head the model's submodule:

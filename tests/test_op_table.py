@@ -5,6 +5,8 @@ reach each of its operators (on the CPU here, as in gpu_check.sh's rehearsal), c
 with a softcap, top_k and top_p alone (the search, whose hist_rows kernel is the one with shared
 memory and barriers); and gpu_check.sh's benchmark stages are the table's, in its order."""
 import collections
+import importlib
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +69,37 @@ def test_the_benchmark_runs_are_the_tables_in_order_the_headline_first():
     assert [line.split() for line in printed] == [[run.stage, str(run.budget_s), op.benchmark, *run.args]
                                                   for op in op_table.OPS for run in op.gpu_runs]
     assert printed[0].split()[:3:2] == ["bench_chosen_logprob", "bench_chosen_logprob"]
+
+
+def test_the_gpu_test_stage_runs_every_ops_first_file_before_any_second():
+    printed = subprocess.run([sys.executable, "-m", "fused_rl_ops.testing.op_table", "test-files", "tests"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.splitlines()
+    assert sorted(printed) == sorted(f"tests/{path.name}" for path in (ROOT / "tests").glob("test_*.py"))
+    firsts = [f"tests/test_{op.name}.py" for op in op_table.OPS]
+    assert printed[:len(firsts)] == firsts
+    assert printed.index("tests/test_vocab_divergence_tp.py") < printed.index("tests/test_chosen_logprob_sweep.py")
+
+
+def test_sanitizer_cases_walk_several_chunks_at_the_cuda_tiling(monkeypatch):
+    """Every call of the vocab-parallel ops in the sanitizer cases, at the tiling the op would choose
+    on CUDA (its tiling_for given a CUDA device; the CPU kernels take any tiling), walks at least 3
+    chunks of its vocabulary rows, the last one partial and not a multiple of the kernels' vector
+    width (4), and every backward at least 2 gradient groups; top_logprobs asks for more ids than a
+    warp has lanes."""
+    for name in ("chosen_logprob", "vocab_divergence", "top_logprobs"):
+        module = importlib.import_module(f"fused_rl_ops.{name}")
+        monkeypatch.setattr(module, "tiling_for", lambda *args, real=module.tiling_for: real(
+            *args[:4], torch.device("cuda"), *args[5:]))
+    with KernelCalls() as calls:
+        for op in ("chosen_logprob", "top_logprobs", "vocab_divergence"):
+            op_table.BY_NAME[op].sanitizer_cases("cpu")
+    tiled = [call for call in calls.calls if "chunk_size" in call.args]
+    assert {call.op for call in tiled} >= {"chosen_logprob_stats", "chosen_logprob_backward", "chosen_logprob_search",
+                                         "top_logprobs_stats", "vocab_divergence_stats", "vocab_divergence_mixture",
+                                         "vocab_divergence_backward"}
+    for call in tiled:
+        rows, chunk = call.args["valid_rows"] or call.args["weight"].shape[0], call.args["chunk_size"]
+        assert rows // chunk >= 2 and rows % chunk % 4 != 0, (call.op, rows, chunk)
+        if call.op.endswith("_backward"):
+            assert math.ceil(rows / (chunk * call.args["grad_chunks"])) >= 2, (call.op, rows, chunk)
+    assert min(call.args["k"] for call in tiled if call.op == "top_logprobs_stats") > 32

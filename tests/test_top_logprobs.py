@@ -2,6 +2,8 @@
 values and gradients, padded rows, the logit map as one object, bad k, the mask (its rows left out
 inside the op, eager and under torch.compile(fullgraph=True)), bad masks, opcheck, and tensor
 parallel on gloo."""
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,64 +14,104 @@ from fused_rl_ops import reference
 from fused_rl_ops.logit_options import LogitMap, LogitOptions
 from fused_rl_ops.testing.distributed import run_distributed
 from fused_rl_ops.testing.kernel_calls import KernelCalls, gemm_dims
+from fused_rl_ops._vocab_parallel.tiling import default_workspace_bytes, tiling_for
 from fused_rl_ops.top_logprobs import scored_top_logprobs
 
 ops = torch.ops.fused_rl_ops
 H = 12
 
 
+# fp32 on CUDA (no float64 kernels there) against float64: its logprobs, and its ids up to swaps of
+# logprobs that close.
+FP32_TOLERANCE = dict(atol=2e-5, rtol=2e-5)
+
+
+def float64_logprobs(hidden, weight, vocab_size, temperature=1.0, softcap=None):
+    """The float64 log-softmax over the real vocabulary, on the CPU."""
+    z = hidden.double().cpu() @ weight[:vocab_size].double().cpu().T
+    return reference.apply_logit_map(z, LogitMap(temperature, softcap)).log_softmax(-1)
+
+
 def float64_top(hidden, weight, k, vocab_size, temperature=1.0, softcap=None):
-    """(ids, logprobs) by sorting the float64 log-softmax: descending, the lower id first."""
-    z = reference.apply_logit_map(hidden.double() @ weight[:vocab_size].double().T, LogitMap(temperature, softcap))
-    logp = z.log_softmax(-1)
-    flat = logp.detach().reshape(-1, vocab_size)
-    ids = torch.stack([torch.tensor(sorted(range(vocab_size), key=lambda i: (-row[i], i))[:k])
-                       for row in flat.tolist()]).reshape(*hidden.shape[:-1], k)
+    """(ids, logprobs) by sorting the float64 log-softmax: descending, the lower id first (a stable sort)."""
+    logp = float64_logprobs(hidden, weight, vocab_size, temperature, softcap)
+    ids = logp.detach().sort(dim=-1, descending=True, stable=True).indices[..., :k]
     return ids, logp.gather(-1, ids)
+
+
+def check_top_against_float64(device, hidden, weight, k, vocab_size, **settings):
+    """top_logprobs' ids, logprobs and gradients against float64: float64 inputs on the CPU (the same
+    ids, to 1e-12); fp32 on CUDA (the k largest float64 logprobs and the float64 logprobs of the ids
+    chosen, within FP32_TOLERANCE; gradients of the float64 logprobs of those ids)."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    h = hidden.to(device, dtype).requires_grad_(True)
+    w = weight.to(device, dtype).requires_grad_(True)
+    ids, lp = fused_rl_ops.top_logprobs(h, w, k, vocab_size=vocab_size, **settings)
+    assert ids.dtype == torch.int64 and ids.shape == (*hidden.shape[:-1], k) and lp.dtype == dtype
+    assert (ids < vocab_size).all() and (ids >= 0).all()  # padded rows never selected
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    logp = float64_logprobs(h64, w64, vocab_size, **settings)
+    want_ids, want_lp = float64_top(hidden, weight, k, vocab_size, **settings)
+    ids, tolerance = ids.cpu(), dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else FP32_TOLERANCE
+    if dtype == torch.float64:
+        assert torch.equal(ids, want_ids)
+    else:
+        assert ids.sort(-1).values.diff(dim=-1).gt(0).all()  # k distinct ids
+        torch.testing.assert_close(logp.detach().gather(-1, ids), want_lp, **tolerance)
+    torch.testing.assert_close(lp.cpu().double(), want_lp, **tolerance)
+    upstream = torch.randn(lp.shape, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
+    got = torch.autograd.grad((lp * upstream.to(device, dtype)).sum(), (h, w))
+    want = torch.autograd.grad((logp.gather(-1, ids) * upstream).sum(), (h64, w64))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.cpu().double(), b, **tolerance)
+    assert got[1][vocab_size:].eq(0).all()
+    if k == vocab_size:  # the whole vocabulary: logsumexp of the logprobs is 0
+        torch.testing.assert_close(lp.logsumexp(-1).cpu().double(), torch.zeros(hidden.shape[:-1], dtype=torch.float64),
+                                   **tolerance)
 
 
 @pytest.mark.parametrize("k,vocab_size,settings", [(1, 50, {}), (6, 50, dict(temperature=0.7, softcap=2.0)),
                                                    (9, 43, {}), (50, 50, {})])
-def test_top_logprobs_match_float64(k, vocab_size, settings):
+def test_top_logprobs_match_float64(device, k, vocab_size, settings):
     g = torch.Generator().manual_seed(k)
-    hidden = torch.randn(2, 7, H, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(50, H, generator=g, dtype=torch.float64, requires_grad=True)
-    ids, lp = fused_rl_ops.top_logprobs(hidden, weight, k, vocab_size=vocab_size, **settings)
-    want_ids, want_lp = float64_top(hidden, weight, k, vocab_size, **settings)
-    assert ids.dtype == torch.int64 and ids.shape == (2, 7, k)
-    assert torch.equal(ids, want_ids)
-    assert (ids < vocab_size).all()  # padded rows never selected
-    torch.testing.assert_close(lp, want_lp, atol=1e-12, rtol=1e-12)
-    upstream = torch.randn(lp.shape, generator=g, dtype=torch.float64)
-    got = torch.autograd.grad((lp * upstream).sum(), (hidden, weight))
-    want = torch.autograd.grad((want_lp * upstream).sum(), (hidden, weight))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
-    assert got[1][vocab_size:].eq(0).all()
-    if k == vocab_size:  # the whole vocabulary: logsumexp of the logprobs is 0
-        torch.testing.assert_close(lp.logsumexp(-1), torch.zeros(2, 7, dtype=torch.float64))
+    hidden = torch.randn(2, 7, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(50, H, generator=g, dtype=torch.float64)
+    check_top_against_float64(device, hidden, weight, k, vocab_size, **settings)
 
 
-def test_ties_put_the_lower_id_first():
+@pytest.mark.parametrize("k", [33, 40])
+def test_several_chunks_and_more_than_32_ids(device, k):
+    """200 rows over 3001 vocabulary rows: several chunks (the tops carried from chunk to chunk; the
+    last chunk partial, odd-sized), and more ids than a warp has lanes."""
+    g = torch.Generator().manual_seed(k)
+    hidden = torch.randn(200, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(3008, H, generator=g, dtype=torch.float64) * 0.5
+    dtype = torch.float64 if device == "cpu" else torch.float32  # check_top_against_float64's
+    tiling = tiling_for(200, H, dtype.itemsize, default_workspace_bytes(hidden.to(dtype)), torch.device(device), False)
+    assert math.ceil(3001 / tiling.chunk_size) >= 3
+    check_top_against_float64(device, hidden, weight, k, 3001, temperature=0.9, softcap=4.0)
+
+
+def test_ties_put_the_lower_id_first(device):
     """Equal logits everywhere (zero hidden rows) and duplicated weight rows."""
     weight = torch.randn(40, H)
     weight[30] = weight[5]
     weight[12] = weight[5]
     hidden = torch.zeros(3, H)
     hidden[2] = weight[5] * 3  # ids 5, 12 and 30 tie at the top
-    ids, lp = fused_rl_ops.top_logprobs(hidden, weight, 4)
+    ids, lp = fused_rl_ops.top_logprobs(hidden.to(device), weight.to(device), 4)
     assert ids[0].tolist() == [0, 1, 2, 3] and ids[1].tolist() == [0, 1, 2, 3]
     assert ids[2, :3].tolist() == [5, 12, 30]
     assert lp[2, 0] == lp[2, 1] == lp[2, 2] and (lp[:, :-1] >= lp[:, 1:]).all()
 
 
-def test_logit_map_object_gives_the_keywords_results():
+def test_logit_map_object_gives_the_keywords_results(device):
     """logit_map=LogitMap(...) is temperature and softcap as one object: bitwise the keywords' ids,
     logprobs and gradients. Both at once, or another class, is refused."""
     g = torch.Generator().manual_seed(3)
-    hidden = torch.randn(2, 5, H, generator=g, requires_grad=True)
-    weight = torch.randn(40, H, generator=g, requires_grad=True)
-    upstream = torch.randn(2, 5, 4, generator=g)
+    hidden = torch.randn(2, 5, H, generator=g).to(device).requires_grad_(True)
+    weight = torch.randn(40, H, generator=g).to(device).requires_grad_(True)
+    upstream = torch.randn(2, 5, 4, generator=g).to(device)
     results = []
     for options in (dict(temperature=0.7, softcap=2.0), dict(logit_map=LogitMap(0.7, 2.0))):
         ids, lp = fused_rl_ops.top_logprobs(hidden, weight, 4, vocab_size=37, **options)
@@ -103,18 +145,22 @@ def run_top(hidden, weight, k, upstream, **options):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_a_mask_leaves_its_rows_out_inside_the_op(dtype):
+def test_a_mask_leaves_its_rows_out_inside_the_op(device, dtype):
     """The op gets every row and the mask, and computes the rows the mask keeps: bitwise what those
     rows alone give (ids, logprobs, both gradients), the unmasked call's within rounding (a GEMM of
     other rows may round otherwise); the rows left out give ids -1, logprobs 0 and zero hidden
     gradient rows, a NaN in one of them reaching nothing. The backward is chosen_logprob's, with
     ignore_index -1 leaving them out."""
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 inputs run on the CPU only")
     g = torch.Generator().manual_seed(5)
-    hidden, weight = torch.randn(3, 8, H, generator=g).to(dtype), torch.randn(50, H, generator=g).to(dtype)
-    mask = torch.rand(3, 8, generator=g) < 0.5
+    hidden = torch.randn(3, 8, H, generator=g).to(device, dtype)
+    weight = torch.randn(50, H, generator=g).to(device, dtype)
+    mask = (torch.rand(3, 8, generator=g) < 0.5).to(device)
     mask[0, 0], mask[2, 7] = True, False
     hidden[2, 7, 3] = float("nan")
     upstream = torch.randn(3, 8, 5, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    upstream = upstream.to(device)
     with KernelCalls() as calls:
         ids, lp, grad_h, grad_w = run_top(hidden, weight, 5, upstream, mask=mask)
     [stats] = [call for call in calls.calls if call.op == "top_logprobs_stats"]
@@ -145,15 +191,15 @@ def masked_call(hidden, weight, mask, upstream):
 
 
 @pytest.mark.parametrize("call", ["eager", "torch.compile"])
-def test_the_work_follows_the_mask_inside_the_op(call):
+def test_the_work_follows_the_mask_inside_the_op(device, call):
     """Forward and backward, every GEMM of the ops takes the masked-in rows only (3 of 4 positions
     left out), eager and compiled with fullgraph=True (no graph break: the count is read inside the
     op); the compiled call gives the eager call's bits."""
     g = torch.Generator().manual_seed(2)
-    hidden, weight = torch.randn(3, 40, H, generator=g), torch.randn(300, H, generator=g)
-    mask = torch.zeros(3, 40, dtype=torch.bool)
+    hidden, weight = torch.randn(3, 40, H, generator=g).to(device), torch.randn(300, H, generator=g).to(device)
+    mask = torch.zeros(3, 40, dtype=torch.bool, device=device)
     mask[:, 30:39] = True
-    upstream = torch.randn(3, 40, 4, generator=g)
+    upstream = torch.randn(3, 40, 4, generator=g).to(device)
 
     def run():
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
@@ -190,11 +236,12 @@ def test_bad_masks():
             ops.top_logprobs_stats(hidden.reshape(6, H), weight, bad, *options)
 
 
-def test_opcheck_top_logprobs_stats():
-    hidden, weight = torch.randn(9, H), torch.randn(70, H)
+def test_opcheck_top_logprobs_stats(device):
+    hidden, weight = torch.randn(9, H, device=device), torch.randn(70, H, device=device)
     torch.library.opcheck(ops.top_logprobs_stats, (hidden, weight, None, 0.8, None, 0, 64, 32, 0, 0, 1, 5))
     torch.library.opcheck(ops.top_logprobs_stats, (hidden, weight, None, 1.0, 2.0, 0, None, 16, 0, 0, 1, 3))
-    for mask in (torch.arange(9) % 3 == 0, torch.zeros(9, dtype=torch.bool), torch.ones(9, dtype=torch.bool)):
+    for mask in (torch.arange(9, device=device) % 3 == 0, torch.zeros(9, dtype=torch.bool, device=device),
+                 torch.ones(9, dtype=torch.bool, device=device)):
         torch.library.opcheck(ops.top_logprobs_stats, (hidden, weight, mask, 0.8, None, 0, 64, 32, 0, 0, 1, 5))
 
 

@@ -1,4 +1,4 @@
-"""A trainer's loop end to end on megatron-core 0.19.2 (CPU / gloo with the test-only shims).
+"""A trainer's loop end to end on megatron-core 0.18 and 0.19 (CPU / gloo with the test-only shims).
 
 A tiny GPTModel (GLU MLP with biases, sequence parallel) with an attached value head trains with a
 PPO loss at TP 2 x DP 2 inside Megatron's DistributedDataParallel, by an AdamW built from

@@ -1,7 +1,8 @@
 """vocab_divergence across tensor-parallel ranks: real processes on gloo, each holding its vocab
 shard of both models' output layers. Results against the float64 reference over the whole vocabulary
 (every kind, temperature, both softcaps, a last shard of padding, a mask), the hidden gradient left
-to the caller, a NaN position, and bad or mismatched arguments raising the same error on every rank."""
+to the caller, a NaN position, and bad or mismatched arguments raising the same error on every rank;
+and the shards' ops merged in one process, on every device."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -124,3 +125,44 @@ def bad_group_checks(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_matches_float64_reference(world):
     run_distributed(tensor_parallel_checks, world)
+
+
+def test_shards_merged_in_one_process_give_the_whole_vocabulary(device):
+    """What the ranks' ops compute, run in one process (so on CUDA too): 4 shards of the vocabulary,
+    the third partly and the last wholly padding, each shard's partials merged by
+    vocab_divergence_combine, jsd's second-pass sums added, each shard's backward from the merged
+    rows: the divergence, the summed hidden gradient and each shard's weight gradient are the
+    whole-vocabulary call's."""
+    world, ops = 4, torch.ops.fused_rl_ops
+    hidden, weight, teacher_hidden, teacher_weight, mask, grad = (
+        t.to(device).flatten(0, 1) if t.dim() > 2 else t.to(device) for t in shared_inputs(world))
+    mask, grad = mask.flatten(), grad.flatten()
+    vocab_size = world * LOCAL_V - LOCAL_V - 10
+    shards = [slice(r * LOCAL_V, (r + 1) * LOCAL_V) for r in range(world)]
+    for kind in KINDS:
+        own = dict(kind=KINDS.index(kind), beta=0.35)
+
+        # One rank's call: the student's map (0.8, softcap 4.0), the teacher's (0.8, 3.0), 128-row chunks.
+        def shard_call(op, shard, *tensors):
+            valid = min(max(vocab_size - shard.start, 0), LOCAL_V)
+            return op(hidden, weight[shard], teacher_hidden, teacher_weight[shard], mask, *tensors, 0.8, 4.0, 0.8, 3.0,
+                      shard.start, valid, 128, 0, 0, **own)
+
+        rows = ops.vocab_divergence_combine(torch.stack([shard_call(ops.vocab_divergence_stats, s) for s in shards]))
+        divergence, term = rows[:, 4], torch.zeros_like(rows[:, 0])
+        if kind == "reverse_kl":
+            divergence = term = rows[:, 5].contiguous()
+        elif kind == "jsd":
+            sums = sum(shard_call(ops.vocab_divergence_mixture, s, rows) for s in shards)
+            divergence, term = 0.35 * sums[:, 0] + 0.65 * sums[:, 1], sums[:, 1].contiguous()
+        upstream = torch.where(mask, grad, 0.0)
+        grads = [shard_call(ops.vocab_divergence_backward, s, rows, term, upstream, None) for s in shards]
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        whole = fused_rl_ops.vocab_divergence(h, w, teacher_hidden, teacher_weight, kind=kind, mask=mask,
+                                              temperature=0.8, softcap=4.0, teacher_softcap=3.0, beta=0.35,
+                                              vocab_size=vocab_size, workspace_bytes=1)
+        (whole * grad).sum().backward()
+        torch.testing.assert_close(torch.where(mask, divergence, 0.0), whole.detach(), **TOLERANCE)
+        torch.testing.assert_close(sum(g[0] for g in grads), h.grad, **TOLERANCE)
+        torch.testing.assert_close(torch.cat([g[1] for g in grads]), w.grad, **TOLERANCE)
+        assert grads[3][1].eq(0).all() and whole[mask].gt(1e-3).all()

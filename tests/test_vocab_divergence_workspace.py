@@ -2,10 +2,12 @@
 csrc/vocab_parallel/chunk_loop.h, two logits workspaces in the backward; the teacher's logits workspace
 and weight rows, TeacherLogits in csrc/vocab_divergence/chunks.h), measured through the profiler's
 record of every allocation, against the accounting the tiling is planned with (_resolve in
-fused_rl_ops/vocab_divergence.py: chunk_loop_bytes of both hidden sizes within half the workspace)."""
+fused_rl_ops/vocab_divergence.py: chunk_loop_bytes of both hidden sizes within half the workspace);
+on CUDA, the peak of torch's allocator at a large vocabulary against the workspace."""
 import pytest
 import torch
 
+import fused_rl_ops
 from fused_rl_ops._vocab_parallel.tiling import chunk_loop_bytes
 from test_chosen_logprob_workspace import peak_allocated
 from test_vocab_divergence import make_inputs
@@ -63,3 +65,31 @@ def test_the_cpu_chunk_loops_allocate_what_the_tiling_plans_for(tmp_path, dtype,
     # gradient of the group before may be alive at once (counted), or not, as the CPU's tasks meet.
     overlap = chunk * (H * (e != acc) + H_t * (e_t != acc)) * acc
     assert counted - overlap <= peak <= counted
+
+
+@pytest.mark.per_device
+@pytest.mark.skipif(not (torch.cuda.is_available() and fused_rl_ops.has_cuda_kernels()), reason="needs a GPU")
+def test_cuda_peak_memory_within_workspace_at_large_vocab():
+    """bf16, 2048 tokens, V 131072, forward_kl and jsd (its second pass): the fused call's extra
+    memory, forward and backward, is the workspace (both models' chunk buffers) and the fp32
+    hidden-gradient accumulator, where both models' logits alone would be 2 GiB."""
+    N, H, H_t, V, workspace = 2048, 1024, 1536, 131072, 32 * 2**20
+    hidden, weight, teacher_hidden, teacher_weight, _ = make_inputs((N,), H, H_t, V, torch.bfloat16, "cuda")
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    for kind in ("forward_kl", "jsd"):
+        # A small call first: cuBLAS's workspace, made at a stream's first GEMM of a kind, is not the op's.
+        fused_rl_ops.vocab_divergence(hidden[:8].detach().requires_grad_(True),
+                                      weight[:64].detach().requires_grad_(True), teacher_hidden[:8],
+                                      teacher_weight[:64], kind=kind).sum().backward()
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() + 2 * N * H + 2 * V * H  # and the bf16 gradients returned
+        fused_rl_ops.vocab_divergence(hidden, weight, teacher_hidden, teacher_weight, kind=kind,
+                                      workspace_bytes=workspace).sum().backward()
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        # Besides the workspace: the fp32 hidden-gradient accumulator (4 bytes per element) and the
+        # per-token state (a few dozen [N] tensors of at most 16 bytes a row) within 1 MiB.
+        assert extra <= workspace + 4 * N * H + 2**20, (kind, extra)

@@ -3,8 +3,11 @@ rejected its arguments or the ranks disagree on what they must share (their fiel
 shards that do not tile the vocabulary. One all-gather of a few int64 per rank (a host
 synchronisation on CUDA); a second, only when some rank failed, to share the messages. Without it a
 failing rank would leave the others waiting in the op's first collective."""
+import dataclasses
 import math
+import operator
 import struct
+import typing
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -29,7 +32,18 @@ def _bits_float(bits: int) -> float:
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INTEGER = Codec(int, int)
 DTYPE = Codec(_DTYPES.index, _DTYPES.__getitem__)
-FINGERPRINT = Codec(int, int, shown=False)
+
+
+def token_fingerprint(tokens: Optional[torch.Tensor]) -> int:
+    """A cheap fingerprint of the ids and their order (distinct weights per position); -1 for None."""
+    if tokens is None:
+        return -1
+    flat = tokens.reshape(-1).long()
+    return int((flat * (torch.arange(flat.numel(), device=flat.device) % 8191 + 1)).sum())
+
+
+# Ids or a mask (or None), compared by fingerprint: computed only when the ranks are compared.
+FINGERPRINT = Codec(token_fingerprint, int, shown=False)
 
 
 def option_codec(kind: type) -> Codec:
@@ -39,31 +53,60 @@ def option_codec(kind: type) -> Codec:
                  lambda bits: None if math.isnan(_bits_float(bits)) else kind(_bits_float(bits)))
 
 
-def agreed_fields(declaration) -> list:
-    """(name, codec) of the options of an options dataclass that are marked agreed, in order."""
-    return [(o.name, option_codec(o.kind)) for o in declaration.OPTIONS if o.agreed]
+class Field(NamedTuple):
+    """A value the ranks compare: its name in the errors, how it travels, where a record holds it."""
+    name: str
+    codec: Codec
+    value_of: Callable[[object], object]
 
 
-def agreed_values(options) -> list:
-    """The values of an options object's agreed options, in agreed_fields' order."""
-    return [getattr(options, o.name) for o in type(options).OPTIONS if o.agreed]
+def agreed(name: str, codec: Codec):
+    """A field of an agreed_dataclass: name is how the errors call it."""
+    return dataclasses.field(metadata={"name": name, "codec": codec})
 
 
-def token_fingerprint(tokens: torch.Tensor) -> int:
-    """A cheap fingerprint of the ids and their order (distinct weights per position)."""
-    flat = tokens.reshape(-1).long()
-    return int((flat * (torch.arange(flat.numel(), device=flat.device) % 8191 + 1)).sum())
+def agreed_options():
+    """A field of an agreed_dataclass holding an options object (its annotation: an options
+    dataclass): its options marked agreed are compared, each by its own name."""
+    return dataclasses.field(metadata={"options": True})
 
 
-def check_agreement(op: str, tp_group, fields: list, error: Optional[Exception], shard: Optional[tuple],
-                    values: Optional[list]) -> None:
+def agreed_dataclass(cls):
+    """cls (AgreedCall or a subclass) as a frozen, keyword-only dataclass of what the ranks of a
+    tensor-parallel group must pass alike besides their shards, with FIELDS: the Field of each value
+    compared, in order (a base class's first)."""
+    cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        if "options" in f.metadata:
+            fields += [Field(o.name, option_codec(o.kind), operator.attrgetter(f"{f.name}.{o.name}"))
+                       for o in hints[f.name].OPTIONS if o.agreed]
+        else:
+            fields.append(Field(f.metadata["name"], f.metadata["codec"], operator.attrgetter(f.name)))
+    cls.FIELDS = tuple(fields)
+    return cls
+
+
+@agreed_dataclass
+class AgreedCall:
+    """What the ranks of every vocab-parallel op compare; an op's subclass adds its own."""
+    token_count: int = agreed("token count", INTEGER)
+    hidden_size: int = agreed("hidden size", INTEGER)
+    dtype: torch.dtype = agreed("dtype", DTYPE)
+    vocab_size: int = agreed("vocab_size", INTEGER)
+
+
+def check_agreement(op: str, tp_group, declaration: type, error: Optional[Exception], shard: Optional[tuple],
+                    agreed_values) -> None:
     """Raises on every rank of tp_group, with the same message, when any rank rejected its arguments
-    (error; shard and values are then None) or the ranks disagree on a field (fields: (name, codec)
-    each; values: this rank's, in order), or hold shards (vocab_start, V_local) that do not tile
-    [0, total rows), or a vocab_size (the field of that name) beyond the total rows."""
+    (error; shard and agreed_values are then None) or the ranks disagree on a field of declaration
+    (an AgreedCall subclass; agreed_values: this rank's record of it), or hold shards (vocab_start,
+    V_local) that do not tile [0, total rows), or a vocab_size beyond the total rows."""
+    fields = declaration.FIELDS
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(tp_group)) else "cpu"
     mine = [int(error is not None)] + ([0] * (2 + len(fields)) if error is not None else
-                                       [*shard, *(codec.encode(v) for (_, codec), v in zip(fields, values))])
+                                       [*shard, *(f.codec.encode(f.value_of(agreed_values)) for f in fields)])
     gathered = [torch.empty(len(mine), dtype=torch.int64, device=device) for _ in range(dist.get_world_size(tp_group))]
     dist.all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=device), group=tp_group)
     rows = torch.stack(gathered).tolist()
@@ -74,13 +117,12 @@ def check_agreement(op: str, tp_group, fields: list, error: Optional[Exception],
             raise error
         failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
         raise ValueError(f"{op}: other ranks of tp_group rejected their arguments ({failed})")
-    for k, (name, codec) in enumerate(fields):
+    for k, field in enumerate(fields):
         encoded = [row[3 + k] for row in rows]
         if len(set(encoded)) > 1:
-            shown = f"per rank: {[codec.decode(v) for v in encoded]}" if codec.shown else "differ"
-            raise ValueError(f"{op}: the ranks of tp_group disagree on the {name} ({shown})")
-    vocab_size = next(rows[0][3 + k] for k, (name, _) in enumerate(fields) if name == "vocab_size")
-    _check_shards_tile(op, [(row[1], row[2]) for row in rows], vocab_size)
+            shown = f"per rank: {[field.codec.decode(v) for v in encoded]}" if field.codec.shown else "differ"
+            raise ValueError(f"{op}: the ranks of tp_group disagree on the {field.name} ({shown})")
+    _check_shards_tile(op, [(row[1], row[2]) for row in rows], agreed_values.vocab_size)
 
 
 def _check_shards_tile(op: str, shards: list, vocab_size: int) -> None:

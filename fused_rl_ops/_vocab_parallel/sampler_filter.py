@@ -84,6 +84,11 @@ def merge_tops(tops: torch.Tensor) -> Tops:
     return Tops(values, held_all, torch.where(held_all == width, ties_all, 0), seen.sum(0))
 
 
+def empty_top(row_max: torch.Tensor) -> torch.Tensor:
+    """A search pass's empty top, [N, TOP_HEADER + TOP_P_CANDIDATES]."""
+    return row_max.new_zeros(row_max.shape[0], TOP_HEADER + TOP_P_CANDIDATES)
+
+
 def _cumulative(tops: Tops, row_max: torch.Tensor, above: torch.Tensor):
     """The cumulative mass (float64, relative to exp(row_max)) at each candidate in descending order,
     from the mass `above` of the logits above them ([N, W], valid where held), and at the end of the
@@ -112,10 +117,12 @@ def thresholds(tops, row_max: torch.Tensor, log_sum: torch.Tensor, top_k, top_p,
     the kept set's (row max, log-sum, entropy) (kept_partials; None with top_p alone: a stats pass
     with the threshold gives them).
 
-    tops: with top_k, this rank's [N, TOP_HEADER + top_k] tops from the stats pass; row_max, log_sum:
-    the merged row max and log-sum relative to it (CombinedColumns). search(window, hist, top) runs
-    one search pass on this rank, gather(t) stacks the ranks' t, all_reduce(t) sums t over the ranks
-    in place."""
+    tops: with top_k, this rank's [pieces, N, TOP_HEADER + top_k] tops from the stats pass (one
+    top per piece of its shard); row_max, log_sum: the merged row max and log-sum relative to it
+    (CombinedColumns). search(window, hist, collect) runs one search pass on this rank, adding to
+    hist, and returns with collect its pieces' tops ([pieces, N, TOP_HEADER + TOP_P_CANDIDATES],
+    empty_top filled); gather(t) stacks every rank's [pieces, ...] t, all_reduce(t) sums t over the
+    ranks in place."""
     filterable = torch.isfinite(row_max)
     kept = None
     if top_k is None:
@@ -168,8 +175,7 @@ def _search(searching, row_max, target, search, gather, all_reduce):
             return tau
         collect = round_ > 0  # the first window is the whole top of the row: it only finds the next
         hist = torch.zeros(N, SEARCH_BINS, dtype=torch.int64, device=device)
-        top = torch.zeros(N, TOP_HEADER + TOP_P_CANDIDATES, dtype=row_max.dtype, device=device) if collect else None
-        search(torch.stack([torch.where(searching, sigma, 0.0), hi], 1), hist, top)
+        top = search(torch.stack([torch.where(searching, sigma, 0.0), hi], 1), hist, collect)
         all_reduce(hist)
         if collect:
             tops = merge_tops(gather(top))

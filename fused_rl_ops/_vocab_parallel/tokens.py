@@ -3,11 +3,11 @@ import torch
 
 
 def check_token_range(op: str, tokens: torch.Tensor, vocab_size: int, ignore_index: int,
-                      per_position: bool = True) -> int:
+                      per_position: bool = True, name: str = "tokens") -> int:
     """Raises when an id is neither in [0, vocab_size) nor ignore_index, naming the first such
-    entry; returns the number of scored positions (with an id not ignored; per_position False:
-    tokens [..., k] hold k entries per position). One host read of two integers (a synchronisation
-    on CUDA)."""
+    entry as name[index] (the caller's tensor, in its layout); returns the number of scored
+    positions (with an id not ignored; per_position False: tokens [..., k] hold k entries per
+    position). One host read of two integers (a synchronisation on CUDA)."""
     ignored = tokens == ignore_index
     invalid = ~ignored & ((tokens < 0) | (tokens >= vocab_size))
     scored = ~ignored if per_position else ~ignored.all(-1)
@@ -17,7 +17,7 @@ def check_token_range(op: str, tokens: torch.Tensor, vocab_size: int, ignore_ind
         bad = tokens[invalid][:5].tolist()
         first = tuple(invalid.nonzero()[0].tolist())
         raise ValueError(f"{op}: token ids must lie in [0, {vocab_size}) or equal ignore_index "
-                         f"({ignore_index}); found {bad}, the first at tokens[{', '.join(map(str, first))}]")
+                         f"({ignore_index}); found {bad}, the first at {name}[{', '.join(map(str, first))}]")
     return num_scored
 
 

@@ -11,6 +11,7 @@
 - chunks: where a rank's shard, or its range of one, lies in the global tensor (DCP's chunks)
 - planners: DCP's planners, writing and reading each rank's chunks where chunks.py places them
 - ranks: the collective check that the ranks agree before a save or load
+- param_gather: megatron-core DDP's pending parameter all-gather, named when replicas differ
 """
 from .save_load import IncompatibleKeys, load_sharded, save_sharded
 from .sharding import ShardingMetadataError, ShardSpec, from_dtensor, read_sharding, to_dtensor

@@ -24,7 +24,7 @@ from ._torch_private import EXTRA_STATE_KEY_SUFFIX
 from .sharding import ShardingMetadataError, ShardSpec
 
 __all__ = ["ExpertLayout", "check_expert_counts", "check_grouped_glu_not_interleaved", "expert_prefix",
-           "is_extra_state"]
+           "experts_reduced_over_the_dense_group", "is_extra_state"]
 
 _SEQUENTIAL_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?local_experts\.)(?P<index>\d+)(?P<rest>\..+)$")
 _GROUPED_NAME = re.compile(
@@ -205,3 +205,19 @@ def check_grouped_glu_not_interleaved(module):
             raise ValueError(
                 f"{name or '<model>'}: grouped experts with interleaved GLU rows (moe_mlp_glu_interleave_size="
                 f"{size}) are not supported: their fc1 is not the [W ; V] the checkpoint stores")
+
+
+def experts_reduced_over_the_dense_group(state: dict, tp_size: int, expert_tp_size: int) -> Optional[str]:
+    """Why expert copies can hold different bytes at a save, or None: megatron-core marks state's
+    experts for the dense data-parallel gradient reduction (`allreduce` True) while their TP degree
+    is not the dense one, so their copies on ranks outside that group are never reduced together and
+    drift apart in training. megatron-core 0.18 marks experts so at expert-parallel degree 1 (0.19
+    reduces them over the expert data-parallel group)."""
+    if tp_size == expert_tp_size or not any(
+            expert_prefix(name) and getattr(tensor, "allreduce", None) is True for name, tensor in state.items()):
+        return None
+    return (f"the experts' gradients are reduced over the dense data-parallel group (allreduce=True) while their "
+            f"tensor-parallel degree ({expert_tp_size}) is not the dense one ({tp_size}), so their copies on the "
+            "tensor-parallel ranks are never reduced together and drift apart in training, as megatron-core 0.18 "
+            "trains experts at expert-parallel degree 1; use megatron-core >= 0.19, expert_tensor_parallel_size = "
+            "tensor_model_parallel_size, or expert_model_parallel_size > 1")

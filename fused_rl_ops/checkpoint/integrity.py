@@ -15,7 +15,6 @@ import io
 import os
 import pickle
 import secrets
-from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from ._torch_private import StoragePrefix, StorageWriterTransforms, narrow_tensor_by_index, stored_data_offset
+from .planners import LoadPlanner
 
 try:
     import xxhash
@@ -273,15 +273,16 @@ class ChecksummedReader(dcp.FileSystemReader):
     torch.load fail first, names the entry and the data file. A direct read has put a damaged
     tensor's bytes into its target by then: load_sharded(staged=True) reads into temporaries.
 
-    Given the metadata a caller has already read and checked, it loads by that metadata instead of
-    reading .metadata again (which a concurrent save could have replaced in between)."""
+    It loads by the metadata its caller has read and checked (metadata.read_metadata), never reading
+    .metadata itself: DCP's reader unpickles it with the full unpickler, and a concurrent save could
+    have replaced it in between."""
 
-    def __init__(self, path: str, metadata: Optional[Metadata] = None):
+    def __init__(self, path: str, metadata: Metadata):
         super().__init__(path)
         self._metadata = metadata
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        return super().read_metadata(*args, **kwargs) if self._metadata is None else self._metadata
+        return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -355,7 +356,7 @@ def read_objects(path: str, metadata: Metadata, names) -> dict:
     collectives of dcp.load (which would wait for the other ranks, or with no_dist=True warn that
     torch.distributed is off)."""
     objects = dict.fromkeys(names)
-    planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    planner = LoadPlanner({})  # DCP's own, reading objects as data only
     reader = ChecksummedReader(path, metadata)
     planner.set_up_planner(objects, metadata, True)
     reader.set_up_storage_reader(metadata, True)

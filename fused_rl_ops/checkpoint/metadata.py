@@ -1,24 +1,57 @@
 """A checkpoint's `.metadata`, read so that nothing in it is used unchecked.
 
-read_metadata verifies the file's seal (integrity.py) before unpickling it, then checks the
-metadata against itself: every tensor's chunks tile its global shape exactly (inside it, no holes,
+read_metadata verifies the file's seal (integrity.py), unpickles it with an unpickler that builds
+only the classes DCP's metadata is made of (the seal is a checksum, which anyone can compute, so
+bytes that match it are no more trusted: a class outside the list is refused before anything calls
+it), then checks the metadata against itself: every tensor's chunks tile its global shape exactly (inside it, no holes,
 no overlaps), every chunk and object has exactly one stored item and every item belongs to one, and
 the items of each data file lie back to back from its first byte, as DCP writes them.
 check_data_files then checks the files on disk against it. Damage is a ValueError naming the file.
 """
 import bisect
+import io
 import os
+import pathlib
 import pickle
 import pickletools
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
 
+from ._torch_private import MEM_FORMAT_ENCODING, StorageInfo, get_layout
 from .integrity import METADATA, SEAL_LENGTH, SEAL_PREFIX, seal_of
 
 __all__ = ["check_data_files", "read_metadata"]
 
 _HEX_DIGITS = frozenset(b"0123456789abcdef")
+
+# Everything a genuine .metadata names (the same on torch 2.11 and 2.14), under the name pickle
+# stores it by: DCP's metadata dataclasses, torch.Size, dtypes, the layout (rebuilt by name), the
+# memory-format encoding, and the checkpoint's path.
+_METADATA_CLASSES = (Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata, BytesStorageMetadata,
+                     ChunkStorageMetadata, TensorProperties, MEM_FORMAT_ENCODING, StorageInfo, torch.Size, get_layout,
+                     pathlib.PosixPath)
+_METADATA_GLOBALS = {
+    **{(c.__module__, c.__qualname__): c for c in _METADATA_CLASSES},
+    ("pathlib", "PosixPath"): pathlib.PosixPath,  # its name where Python < 3.13 saved it
+    **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
+}
+
+
+class _NotMetadata(pickle.UnpicklingError):
+    pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata and nothing else: any other global (a function a crafted pickle would
+    call, a class of another package) is refused by name, unimported and uncalled."""
+
+    def find_class(self, module: str, name: str):
+        try:
+            return _METADATA_GLOBALS[(module, name)]
+        except KeyError:
+            raise _NotMetadata(f"{module}.{name}") from None
 
 
 def read_metadata(path: str) -> Metadata:
@@ -31,7 +64,11 @@ def read_metadata(path: str) -> Metadata:
     with open(file, "rb") as f:
         pickled = _unsealed(f.read(), file, path)
     try:
-        metadata = pickle.loads(pickled)
+        metadata = _MetadataUnpickler(io.BytesIO(pickled)).load()
+    except _NotMetadata as exc:
+        raise ValueError(
+            f"checkpoint metadata {file} is refused: it names {exc}, which is none of the classes DCP's metadata is "
+            "made of: unpickling it could run code, so the load stopped there, before anything in it was called") from None
     except Exception as exc:  # cannot happen to bytes that match their seal, unless they were sealed damaged
         raise _damaged(file, f"unreadable: {exc!r}") from exc
     _check_structure(metadata, file)

@@ -6,10 +6,15 @@ given, besides DCP's state dict, each sharded tensor's Placement (its global sha
 as views of the rank's tensor). A save plans one write item per chunk (a chunk of the global shape,
 the chunk's elements written from its view); a load plans reads from the overlaps of the stored
 chunks with the rank's own (DCP's create_read_items_for_chunk_list), each read into its chunk's
-view. Everything else (objects, tensors that are whole) goes through DCP's default planning. Only
+view. Everything else (objects, tensors that are whole) goes through DCP's default planning, except
+that a load reads each stored object with torch.load(weights_only=True), never DCP's full
+unpickler: a checkpoint brings data, not code (load_object). Only
 DCP's public planner API is used, so the same checkpoint is written and read on every torch the
 package supports: the one DCP's own CheckpointableTensor fields (torch >= 2.14) give.
 """
+import io
+import pickle
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import (create_default_local_load_plan,
@@ -18,7 +23,21 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-__all__ = ["LoadPlanner", "SavePlanner"]
+__all__ = ["LoadPlanner", "SavePlanner", "load_object"]
+
+
+def load_object(stored: io.BytesIO, name: str):
+    """The object stored under name, read by torch.load(weights_only=True): numbers, strings,
+    containers, tensors and what torch.serialization.add_safe_globals allows. An item naming any
+    other function or class (whose unpickling could call it) is refused, naming it."""
+    try:
+        return torch.load(stored, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        stored.seek(0)
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(stored)
+        reason = f"it names {', '.join(unsafe)}" if unsafe else f"torch.load(weights_only=True) fails on it: {exc}"
+        raise ValueError(f"{name}: the object stored for it is refused: {reason}, which torch.load(weights_only=True) "
+                         "does not allow (unpickling it could run code)") from None
 
 
 def _write_items(name: str, placement) -> list:
@@ -87,6 +106,9 @@ class LoadPlanner(dcp.DefaultLoadPlanner):
         mine = [ChunkStorageMetadata(offsets=torch.Size(at_global), sizes=chunk.shape)
                 for at_global, chunk in placement.chunks.items()]
         return create_read_items_for_chunk_list(name, self.metadata.state_dict_metadata[name], mine)
+
+    def load_bytes(self, read_item, value: io.BytesIO):
+        self.state_dict[read_item.dest_index.fqn] = load_object(value, read_item.dest_index.fqn)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         placement = self._placements.get(index.fqn)

@@ -254,9 +254,9 @@ def _holders(gathered: list) -> dict:
     return holders
 
 
-def _check_replicas_agree(gathered: list):
+def _check_replicas_agree(gathered: list, why_bytes_differ: Optional[str] = None):
     """Ranks that hold the same piece of an entry hold the same layout, shape, dtype and (where
-    computed) bytes."""
+    computed) bytes; why_bytes_differ: a known cause of differing bytes, which the error then names."""
     for (name, tp_rank, piece), holders in _holders(gathered).items():
         (first_rank, _), *others = holders
         first = gathered[first_rank][0][name]
@@ -268,9 +268,11 @@ def _check_replicas_agree(gathered: list):
                     what = f"elements {piece[0]}..{piece[1]} of {what}"
                 differ = "bytes" if first._replace(checksum=None) == mine._replace(checksum=None) else (
                     f"(layout, local shape, dtype): {first[:3]} and {mine[:3]}")
+                cause = f": {why_bytes_differ}" if differ == "bytes" and why_bytes_differ else ""
                 raise ValueError(
                     f"{name}: ranks {first_rank} and {rank} both hold {what} (as data-parallel replicas, or "
-                    f"pipeline stages holding one name) but with different {differ}; a checkpoint keeps one copy")
+                    f"pipeline stages holding one name) but with different {differ}; a checkpoint keeps one copy"
+                    f"{cause}")
 
 
 def _check_pieces_tile(gathered: list):
@@ -352,13 +354,14 @@ def raised_together():
     _raise_first_error(error, _gather_from_all_ranks(error))
 
 
-def check_ranks_agree(entries: dict, layout: Layout, with_checksums: bool) -> set:
+def check_ranks_agree(entries: dict, layout: Layout, with_checksums: bool,
+                      why_bytes_differ: Optional[str] = None) -> set:
     """The stored names some rank holds, once every rank is found to agree with the ranks of its
     groups (_check_layouts_agree) and with those holding the same pieces (_check_replicas_agree;
-    when saving, with_checksums, their bytes too). Every rank checks every group from the same
-    gathered data, so all raise together."""
+    when saving, with_checksums, their bytes too, naming why_bytes_differ where they differ). Every
+    rank checks every group from the same gathered data, so all raise together."""
     gathered = _gather_from_all_ranks((_held(entries, with_checksums), layout))
     _check_layouts_agree(gathered)
     _check_pieces_tile(gathered)
-    _check_replicas_agree(_with_shard_checksums(gathered, entries) if with_checksums else gathered)
+    _check_replicas_agree(_with_shard_checksums(gathered, entries) if with_checksums else gathered, why_bytes_differ)
     return set().union(*(held.keys() for held, _ in gathered))

@@ -8,7 +8,9 @@ number (stages.py), so it also loads at any pipeline degree. Groups: `tp_group` 
 `ep_group`, `expert_tp_group` for experts, `pp_group` (the pipeline stages); those left None come
 from megatron-core's parallel_state when it is initialised, else: the world for tp_group where it is
 one rank (more ranks need a tp_group), no expert or pipeline parallelism, `expert_tp_group` =
-`tp_group`. Data-parallel replicas must hold the same bytes (checked) and are stored once.
+`tp_group`. Data-parallel replicas must hold the same bytes (checked; when megatron-core's DDP has
+a parameter all-gather pending, param_gather.py, or reduces experts' gradients over the dense group,
+experts.py, the error says so) and are stored once.
 `optimizer=` (a torch.optim optimizer over the module's parameters, or one of megatron-core's with
 fp32 main copies, distributed over the data-parallel ranks or not) saves and loads its state with
 the module, each state tensor stored and resharded as its parameter (optimizer.py; a
@@ -39,12 +41,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ._torch_private import EXTRA_STATE_KEY_SUFFIX
 from .chunks import placement
-from .experts import check_expert_counts, check_grouped_glu_not_interleaved, is_extra_state
+from .experts import (check_expert_counts, check_grouped_glu_not_interleaved, experts_reduced_over_the_dense_group,
+                      is_extra_state)
 from .integrity import ChecksummedReader, ChecksummedWriter, require_xxhash
 from .metadata import check_data_files, read_metadata
 from .planners import LoadPlanner, SavePlanner
 from .optimizer import (check_optimizer_type, entries_to_save, install_optimizer_state, is_optimizer_item,
                         optimizer_items_to_load, read_optimizer_objects)
+from .param_gather import pending_param_gather
 from .ranks import Layout, check_ranks_agree, layout_of, local_entries, raised_together
 from .sharding import global_shape
 
@@ -99,7 +103,9 @@ def save_sharded(module_or_state_dict: Union[torch.nn.Module, dict], path: str, 
         entries = local_entries(state, layout)
         if optimizer is not None:
             entries.update(entries_to_save(optimizer, state, entries))
-    check_ranks_agree(entries, layout, with_checksums=True)
+    why_bytes_differ = pending_param_gather(module, optimizer) or experts_reduced_over_the_dense_group(
+        state, layout.tp.size, layout.expert_tp.size)
+    check_ranks_agree(entries, layout, with_checksums=True, why_bytes_differ=why_bytes_differ)
     entries = {name: entry for name, entry in entries.items() if not entry.optional}
     state, placements = _dcp_state(entries, _alias)
     with _quiet_if_one_process():

@@ -28,7 +28,7 @@ optimizer step warns once if the head is in no optimizer that stepped (value_hea
 
 The processor and the MTP loss read the output weight (the tied embedding's) and a weight value head
 without their modules' forwards; they run those modules' forward pre-hooks first, so that Megatron
-DDP's overlapped parameter all-gather is waited for (param_sync).
+DDP's overlapped parameter all-gather is waited for (output_layer).
 
 Hooks run on `model(...)` calls, as Megatron's schedules make them; `model.forward(...)` bypasses them.
 """
@@ -43,7 +43,7 @@ from megatron.core.utils import unwrap_model
 
 from .mlp import check_clamp_not_dropped
 from .mtp import route_mtp_loss
-from .param_sync import register_read_modules
+from .output_layer import register_read_modules
 from .value_head_checks import DtypeCheck, check_same_on_tensor_parallel_ranks
 from .value_head_owner import TrainingCheck, claim, refuse_if_owned
 

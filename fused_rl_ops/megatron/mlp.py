@@ -1,4 +1,4 @@
-"""The clamped SwiGLU MLP for megatron-core (tested with 0.19.2): ClampedSwiGLUMLP (dense MLPs and MoE
+"""The clamped SwiGLU MLP for megatron-core (tested with 0.18 and 0.19): ClampedSwiGLUMLP (dense MLPs and MoE
 experts, routing weights fused), ClampedSwiGLUSequentialMLP (SequentialMLP with those experts),
 ClampedSwiGLUTEGroupedMLP (grouped-GEMM experts with a SiLU gate),
 with_clamped_swiglu_mlp, which puts them into a layer or block spec, and check_clamp_not_dropped,

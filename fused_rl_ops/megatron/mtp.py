@@ -1,16 +1,17 @@
 """Multi-token prediction (MTP) under an attached processor: the MTP heads' losses without logits.
 
-megatron-core 0.19.2's `GPTModel._postprocess` calls `process_mtp_loss` (a global of the model's
-module) before the output processor. For each MTP depth it takes that depth's hidden states through
-the output layer ([s, b, V/tp] logits), Megatron's cross entropy against the labels rolled once more
-(`roll_tensor`), and injects the scaled loss into the main hidden states' gradient
-(`MTPLossAutoScaler`), logging the loss and argmax acceptance (`MTPLossLoggingHelper`).
+megatron-core's `GPTModel._postprocess` (0.18 and 0.19) calls `process_mtp_loss` (a global of the
+model's module) before the output processor. For each MTP depth it takes that depth's hidden states
+through the output layer ([s, b, V/tp] logits), Megatron's cross entropy against the labels rolled
+once more (`roll_tensor`), and injects the scaled loss into the main hidden states' gradient
+(`MTPLossAutoScaler`), logging the loss and, from 0.19 on, argmax acceptance (`MTPLossLoggingHelper`).
+Without labels, 0.19 derives them from the input ids; 0.18 computes no MTP loss (nor does this).
 
 `route_mtp_loss(model, processor)` sends that call, for this model only (looked up by its output
 layer; while any model is routed the module's global is a dispatcher that gives every other model
 megatron-core's own function; the last undo puts that function back), to a `FusedMTPLoss`: the same
 steps, with the cross entropy taken as -chosen_logprob on the same weight (detached under
-`mtp_detach_heads`), Megatron's own `roll_tensor` (context parallel, packed sequences), scaling and
+`mtp_detach_heads`, 0.19), Megatron's own `roll_tensor` (context parallel, packed sequences), scaling and
 `MTPLossAutoScaler`. Every path that reaches `_postprocess` (forward, schedule plan, pipeline last
 stage) takes it. Differences from Megatron, all at positions Megatron weights by loss_mask: a
 position with loss_mask 0 or label ignore_index adds exactly 0 and is not computed (chosen_logprob
@@ -32,8 +33,8 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, 
 
 import fused_rl_ops
 
-from .param_sync import run_forward_pre_hooks_of_read_modules
-from .processor import RLOutputProcessor, _fused_main_grad, _gather_sequence_parallel
+from .output_layer import OutputShard
+from .processor import RLOutputProcessor, check_token_ids
 
 __all__ = ["FusedMTPLoss", "route_mtp_loss"]
 
@@ -82,28 +83,21 @@ class FusedMTPLoss:
             loss_mask = torch.ones_like(labels)
         if labels_from_input_ids:
             loss_mask, _ = roll(loss_mask)  # the last position has no next token
-        run_forward_pre_hooks_of_read_modules(output_layer)  # as in the processor
-        weight = output_weight if output_weight is not None else output_layer.weight
-        main_grad = None
-        if config.mtp_detach_heads:
-            weight = weight.detach()
-        else:
-            main_grad = _fused_main_grad(output_layer, weight)
+        # megatron-core 0.18 has no mtp_detach_heads
+        shard = OutputShard.read(output_layer, output_weight, detach=getattr(config, "mtp_detach_heads", False))
+        if self.host_checks and not labels_from_input_ids:  # before rolling: the index in the caller's labels
+            check_token_ids("FusedMTPLoss", "labels", labels.masked_fill(loss_mask == 0, self.ignore_index),
+                            shard.total_rows(), self.ignore_index)
         # Megatron rescales by the unrolled token count under calculate_per_token_loss.
         main_num_tokens = loss_mask.sum()
         depth_labels = labels
         for depth, hidden in enumerate(depth_hidden):
             depth_labels, _ = roll(depth_labels)
             loss_mask, num_tokens = roll(loss_mask)
-            logprob, is_max = self._logprob(hidden, output_layer, weight, main_grad, depth_labels, loss_mask)
+            logprob, is_max = self._logprob(hidden, shard, depth_labels, loss_mask)
             mtp_loss = loss_mask * -logprob
             if is_training:
-                valid = loss_mask.bool()
-                loss_for_log = mtp_loss.sum() * (num_tokens > 0).to(mtp_loss.dtype) / num_tokens.clamp(min=1)
-                MTPLossLoggingHelper.save_metrics_to_tracker(
-                    loss_for_log, (is_max & valid).sum().float(), valid.sum().float(), depth, depths,
-                    avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-                )
+                _log(mtp_loss, num_tokens, is_max, loss_mask.bool(), depth, depths)
             scaled = config.mtp_loss_scaling_factor / depths * mtp_loss
             if config.calculate_per_token_loss:
                 scaled = scaled * (main_num_tokens / num_tokens.clamp(min=1))
@@ -112,25 +106,32 @@ class FusedMTPLoss:
             main_hidden = MTPLossAutoScaler.apply(main_hidden, scaled)
         return main_hidden
 
-    def _logprob(self, hidden, output_layer, weight, main_grad, labels, loss_mask):
+    def _logprob(self, hidden, shard, labels, loss_mask):
         """[b, s] logprobs of labels and whether each label's logit is its row's maximum."""
         tokens = labels.masked_fill(loss_mask == 0, self.ignore_index).t()
-        tp_group = output_layer.tp_group
-        sequence_parallel = output_layer.sequence_parallel
-        if sequence_parallel:
-            hidden = _gather_sequence_parallel(hidden, tp_group)
         logprob, is_max = fused_rl_ops.chosen_logprob(
-            hidden, weight, tokens,
+            shard.gather(hidden), shard.weight, tokens,
             ignore_index=self.ignore_index,
-            tp_group=tp_group,
-            reduce_hidden_grad=not sequence_parallel,
-            main_grad=main_grad,
+            tp_group=shard.tp_group,
+            reduce_hidden_grad=shard.reduce_hidden_grad,
+            main_grad=shard.main_grad,
             batch_invariant=self.batch_invariant,
             check_tokens=self.host_checks,
             check_group=self.host_checks,
             return_is_max=True,
         )
         return logprob.t(), is_max.t()
+
+
+def _log(mtp_loss, num_tokens, is_max, valid, depth, depths):
+    """What megatron-core logs of an MTP depth: its loss, and from 0.19 on the labels its argmax accepts."""
+    loss = mtp_loss.sum() * (num_tokens > 0).to(mtp_loss.dtype) / num_tokens.clamp(min=1)
+    avg_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker"):
+        MTPLossLoggingHelper.save_metrics_to_tracker(loss, (is_max & valid).sum().float(), valid.sum().float(),
+                                                     depth, depths, avg_group=avg_group)
+    else:  # megatron-core 0.18
+        MTPLossLoggingHelper.save_loss_to_tracker(loss, depth, depths, avg_group=avg_group)
 
 
 def _process_mtp_loss(*args, **kwargs):
@@ -151,7 +152,7 @@ def route_mtp_loss(model, processor):
             or type(model).compute_language_model_loss is not LanguageModule.compute_language_model_loss):
         raise ValueError(
             f"attach: {type(model).__name__} computes its multi-token prediction loss other than megatron-core "
-            "0.19.2's GPTModel does (process_mtp_loss from its _postprocess, LanguageModule's cross entropy); "
+            "0.18 / 0.19's GPTModel does (process_mtp_loss from its _postprocess, LanguageModule's cross entropy); "
             "fused_rl_ops cannot take it over"
         )
     _routes[model.output_layer] = (module, FusedMTPLoss.for_processor(processor))

@@ -11,7 +11,9 @@ and logprobs 0, and are not computed).
 
 Tokens come from `labels` or `context["tokens"]` (exactly one), [b, s] like `loss_mask`, or from
 the context [b, s, k] (k tokens per position: logprobs [b, s, k]; a position is scored when any of
-its entries is). Positions with loss_mask 0 or ignore_index get logprob 0, entropy 0 and no
+its entries is). output_processor_context={"kept_ids": [b, s, k]} (ids padded with ignore_index):
+the ids the rollout sampler kept at each position, in place of top_k / top_p (chosen_logprob's
+kept_ids: logprobs renormalised over them, entropy over them). Positions with loss_mask 0 or ignore_index get logprob 0, entropy 0 and no
 gradient, and are not computed (chosen_logprob's skip_ignored: its ops leave them out; under CUDA
 graph capture every position is computed, with the same results). The
 weight is the local vocab shard (tied embedding or output_layer.weight) over the output layer's TP
@@ -26,57 +28,17 @@ chunk, as Megatron's own output layer does, instead of being returned as a [V_lo
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 import fused_rl_ops
+from fused_rl_ops._checks import values_readable
+from fused_rl_ops._vocab_parallel.tokens import check_token_range
 from fused_rl_ops.logit_options import LogitOptions
 from fused_rl_ops.top_logprobs import scored_top_logprobs
 
 from .distillation import student_divergence
-from .param_sync import run_forward_pre_hooks_of_read_modules
+from .output_layer import OutputShard
 
 __all__ = ["RLOutputProcessor", "rl_output_processor"]
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Megatron's gather_from_sequence_parallel_region at its defaults: [s/tp, ...] pieces gathered
-    along dim 0, the gradient reduce-scattered back. Megatron's forward fills a new tensor in place
-    (all_gather_into_tensor); under torch.compile on torch 2.11.0 an autograd.Function that returns a
-    tensor filled in place gets zero gradients (pytorch/pytorch#180642; not seen on 2.14.1), so this one
-    concatenates the gathered pieces instead."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous()
-        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(pieces, x, group=group)
-        return torch.cat(pieces)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
-        return out, None
-
-
-def _gather_sequence_parallel(hidden_states, group):
-    """[s/tp, b, h] sequence-parallel hidden states -> [s, b, h] on every rank of group."""
-    return _GatherSequence.apply(hidden_states, group)
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; multiplies the gradient by `factor` in backward."""
-
-    @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
 
 
 class RLOutputProcessor:
@@ -91,10 +53,11 @@ class RLOutputProcessor:
     output_names: the keys of the returned dict, in order ("logprobs", then "entropy", "values").
     batch_invariant: passed on to chosen_logprob (a token's outputs bitwise independent of the rest
     of the batch); the naive reference processor has no such option.
-    host_checks: chosen_logprob's token-range and TP group checks; False skips both: an
-    out-of-range token then gets a NaN logprob and NaN gradients, and a rank with invalid arguments
-    raises alone. Under torch.compile and CUDA graph capture both are skipped whatever host_checks
-    says (see chosen_logprob's check_tokens).
+    host_checks: the token-range check (here, naming the caller's tensor and its [b, s] index, then
+    chosen_logprob's) and chosen_logprob's TP group check; False skips them: an out-of-range token
+    then gets a NaN logprob and NaN gradients, and a rank with invalid arguments raises alone. Under
+    torch.compile and CUDA graph capture they are skipped whatever host_checks says (see
+    chosen_logprob's check_tokens).
     divergence: None, or the kind of fused_rl_ops.vocab_divergence ("forward_kl", "reverse_kl",
     "jsd", with beta) from the teacher in output_processor_context={"teacher": ...}
     (fused_rl_ops/megatron/distillation.py).
@@ -139,17 +102,20 @@ class RLOutputProcessor:
             torch.distributed.get_world_size(output_layer.tp_group) if sequence_parallel else 1
         )
         expected_shape = (hidden_states.shape[1], seq_length)
-        tokens = self._tokens(labels, context, expected_shape, hidden_states)
+        tokens_name, tokens = self._tokens(labels, context, expected_shape, hidden_states)
+        kept_ids = self._kept_ids(context, expected_shape, hidden_states)
         if loss_mask is not None:
             self._check_batch_shape("loss_mask", loss_mask, expected_shape, hidden_states)
             masked = (loss_mask == 0).reshape(*loss_mask.shape, *[1] * (tokens.dim() - 2))
             tokens = tokens.masked_fill(masked, self.ignore_index)
-        # Megatron's DDP hooks (overlap_param_gather) wait for the weights' all-gather (param_sync.py).
-        run_forward_pre_hooks_of_read_modules(output_layer)
-        weight = output_weight if output_weight is not None else output_layer.weight
+        # Megatron's DDP hooks (overlap_param_gather) wait for the weights' all-gather (output_layer.py).
+        shard = OutputShard.read(output_layer, output_weight, batch_invariant=self.batch_invariant)
+        if self.host_checks:
+            check_token_ids(type(self).__name__, tokens_name, tokens, self.vocab_size or shard.total_rows(),
+                            self.ignore_index)
         # Work in the model's [s, b] layout and transpose only the small per-token results.
-        per_token = self._per_token(hidden_states, output_layer, weight, tokens.transpose(0, 1), context)
-        return {name: t.transpose(0, 1).contiguous() for name, t in zip(self.output_names, per_token)}
+        outputs = self._outputs(shard.gather(hidden_states), shard, tokens.transpose(0, 1), context, kept_ids)
+        return {name: outputs[name].transpose(0, 1).contiguous() for name in self.output_names}
 
     def _tokens(self, labels, context, expected_shape, hidden_states):
         context_tokens = context.get("tokens") if isinstance(context, dict) else None
@@ -159,10 +125,23 @@ class RLOutputProcessor:
                 "output_processor_context={'tokens': tokens}"
                 + (" (got both)" if labels is not None else " (got neither)")
             )
-        if labels is not None:
-            return self._check_batch_shape("labels", labels, expected_shape, hidden_states)
-        return self._check_batch_shape("output_processor_context['tokens']", context_tokens, expected_shape,
-                                       hidden_states, per_position=True)
+        name = "labels" if labels is not None else "output_processor_context['tokens']"
+        tokens = self._check_batch_shape(name, labels if labels is not None else context_tokens, expected_shape,
+                                         hidden_states, per_position=labels is None)
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{type(self).__name__}: {name} must be int64 or int32, got {tokens.dtype}")
+        return name, tokens
+
+    def _kept_ids(self, context, expected_shape, hidden_states):
+        """output_processor_context['kept_ids'] [b, s, k] in the model's [s, b, k] layout, or None."""
+        kept_ids = context.get("kept_ids") if isinstance(context, dict) else None
+        if kept_ids is None:
+            return None
+        name = "output_processor_context['kept_ids']"
+        if isinstance(kept_ids, torch.Tensor) and kept_ids.dim() != 3:
+            raise ValueError(f"{type(self).__name__}: {name} must be [b, s, k] with [b, s] = {list(expected_shape)}, "
+                             f"got {list(kept_ids.shape)}")
+        return self._check_batch_shape(name, kept_ids, expected_shape, hidden_states, per_position=True).transpose(0, 1)
 
     def _check_batch_shape(self, name, tensor, expected_shape, hidden_states, per_position=False):
         """tensor, if it is a [b, s] tensor for these hidden states (per_position: or [b, s, k], k >=
@@ -177,49 +156,42 @@ class RLOutputProcessor:
                 f"{list(hidden_states.shape)} ([s, b, h], s split over TP ranks with sequence parallel), "
                 f"got {list(tensor.shape)}"
             )
+        if tensor.device != hidden_states.device:
+            raise ValueError(f"{type(self).__name__}: {name} must be on the hidden states' device "
+                             f"{hidden_states.device}, got {tensor.device}")
         return tensor
 
-    def _per_token(self, hidden_states, output_layer, weight, tokens, context):
-        """[s, b] logprobs, then entropy, values and divergence as asked, from [s(/tp), b, h] hidden
-        states."""
-        tp_group = output_layer.tp_group
-        sequence_parallel = output_layer.sequence_parallel
-        if sequence_parallel:
-            hidden_states = _gather_sequence_parallel(hidden_states, tp_group)
+    def _outputs(self, hidden_states, shard, tokens, context, kept_ids):
+        """The [s, b] outputs by name from the gathered [s, b, h] hidden states (kept_ids [s, b, k] or None)."""
         result = fused_rl_ops.chosen_logprob(
-            hidden_states, weight, tokens,
+            hidden_states, shard.weight, tokens,
             logit_options=self.logit_options,
             ignore_index=self.ignore_index,
             vocab_size=self.vocab_size,
-            tp_group=tp_group,
-            reduce_hidden_grad=not sequence_parallel,
+            tp_group=shard.tp_group,
+            reduce_hidden_grad=shard.reduce_hidden_grad,
             return_entropy=self.return_entropy,
-            main_grad=_fused_main_grad(output_layer, weight),
+            main_grad=shard.main_grad,
             batch_invariant=self.batch_invariant,
             check_tokens=self.host_checks,
             check_group=self.host_checks,
+            kept_ids=kept_ids,
         )
-        per_token = tuple(result) if self.return_entropy else (result,)
-        divergence = () if self.divergence is None else (student_divergence(
-            self, hidden_states, weight, tokens, context, output_layer, _fused_main_grad(output_layer, weight),
-            _gather_sequence_parallel),)
-        top = () if self.top_logprobs is None else self._top(hidden_states, weight, tokens, tp_group,
-                                                              sequence_parallel)
-        if self.value_head is None:
-            return per_token + divergence + top
-        if sequence_parallel:
-            # Every TP rank computes the same value loss from the gathered states, so each holds the
-            # full gradient, and the gather's backward sums over the ranks: hence 1/tp.
-            hidden_states = _ScaleGrad.apply(hidden_states, 1.0 / torch.distributed.get_world_size(tp_group))
-        return per_token + (self._apply_value_head(hidden_states),) + divergence + top
-
-    def _top(self, hidden_states, weight, tokens, tp_group, sequence_parallel):
-        """[s, b, k] top_ids and top_logprobs of the scored positions (ignore_index and 0 elsewhere),
-        computed on those rows alone (left out inside the op: no host read)."""
-        return scored_top_logprobs(
-            hidden_states, weight, self.top_logprobs, self.scored_positions(tokens), self.ignore_index,
-            logit_map=self.logit_options.logit_map, vocab_size=self.vocab_size, tp_group=tp_group,
-            reduce_hidden_grad=not sequence_parallel)
+        outputs = dict(zip(("logprobs", "entropy"), result if self.return_entropy else (result,)))
+        if self.divergence is not None:
+            outputs["divergence"] = student_divergence(
+                type(self).__name__, hidden_states, shard, context, kind=self.divergence, beta=self.beta,
+                logit_map=self.logit_options.logit_map, mask=self.scored_positions(tokens),
+                vocab_size=self.vocab_size, batch_invariant=self.batch_invariant, check_group=self.host_checks)
+        if self.top_logprobs is not None:
+            # The scored positions' top k, computed on those rows alone (left out inside the op: no host read).
+            outputs["top_ids"], outputs["top_logprobs"] = scored_top_logprobs(
+                hidden_states, shard.weight, self.top_logprobs, self.scored_positions(tokens), self.ignore_index,
+                logit_map=self.logit_options.logit_map, vocab_size=self.vocab_size, tp_group=shard.tp_group,
+                reduce_hidden_grad=shard.reduce_hidden_grad, batch_invariant=self.batch_invariant)
+        if self.value_head is not None:
+            outputs["values"] = self._apply_value_head(shard.replicated(hidden_states))
+        return outputs
 
     def scored_positions(self, tokens):
         """[s, b] bool: the positions whose token (any of their k tokens) is not ignore_index."""
@@ -242,13 +214,15 @@ class RLOutputProcessor:
         return fused_rl_ops.value_head(hidden_states, self.value_head)
 
 
-def _fused_main_grad(output_layer, weight):
-    """The buffer the weight gradient goes straight into, as Megatron's own output layer does it
-    (megatron-core's LinearWithGradAccumulationAndAsyncCommunication): weight.main_grad when the
-    layer has gradient_accumulation_fusion and the weight carries one (Megatron's DDP); else None."""
-    if getattr(output_layer, "gradient_accumulation_fusion", False) and hasattr(weight, "main_grad"):
-        return weight.main_grad
-    return None
+def check_token_ids(caller, name, tokens, vocab_size, ignore_index):
+    """Raises when an id of tokens (the caller's tensor `name`, [b, s] or [b, s, k]) is neither in
+    [0, vocab_size) nor ignore_index, naming its index in that layout: checked here, before the
+    processor transposes to Megatron's [s, b], so the op's own check (on the transposed ids) then
+    passes (one more host read of two integers). Each rank checks its own ids: Megatron gives the
+    ranks of a TP group the same. Skipped where the host may not read values (torch.compile, CUDA
+    graph capture)."""
+    if values_readable(tokens):
+        check_token_range(caller, tokens, vocab_size, ignore_index, per_position=tokens.dim() == 2, name=name)
 
 
 def rl_output_processor(*, return_entropy=True, value_head=None, ignore_index=-100, vocab_size=None,

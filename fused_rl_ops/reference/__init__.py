@@ -109,19 +109,23 @@ def vocab_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden:
     log_q = torch.log_softmax(apply_logit_map((hidden @ weight[:rows].T).to(acc), logit_map), -1)
     log_p = torch.log_softmax(apply_logit_map((teacher_hidden @ teacher_weight[:rows].T).to(acc), teacher_logit_map),
                               -1)
+    divergence = divergence_of_logprobs(log_q, log_p, kind=kind, beta=beta)
+    return divergence if mask is None else torch.where(mask, divergence, 0.0)
 
+
+def divergence_of_logprobs(log_q: torch.Tensor, log_p: torch.Tensor, *, kind: str, beta: float = 0.5) -> torch.Tensor:
+    """The divergence of kind between the student's log-softmax log_q and the teacher's log_p
+    [..., V], written out (vocab_divergence's docstring): [...]."""
     def kl(log_a, log_b):  # sum a (log a - log b), 0 log 0 = 0
         a = log_a.exp()
         return torch.where(a == 0, 0.0, a * (log_a - log_b)).sum(-1)
 
     if kind == "forward_kl":
-        divergence = kl(log_p, log_q)
-    elif kind == "reverse_kl":
-        divergence = kl(log_q, log_p)
-    else:
-        log_m = torch.logaddexp(math.log(beta) + log_p, math.log1p(-beta) + log_q)
-        divergence = beta * kl(log_p, log_m) + (1 - beta) * kl(log_q, log_m)
-    return divergence if mask is None else torch.where(mask, divergence, 0.0)
+        return kl(log_p, log_q)
+    if kind == "reverse_kl":
+        return kl(log_q, log_p)
+    log_m = torch.logaddexp(math.log(beta) + log_p, math.log1p(-beta) + log_q)
+    return beta * kl(log_p, log_m) + (1 - beta) * kl(log_q, log_m)
 
 
 def value_head(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

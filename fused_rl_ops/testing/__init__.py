@@ -1,7 +1,7 @@
 """Helpers for the tests, benchmarks and examples of fused_rl_ops; not for production use.
 
 - distributed.run_distributed: run a function in several gloo (CPU) processes as ranks.
-- megatron_cpu: shims that let megatron-core 0.19.2 run on the CPU (its optimizers included), tiny
+- megatron_cpu: shims that let megatron-core 0.18 and 0.19 run on the CPU (its optimizers included), tiny
   models to test with, and the bf16 set-up of a Megatron run (megatron_bf16_training).
   They patch megatron-core process-wide, so only tests and examples import them.
 - checkpoint: reference splits, bit-exact comparisons and toy modules for the checkpoint tests.

@@ -137,30 +137,46 @@ def megatron_training_state(model, optimizer, layer_offset=0) -> dict:
     parameter, or the parameter itself where it steps that; exp_avg, exp_avg_sq, step), assembled
     by the tests' own rule: the ranges the data-parallel ranks step (_megatron_optimizer_pieces)
     put in order, checked to tile each TP shard (replicas: bit for bit the same), then the TP
-    shards joined by reference_unshard. layer_offset: the pipeline stage's first layer; experts at
-    expert-parallel degree 1 (their local index is the global one). Collective over the model's
-    (expert) data-parallel and tensor-parallel groups."""
+    shards joined by reference_unshard. layer_offset: the pipeline stage's first layer; experts under
+    their global index, from every expert-parallel rank. Collective over the model's (expert)
+    data-parallel, tensor-parallel and expert-parallel groups."""
     from megatron.core import parallel_state
 
     mine = {name: (start, stop, {key: value.detach().clone() for key, value in tensors.items()})
             for name, (start, stop, tensors) in _megatron_optimizer_pieces(model, optimizer).items()}
     state = {}
-    for expert in (False, True):  # dense parameters, then experts (allreduce=False), over their own groups
+    for expert in (False, True):  # dense parameters, then experts, over their own groups
         if expert:
             dp_group = parallel_state.get_expert_data_parallel_group()
             tp_group = parallel_state.get_expert_tensor_parallel_group()
         else:
             dp_group = parallel_state.get_data_parallel_group()
             tp_group = parallel_state.get_tensor_model_parallel_group()
-        params = {name: p for name, p in model.named_parameters() if getattr(p, "allreduce", True) != expert}
+        params = {name: p for name, p in model.named_parameters() if (".experts." in name) == expert}
         everyone = [None] * dist.get_world_size(dp_group)
         dist.all_gather_object(everyone, {n: piece for n, piece in mine.items() if n in params}, group=dp_group)
+        part = {}
         for name, param in params.items():
             whole = {"param": param, **_assembled([pieces[name] for pieces in everyone if name in pieces], param, name)}
-            state[global_layer_name(name, layer_offset)] = {
+            part[global_layer_name(name, layer_offset)] = {
                 key: value if value.dim() == 0 else gathered(value, partition_of(param), tp_group)
                 for key, value in whole.items()}
+        state.update(_experts_of_every_ep_rank(part, model.config.num_moe_experts) if expert and part else part)
     return state
+
+
+def _experts_of_every_ep_rank(experts: dict, num_experts: int) -> dict:
+    """experts (by their local index) under their global index, this expert-parallel rank's first
+    plus the local one, with every other expert-parallel rank's."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_expert_model_parallel_group()
+    first = dist.get_rank(group) * num_experts // dist.get_world_size(group)
+    mine = {re.sub(r"\.local_experts\.(\d+)\.", lambda m: f".local_experts.{int(m[1]) + first}.", name): value
+            for name, value in experts.items()}
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return {name: value for part in everyone for name, value in part.items()}
 
 
 def assert_same_megatron_state(state, expected):

@@ -11,11 +11,11 @@ import torch.multiprocessing as mp
 
 _HOST = "127.0.0.1"
 # The ranks are forked from a forkserver that has imported those of these the caller has: a
-# spawned rank imported them itself, about 3 s of CPU for torch and 6 more for megatron-core, in
-# every rank of every run, most of a multi-rank test's time (docs/testing.md). Only third-party
-# modules: a rank imports fused_rl_ops and the test's module from the caller's sys.path, which the
-# forkserver's imports do not follow.
-_PRELOAD = ["torch", "torch.distributed", "megatron.core"]
+# spawned rank imported them itself, about 3 s of CPU for torch and 6 more for megatron-core (more
+# for verl's fused forward, in tests/test_verl.py), in every rank of every run, most of a multi-rank
+# test's time (docs/testing.md). Only third-party modules: a rank imports fused_rl_ops and the test's
+# module from the caller's sys.path, which the forkserver's imports do not follow.
+_PRELOAD = ["torch", "torch.distributed", "megatron.core", "verl.models.mcore.model_forward_fused"]
 # After a rank fails, how long the others get to leave by themselves (their collectives with it fail
 # once it is gone), ending their processes on the way, before the parent stops them with SIGTERM.
 _GRACE_PERIOD_S = 10
@@ -103,8 +103,8 @@ def run_distributed(fn, world_size: int, *args):
     The ranks meet at a store this process serves on a port the system picks as it binds (picking a
     free port first and binding it later lets a concurrent run take it in between).
     The ranks are forked from this process's forkserver (started at the first call, with torch and,
-    if this process has imported it, megatron-core imported): they get its environment as it was
-    then, and this process's sys.path and working directory as they are now."""
+    if this process has imported them, megatron-core and verl's fused forward imported): they get its
+    environment as it was then, and this process's sys.path and working directory as they are now."""
     server = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
     multiprocessing.set_forkserver_preload([name for name in _PRELOAD if name in sys.modules])  # read at its start
     ranks = mp.start_processes(

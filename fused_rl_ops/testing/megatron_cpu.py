@@ -1,4 +1,4 @@
-"""Test-only helpers that run megatron-core 0.19.2 on CPU / gloo, and tiny models to test with.
+"""Test-only helpers that run megatron-core 0.18 and 0.19 on CPU / gloo, and tiny models to test with.
 
 In a process whose default group is initialised (fused_rl_ops.testing.distributed.run_distributed):
 

@@ -8,8 +8,11 @@ reaching each of its operators).
 A new op adds its entry here (and its sanitizer cases in fused_rl_ops/testing/sanitizer_cases.py).
 
 `python -m fused_rl_ops.testing.op_table benchmark-runs` prints gpu_check.sh's benchmark stages in
-order, one a line: STAGE BUDGET_S MODULE [ARGUMENT...]."""
+order, one a line: STAGE BUDGET_S MODULE [ARGUMENT...]; `... test-files TESTS_DIR` the test files
+in the order its test stage runs them, one a line."""
 import dataclasses
+import itertools
+import pathlib
 import sys
 from typing import Callable, Optional
 
@@ -64,9 +67,9 @@ OPS = (
                   "chosen_logprob_search": CHOSEN_LOGPROB_SEARCH_GROUPS},
        benchmark="bench_chosen_logprob",
        # The V and N sweeps do not fit in the run: a later one.
-       gpu_runs=(BenchmarkRun("bench_chosen_logprob", 200, ("--no-sweeps",)),
-                 BenchmarkRun("bench_chosen_logprob_sampler_filter", 60, ("--sampler-filter",)),
-                 BenchmarkRun("bench_chosen_logprob_distillation", 60, ("--distillation",))),
+       gpu_runs=(BenchmarkRun("bench_chosen_logprob", 120, ("--no-sweeps",)),
+                 BenchmarkRun("bench_chosen_logprob_sampler_filter", 30, ("--sampler-filter",)),
+                 BenchmarkRun("bench_chosen_logprob_distillation", 30, ("--distillation",))),
        kernels_on_cpu_driver="chosen_logprob_driver",
        sanitizer_cases=sanitizer_cases.chosen_logprob),
     # Its benchmark is chosen_logprob's distillation run; its backward is chosen_logprob's.
@@ -81,20 +84,20 @@ OPS = (
                   "vocab_divergence_mixture": VOCAB_DIVERGENCE_GROUPS,
                   "vocab_divergence_backward": VOCAB_DIVERGENCE_GROUPS},
        benchmark="bench_vocab_divergence",
-       gpu_runs=(BenchmarkRun("bench_vocab_divergence", 90),),
+       gpu_runs=(BenchmarkRun("bench_vocab_divergence", 60),),
        kernels_on_cpu_driver="vocab_divergence_driver",
        sanitizer_cases=sanitizer_cases.vocab_divergence),
     Op("value_head",
        operators={"value_head": (), "value_head_backward_hidden": (), "value_head_backward_params": ()},
        benchmark="bench_value_head",
-       gpu_runs=(BenchmarkRun("bench_value_head", 60),),
+       gpu_runs=(BenchmarkRun("bench_value_head", 40),),
        kernels_on_cpu_driver="value_head_driver",
        sanitizer_cases=sanitizer_cases.value_head),
     Op("clamped_swiglu",
        operators={name: (ClampedSwigluOptions,) for name in
                   ("clamped_swiglu", "clamped_swiglu_backward", "clamped_swiglu_scaled_backward")},
        benchmark="bench_clamped_swiglu",
-       gpu_runs=(BenchmarkRun("bench_clamped_swiglu", 150),),
+       gpu_runs=(BenchmarkRun("bench_clamped_swiglu", 30),),
        kernels_on_cpu_driver="clamped_swiglu_driver",
        sanitizer_cases=sanitizer_cases.clamped_swiglu),
 )
@@ -106,8 +109,22 @@ def benchmark_runs():
     return [(run.stage, run.budget_s, op.benchmark, run.args) for op in OPS for run in op.gpu_runs]
 
 
+def test_files(tests_dir) -> list:
+    """The test files of tests_dir in gpu_check.sh's order, so that a cut test stage has run every
+    op's first: each op's tests/test_<name>.py, then each op's second file (test_<name>_*.py), and
+    so on, then the files of no op."""
+    paths = sorted(pathlib.Path(tests_dir).glob("test_*.py"))
+    per_op = [[path for path in paths if path.stem == f"test_{op.name}"]
+              + [path for path in paths if path.stem.startswith(f"test_{op.name}_")] for op in OPS]
+    rounds = [path for files in itertools.zip_longest(*per_op) for path in files if path is not None]
+    return [str(path) for path in dict.fromkeys(rounds + paths)]
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["benchmark-runs"]:
-        sys.exit("usage: python -m fused_rl_ops.testing.op_table benchmark-runs")
-    for stage, budget_s, module, args in benchmark_runs():
-        print(stage, budget_s, module, *args)
+    if sys.argv[1:] == ["benchmark-runs"]:
+        for stage, budget_s, module, args in benchmark_runs():
+            print(stage, budget_s, module, *args)
+    elif sys.argv[1:2] == ["test-files"] and len(sys.argv) == 3:
+        print(*test_files(sys.argv[2]), sep="\n")
+    else:
+        sys.exit("usage: python -m fused_rl_ops.testing.op_table benchmark-runs | test-files TESTS_DIR")

@@ -91,11 +91,12 @@ def forward_backward(model, rollout, **forward_kwargs):
     return outputs, loss
 
 
-def outputs_and_grads(model, tokens, coeff):
-    """The attached processor's outputs for [b, s] tokens (their own labels) and every parameter's
-    gradient of sum(coeff[0] * logprobs + coeff[1] * entropy), the gradients then zeroed. A -inf
-    logprob (a token the sampler's filter drops) takes no part in the sum."""
-    outputs = model(tokens, *model_inputs(tokens), labels=tokens)
+def outputs_and_grads(model, tokens, coeff, **forward_kwargs):
+    """The attached processor's outputs for [b, s] tokens (their own labels; forward_kwargs go to
+    the model's forward) and every parameter's gradient of sum(coeff[0] * logprobs + coeff[1] *
+    entropy), the gradients then zeroed. A -inf logprob (a token the sampler's filter drops) takes
+    no part in the sum."""
+    outputs = model(tokens, *model_inputs(tokens), labels=tokens, **forward_kwargs)
     logprobs = outputs["logprobs"]
     (coeff[0] * torch.where(logprobs.isneginf(), 0.0, logprobs) + coeff[1] * outputs["entropy"]).sum().backward()
     allreduce_sequence_parallel_grads(model)
