@@ -1,5 +1,5 @@
 """What a chosen_logprob call should take on a CUDA device, from its FLOPs and bytes: the kernels
-its chunk loop launches (csrc/chosen_logprob/chunks.h) at the tiling fused_rl_ops.chosen_logprob
+its chunk loop launches (csrc/vocab_parallel/chunk_loop.h) at the tiling fused_rl_ops.chosen_logprob
 picks for the shape, each counted by its GEMM FLOPs and the bytes it moves in device memory.
 
 Two figures per call, bounds of what the design allows on the device:

@@ -1,7 +1,7 @@
 """How options are declared in Python: a frozen dataclass per group of options, made by
 @options_dataclass, each field made by option() with the rule its value must meet. An op's schema
 takes its groups one after the other (LogitMap, VocabShard, Tiling, then the op's own), each group's
-fields in order (csrc/common/options.h: each group is declared once for C++ too;
+fields in order (each group is declared once for C++ too, as an FRL_<GROUP> list;
 tests/test_op_contract.py checks that the two declarations agree). Constructing one (its
 __post_init__ calls check_options) is where these values are checked, in the words the C++ op uses
 for the same rule; each value is then stored as the op takes it (float, int, bool). The checks read
@@ -18,7 +18,7 @@ class Rule(NamedTuple):
     holds: Callable  # the test, on a value of the option's type
 
 
-# As csrc/common/options.h: PositiveFinite, Positive, Finite, PositiveInteger, NonNegativeInteger,
+# As the C++ rules PositiveFinite, Positive, Finite, PositiveInteger, NonNegativeInteger,
 # Integer, AnyBool; PROBABILITY is LogitOptions' alone (no op takes top_p).
 POSITIVE_FINITE = Rule("a positive finite number", lambda v: 0 < v < math.inf)
 POSITIVE = Rule("a positive number", lambda v: v > 0)  # +inf included
@@ -114,3 +114,23 @@ def groups_from_arguments(declarations, args: tuple, kwargs: dict) -> tuple:
                 values[declared.name] = kwargs.pop(declared.name)
         groups.append(declaration(**values))
     return tuple(groups), (args[position:], kwargs)
+
+
+def prefixed_options(declaration, prefix: str, name: str, doc: str) -> type:
+    """An options dataclass `name` of declaration's options named prefix + each name, with their
+    rules, defaults and agreement: a group that a schema takes twice (vocab_divergence's teacher's
+    logit map beside the student's), made from its declaration so that an option added there is
+    here too. Its of(options, **changes) makes one from an instance of declaration, changes by the
+    prefixed names."""
+    hints = typing.get_type_hints(declaration)
+    namespace = {"__annotations__": {}, "__module__": declaration.__module__, "__doc__": doc,
+                 "__post_init__": lambda self: check_options(type(self).__name__, self)}
+    for f in dataclasses.fields(declaration):
+        namespace["__annotations__"][prefix + f.name] = hints[f.name]
+        namespace[prefix + f.name] = dataclasses.field(default=f.default, metadata=f.metadata)
+
+    def of(cls, options, **changes):
+        return cls(**{prefix + o.name: getattr(options, o.name) for o in declaration.OPTIONS} | changes)
+
+    namespace["of"] = classmethod(of)
+    return options_dataclass(type(name, (), namespace))

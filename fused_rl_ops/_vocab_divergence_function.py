@@ -6,9 +6,9 @@ import torch
 from ._library import ops
 from ._vocab_parallel.main_grad import placeholder_gradient
 
-# The ops' kind codes (csrc/vocab_divergence/math.h, Kind), by name.
+# The ops' kind codes (the C++ Kind), by name.
 KINDS = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
-# The columns of vocab_divergence_combine's [N, 6] output (combined_column in math.h).
+# The columns of vocab_divergence_combine's [N, 6] output (the C++ combined_column).
 FORWARD_KL_COLUMN, REVERSE_KL_COLUMN = 4, 5
 
 

@@ -31,7 +31,7 @@ __all__ = ["ChosenLogprobOptions", "CombinedColumns", "DEFAULT_WORKSPACE_BYTES",
 @options_dataclass
 class ChosenLogprobOptions:
     """chosen_logprob's own option group, after LogitMap, VocabShard and Tiling in its stats and
-    backward ops (declared for C++ in csrc/chosen_logprob/options.h): the ops leave out the rows
+    backward ops (declared for C++ as FRL_CHOSEN_LOGPROB_OPTIONS): the ops leave out the rows
     whose token equals ignore_index (None: every row is computed); the stats op returns each row's
     top_width largest logits after its partials (top_k; 0: none)."""
     ignore_index: Optional[int] = option(INTEGER, default=None)

@@ -14,7 +14,7 @@ GPT_OSS_LIMIT = 7.0
 @options_dataclass
 class ClampedSwigluOptions:
     """The options of the clamped_swiglu ops, after their tensors x (and, for the weighted form's
-    backward, scale), in the ops' order (declared for C++ in csrc/clamped_swiglu/options.h).
+    backward, scale), in the ops' order (declared for C++ as FRL_CLAMPED_SWIGLU_OPTIONS).
     Constructing it checks them (the only check of these arguments).
 
     limit: the clamp L; None or +inf: no clamp.
@@ -32,7 +32,7 @@ class ClampedSwigluOptions:
 
 
 def _check_args(x: torch.Tensor, scale: Optional[torch.Tensor] = None):
-    """The op's tensors, as csrc/clamped_swiglu/entry.h checks them."""
+    """The op's tensors, as the C++ op checks them."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"clamped_swiglu: x must be a tensor, got {type(x).__name__}")
     check_float_dtype("clamped_swiglu", "x", x, allow_float64=x.device.type in ("cpu", "meta"))

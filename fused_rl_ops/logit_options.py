@@ -4,18 +4,19 @@ The output layer gives raw logits x = h . w; the scores are those of the softmax
 (the logit map: temperature, softcap), restricted to the tokens the sampler's filter keeps (top_k,
 top_p) and renormalised over them. chosen_logprob takes this one object (logit_options=),
 top_logprobs and vocab_divergence its map (logit_map=), and every integration passes them; the ops
-take the map as LogitMap (csrc/common/logit_map.h) and the filter through per-token thresholds
-(fused_rl_ops/_vocab_parallel/sampler_filter.py).
+take the map as an option group, LogitMap, and the filter through per-token thresholds
+(_vocab_parallel.sampler_filter).
 """
 from typing import Optional
 
-from ._options import POSITIVE_FINITE, POSITIVE_INTEGER, PROBABILITY, check_options, option, options_dataclass
+from ._options import (POSITIVE_FINITE, POSITIVE_INTEGER, PROBABILITY, check_options, option, options_dataclass,
+                       prefixed_options)
 
 
 @options_dataclass
 class LogitMap:
     """The logit map the ops apply to each raw logit x, an option group of their schemas (declared
-    for C++ as FRL_LOGIT_MAP in csrc/common/logit_map.h): z = x / temperature, or with a softcap
+    for C++ as FRL_LOGIT_MAP): z = x / temperature, or with a softcap
     z = softcap * tanh(x / softcap) / temperature (LogitOptions documents both fields). The ranks of
     a tensor-parallel group must agree on it."""
     temperature: float = option(POSITIVE_FINITE, agreed=True)
@@ -23,6 +24,13 @@ class LogitMap:
 
     def __post_init__(self):
         check_options(type(self).__name__, self)
+
+
+TeacherLogitMap = prefixed_options(
+    LogitMap, "teacher_", "TeacherLogitMap",
+    """A second model's logit map (vocab_divergence's teacher's), an option group of its own in the
+    schema: LogitMap's options named teacher_<name> (FRL_TEACHER_LOGIT_MAP); TeacherLogitMap.of(map,
+    teacher_softcap=...) makes one from a LogitMap.""")
 
 
 @options_dataclass(kw_only=True)

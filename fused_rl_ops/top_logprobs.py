@@ -1,10 +1,9 @@
 """A model's own top tokens: the k most likely ids of each position and their logprobs over the
 (vocab-parallel) vocabulary, without a [tokens, vocab] tensor (docs/chosen_logprob.md, "A model's own
 top tokens"). One pass over the vocabulary finds each row's partials and its k largest logits with
-their ids (csrc/chosen_logprob/top_ids.h); the ranks' tops merge by the same order; the backward is
-chosen_logprob's, with the selected ids as the tokens (the selection is a constant of the gradient).
-The rows a mask leaves out are left out inside the ops (csrc/common/row_skipping.h), so that a
-traced caller keeps the saving."""
+their ids, in a strict order by which the ranks' tops merge; the backward is chosen_logprob's, with
+the selected ids as the tokens (the selection is a constant of the gradient). The rows a mask leaves
+out are left out inside the op, so that a traced caller keeps the saving."""
 from typing import Optional
 
 import torch
@@ -27,14 +26,14 @@ __all__ = ["scored_top_logprobs", "top_logprobs"]
 
 _OP = "top_logprobs"
 # The id of the rows not computed (mask False), as top_logprobs_stats gives them (kNotComputed in
-# csrc/chosen_logprob/entry.h): before every real id, so that the ranks' merged tops keep it.
+# the C++ op): before every real id, so that the ranks' merged tops keep it.
 NOT_COMPUTED = -1
 
 
 @options_dataclass
 class TopLogprobsOptions:
     """top_logprobs_stats' own option group, after LogitMap, VocabShard and Tiling (declared for C++
-    in csrc/chosen_logprob/options.h): k, the ids kept per row."""
+    as FRL_TOP_LOGPROBS_OPTIONS): k, the ids kept per row."""
     k: int = option(POSITIVE_INTEGER, default=1)
 
     def __post_init__(self):
@@ -56,7 +55,7 @@ class _Agreed(AgreedCall):
 
 def merge_tops(values: torch.Tensor, ids: torch.Tensor, k: int):
     """The first k of the union of the ranks' tops (values, ids [ranks, N, k] each) in the order of
-    csrc/chosen_logprob/top_ids.h: descending value, the lower id first between equal values."""
+    op's top ids: descending value, the lower id first between equal values."""
     n = values.shape[1]
     values, ids = values.permute(1, 0, 2).reshape(n, -1), ids.permute(1, 0, 2).reshape(n, -1)
     by_id = ids.argsort(dim=1, stable=True)

@@ -10,7 +10,7 @@ _OP = "value_head"
 
 
 def _check_args(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-    """The op's arguments, as csrc/value_head/entry.h checks them (the op has no options)."""
+    """The op's arguments, as the C++ op checks them (the op has no options)."""
     for name, t in (("hidden", hidden), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{_OP}: {name} must be a tensor, got {type(t).__name__}")

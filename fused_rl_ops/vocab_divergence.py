@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ._checks import check_hidden_size, check_mask, values_readable
 from ._library import acc_dtype, check_device, check_float_dtype
-from ._options import POSITIVE_FINITE, Rule, check_options, groups_from_arguments, option, options_dataclass
+from ._options import Rule, check_options, groups_from_arguments, option, options_dataclass
 from ._vocab_divergence_function import KINDS, VocabDivergenceFunction
 from ._vocab_parallel import agreement
 from ._vocab_parallel.agreement import AgreedCall, agreed, agreed_dataclass, agreed_options
@@ -20,31 +20,29 @@ from ._vocab_parallel.main_grad import check_main_grad, weight_placeholder
 from ._vocab_parallel.pieces import VocabPieces, check_virtual_shards
 from ._vocab_parallel.shard import resolve_shard
 from ._vocab_parallel.tiling import default_workspace_bytes, tiling_for
-from .logit_options import LogitMap, LogitOptions, given_once
+from .logit_options import LogitMap, LogitOptions, TeacherLogitMap, given_once
 
 __all__ = ["VocabDivergenceOptions", "vocab_divergence"]
 
-# As csrc/vocab_divergence/options.h: DivergenceKind, OpenUnitInterval.
+# As the C++ declaration's rules DivergenceKind, OpenUnitInterval.
 DIVERGENCE_KIND = Rule("0 (forward_kl), 1 (reverse_kl) or 2 (jsd)", lambda v: 0 <= v <= 2)
 OPEN_UNIT_INTERVAL = Rule("a number in (0, 1)", lambda v: 0 < v < 1)
 
 
 @options_dataclass
 class VocabDivergenceOptions:
-    """vocab_divergence's own option group, after LogitMap (the student's map; the teacher's is the
-    same with teacher_softcap, built in csrc/vocab_divergence/entry.h), VocabShard and Tiling in
-    every op of it (declared for C++ in csrc/vocab_divergence/options.h): the divergence's kind
-    (KINDS' code), the teacher's softcap and jsd's beta (the teacher's weight in the mixture)."""
+    """vocab_divergence's own option group (declared for C++ as FRL_VOCAB_DIVERGENCE_OPTIONS), after
+    the student's LogitMap, the teacher's TeacherLogitMap, VocabShard and Tiling in every op of it:
+    the divergence's kind (KINDS' code) and jsd's beta (the teacher's weight in the mixture)."""
     kind: int = option(DIVERGENCE_KIND, default=0)
-    teacher_softcap: Optional[float] = option(POSITIVE_FINITE, default=None)
     beta: float = option(OPEN_UNIT_INTERVAL, default=0.5)
 
     def __post_init__(self):
         check_options(type(self).__name__, self)
 
 
-# The option groups of every op of it, in their schemas' order.
-OP_GROUPS = SHARED_GROUPS + (VocabDivergenceOptions,)
+# The option groups of every op of it, in their schemas' order: both models' maps first.
+OP_GROUPS = (LogitMap, TeacherLogitMap, *SHARED_GROUPS[1:], VocabDivergenceOptions)
 
 _FLOAT = agreement.option_codec(float)
 
@@ -53,15 +51,15 @@ _FLOAT = agreement.option_codec(float)
 class _Agreed(AgreedCall):
     """What every rank of tp_group must pass alike besides its shard, each by the name its error uses:
     the call's own arguments (token_count: hidden's rows; hidden_size and dtype: the student's), then
-    the logit map."""
+    both logit maps."""
     teacher_hidden_size: int = agreed("teacher hidden size", agreement.INTEGER)
     teacher_dtype: torch.dtype = agreed("teacher dtype", agreement.DTYPE)
     reduce_hidden_grad: bool = agreed("reduce_hidden_grad", agreement.INTEGER)
     kind: int = agreed("kind", agreement.INTEGER)
     beta: float = agreed("beta", _FLOAT)
-    teacher_softcap: Optional[float] = agreed("teacher_softcap", _FLOAT)
     mask: Optional[torch.Tensor] = agreed("mask", agreement.FINGERPRINT)
     logit_map: LogitMap = agreed_options()
+    teacher_logit_map: TeacherLogitMap = agreed_options()
 
 
 def _check_tensors(hidden, weight, teacher_hidden, teacher_weight, mask):
@@ -106,7 +104,9 @@ def _resolve(hidden, weight, teacher_hidden, teacher_weight, mask, rank, world, 
     student's, chunk_loop_bytes: two logits workspaces in the CPU's backward; the teacher's logits
     workspace and, on the CPU, its fp32 weight rows): the tiling is planned for half of it with both
     hidden sizes' weight rows, twice of which bounds them all."""
-    own = VocabDivergenceOptions(_kind_code(kind), teacher_softcap, beta)
+    own = VocabDivergenceOptions(_kind_code(kind), beta)
+    # The teacher's map is the student's with its own softcap.
+    teacher_logit_map = TeacherLogitMap.of(logit_map, teacher_softcap=teacher_softcap)
     _check_tensors(hidden, weight, teacher_hidden, teacher_weight, mask)
     shard, vocab_size = resolve_shard("vocab_divergence", weight.shape[0], rank, world, vocab_start, vocab_size)
     check_main_grad("vocab_divergence", main_grad, weight)
@@ -122,8 +122,9 @@ def _resolve(hidden, weight, teacher_hidden, teacher_weight, mask, rank, world, 
                             teacher_hidden_size=teacher_hidden.shape[-1],
                             dtype=hidden.dtype, teacher_dtype=teacher_hidden.dtype, vocab_size=vocab_size,
                             reduce_hidden_grad=reduce_hidden_grad, kind=own.kind, beta=own.beta,
-                            teacher_softcap=own.teacher_softcap, mask=mask, logit_map=logit_map)
-    return ResolvedCall(KernelOptions(logit_map, shard, tiling, own), weight.shape[0], agreed_values)
+                            mask=mask, logit_map=logit_map, teacher_logit_map=teacher_logit_map)
+    return ResolvedCall(KernelOptions(logit_map, shard, tiling, own, teacher_logit_map), weight.shape[0],
+                        agreed_values)
 
 
 def vocab_divergence(

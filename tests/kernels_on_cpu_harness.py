@@ -289,11 +289,11 @@ def running_stats(earlier, has_earlier):
     return stats
 
 
-def logit_map_scalars(temperature, softcap=None) -> dict:
-    """A case's logit map, as the driver reads it: a scalar per option of LogitMap (FRL_LOGIT_MAP),
-    an optional one left out when None."""
+def logit_map_scalars(temperature, softcap=None, prefix="") -> dict:
+    """A case's logit map, as the driver reads it (read_logit_map): a scalar prefix + name per option
+    of LogitMap (FRL_LOGIT_MAP), an optional one left out when None."""
     options = dataclasses.asdict(LogitMap(temperature, softcap))
-    return {name: value for name, value in options.items() if value is not None}
+    return {prefix + name: value for name, value in options.items() if value is not None}
 
 
 def threshold_buffer(threshold):
@@ -306,7 +306,7 @@ STATS_WIDTH = 4  # stats_rows' columns per access on its vector path (kStatsWidt
 
 def run_stats_rows(drivers, tmp_path, logits, tokens, stats, col0, temperature, passes, softcap=None, threshold=None,
                    offset=0):
-    """chosen_logprob_stats_rows_kernel merging logits [N, C] into stats (softcap None: none; threshold:
+    """The stats_rows kernel (vocab_parallel_stats_rows_kernel) merging logits [N, C] into stats (softcap None: none; threshold:
     the logits below it dropped; offset: the logits' elements past a 16-byte boundary); checks the
     path the launcher took (vector where C and the logits allow); returns the stats it wrote, in
     float64."""

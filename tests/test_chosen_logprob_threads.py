@@ -1,4 +1,4 @@
-"""The CPU's chunk loop as tasks (LogitsChunks::as_tasks in csrc/chosen_logprob/chunks.h) on 1, 2 and
+"""The CPU's chunk loop as tasks (LogitsChunks::as_tasks in csrc/vocab_parallel/chunk_loop.h) on 1, 2 and
 3 threads (3: more threads than CI's two cores, so tasks wait for pieces that a descheduled thread
 holds): the same bits whatever the threads, and the gradients of float64 autograd, for each way the
 loop walks the rows: one pass with the gradients over the logits (two workspaces), a narrower last

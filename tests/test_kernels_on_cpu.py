@@ -12,6 +12,7 @@ import test_kernels_on_cpu_chosen_logprob as chosen_logprob_cases
 import test_kernels_on_cpu_chosen_logprob_entries as entries_cases
 import test_kernels_on_cpu_clamped_swiglu as clamped_swiglu_cases
 import test_kernels_on_cpu_sampler_filter as sampler_filter_cases
+import test_kernels_on_cpu_top_logprobs as top_logprobs_cases
 import test_kernels_on_cpu_value_head as value_head_cases
 import test_kernels_on_cpu_vocab_divergence as vocab_divergence_cases
 from kernels_on_cpu_harness import BUILDS, CSRC, SANITIZER_ENV, build_drivers, drivers, pytestmark  # noqa: F401
@@ -68,18 +69,18 @@ DEFECTS = {
         "cuda_on_host error", "plain"),
     # stats_rows' column loop reads one column past the row (45 columns, the scalar path).
     "loop_bound_le": (
-        "chosen_logprob/kernel.cuh", "k < C; k += kWarp * kWidth", "k <= C; k += kWarp * kWidth", "chosen_logprob",
+        "vocab_parallel/stats_rows.cuh", "k < C; k += kWarp * kWidth", "k <= C; k += kWarp * kWidth", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_stats_rows(d, tmp, 21, 45, "several", 1.0),
         "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
     # The online pass raising a lane's maximum without moving its sums to it (rows in ascending
     # order raise it at every access).
     "stats_online_rescale_skipped": (
-        "chosen_logprob/math.h", "if (!(m == r.max)) stats_rescale(r, m);", "r.max = m;", "chosen_logprob",
+        "vocab_parallel/row_stats.h", "if (!(m == r.max)) stats_rescale(r, m);", "r.max = m;", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_stats_rows_online(d, tmp, "ascending", 520, 0),
         "lse: ", "plain"),
     # stats_rows' butterfly merging only within each half-warp: lane 0 writes half the row's stats.
     "stats_rows_butterfly_halved": (
-        "chosen_logprob/kernel.cuh", "for (int o = kWarp / 2; o > 0; o /= 2) {\n    const RowStats<float> other",
+        "vocab_parallel/stats_rows.cuh", "for (int o = kWarp / 2; o > 0; o /= 2) {\n    const RowStats<float> other",
         "for (int o = kWarp / 4; o > 0; o /= 2) {\n    const RowStats<float> other", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_stats_rows(d, tmp, 9, 520, "one", 0.7),
         "lse: ", "plain"),
@@ -131,9 +132,9 @@ DEFECTS = {
         "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
     # top_ids_rows taking each given logit from the next lane: the tops hold other values.
     "top_ids_rows_shuffle_lane_off_by_one": (
-        "chosen_logprob/kernel.cuh", "const float v = __shfl_sync(0xffffffffu, z, from);",
-        "const float v = __shfl_sync(0xffffffffu, z, from + 1);", "chosen_logprob",
-        lambda d, tmp: entries_cases.test_top_ids_rows(d, tmp, 21, 45, 5, "one"),
+        "top_logprobs/kernel.cuh", "const float v = __shfl_sync(0xffffffffu, z, from);",
+        "const float v = __shfl_sync(0xffffffffu, z, from + 1);", "top_logprobs",
+        lambda d, tmp: top_logprobs_cases.test_top_ids_rows(d, tmp, 21, 45, 5, "one"),
         "top ids", "plain"),
     # grad_rows' launcher taking the vector path without checking the buffer's alignment.
     "grad_rows_alignment_unchecked": (
@@ -168,10 +169,10 @@ DEFECTS = {
     # kernels still cover every row with too few blocks, so the launch shape itself is checked: on
     # the large stand-in device a block per row tile, one pass (21 rows: 2 blocks of 8 rows).
     "stats_rows_grid_floor": (
-        "chosen_logprob/kernel.cu", "(N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock,",
+        "vocab_parallel/stats_rows.cuh", "(N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock,",
         "N / kStatsRowsPerBlock,", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_stats_rows(d, tmp, 21, 45, "one", 1.0),
-        "chosen_logprob_stats_rows_kernel: 2 grid-stride passes", "plain"),
+        "vocab_parallel_stats_rows_kernel: 2 grid-stride passes", "plain"),
     # 300 rows: 1 block of 256.
     "combine_grid_floor": (
         "chosen_logprob/kernel.cu", "(N + kCombineThreads - 1) / kCombineThreads,",

@@ -1,6 +1,5 @@
 """chosen_logprob's CUDA row kernels on the CPU (tests/kernels_on_cpu_harness.py) for several tokens
-per position (stats_rows' chosen logits, grad_rows through entry_grads, combine) and top_logprobs'
-top_ids_rows, against float64."""
+per position (stats_rows' chosen logits, grad_rows through entry_grads, combine), against float64."""
 import math
 
 import pytest
@@ -105,32 +104,6 @@ def test_grad_rows_many_tokens(drivers, tmp_path, N, C, passes, softcap):
         got = run_entry_grads(drivers, tmp_path / str(dtype), logits, tokens, per_row, gl, col0, temperature, passes,
                               softcap, grads=grads)
         assert torch.equal(got.view(torch.uint8), in_place.to(dtype).view(torch.uint8)), f"{dtype}: not bitwise"
-
-
-@pytest.mark.parametrize("N,C,K,passes", [(21, 45, 5, "several"), (21, 45, 5, "one"), (9, 7, 12, "one"),
-                                          (40, 200, 64, "several")])
-def test_top_ids_rows(drivers, tmp_path, N, C, K, passes):
-    """Two chunks given in turn (global ids [0, C) and [C, 2C)) to tops starting as placeholders:
-    the K first logits in the order (descending, the lower id first), with ties across the chunks
-    (values on a coarse grid), a NaN (never taken), a row of equal logits and a row of -inf."""
-    temperature = 0.5
-    chunks = [torch.randint(-6, 7, (N, C)).float() * 0.5 for _ in range(2)]
-    chunks[0][0, 3] = math.nan
-    chunks[0][1] = chunks[1][1] = 1.0
-    chunks[0][2] = chunks[1][2] = -math.inf
-    top, ids = torch.full((N, K), -math.inf), torch.full((N, K), 2**63 - 1)
-    for i, logits in enumerate(chunks):
-        out, [launch] = run_case(drivers, "chosen_logprob", "top_ids_rows",
-                                 {"logits": Buf(logits), "top": Buf(top), "top_ids": Buf(ids)},
-                                 {"N": N, "C": C, "K": K, "col0": i * C, **logit_map_scalars(temperature)},
-                                 passes=passes, tmp_dir=tmp_path / str(i))
-        assert_passes(launch, N, passes, rows_per_block=launch.block[0] // 32)
-        top, ids = out["top"], out["top_ids"]
-    z = torch.cat(chunks, 1) / temperature
-    for r in range(N):
-        ordered = sorted(((-float(v), c) for c, v in enumerate(z[r].tolist()) if not math.isnan(v)))[:K]
-        got = sorted(zip((-top[r]).tolist(), ids[r].tolist()))
-        assert got == ordered, f"row {r}: top ids"
 
 
 @pytest.mark.parametrize("passes", ["several", "one"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels_on_cpu_harness import (FP32_EPS, Buf, assert_passes, assert_within, drivers, dtype_scalar,  # noqa: F401
-                                    pytestmark, run_case)
+                                    logit_map_scalars, pytestmark, run_case)
 
 # (temperature, student softcap, teacher softcap); None: no cap.
 MAPS = [(1.0, None, None), (0.7, 4.0, 2.5)]
@@ -19,8 +19,9 @@ def mapped64(x, temperature, softcap):
 
 
 def map_scalars(temperature, softcap, teacher_softcap, beta=0.5):
-    caps = {name: value for name, value in (("softcap", softcap), ("teacher_softcap", teacher_softcap)) if value}
-    return {"temperature": temperature, "beta": beta, **caps}
+    """Both models' maps (the teacher's with the student's temperature) and beta, as the driver reads them."""
+    return {**logit_map_scalars(temperature, softcap), **logit_map_scalars(temperature, teacher_softcap, "teacher_"),
+            "beta": beta}
 
 
 def sides64(zs, zt):

@@ -1,13 +1,18 @@
 """The limits that hold for the whole tree (docs/testing.md): no module of fused_rl_ops/ over 400
-lines and no function there over 80 (its docstring aside), no file of tests/ over 600 lines, and no
-edit of `sys.path` in any of the checkout's Python (a module that must be importable is made so by
-where it lives, not by a path added at run time)."""
+lines and no function there over 80 (its docstring aside), no file of tests/ over 600 lines, no
+file of csrc/ over 400 lines, no #include between csrc's op folders (each includes common/ and
+vocab_parallel/ only), no path of csrc/ named in the package nor of the Python trees in csrc/, and
+no edit of `sys.path` in any of the checkout's Python (a module that must be importable is made so
+by where it lives, not by a path added at run time)."""
 import ast
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULE_LINES, FUNCTION_LINES, TEST_FILE_LINES = 400, 80, 600
+MODULE_LINES, FUNCTION_LINES, TEST_FILE_LINES, CSRC_FILE_LINES = 400, 80, 600, 400
+CSRC = ROOT / "csrc"
+# The folders of csrc/ that are no op's, and the ones each may include besides itself.
+SHARED_FOLDERS = {"common": set(), "vocab_parallel": {"common"}}
 # Not the checkout's own sources: build outputs (the copy for another torch among them), venvs, results.
 NOT_SOURCES = {"build", "wheelhouse", "bench_results", "gpu_results", "__pycache__"}
 
@@ -62,6 +67,55 @@ def test_no_test_file_over_the_limit():
     assert not too_long, f"test files over {TEST_FILE_LINES} lines: {too_long}"
 
 
+def csrc_files():
+    return sorted(path for path in CSRC.rglob("*") if path.is_file())
+
+
+def test_no_csrc_file_over_the_limit():
+    too_long = {str(path.relative_to(ROOT)): lines for path in csrc_files()
+                if (lines := line_count(path)) > CSRC_FILE_LINES}
+    assert not too_long, f"csrc files over {CSRC_FILE_LINES} lines: {too_long}"
+
+
+def included_folders(path):
+    """The csrc/ folders of the project headers that path includes ("folder/file.h")."""
+    return {m[1] for m in re.finditer(r'^\s*#\s*include\s+"([\w.]+)/', path.read_text(), re.M)}
+
+
+def test_op_folders_include_no_other_op_folder():
+    """An op folder includes common/, vocab_parallel/ and itself; vocab_parallel/ common/ and itself;
+    common/ itself: sibling ops share code through the engine, never each other."""
+    crossing = []
+    for path in csrc_files():
+        if path.parent == CSRC:
+            continue  # module.cpp: the schemas, from every op's options
+        folder = path.parent.name
+        allowed = {folder} | SHARED_FOLDERS.get(folder, set(SHARED_FOLDERS))
+        crossing += [f"{path.relative_to(ROOT)} includes {other}/" for other in included_folders(path) - allowed]
+    assert not crossing, "\n".join(crossing)
+
+
+# A path of one tree named in the other goes stale when a file moves: the package names C++ things,
+# and csrc/ Python ones, by op, struct or function instead (tests/ compile csrc/ and may name it).
+PYTHON_PATH = re.compile(r"\bfused_rl_ops/|\btests/|\b\w+\.py\b")
+
+
+def cpp_path(names):
+    """csrc/, or one of its files by name (names; a toolkit's header is no file of ours)."""
+    return re.compile(r"\bcsrc/|(?<![\w.])(?:" + "|".join(map(re.escape, sorted(names))) + r")(?!\w)")
+
+
+def lines_matching(paths, pattern):
+    return [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in paths
+            for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+
+
+def test_no_path_of_one_tree_in_the_other():
+    named = lines_matching(python_files(ROOT / "fused_rl_ops"), cpp_path({path.name for path in csrc_files()}))
+    named += lines_matching(csrc_files(), PYTHON_PATH)
+    assert not named, "paths of the other tree:\n" + "\n".join(named)
+
+
 # sys.path changed in place, assigned or added to, or site.addsitedir; in code or in a program
 # handed to another interpreter as a string.
 PATH_EDIT = re.compile(r"\bsys\s*\.\s*path\s*(\.\s*(insert|append|extend|remove|pop|clear)\s*\(|(\[[^\]]*\])?\s*\+?=(?!=))"
@@ -91,3 +145,9 @@ def test_the_checks_find_what_they_look_for(tmp_path):
 
     assert all(PATH_EDIT.search(code(line)) for line in edits)
     assert not any(PATH_EDIT.search(code(line)) for line in reads)
+    # Paths of the other tree: a C++ file or csrc/ in Python, a Python file or folder in C++.
+    cpp = cpp_path({"math.h", "kernel.cu"})
+    assert all(cpp.search(line) for line in ["(csrc/x/y.h)", "see math.h", "chosen_logprob/kernel.cu's launchers"])
+    assert not any(cpp.search(line) for line in ["include/cuda_runtime.h", "vec_math.h", "Math.hpp", "the kernel"])
+    assert all(PYTHON_PATH.search(line) for line in ["fused_rl_ops/x.py", "(_options.py)", "tests/kernels_on_cpu/"])
+    assert not any(PYTHON_PATH.search(line) for line in ["fused_rl_ops.chosen_logprob", "LogitMap", "py_func"])

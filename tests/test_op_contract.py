@@ -1,8 +1,8 @@
 """Each op's contract is declared once per language: its options come in groups (the logit map, the
-vocab shard, the tiling every vocab-parallel op takes, then the op's own), each declared in C++
-(csrc/common/logit_map.h, csrc/common/vocab_parallel.h, csrc/<op>/options.h, which make the
-registered schema) and in Python (an options dataclass per group), and its tensor checks in
-csrc/<op>/entry.h and the op's Python module. These tests hold the two languages to one contract:
+vocab shard, the tiling every vocab-parallel op takes, vocab_divergence's teacher's map, then the
+op's own), each declared in C++ (csrc/vocab_parallel/logit_map.h, csrc/vocab_parallel/options.h,
+csrc/<op>/options.h, which make the registered schema) and in Python (an options dataclass per
+group), and its tensor checks in csrc/<op>/entry.h and the op's Python module. These tests hold the two languages to one contract:
 every op's schema takes its groups in order, each group's fields as declared, and every op, called
 directly through torch.ops (on real and on meta tensors, where the fake kernels check), accepts and
 refuses exactly what each group's Python declaration accepts and refuses, with the same error. The
@@ -22,7 +22,7 @@ from fused_rl_ops._vocab_parallel.shard import VocabShard
 from fused_rl_ops._vocab_parallel.tiling import Tiling
 from fused_rl_ops.chosen_logprob import OP_GROUPS, ChosenLogprobOptions
 from fused_rl_ops.clamped_swiglu import ClampedSwigluOptions
-from fused_rl_ops.logit_options import LogitMap
+from fused_rl_ops.logit_options import LogitMap, TeacherLogitMap
 from fused_rl_ops.testing import op_table
 from fused_rl_ops.top_logprobs import TopLogprobsOptions
 from fused_rl_ops.vocab_divergence import VocabDivergenceOptions
@@ -30,7 +30,8 @@ from fused_rl_ops.vocab_divergence import VocabDivergenceOptions
 ops = torch.ops.fused_rl_ops
 
 # Valid values of every group.
-VALID = {LogitMap: LogitMap(0.9, None), VocabShard: VocabShard(0, None), Tiling: Tiling(128),
+VALID = {LogitMap: LogitMap(0.9, None), TeacherLogitMap: TeacherLogitMap(1.3, 2.0), VocabShard: VocabShard(0, None),
+         Tiling: Tiling(128),
          ChosenLogprobOptions: ChosenLogprobOptions(), TopLogprobsOptions: TopLogprobsOptions(3),
          ClampedSwigluOptions: ClampedSwigluOptions(7.0, 1.702, 1.0, False), VocabDivergenceOptions: VocabDivergenceOptions()}
 
@@ -140,13 +141,14 @@ def test_ops_accept_and_refuse_what_the_declaration_does(group, tensors_on):
 
 def test_the_docs_name_every_declared_option():
     """docs/chosen_logprob.md's section on the ops lists the options of the stats and backward ops'
-    groups, docs/vocab_divergence.md's its op's own; docs/clamped_swiglu.md names its op's."""
+    groups, docs/vocab_divergence.md's its op's own and the teacher's map; docs/clamped_swiglu.md
+    names its op's."""
     docs = Path(__file__).resolve().parent.parent / "docs"
     ops_section = (docs / "chosen_logprob.md").read_text().split("## The ops underneath")[1].split("\n## ")[0]
     for declared in (o for group in OP_GROUPS for o in group.OPTIONS):
         assert re.search(rf"`{declared.name}\b", ops_section), declared.name
     divergence_section = (docs / "vocab_divergence.md").read_text().split("## The ops underneath")[1].split("\n## ")[0]
-    for declared in VocabDivergenceOptions.OPTIONS:
+    for declared in VocabDivergenceOptions.OPTIONS + TeacherLogitMap.OPTIONS:
         assert re.search(rf"`{declared.name}\b", divergence_section), declared.name
     for declared in ClampedSwigluOptions.OPTIONS:
         assert re.search(rf"\b{declared.name}\b", (docs / "clamped_swiglu.md").read_text()), declared.name

@@ -40,9 +40,10 @@ def test_every_kernel_source_runs_in_the_harness_through_a_driver_of_the_table()
 
 @pytest.mark.parametrize("op", op_table.OPS, ids=lambda op: op.name)
 def test_sanitizer_cases_reach_every_operator_of_their_op(op):
+    """Each of its operators, and perhaps another op's (top_logprobs' backward is chosen_logprob's)."""
     with KernelCalls() as calls:
         op.sanitizer_cases("cpu")
-    assert {call.op for call in calls.calls} == set(op.torch_ops)
+    assert set(op.torch_ops) <= {call.op for call in calls.calls}
 
 
 def test_chosen_logprob_sanitizer_cases_use_softcap_and_the_sampler_filter(monkeypatch):
@@ -76,8 +77,6 @@ def test_the_gpu_test_stage_runs_every_ops_first_file_before_any_second():
     assert sorted(printed) == sorted(f"tests/{path.name}" for path in (ROOT / "tests").glob("test_*.py"))
     firsts = [f"tests/test_{op.name}.py" for op in op_table.OPS]
     assert printed[:len(firsts)] == firsts
-    # top_logprobs runs chosen_logprob's kernels (its top_logprobs_stats operator): that op's second file.
-    assert printed[len(firsts)] == "tests/test_top_logprobs.py"
     assert printed.index("tests/test_vocab_divergence_tp.py") < printed.index("tests/test_chosen_logprob_sweep.py")
 
 
@@ -92,7 +91,7 @@ def test_sanitizer_cases_walk_several_chunks_at_the_cuda_tiling(monkeypatch):
         monkeypatch.setattr(module, "tiling_for", lambda *args, real=module.tiling_for: real(
             *args[:4], torch.device("cuda"), *args[5:]))
     with KernelCalls() as calls:
-        for op in ("chosen_logprob", "vocab_divergence"):
+        for op in ("chosen_logprob", "top_logprobs", "vocab_divergence"):
             op_table.BY_NAME[op].sanitizer_cases("cpu")
     tiled = [call for call in calls.calls if "chunk_size" in call.args]
     assert {call.op for call in tiled} >= {"chosen_logprob_stats", "chosen_logprob_backward", "chosen_logprob_search",

@@ -232,7 +232,7 @@ def test_bad_masks():
         fused_rl_ops.top_logprobs(hidden, weight, 2, mask=torch.ones(2, 3, dtype=torch.bool, device="meta"))
     options = (1.0, None, 0, None, 32, 0, 0, 1, 2)
     for bad in (torch.ones(6), torch.ones(5, dtype=torch.bool), torch.ones(6, 1, dtype=torch.bool)):
-        with pytest.raises(ValueError, match=r"chosen_logprob: mask must be None or \[N\] bool \(hidden's rows\)"):
+        with pytest.raises(ValueError, match=r"top_logprobs: mask must be None or \[N\] bool \(hidden's rows\)"):
             ops.top_logprobs_stats(hidden.reshape(6, H), weight, bad, *options)
 
 

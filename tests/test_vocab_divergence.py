@@ -9,7 +9,12 @@ import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from fused_rl_ops.logit_options import LogitMap, LogitOptions
+from fused_rl_ops._options import op_arguments
+from fused_rl_ops._vocab_divergence_function import FORWARD_KL_COLUMN, REVERSE_KL_COLUMN
+from fused_rl_ops._vocab_parallel.shard import VocabShard
+from fused_rl_ops._vocab_parallel.tiling import Tiling
+from fused_rl_ops.logit_options import LogitMap, LogitOptions, TeacherLogitMap
+from fused_rl_ops.vocab_divergence import OP_GROUPS, VocabDivergenceOptions
 from fused_rl_ops.testing.kernel_calls import KernelCalls
 
 KINDS = ["forward_kl", "reverse_kl", "jsd"]
@@ -207,7 +212,8 @@ def test_weight_gradient_added_into_main_grad(device):
 def test_opcheck(device):
     hidden, weight, teacher_hidden, teacher_weight, grad = make_inputs((9,), 12, 16, 200, torch.float32, device)
     ops = torch.ops.fused_rl_ops
-    options, own = (0.9, 3.0, 100, 150, 128), dict(teacher_softcap=2.0, beta=0.3)
+    # The student's map, the teacher's, the shard and the tiling.
+    options, own = (0.9, 3.0, 0.9, 2.0, 100, 150, 128), dict(beta=0.3)
     stats = ops.vocab_divergence_stats(hidden, weight, teacher_hidden, teacher_weight, None, *options, **own)
     torch.library.opcheck(ops.vocab_divergence_combine, (torch.stack([stats, stats]),))
     rows, term = ops.vocab_divergence_combine(stats[None]), torch.randn(9, device=device)
@@ -230,6 +236,24 @@ def call_with(**changes):
     kw.update(changes)
     return fused_rl_ops.vocab_divergence(kw.pop("hidden"), kw.pop("weight"), kw.pop("teacher_hidden"),
                                          kw.pop("teacher_weight"), **kw)
+
+
+def test_the_teachers_map_is_a_group_of_its_own(device):
+    """The ops take the teacher's map as an option group of its own, from its Python object through
+    the schema: a teacher temperature and cap of its own (the public function shares the student's
+    temperature) give the reference's divergences with those maps."""
+    hidden, weight, teacher_hidden, teacher_weight, _ = make_inputs((9,), 12, 16, 200, torch.float32, device)
+    student, teacher = LogitMap(0.8, 3.0), LogitMap(1.7, 2.0)
+    groups = (student, TeacherLogitMap.of(teacher), VocabShard(0, None), Tiling(64), VocabDivergenceOptions())
+    assert tuple(map(type, groups)) == OP_GROUPS
+    options = op_arguments(*groups)
+    tensors = (hidden, weight, teacher_hidden, teacher_weight)
+    rows = torch.ops.fused_rl_ops.vocab_divergence_combine(
+        torch.ops.fused_rl_ops.vocab_divergence_stats(*tensors, None, *options)[None])
+    as64 = [t.double().cpu() for t in tensors]
+    for kind, column in (("forward_kl", FORWARD_KL_COLUMN), ("reverse_kl", REVERSE_KL_COLUMN)):
+        expected = reference.vocab_divergence(*as64, kind=kind, logit_map=student, teacher_logit_map=teacher)
+        torch.testing.assert_close(rows[:, column].double().cpu(), expected, **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("changes,error,pattern", [
@@ -261,7 +285,7 @@ def test_bad_arguments_raise_clear_errors(changes, error, pattern):
 
 def test_ops_called_directly_refuse_mismatched_tensors():
     hidden, weight, teacher_hidden, teacher_weight, _ = make_inputs((5,), 8, 12, 64, torch.float32, "cpu")
-    ops, options = torch.ops.fused_rl_ops, (1.0, None, 0, None, 128)
+    ops, options = torch.ops.fused_rl_ops, (1.0, None, 1.0, None, 0, None, 128)
     with pytest.raises(ValueError, match=r"expected teacher_hidden \[N, H_t\]"):
         ops.vocab_divergence_stats(hidden, weight, teacher_hidden[:4], teacher_weight, None, *options)
     with pytest.raises(ValueError, match=r"mask must be None or \[N\] bool"):

@@ -1,5 +1,5 @@
 """vocab_divergence's CPU chunk loop as tasks of row pieces (LogitsChunks::as_tasks in
-csrc/chosen_logprob/chunks.h, the teacher's logits by the piece: TeacherLogits in
+csrc/vocab_parallel/chunk_loop.h, the teacher's logits by the piece: TeacherLogits in
 csrc/vocab_divergence/chunks.h) on 1, 2 and 3 threads (3: more threads than CI's two cores): the same
 bits whatever the threads for the stats, jsd's mixture and the backward, and float64 autograd's
 gradients, for one pass with a narrower last chunk, several passes with a padded last row block,
@@ -52,7 +52,7 @@ def run_on_threads(threads, hidden, weight, teacher_hidden, teacher_weight, grad
 def test_tasks_give_the_same_bits_on_any_threads(dtype, teacher_dtype, chunk, row_block, pass_rows, main_grad):
     hidden, weight, teacher_hidden, teacher_weight, grad = make_inputs((600,), 32, 48, 1100, dtype, "cpu")
     teacher_hidden, teacher_weight = teacher_hidden.to(teacher_dtype), teacher_weight.to(teacher_dtype)
-    options = (1.0, None, 0, None, chunk, row_block, pass_rows)
+    options = (1.0, None, 1.0, None, 0, None, chunk, row_block, pass_rows)  # both maps, shard, tiling
     results = [run_on_threads(t, hidden, weight, teacher_hidden, teacher_weight, grad, options, main_grad)
                for t in (1, 2, 3)]
     for other in results[1:]:

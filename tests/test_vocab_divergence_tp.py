@@ -140,11 +140,12 @@ def test_shards_merged_in_one_process_give_the_whole_vocabulary(device):
     vocab_size = world * LOCAL_V - LOCAL_V - 10
     shards = [slice(r * LOCAL_V, (r + 1) * LOCAL_V) for r in range(world)]
     for kind in KINDS:
-        own = dict(kind=KINDS.index(kind), teacher_softcap=3.0, beta=0.35)
+        own = dict(kind=KINDS.index(kind), beta=0.35)
 
-        def shard_call(op, shard, *tensors):  # one rank's call: temperature 0.8, softcap 4.0, 128-row chunks
+        # One rank's call: the student's map (0.8, softcap 4.0), the teacher's (0.8, 3.0), 128-row chunks.
+        def shard_call(op, shard, *tensors):
             valid = min(max(vocab_size - shard.start, 0), LOCAL_V)
-            return op(hidden, weight[shard], teacher_hidden, teacher_weight[shard], mask, *tensors, 0.8, 4.0,
+            return op(hidden, weight[shard], teacher_hidden, teacher_weight[shard], mask, *tensors, 0.8, 4.0, 0.8, 3.0,
                       shard.start, valid, 128, 0, 0, **own)
 
         rows = ops.vocab_divergence_combine(torch.stack([shard_call(ops.vocab_divergence_stats, s) for s in shards]))

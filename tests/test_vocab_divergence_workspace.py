@@ -1,5 +1,5 @@
 """vocab_divergence's workspace on the CPU: what its chunk loops allocate (the student's through
-csrc/chosen_logprob/chunks.h, two logits workspaces in the backward; the teacher's logits workspace
+csrc/vocab_parallel/chunk_loop.h, two logits workspaces in the backward; the teacher's logits workspace
 and weight rows, TeacherLogits in csrc/vocab_divergence/chunks.h), measured through the profiler's
 record of every allocation, against the accounting the tiling is planned with (_resolve in
 fused_rl_ops/vocab_divergence.py: chunk_loop_bytes of both hidden sizes within half the workspace);
@@ -34,7 +34,7 @@ def test_the_cpu_chunk_loops_allocate_what_the_tiling_plans_for(tmp_path, dtype,
     teacher_hidden, teacher_weight = teacher_hidden.to(teacher_dtype), teacher_weight.to(teacher_dtype)
     tensors = (hidden, weight, teacher_hidden, teacher_weight, None)
     e, e_t, acc = hidden.element_size(), teacher_hidden.element_size(), 8 if dtype == torch.float64 else 4
-    options = (1.0, None, 0, None, chunk, row_block, pass_rows)
+    options = (1.0, None, 1.0, None, 0, None, chunk, row_block, pass_rows)  # both maps, shard, tiling
     block = row_block or N
     rows = min(pass_rows // block * block if pass_rows else N, -(-N // block) * block)
     several_passes = rows < N

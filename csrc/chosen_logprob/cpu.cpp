@@ -1,49 +1,19 @@
-// chosen_logprob, CPU: the chunk loop with ATen GEMMs (common/cpu_gemms.h) and SIMD row kernels
+// chosen_logprob, CPU: the chunk loop with ATen GEMMs (vocab_parallel/cpu_gemms.h) and SIMD row kernels
 // running the shared formulas of chosen_logprob/math.h, both on pieces of rows handed to the
-// threads as they come free (RowPieces in chosen_logprob/chunks.h).
+// threads as they come free (RowPieces in vocab_parallel/tiling.h).
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include "chosen_logprob/entry.h"
 #include "chosen_logprob/math.h"
 #include "chosen_logprob/sampler_filter.h"
-#include "chosen_logprob/top_ids.h"
-#include "common/combine.h"
-#include "common/cpu_gemms.h"
 #include "common/vec_math.h"
+#include "vocab_parallel/combine.h"
+#include "vocab_parallel/cpu_gemms.h"
+#include "vocab_parallel/stats_rows.h"
 
 namespace fused_rl_ops::chosen_logprob {
 namespace {
-
-// Logit: the PlainLogit or SoftcappedLogit of common/logit_map.h, in acc.
-template <typename acc, class Logit>
-void stats_rows_cpu(const Params& p, const Logit& logit) {
-  using Vec = at::vec::Vectorized<acc>;
-  const auto* logits = static_cast<const acc*>(p.logits);
-  auto* stats = static_cast<acc*>(p.stats);
-  const int64_t N = p.rows, C = p.cols, col0 = p.col0, k = p.tokens_per_row;
-  const int64_t* tokens = p.tokens;
-  const auto* threshold = static_cast<const acc*>(p.threshold);
-  const int64_t C_vec = C - C % Vec::size();
-  const auto vlogit = logit.template as<Vec>();
-  for (int64_t r = 0; r < N; ++r) {
-    const acc* x = logits + r * C;
-    const acc tau = threshold ? threshold[r] : acc(-INFINITY);
-    Vec vmax(-INFINITY);
-    for (int64_t c = 0; c < C_vec; c += Vec::size()) vmax = Math<Vec>::max(vmax, Vec::loadu(x + c));
-    acc m = horizontal_max(vmax);
-    for (int64_t c = C_vec; c < C; ++c) m = Math<acc>::max(m, x[c]);
-    m = kept_max(logit(m), tau);  // the map is nondecreasing: the largest z is the map of the largest x
-    const Vec vm(m), vtau(tau);
-    Vec vs(0), vt(0);
-    for (int64_t c = 0; c < C_vec; c += Vec::size()) stats_add(vlogit(Vec::loadu(x + c)), vm, vs, vt, vtau);
-    acc s = horizontal_sum(vs), t = horizontal_sum(vt);
-    for (int64_t c = C_vec; c < C; ++c) stats_add(logit(x[c]), m, s, t, tau);
-    acc* row = stats + (stats_column::chosen + k) * r;
-    stats_update_row(row, RowStats<acc>{m, s, t});
-    if (k > 0) stats_pick_chosen(row + stats_column::chosen, tokens + k * r, k, 0, 1, x, col0, C, logit);
-  }
-}
 
 // Into p.grads (acc; may be p.logits itself: each row's chosen columns are computed before the row
 // is overwritten, then written over it: gather_chosen_grads, scatter_chosen_grads).
@@ -140,34 +110,6 @@ void top_rows_cpu(const Params& p, const Logit& logit) {
   }
 }
 
-// Gives each logit of a row, with its global id, to the row's top of top_width (top_ids.h), in
-// column order: once full, a logit equal to its last entry comes after it (a higher id), so only a
-// larger one can enter.
-template <typename acc, class Logit>
-void top_ids_rows_cpu(const Params& p, const Logit& logit) {
-  using Vec = at::vec::Vectorized<acc>;
-  const auto* logits = static_cast<const acc*>(p.logits);
-  auto* values = static_cast<acc*>(p.top);
-  const int64_t N = p.rows, C = p.cols, K = p.top_width, col0 = p.col0;
-  const int64_t C_vec = C - C % Vec::size();
-  const int no_lane = (1 << Vec::size()) - 1;
-  const auto vlogit = logit.template as<Vec>();
-  alignas(64) acc lanes[Vec::size()];
-  for (int64_t r = 0; r < N; ++r) {
-    const acc* x = logits + r * C;
-    acc* top = values + r * K;
-    int64_t* ids = p.top_ids + r * K;
-    for (int64_t c = 0; c < C_vec; c += Vec::size()) {
-      const Vec z = vlogit(Vec::loadu(x + c));
-      // A placeholder root (id kNoId) takes a -inf logit too.
-      if (ids[0] != kNoId && (z > Vec(top[0])).zero_mask() == no_lane) continue;
-      z.store(lanes);
-      for (int j = 0; j < Vec::size(); ++j) top_ids_push(top, ids, K, lanes[j], col0 + c + j);
-    }
-    for (int64_t c = C_vec; c < C; ++c) top_ids_push(top, ids, K, logit(x[c]), col0 + c);
-  }
-}
-
 // Adds the mass (relative to the global row max) of each logit in a row's search window to the
 // row's histogram, in the bin of its cell.
 template <typename acc, class Logit>
@@ -209,15 +151,7 @@ void hist_rows_cpu(const Params& p, const Logit& logit) {
 }
 
 struct CpuKernels : CpuGemms {
-  // Rows per piece (chosen_logprob/chunks.h, RowPieces): a divisor of the batch-invariant row
-  // block, and enough pieces per chunk (16 at N = 2048) to even out a slowed thread's share.
-  static constexpr int64_t kPieceRows = 128;
-
-  static void stats_rows(const Params& p, at::ScalarType acc) {
-    AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_stats_cpu", [&] {
-      with_logit_map<scalar_t>(p.logit_map, [&](const auto& logit) { stats_rows_cpu<scalar_t>(p, logit); });
-    });
-  }
+  static void stats_rows(const Params& p, at::ScalarType acc) { stats_rows_cpu(p, acc); }
 
   static void grad_rows(const Params& p, at::ScalarType acc, at::ScalarType /* grads: grad_dtype, acc */) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_grad_cpu", [&] {
@@ -228,12 +162,6 @@ struct CpuKernels : CpuGemms {
   static void top_rows(const Params& p, at::ScalarType acc) {
     AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_top_cpu", [&] {
       with_logit_map<scalar_t>(p.logit_map, [&](const auto& logit) { top_rows_cpu<scalar_t>(p, logit); });
-    });
-  }
-
-  static void top_ids_rows(const Params& p, at::ScalarType acc) {
-    AT_DISPATCH_FLOATING_TYPES(acc, "chosen_logprob_top_ids_cpu", [&] {
-      with_logit_map<scalar_t>(p.logit_map, [&](const auto& logit) { top_ids_rows_cpu<scalar_t>(p, logit); });
     });
   }
 
@@ -257,7 +185,6 @@ TORCH_LIBRARY_IMPL(fused_rl_ops, CPU, m) {
   m.impl("chosen_logprob_backward", &backward<CpuKernels>);
   m.impl("chosen_logprob_combine", &combine<CpuKernels>);
   m.impl("chosen_logprob_search", &search<CpuKernels>);
-  m.impl("top_logprobs_stats", &top_logprobs_stats<CpuKernels>);
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

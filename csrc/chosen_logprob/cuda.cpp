@@ -1,12 +1,12 @@
 // chosen_logprob, CUDA: the ops of chosen_logprob/entry.h with cuBLAS GEMMs through ATen
-// (common/cuda_gemms.h) and the row kernels of chosen_logprob/kernel.cu (which stays free of torch
+// (vocab_parallel/cuda_gemms.h) and the row kernels of chosen_logprob/kernel.cu (which stays free of torch
 // headers) on the current stream.
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
 #include "chosen_logprob/entry.h"
 #include "chosen_logprob/kernel.h"
-#include "common/cuda_gemms.h"
+#include "vocab_parallel/cuda_gemms.h"
 
 namespace fused_rl_ops::chosen_logprob {
 namespace {
@@ -23,10 +23,6 @@ struct CudaKernels : CudaGemms {
 
   static void top_rows(const Params& p, at::ScalarType) { C10_CUDA_CHECK(launch_chosen_logprob_top_rows(p, stream())); }
 
-  static void top_ids_rows(const Params& p, at::ScalarType) {
-    C10_CUDA_CHECK(launch_chosen_logprob_top_ids_rows(p, stream()));
-  }
-
   static void hist_rows(const Params& p, at::ScalarType) {
     C10_CUDA_CHECK(launch_chosen_logprob_hist_rows(p, stream()));
   }
@@ -41,7 +37,6 @@ TORCH_LIBRARY_IMPL(fused_rl_ops, CUDA, m) {
   m.impl("chosen_logprob_backward", &backward<CudaKernels>);
   m.impl("chosen_logprob_combine", &combine<CudaKernels>);
   m.impl("chosen_logprob_search", &search<CudaKernels>);
-  m.impl("top_logprobs_stats", &top_logprobs_stats<CudaKernels>);
 }
 
 }  // namespace fused_rl_ops::chosen_logprob

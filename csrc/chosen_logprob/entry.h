@@ -1,8 +1,6 @@
-// chosen_logprob's ops, one implementation for the CPU and CUDA kernels (cpu.cpp's, cuda.cpp's),
-// each device file registering these templates with its own Kernels. Each op checks its contract
-// first: its option groups as they are declared (chosen_logprob/options.h), and the shapes, dtypes
-// and devices its kernels rely on, in the words of fused_rl_ops/chosen_logprob.py's checks. Then it
-// leaves out the rows it need not compute (RowSkipping) and runs the chunk loop (chosen_logprob/chunks.h).
+// chosen_logprob's ops, written once over a device's Kernels, which each device file registers.
+// Each checks its contract first (its option groups, and what its kernels rely on, in the words of
+// the Python checks), leaves out the rows it need not compute (RowSkipping), then walks the chunks.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,36 +10,14 @@
 
 #include "chosen_logprob/chunks.h"
 #include "chosen_logprob/options.h"
-#include "common/combine.h"
-#include "common/row_skipping.h"
+#include "vocab_parallel/checks.h"
+#include "vocab_parallel/combine.h"
+#include "vocab_parallel/row_skipping.h"
+#include "vocab_parallel/stats_rows.h"
 
 namespace fused_rl_ops::chosen_logprob {
 
 constexpr const char* kOp = "chosen_logprob";
-
-// hidden [N, H] (H >= 1), weight [V, H] in hidden's floating dtype, int64 tokens [N] or [N, k]
-// (k >= 1 tokens per position; the search and top_logprobs ops take none: null), on one device, and the option groups every op takes, valid_rows at most V.
-inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor* tokens,
-                         const VocabParallelOptions& groups) {
-  check_options(kOp, groups);
-  check_float_dtype(kOp, "hidden", hidden);
-  TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(), kOp, ": weight must have hidden's dtype ",
-                   hidden.scalar_type(), ", got ", weight.scalar_type());
-  TORCH_CHECK_TYPE(!tokens || tokens->scalar_type() == at::kLong, kOp, ": tokens must be int64, got ",
-                   tokens->scalar_type());
-  TORCH_CHECK_VALUE(hidden.dim() == 2 && hidden.size(1) >= 1 && weight.dim() == 2 && weight.size(1) == hidden.size(1),
-                    kOp, ": expected hidden [N, H] with H >= 1 and weight [V, H], got ", hidden.sizes(), " and ",
-                    weight.sizes());
-  TORCH_CHECK_VALUE(!tokens || ((tokens->dim() == 1 || (tokens->dim() == 2 && tokens->size(1) >= 1)) &&
-                                 tokens->size(0) == hidden.size(0)),
-                    kOp, ": tokens must be [N] or [N, k] with k >= 1 (N: hidden's rows), got ", tokens->sizes());
-  TORCH_CHECK_VALUE(weight.device() == hidden.device() && (!tokens || tokens->device() == hidden.device()), kOp,
-                    ": all tensors must be on one device, got hidden on ", hidden.device(), ", weight on ",
-                    weight.device(), tokens ? ", tokens on " : "", tokens ? tokens->device() : hidden.device());
-  TORCH_CHECK_VALUE(groups.shard.valid_rows.value_or(0) <= weight.size(0), kOp,
-                    ": valid_rows must be None or at most weight's rows ", weight.size(0), ", got ",
-                    *groups.shard.valid_rows);
-}
 
 // An optional per-token tensor t (threshold): [N] in the accumulation dtype on hidden's device.
 inline void check_per_token(const char* what, const std::optional<at::Tensor>& t, const at::Tensor& hidden) {
@@ -50,12 +26,12 @@ inline void check_per_token(const char* what, const std::optional<at::Tensor>& t
                     kOp, ": ", what, " must be [N] in the accumulation dtype, on hidden's device");
 }
 
-// The stats and backward ops' inputs: check_inputs with their tokens, then their own options and the
+// The stats and backward ops' inputs: check_shard_inputs with their tokens, then their own options and the
 // sampler's threshold.
 inline void check_scoring_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& tokens,
                                  const VocabParallelOptions& groups, const Options& options,
                                  const std::optional<at::Tensor>& threshold) {
-  check_inputs(hidden, weight, &tokens, groups);
+  check_shard_inputs(kOp, hidden, weight, &tokens, groups);
   check_options(kOp, options);
   check_per_token("threshold", threshold, hidden);
 }
@@ -66,19 +42,8 @@ RowSkipping skipping_ignored(const at::Tensor& tokens, std::optional<int64_t> ig
   return ignore_index ? RowSkipping::of<Kernels>((tokens == *ignore_index).all(1)) : RowSkipping{};
 }
 
-// The id top_logprobs_stats gives the rows it does not compute (before every real id, so that the
-// ranks' merged tops keep it); fused_rl_ops/top_logprobs.py's NOT_COMPUTED.
-constexpr int64_t kNotComputed = -1;
-
 // tokens [N] as [N, 1]; [N, k] as they are.
 inline at::Tensor per_row(const at::Tensor& t) { return t.dim() == 1 ? t.unsqueeze(1) : t; }
-
-// A stats row of no logits: the empty partial (partial_empty), and with a top an empty top.
-inline at::Tensor empty_stats_row(int64_t columns, const at::TensorOptions& options) {
-  at::Tensor row = at::zeros({columns}, options);
-  row.select(0, stats_column::max).fill_(-INFINITY);
-  return row;
-}
 
 template <class Kernels>
 at::Tensor stats(const at::Tensor& hidden, const at::Tensor& weight,
@@ -93,16 +58,16 @@ at::Tensor stats(const at::Tensor& hidden, const at::Tensor& weight,
   const std::optional<at::Tensor> tau = threshold ? std::optional(skipping.rows(*threshold, 0)) : std::nullopt;
   const at::Tensor result = stats_impl<Kernels>(skipping.rows(hidden, 0), weight, skipping.rows(tokens_2d, 0), tau,
                                                 groups.logit_map, groups.shard, groups.tiling, top_width);
-  return skipping.all_rows(result, empty_stats_row(result.size(1), result.options()));
+  return skipping.all_rows(result, empty_stats({}, result.size(1) - stats_column::chosen, result.options()));
 }
 
 // One round of the top_p search (search_impl in chosen_logprob/chunks.h): hist and top are updated
 // in place. Rows whose window is inactive (sigma 0) are left out.
 template <class Kernels>
 void search(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& row_max, const at::Tensor& window,
-            at::Tensor hist, const std::optional<at::Tensor>& top FRL_CHOSEN_LOGPROB_SEARCH_OPTIONS(FRL_OPTION_PARAM)) {
+            at::Tensor hist, const std::optional<at::Tensor>& top FRL_VOCAB_PARALLEL_OPTIONS(FRL_OPTION_PARAM)) {
   const VocabParallelOptions groups{FRL_VOCAB_PARALLEL_VALUES};
-  check_inputs(hidden, weight, nullptr, groups);
+  check_shard_inputs(kOp, hidden, weight, nullptr, groups);
   const int64_t N = hidden.size(0);
   check_per_token("row_max", row_max, hidden);
   TORCH_CHECK_VALUE(window.dim() == 2 && window.size(0) == N && window.size(1) == 2 &&
@@ -164,28 +129,6 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
                                                            skipping.rows(tokens_2d, 0), token_grads, main_grad,
                                                            groups.logit_map, groups.shard, groups.tiling);
   return {skipping.all_rows(grad_hidden, at::zeros({}, grad_hidden.options())), grad_weight};
-}
-
-// The top_logprobs op: each row's partials (stats_column, no chosen logits: [N, 3]) and its k largest
-// logits with their global ids (top_ids.h), [N, k] each, over this shard's valid rows. The rows
-// mask leaves out (False) are not computed: an empty partial, values -inf and ids kNotComputed.
-template <class Kernels>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> top_logprobs_stats(const at::Tensor& hidden, const at::Tensor& weight,
-                                                                  const std::optional<at::Tensor>& mask
-                                                                      FRL_TOP_LOGPROBS_OP_OPTIONS(FRL_OPTION_PARAM)) {
-  const VocabParallelOptions groups{FRL_VOCAB_PARALLEL_VALUES};
-  check_inputs(hidden, weight, nullptr, groups);
-  check_options(kOp, TopLogprobsOptions{FRL_TOP_LOGPROBS_OPTIONS(FRL_OPTION_VALUE)});
-  check_row_mask(kOp, mask, hidden);
-  const at::DeviceGuard guard(hidden.device());
-  const RowSkipping skipping = skipping_masked<Kernels>(mask);
-  const at::Tensor rows = skipping.rows(hidden, 0);
-  TopIds top(rows.size(0), k, hidden.options().dtype(acc_dtype(hidden.scalar_type())));
-  const at::Tensor stats = stats_impl<Kernels>(rows, weight, at::Tensor(), std::nullopt, groups.logit_map,
-                                               groups.shard, groups.tiling, 0, &top);
-  return {skipping.all_rows(stats, empty_stats_row(stats.size(1), stats.options())),
-          skipping.all_rows(top.values, at::full({}, -INFINITY, top.values.options())),
-          skipping.all_rows(top.ids, at::full({}, kNotComputed, top.ids.options()))};
 }
 
 template <class Kernels>

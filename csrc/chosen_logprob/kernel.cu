@@ -3,27 +3,12 @@
 #include "chosen_logprob/kernel.cuh"
 #include "chosen_logprob/kernel.h"
 #include "common/launch.h"
+#include "vocab_parallel/stats_rows.cuh"
 
 namespace fused_rl_ops::chosen_logprob {
 
 cudaError_t launch_chosen_logprob_stats_rows(const Params& p, cudaStream_t stream) {
-  const int64_t N = p.rows;
-  if (N == 0 || p.cols == 0) return cudaSuccess;
-  // kStatsWidth columns per access where every row of logits starts aligned for it.
-  const bool vectorised = p.cols % kStatsWidth == 0 && is_aligned(p.logits, sizeof(Pack<float, kStatsWidth>));
-  cudaError_t err = cudaSuccess;
-  with_logit_map<float>(p.logit_map, [&](auto logit) {
-    const auto launch = [&](auto width) {
-      err = launch_grid_stride(chosen_logprob_stats_rows_kernel<decltype(logit), decltype(width)::value>,
-                               (N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock, kStatsRowsPerBlock * kWarp, 0,
-                               stream, static_cast<const float*>(p.logits), N, p.cols, p.col0, p.tokens,
-                               p.tokens_per_row, logit, static_cast<const float*>(p.threshold),
-                               static_cast<float*>(p.stats));
-    };
-    if (vectorised) launch(std::integral_constant<int, kStatsWidth>{});
-    else launch(std::integral_constant<int, 1>{});
-  });
-  return err != cudaSuccess ? err : cudaGetLastError();
+  return launch_stats_rows(p, stream);
 }
 
 cudaError_t launch_chosen_logprob_grad_rows(const Params& p, DType grads_dtype, cudaStream_t stream) {
@@ -110,19 +95,6 @@ cudaError_t launch_chosen_logprob_hist_rows(const Params& p, cudaStream_t stream
                              static_cast<const float*>(p.logits), N, p.cols, logit,
                              static_cast<const float*>(p.row_max), static_cast<const double*>(p.window),
                              static_cast<int64_t*>(p.hist));
-  });
-  return err != cudaSuccess ? err : cudaGetLastError();
-}
-
-cudaError_t launch_chosen_logprob_top_ids_rows(const Params& p, cudaStream_t stream) {
-  const int64_t N = p.rows;
-  if (N == 0 || p.cols == 0) return cudaSuccess;
-  cudaError_t err = cudaSuccess;
-  with_logit_map<float>(p.logit_map, [&](auto logit) {
-    err = launch_grid_stride(chosen_logprob_top_ids_rows_kernel<decltype(logit)>,
-                             (N + kTopIdsRowsPerBlock - 1) / kTopIdsRowsPerBlock, kTopIdsRowsPerBlock * kWarp, 0,
-                             stream, static_cast<const float*>(p.logits), N, p.cols, p.col0, logit,
-                             static_cast<float*>(p.top), p.top_ids, p.top_width);
   });
   return err != cudaSuccess ? err : cudaGetLastError();
 }

@@ -5,64 +5,15 @@
 #include "common/cuda_utils.cuh"
 #include "chosen_logprob/math.h"
 #include "chosen_logprob/sampler_filter.h"
-#include "chosen_logprob/top_ids.h"
 
 namespace fused_rl_ops::chosen_logprob {
 
-constexpr int kStatsRowsPerBlock = 8;  // stats: one warp per row
-constexpr int kStatsWidth = 4;         // stats: columns per lane and access where aligned (16 bytes)
 constexpr int kGradThreads = 256;     // grad: threads per block, laid out by row_launch
 constexpr int kGradWidth = 4;         // grad: columns per thread and access where aligned (16 bytes of fp32)
 constexpr int kCombineThreads = 256;  // combine: one thread per row
 constexpr int kTopRowsPerBlock = 8;   // top: one warp per row
 constexpr int kHistThreads = 256;     // hist: one block per row, of whole warps
 constexpr int kEntryThreads = 128;    // grad with several tokens per position: one thread per row
-constexpr int kTopIdsRowsPerBlock = 8;  // top_ids: one warp per row
-
-// The merge of every lane's stats (stats_merge), in the same butterfly order on every call
-// (deterministic); every lane gets the total (stats_merge is symmetric).
-__device__ __forceinline__ RowStats<float> warp_stats(RowStats<float> r) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) {
-    const RowStats<float> other{__shfl_xor_sync(0xffffffffu, r.max, o), __shfl_xor_sync(0xffffffffu, r.sum, o),
-                                __shfl_xor_sync(0xffffffffu, r.ent, o)};
-    stats_merge(r, other);
-  }
-  return r;
-}
-
-// A warp per row reads it once: each lane keeps online stats (stats_add_online) of its columns,
-// kWidth at a time (kWidth columns per access where the launcher finds the rows aligned for it, else
-// 1): lane l takes columns [kWidth l, kWidth (l + 1)), then those kWarp kWidth further on, ...; the
-// lanes' stats merge in a fixed butterfly: deterministic.
-// Logit: PlainLogit<float> or SoftcappedLogit<float> (chosen_logprob/math.h), raw logits -> z.
-// tokens [N, entries] (entries may be 0: none); the lanes take the chosen logits of entries lane,
-// lane + 32, ...
-template <class Logit, int kWidth>
-__global__ void chosen_logprob_stats_rows_kernel(const float* __restrict__ logits, int64_t N, int64_t C, int64_t col0,
-                                                 const int64_t* __restrict__ tokens, int64_t entries, Logit logit,
-                                                 const float* __restrict__ threshold, float* __restrict__ stats) {
-  const int lane = threadIdx.x % kWarp;
-  for (int64_t r = blockIdx.x * int64_t(kStatsRowsPerBlock) + threadIdx.x / kWarp; r < N;
-       r += int64_t(gridDim.x) * kStatsRowsPerBlock) {
-    const float* x = logits + r * C;
-    const float tau = threshold ? threshold[r] : -INFINITY;
-    RowStats<float> lane_stats = partial_empty<RowStats<float>>();
-    for (int64_t k = int64_t(lane) * kWidth; k < C; k += kWarp * kWidth) {
-      const Pack<float, kWidth> in = *reinterpret_cast<const Pack<float, kWidth>*>(x + k);
-      float z[kWidth];
-#pragma unroll
-      for (int i = 0; i < kWidth; ++i) z[i] = logit(in.v[i]);
-      stats_add_online(lane_stats, z, tau);
-    }
-    float* row = stats + (stats_column::chosen + entries) * r;
-    const RowStats<float> chunk = warp_stats(lane_stats);
-    if (lane == 0) stats_update_row(row, chunk);
-    if (entries > 0) {
-      stats_pick_chosen(row + stats_column::chosen, tokens + entries * r, entries, lane, kWarp, x, col0, C, logit);
-    }
-  }
-}
 
 // d(grad_logprob * logprob + grad_entropy * entropy) / dx of one raw logit x of a row (logit_grad
 // of chosen_logprob/math.h through the logit map, 0 below the threshold tau); the chosen column adds g.
@@ -137,39 +88,6 @@ __global__ void chosen_logprob_scatter_entry_grads_kernel(int64_t N, int64_t C, 
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < N; r += int64_t(gridDim.x) * blockDim.x) {
     scatter_chosen_grads(grads + r * grads_stride, tokens + k * r, entry_grads + N + k * r, k, col0, C,
                          [](float v) { return from_float<G>(v); });
-  }
-}
-
-// Gives each logit of a row with its global id to the row's top (top_ids.h), in column order as
-// the CPU kernel does: the warp of a row takes 32 columns at a time, a ballot names those before
-// the top's last entry, and lane 0 gives them one by one. Only lane 0 touches the row's top.
-template <class Logit>
-__global__ void chosen_logprob_top_ids_rows_kernel(const float* __restrict__ logits, int64_t N, int64_t C,
-                                                   int64_t col0, Logit logit, float* __restrict__ values,
-                                                   int64_t* __restrict__ ids, int64_t K) {
-  const int lane = threadIdx.x % kWarp;
-  for (int64_t r = blockIdx.x * int64_t(kTopIdsRowsPerBlock) + threadIdx.x / kWarp; r < N;
-       r += int64_t(gridDim.x) * kTopIdsRowsPerBlock) {
-    const float* x = logits + r * C;
-    float* top = values + r * K;
-    int64_t* top_id = ids + r * K;
-    float last = __shfl_sync(0xffffffffu, lane == 0 ? top[0] : 0.f, 0);
-    int64_t last_id = __shfl_sync(0xffffffffu, lane == 0 ? top_id[0] : 0, 0);
-    for (int64_t c0 = 0; c0 < C; c0 += kWarp) {
-      const int64_t c = c0 + lane;
-      const bool column = c < C;
-      const float z = column ? logit(x[c]) : -INFINITY;
-      const unsigned given = __ballot_sync(0xffffffffu, column && top_before(z, col0 + c, last, last_id));
-      for (unsigned rest = given; rest != 0; rest &= rest - 1) {
-        const int from = __ffs(rest) - 1;
-        const float v = __shfl_sync(0xffffffffu, z, from);
-        if (lane == 0) top_ids_push(top, top_id, K, v, col0 + c0 + from);
-      }
-      if (given != 0) {
-        last = __shfl_sync(0xffffffffu, lane == 0 ? top[0] : 0.f, 0);
-        last_id = __shfl_sync(0xffffffffu, lane == 0 ? top_id[0] : 0, 0);
-      }
-    }
   }
 }
 

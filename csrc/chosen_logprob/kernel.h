@@ -1,6 +1,6 @@
 // Torch-free launchers of the chosen_logprob CUDA row kernels (math in chosen_logprob/math.h), one
 // Params each (chosen_logprob/params.h; fp32 buffers, grads in the dtype given). The kernels map
-// the raw logits with Params::logit_map (with_logit_map, common/logit_map.h), one kernel per map.
+// the raw logits with Params::logit_map (with_logit_map, vocab_parallel/logit_map.h), one kernel per map.
 // Return the launch's cudaError_t.
 #pragma once
 
@@ -21,8 +21,6 @@ cudaError_t launch_chosen_logprob_combine(const Params& p, cudaStream_t stream);
 // The sampler's filter (chosen_logprob/sampler_filter.h). Reads logits, threshold and window; gives
 // the chunk to top.
 cudaError_t launch_chosen_logprob_top_rows(const Params& p, cudaStream_t stream);
-// top_logprobs (chosen_logprob/top_ids.h). Reads logits; gives the chunk, with ids, to top and top_ids.
-cudaError_t launch_chosen_logprob_top_ids_rows(const Params& p, cudaStream_t stream);
 // Reads logits, row_max and window; adds the chunk to hist.
 cudaError_t launch_chosen_logprob_hist_rows(const Params& p, cudaStream_t stream);
 

@@ -1,13 +1,12 @@
 // One launch of chosen_logprob's row kernels (stats_rows, grad_rows, combine, and for the sampler's
-// filter top_rows and hist_rows), CPU or CUDA: its buffers, sizes, logit map and shard. Free of
+// filter top_rows and hist_rows), CPU or CUDA: its buffers, sizes and logit map. Free of
 // torch and CUDA headers: filled by chosen_logprob/chunks.h and chosen_logprob/entry.h, and by the
 // kernels-on-CPU driver.
 #pragma once
 
 #include <cstdint>
 
-#include "common/logit_map.h"
-#include "common/vocab_parallel.h"
+#include "vocab_parallel/logit_map.h"
 
 namespace fused_rl_ops::chosen_logprob {
 
@@ -45,9 +44,6 @@ struct Params {
   // top_rows: [rows, top_column::values + top_width] the rows' tops, the chunk given to them.
   void* top = nullptr;
   int64_t top_width = 0;
-  // top_ids_rows: [rows, top_width] int64, the global ids of the values of p.top ([rows, top_width],
-  // no header; chosen_logprob/top_ids.h).
-  int64_t* top_ids = nullptr;
   // hist_rows: [rows, kSearchBins] int64 search histograms, the chunk's mass added (relative to
   // row_max, the global row max); hist_rows and top_rows: [rows, 2] double search windows
   // (SearchWindow: sigma, hi), null for top_rows: every logit.
@@ -62,7 +58,6 @@ struct Params {
   int64_t col0 = 0;   // the global id of column 0
   int64_t ranks = 0;  // combine: the shards
   LogitMap logit_map;  // stats_rows, grad_rows, top_rows and hist_rows: the logits' map (with_logit_map)
-  VocabShard shard;    // the weight's rows (col0 is shard.vocab_start + the chunk's first row)
 };
 
 }  // namespace fused_rl_ops::chosen_logprob

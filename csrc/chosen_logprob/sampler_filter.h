@@ -1,15 +1,10 @@
-// The sampler's filter (LogitOptions' top_k and top_p, fused_rl_ops/logit_options.py), per row,
-// shared by the CPU and CUDA kernels. The kept set of a token's row is {z >= tau}, tau the token's
-// threshold, which chosen_logprob finds over the whole vocabulary
-// (fused_rl_ops/_vocab_parallel/sampler_filter.py, where the rule is) from two kinds of per-row
-// partials, summed over vocab chunks and tensor-parallel shards:
-// - the row's top: the K largest logits seen (of a window) and how many more equal the smallest of
-//   them, which merge across shards exactly: top-k's threshold, and top-p's candidates;
-// - a search histogram: the probability mass of the logits in a window of z, in bins of a grid,
-//   as integers, whose sums do not depend on the order of the additions (chunks, threads, shards):
-//   top-p's threshold is searched window by window, each the bin of the last where it lies.
-// Every comparison is made on the fp32 logit z the row kernels compute (the logit map of the raw
-// logit), so the forward's passes and the backward agree on every token.
+// The sampler's filter (top_k, top_p) per row, shared by the CPU and CUDA kernels. A token's kept
+// set is {z >= tau}, tau its threshold, which the Python side finds over the whole vocabulary from two
+// per-row partials summed over chunks and shards: the row's top (its K largest logits and how many
+// more equal the smallest: top-k's threshold, top-p's candidates), and a search histogram (the mass
+// of a window's logits per bin, in integers, so the sums are the same in any order: top-p's threshold,
+// window by window). Every comparison is on the fp32 z the row kernels compute, so that all passes
+// agree on every token.
 #pragma once
 
 #include "common/math.h"

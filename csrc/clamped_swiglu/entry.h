@@ -1,8 +1,6 @@
-// The clamped SwiGLU ops, one implementation for the CPU and CUDA kernels: the checks of the op's
-// contract, output allocation and the launch's Params. Kernels (cpu.cpp's, cuda.cpp's) runs a
-// Params for x's dtype; each device file registers these templates with its own Kernels. The checks
-// are fused_rl_ops/clamped_swiglu.py's, with the same rules and words: the options as
-// clamped_swiglu/options.h declares them, and x and scale as the kernels read them.
+// The clamped SwiGLU ops, written once over a device's Kernels, which each device file registers:
+// the checks of the op's contract (the options as declared, and x and scale as the kernels read
+// them, in the words of the Python checks), output allocation and the launch's Params.
 #pragma once
 
 #include <ATen/ATen.h>

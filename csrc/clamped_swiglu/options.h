@@ -1,5 +1,5 @@
 // Clamped SwiGLU's options: the non-tensor arguments of the clamped_swiglu ops, declared once (how:
-// common/options.h). Python declares them as ClampedSwigluOptions (fused_rl_ops/clamped_swiglu.py).
+// common/options.h). Python declares them as ClampedSwigluOptions.
 // The kernels take them as the formula's constants (activation(), clamped_swiglu/math.h) and the
 // layout flag of Params.
 //   limit: the clamp L (+inf or none: no clamp).

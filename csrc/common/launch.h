@@ -1,7 +1,7 @@
-// launch_kernel: how every launcher (csrc/<op>/kernel.cu) starts a kernel. Under nvcc it is
-// kernel<<<grid, block, shared_bytes, stream>>>(args...); the kernels-on-CPU tests compile the
-// same launchers with g++ against tests/kernels_on_cpu/cuda_on_host.h (which defines
-// CUDA_ON_HOST), where it runs the kernel on the host, so they check the launchers' grids too.
+// launch_kernel: how every launcher (<op>/kernel.cu) starts a kernel: kernel<<<...>>>(args...)
+// under nvcc; on the host where the kernels-on-CPU tests compile the same launchers with g++ against
+// their host model of CUDA (cuda_on_host.h, which defines CUDA_ON_HOST), so that they check the
+// launchers' grids too.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,7 +21,7 @@ inline void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   (void)stream;  // the host model runs launches one after another
   cuda_on_host::launch(kernel, grid, block, shared_bytes, std::forward<Args>(args)...);
 #else
-#error "kernel launches are compiled by nvcc, or by the kernels-on-CPU tests (tests/kernels_on_cpu/cuda_on_host.h)"
+#error "kernel launches are compiled by nvcc, or by the kernels-on-CPU tests (cuda_on_host.h)"
 #endif
 }
 

@@ -1,13 +1,10 @@
 // How an op's options (its non-tensor arguments) are declared: in groups, each once as a list
 //   #define FRL_<GROUP>(X) X(C++ type, name, schema type, schema default, rule) ...
-// in the order the schema takes them: the groups every vocab-parallel op shares (FRL_LOGIT_MAP in
-// common/logit_map.h, FRL_VOCAB_SHARD and FRL_TILING in common/vocab_parallel.h) and an op's own
-// (FRL_<OP>_OPTIONS in <op>/options.h). An op's schema takes its groups one after the other. From
-// a list the macros below make the schema's arguments (module.cpp), the group's struct, the
-// parameters of the typed op functions (entry.h) and their checks (check_options,
-// common/torch_utils.h). A rule is one of the structs below: what the option must be, in the words
-// of the error, and the test. Python declares each group as an options dataclass with the same
-// rules (fused_rl_ops/_options.py); tests/test_op_contract.py compares the two. Free of torch and
+// in the order the schema takes them: the vocab-parallel ops' shared groups (vocab_parallel/) and an
+// op's own (<op>/options.h). From a list the macros below make the schema's arguments (module.cpp),
+// the group's struct, the typed op functions' parameters (entry.h) and their checks (check_options).
+// A rule says what the option must be, in the words of the error. Python declares each group as an
+// options dataclass with the same rules; the op contract test compares the two. Free of torch and
 // CUDA headers.
 #pragma once
 

@@ -1,7 +1,6 @@
 // Helpers for the torch-side glue of the CPU and CUDA kernels (not for .cu files): dtype mappings,
-// and the checks each op makes of its arguments, worded as fused_rl_ops' Python checks word them
-// (fused_rl_ops/_options.py, _library.py): ValueError for a bad value or shape, TypeError for a bad
-// dtype.
+// and the checks each op makes of its arguments, worded as the Python checks word them: ValueError
+// for a bad value or shape, TypeError for a bad dtype.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -27,22 +26,25 @@ inline DType to_dtype(at::ScalarType dtype) {
 
 inline DType to_dtype(const at::Tensor& t) { return to_dtype(t.scalar_type()); }
 
-// "op: name must be <the rule's requirement>, got value"; an optional option may also be none.
+// "op: <prefix>name must be <the rule's requirement>, got value"; an optional option may also be none.
 template <class T, class Rule>
-void check_option(const char* op, const char* name, const T& value, Rule) {
-  TORCH_CHECK_VALUE(Rule::holds(value), op, ": ", name, " must be ", Rule::requirement, ", got ", value);
+void check_option(const char* op, const char* prefix, const char* name, const T& value, Rule) {
+  TORCH_CHECK_VALUE(Rule::holds(value), op, ": ", prefix, name, " must be ", Rule::requirement, ", got ", value);
 }
 
 template <class T, class Rule>
-void check_option(const char* op, const char* name, const std::optional<T>& value, Rule) {
-  TORCH_CHECK_VALUE(!value || Rule::holds(*value), op, ": ", name, " must be None or ", Rule::requirement, ", got ",
-                    *value);
+void check_option(const char* op, const char* prefix, const char* name, const std::optional<T>& value, Rule) {
+  TORCH_CHECK_VALUE(!value || Rule::holds(*value), op, ": ", prefix, name, " must be None or ", Rule::requirement,
+                    ", got ", *value);
 }
 
-// Every option of an op's Options (declared as common/options.h says), in its declared order.
+// Every option of an op's Options (declared as common/options.h says), in its declared order; prefix:
+// what the schema puts before their names (a group it takes twice: "teacher_").
 template <class Options>
-void check_options(const char* op, const Options& options) {
-  visit_options(options, [op](const char* name, const auto& value, auto rule) { check_option(op, name, value, rule); });
+void check_options(const char* op, const Options& options, const char* prefix = "") {
+  visit_options(options, [&](const char* name, const auto& value, auto rule) {
+    check_option(op, prefix, name, value, rule);
+  });
 }
 
 // The floating dtypes the kernels read: float32, bfloat16, float16, and float64 on the CPU.

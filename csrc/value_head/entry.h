@@ -1,8 +1,6 @@
-// The value-head ops, one implementation for the CPU and CUDA kernels: the checks of the op's
-// contract, output allocation and the launch's Params. Kernels (cpu.cpp's, cuda.cpp's) runs a
-// Params for the dtype of the tensor it is given; each device file registers these templates with
-// its own Kernels. The value_head op checks its arguments as fused_rl_ops/value_head.py does, with
-// the same rules and words (the op has no options); its backward ops check what their kernels read.
+// The value-head ops, written once over a device's Kernels, which each device file registers: the
+// checks of the op's contract (in the words of the Python checks; the op has no options), output
+// allocation and the launch's Params.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,4 +1,4 @@
-// The vocab-chunk loops of vocab_divergence: chosen_logprob's loop (chosen_logprob/chunks.h, which
+// The vocab-chunk loops of vocab_divergence: the engine's loop (vocab_parallel/chunk_loop.h, which
 // lists what a device's Kernels supply) walks the student's logits, and TeacherLogits computes the
 // teacher's over the same rows and vocab chunk beside them, so that each row kernel sees both
 // models' logits of one chunk; no [N, V] tensor. The Kernels' row kernels here: stats_rows,
@@ -9,34 +9,24 @@
 
 #include <mutex>
 
-#include "chosen_logprob/chunks.h"
 #include "vocab_divergence/math.h"
 #include "vocab_divergence/params.h"
+#include "vocab_parallel/chunk_loop.h"
+#include "vocab_parallel/gradient_loop.h"
 
 namespace fused_rl_ops::vocab_divergence {
 
-using chosen_logprob::ChunkStep;
-using chosen_logprob::GroupWork;
-using chosen_logprob::RowPieces;
-using chosen_logprob::RowTiling;
-using chosen_logprob::VocabTiling;
-
-// The teacher's raw logits of on_chunk's rows of a chunk step (all of a pass's, or a piece's on the
-// CPU), in the accumulation dtype, computed right before the row kernels read them: by the student's
-// GEMMs (the blocks of RowTiling, or the row pieces of RowPieces, through a last block's padding), so
-// that each GEMM has the student's shape and batch invariance holds for both models. In a workspace of
-// its own, [pass, chunk]: a step's rows from step.begin lie where they would in a chunk-wide layout
-// (n apart), so that pieces of chunks of different widths never share bytes, and the chunk loop runs
-// the steps of each piece's rows in turn. The teacher's weight rows of a group are made GEMM operands
-// once (on the CPU, fp32 copies of reduced-precision weights), by the group's first step, which
-// releases the previous group's; the chunk loop runs the groups in turn when they are copies
-// (copies_rows, GroupWork::groups_in_turn), so that one lives at a time.
+// The teacher's raw logits of on_chunk's rows of a chunk step, computed right before the row kernels
+// read them by GEMMs of the student's shapes (so batch invariance holds for both models), in a
+// workspace of their own laid out chunk-wide, so that pieces of chunks of different widths never
+// share bytes. A group's weight rows are made GEMM operands once (on the CPU, fp32 copies), one group
+// at a time (copies_rows: the chunk loop then runs the groups in turn).
 template <class Kernels>
 class TeacherLogits {
  public:
   TeacherLogits(const at::Tensor& hidden, const at::Tensor& weight, const RowTiling& tiling, int64_t chunk)
       : tiling_(tiling), chunk_(chunk), acc_(acc_dtype(hidden.scalar_type())), weight_(weight.contiguous()) {
-    hidden_ = chosen_logprob::aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc_), tiling);
+    hidden_ = aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc_), tiling);
     if (tiling.tail_rows() > 0) {
       tail_ = at::zeros({tiling.block, hidden.size(1)}, hidden_.options());
       tail_.narrow(0, 0, tiling.tail_rows()).copy_(hidden_.narrow(0, tiling.last_full_row(), tiling.tail_rows()));
@@ -57,7 +47,7 @@ class TeacherLogits {
         workspace_.narrow(0, step.begin * (chunk_ - step.n), pieces.end(last) * step.n).view({-1, step.n});
     const at::Tensor w_chunk = rows_of_group(step).narrow(0, step.c0 - step.g0, step.n);
     for (int64_t i = first; i <= last; ++i) {
-      chosen_logprob::piece_logits<Kernels>(logits, w_chunk, hidden_, tail_, tiling_, pieces, step.r0, i);
+      piece_logits<Kernels>(logits, w_chunk, hidden_, tail_, tiling_, pieces, step.r0, i);
     }
     return logits;
   }
@@ -116,8 +106,8 @@ void for_each_chunk_pair(const at::Tensor& hidden, const at::Tensor& weight, con
   TeacherLogits<Kernels> teacher(teacher_hidden, teacher_weight, tiling, vocab.chunk);
   GroupWork in_turn;
   in_turn.groups_in_turn = teacher.copies_rows();
-  chosen_logprob::for_each_logits_chunk<Kernels>(
-      chosen_logprob::aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling),
+  for_each_logits_chunk<Kernels>(
+      aligned_rows(Kernels::gemm_operand(hidden.contiguous(), acc), tiling),
       weight.narrow(0, 0, valid_rows), vocab, tiling,
       [&](const at::Tensor& logits, const ChunkStep& step) {
         on_chunk(row_params(logits, teacher.of(step), step, call), step);
@@ -162,7 +152,7 @@ at::Tensor mixture_impl(const at::Tensor& hidden, const at::Tensor& weight, cons
   return sums;
 }
 
-// The student's gradients (chosen_logprob's gradient_loop) of sum(grad * divergence), from the merged
+// The student's gradients (the engine's gradient_loop) of sum(grad * divergence), from the merged
 // rows and the row term (Params::row_term).
 template <class Kernels>
 std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const at::Tensor& weight,
@@ -176,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
   const RowTiling tiling(hidden.size(0), tiling_options.row_block, tiling_options.pass_rows);
   TeacherLogits<Kernels> teacher(teacher_hidden, teacher_weight, tiling,
                                  VocabTiling(valid_rows, tiling_options.chunk_size, 1).chunk);
-  return chosen_logprob::gradient_loop<Kernels>(
+  return gradient_loop<Kernels>(
       hidden, weight, valid_rows, main_grad, tiling_options,
       [&](const at::Tensor& logits, const ChunkStep& step, const at::Tensor& d) {
         Params p = row_params(logits, teacher.of(step), step, call);

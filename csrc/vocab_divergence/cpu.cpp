@@ -1,19 +1,19 @@
-// vocab_divergence, CPU: the chunk loops with ATen GEMMs (common/cpu_gemms.h) and SIMD row kernels
+// vocab_divergence, CPU: the chunk loops with ATen GEMMs (vocab_parallel/cpu_gemms.h) and SIMD row kernels
 // running the shared formulas of vocab_divergence/math.h, both on pieces of rows handed to the threads
-// as they come free (RowPieces in chosen_logprob/chunks.h).
+// as they come free (RowPieces in vocab_parallel/tiling.h).
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
-#include "common/combine.h"
-#include "common/cpu_gemms.h"
 #include "common/vec_math.h"
 #include "vocab_divergence/entry.h"
 #include "vocab_divergence/math.h"
+#include "vocab_parallel/combine.h"
+#include "vocab_parallel/cpu_gemms.h"
 
 namespace fused_rl_ops::vocab_divergence {
 namespace {
 
-// Calls fn(student map, teacher map) in acc (common/logit_map.h's PlainLogit or SoftcappedLogit each).
+// Calls fn(student map, teacher map) in acc (vocab_parallel/logit_map.h's PlainLogit or SoftcappedLogit each).
 template <typename acc, class Fn>
 void with_logit_maps(const Params& p, const Fn& fn) {
   with_logit_map<acc>(p.logit_map, [&](const auto& student) {
@@ -134,10 +134,6 @@ void grad_rows_cpu(const Params& p, const Student& student, const Teacher& teach
 }
 
 struct CpuKernels : CpuGemms {
-  // Rows per piece (chosen_logprob/chunks.h, RowPieces), as chosen_logprob's: a divisor of the
-  // batch-invariant row block; the teacher's logits are computed by the piece (TeacherLogits).
-  static constexpr int64_t kPieceRows = 128;
-
   static void stats_rows(const Params& p, at::ScalarType acc) {
     AT_DISPATCH_FLOATING_TYPES(acc, "vocab_divergence_stats_cpu", [&] {
       with_logit_maps<scalar_t>(p, [&](const auto& s, const auto& t) { stats_rows_cpu<scalar_t>(p, s, t); });

@@ -1,12 +1,12 @@
 // vocab_divergence, CUDA: the ops of vocab_divergence/entry.h with cuBLAS GEMMs through ATen
-// (common/cuda_gemms.h) and the row kernels of vocab_divergence/kernel.cu (which stays free of torch
+// (vocab_parallel/cuda_gemms.h) and the row kernels of vocab_divergence/kernel.cu (which stays free of torch
 // headers) on the current stream.
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
-#include "common/cuda_gemms.h"
 #include "vocab_divergence/entry.h"
 #include "vocab_divergence/kernel.h"
+#include "vocab_parallel/cuda_gemms.h"
 
 namespace fused_rl_ops::vocab_divergence {
 namespace {

@@ -1,8 +1,6 @@
-// vocab_divergence's ops, one implementation for the CPU and CUDA kernels (cpu.cpp's, cuda.cpp's),
-// each device file registering these templates with its own Kernels. Each op checks its contract
-// first: its option groups as declared (vocab_divergence/options.h), and the shapes, dtypes and
-// devices its kernels rely on, in the words of fused_rl_ops/vocab_divergence.py's checks. Then it
-// leaves out the masked rows (RowSkipping) and runs its chunk loop (vocab_divergence/chunks.h).
+// vocab_divergence's ops, written once over a device's Kernels, which each device file registers.
+// Each checks its contract first (its option groups, and what its kernels rely on, in the words of
+// the Python checks), leaves out the masked rows (RowSkipping), then walks the chunks.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,23 +8,40 @@
 
 #include <optional>
 
-#include "common/combine.h"
-#include "common/row_skipping.h"
 #include "vocab_divergence/chunks.h"
 #include "vocab_divergence/options.h"
+#include "vocab_parallel/combine.h"
+#include "vocab_parallel/row_skipping.h"
 
 namespace fused_rl_ops::vocab_divergence {
 
 constexpr const char* kOp = "vocab_divergence";
+
+// Every option group of the ops, as each makes them from its parameters of the options' names:
+// OpOptions{FRL_VOCAB_DIVERGENCE_VALUES}.
+struct OpOptions {
+  VocabParallelOptions shared;
+  LogitMap teacher_logit_map;
+  Options own;
+
+  CallConstants call() const { return {shared.logit_map, teacher_logit_map, int(own.kind), own.beta}; }
+};
+
+#define FRL_VOCAB_DIVERGENCE_VALUES \
+  {FRL_VOCAB_PARALLEL_VALUES}, {FRL_TEACHER_LOGIT_MAP(FRL_OPTION_VALUE)}, {FRL_VOCAB_DIVERGENCE_OPTIONS(FRL_OPTION_VALUE)}
 
 // The four model tensors: hidden [N, H] and weight [V, H] in one floating dtype, teacher_hidden
 // [N, H_t] and teacher_weight [V, H_t] in one (of the same accumulation dtype), mask [N] bool or
 // none, on one device; the option groups, valid_rows at most V.
 inline void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& teacher_hidden,
                          const at::Tensor& teacher_weight, const std::optional<at::Tensor>& mask,
-                         const VocabParallelOptions& groups, const Options& options) {
-  check_options(kOp, groups);
-  check_options(kOp, options);
+                         const OpOptions& options) {
+  const VocabParallelOptions& groups = options.shared;
+  check_options(kOp, groups.logit_map);
+  check_options(kOp, options.teacher_logit_map, "teacher_");
+  check_options(kOp, groups.shard);
+  check_options(kOp, groups.tiling);
+  check_options(kOp, options.own);
   check_float_dtype(kOp, "hidden", hidden);
   check_float_dtype(kOp, "teacher_hidden", teacher_hidden);
   TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(), kOp, ": weight must have hidden's dtype ",
@@ -62,13 +77,6 @@ inline void check_per_token(const char* what, const at::Tensor& t, const at::Ten
                     "] in the accumulation dtype, on hidden's device");
 }
 
-// The teacher's map is the student's with the teacher's softcap: every other option of the map is shared.
-inline CallConstants call_constants(const LogitMap& logit_map, const Options& options) {
-  LogitMap teacher_logit_map = logit_map;
-  teacher_logit_map.softcap = options.teacher_softcap;
-  return {logit_map, teacher_logit_map, int(options.kind), options.beta};
-}
-
 // A row of empty Sides (partial_empty): what a row no shard computes holds.
 inline at::Tensor empty_stats_row(const at::TensorOptions& options) {
   at::Tensor row = at::zeros({stats_column::count}, options);
@@ -81,14 +89,13 @@ template <class Kernels>
 at::Tensor stats(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& teacher_hidden,
                  const at::Tensor& teacher_weight,
                  const std::optional<at::Tensor>& mask FRL_VOCAB_DIVERGENCE_OP_OPTIONS(FRL_OPTION_PARAM)) {
-  const VocabParallelOptions groups{FRL_VOCAB_PARALLEL_VALUES};
-  const Options options{FRL_VOCAB_DIVERGENCE_OPTIONS(FRL_OPTION_VALUE)};
-  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, groups, options);
+  const OpOptions options{FRL_VOCAB_DIVERGENCE_VALUES};
+  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, options);
   const at::DeviceGuard guard(hidden.device());
   const RowSkipping skipping = skipping_masked<Kernels>(mask);
   const at::Tensor result = stats_impl<Kernels>(
       skipping.rows(hidden, 0), weight, skipping.rows(teacher_hidden, 0), teacher_weight,
-      groups.shard.valid_rows.value_or(weight.size(0)), call_constants(groups.logit_map, options), groups.tiling);
+      options.shared.shard.valid_rows.value_or(weight.size(0)), options.call(), options.shared.tiling);
   return skipping.all_rows(result, empty_stats_row(result.options()));
 }
 
@@ -96,16 +103,15 @@ template <class Kernels>
 at::Tensor mixture(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& teacher_hidden,
                    const at::Tensor& teacher_weight, const std::optional<at::Tensor>& mask,
                    const at::Tensor& rows FRL_VOCAB_DIVERGENCE_OP_OPTIONS(FRL_OPTION_PARAM)) {
-  const VocabParallelOptions groups{FRL_VOCAB_PARALLEL_VALUES};
-  const Options options{FRL_VOCAB_DIVERGENCE_OPTIONS(FRL_OPTION_VALUE)};
-  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, groups, options);
+  const OpOptions options{FRL_VOCAB_DIVERGENCE_VALUES};
+  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, options);
   check_per_token("rows", rows, hidden, combined_column::count);
   const at::DeviceGuard guard(hidden.device());
   // The masked rows' merged rows (empty: NaN) reach no kernel: left out, or zeroed.
   const RowSkipping skipping = skipping_masked<Kernels>(mask);
   const at::Tensor result = mixture_impl<Kernels>(
       skipping.rows(hidden, 0), weight, skipping.rows(teacher_hidden, 0), teacher_weight, skipping.rows(rows, 0),
-      groups.shard.valid_rows.value_or(weight.size(0)), call_constants(groups.logit_map, options), groups.tiling);
+      options.shared.shard.valid_rows.value_or(weight.size(0)), options.call(), options.shared.tiling);
   return skipping.all_rows(result, at::zeros({}, result.options()));
 }
 
@@ -116,9 +122,8 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
                                             const at::Tensor& row_term, const at::Tensor& grad,
                                             const std::optional<at::Tensor>& main_grad
                                                 FRL_VOCAB_DIVERGENCE_OP_OPTIONS(FRL_OPTION_PARAM)) {
-  const VocabParallelOptions groups{FRL_VOCAB_PARALLEL_VALUES};
-  const Options options{FRL_VOCAB_DIVERGENCE_OPTIONS(FRL_OPTION_VALUE)};
-  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, groups, options);
+  const OpOptions options{FRL_VOCAB_DIVERGENCE_VALUES};
+  check_inputs(hidden, weight, teacher_hidden, teacher_weight, mask, options);
   check_per_token("rows", rows, hidden, combined_column::count);
   check_per_token("row_term", row_term, hidden, 0);
   check_per_token("grad", grad, hidden, 0);
@@ -130,7 +135,7 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& hidden, const at::
   auto [grad_hidden, grad_weight] = backward_impl<Kernels>(
       skipping.rows(hidden, 0), weight, skipping.rows(teacher_hidden, 0), teacher_weight, skipping.rows(rows, 0),
       skipping.rows(row_term, 0), skipping.rows(grad, 0), main_grad,
-      groups.shard.valid_rows.value_or(weight.size(0)), call_constants(groups.logit_map, options), groups.tiling);
+      options.shared.shard.valid_rows.value_or(weight.size(0)), options.call(), options.shared.tiling);
   return {skipping.all_rows(grad_hidden, at::zeros({}, grad_hidden.options())), grad_weight};
 }
 

@@ -1,7 +1,7 @@
 // vocab_divergence CUDA row kernels (device code only: no torch headers, no launches). Included by
 // vocab_divergence/kernel.cu, whose launchers pick the grids, and by the kernels-on-CPU tests. The
 // math is vocab_divergence/math.h's; Student and Teacher are the two models' logit maps
-// (PlainLogit<float> or SoftcappedLogit<float>, common/logit_map.h), raw logits -> z.
+// (PlainLogit<float> or SoftcappedLogit<float>, vocab_parallel/logit_map.h), raw logits -> z.
 #pragma once
 
 #include "common/cuda_utils.cuh"

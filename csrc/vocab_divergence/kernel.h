@@ -1,6 +1,6 @@
 // Torch-free launchers of the vocab_divergence CUDA row kernels (math in vocab_divergence/math.h),
 // one Params each (vocab_divergence/params.h; fp32 buffers, grads in the dtype given). The kernels
-// map the raw logits with the two logit maps (with_logit_map, common/logit_map.h), one kernel per
+// map the raw logits with the two logit maps (with_logit_map, vocab_parallel/logit_map.h), one kernel per
 // pair of maps (and per kind for grad_rows). Return the launch's cudaError_t.
 #pragma once
 

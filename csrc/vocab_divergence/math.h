@@ -1,7 +1,7 @@
 // Full-vocabulary divergences between a student's and a teacher's softmax, per-row math shared by
 // the CPU and CUDA kernels. The GEMMs give both models' raw logits over the same vocab rows; each
-// model's softmax takes z = map(x), its logit map of common/logit_map.h (the teacher's is the student's
-// with its own softcap). With q the student's probabilities and p the teacher's:
+// model's softmax takes z = map(x), its own logit map (vocab_parallel/logit_map.h). With q the
+// student's probabilities and p the teacher's:
 //   forward_kl = KL(p || q) = sum p (log p - log q)
 //   reverse_kl = KL(q || p) = sum q (log q - log p)
 //   jsd = beta KL(p || M) + (1 - beta) KL(q || M),  M = beta p + (1 - beta) q.
@@ -28,9 +28,9 @@
 
 #include <type_traits>
 
-#include "common/logit_map.h"
 #include "common/math.h"
-#include "common/softmax_partial.h"
+#include "vocab_parallel/logit_map.h"
+#include "vocab_parallel/softmax_partial.h"
 
 namespace fused_rl_ops::vocab_divergence {
 
@@ -48,7 +48,7 @@ namespace mixture_column {
 enum : int { teacher, student, count };  // sum p (log p - log M), sum q (log q - log M)
 }
 
-// A softmax partial (common/softmax_partial.h: partial_empty, partial_merge via side_merge).
+// A softmax partial (vocab_parallel/softmax_partial.h: partial_empty, partial_merge via side_merge).
 template <typename T>
 struct Side {
   T max;    // m; -inf while empty

@@ -1,14 +1,12 @@
-// vocab_divergence's own options, after the groups every vocab-parallel op takes (common/logit_map.h:
-// the student's map, the teacher's being the same with teacher_softcap; common/vocab_parallel.h), declared once
-// (how: common/options.h; what each means: docs/vocab_divergence.md, "The ops underneath"). Python
-// declares them as VocabDivergenceOptions (fused_rl_ops/vocab_divergence.py).
+// vocab_divergence's own options, declared once (how: common/options.h). Its ops take the student's
+// logit map, the teacher's (FRL_TEACHER_LOGIT_MAP, a LogitMap of its own), the shard and the tiling,
+// then these. Python declares them as VocabDivergenceOptions, which documents them.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 
-#include "common/logit_map.h"
-#include "common/vocab_parallel.h"
+#include "vocab_parallel/options.h"
 
 namespace fused_rl_ops {
 
@@ -25,14 +23,14 @@ struct OpenUnitInterval {  // NaN fails both comparisons
 
 }  // namespace fused_rl_ops
 
-#define FRL_VOCAB_DIVERGENCE_OPTIONS(X)                           \
-  X(int64_t, kind, "int", "=0", DivergenceKind)                   \
-  X(std::optional<double>, teacher_softcap, "float?", "=None", PositiveFinite) \
+#define FRL_VOCAB_DIVERGENCE_OPTIONS(X)         \
+  X(int64_t, kind, "int", "=0", DivergenceKind) \
   X(double, beta, "float", "=0.5", OpenUnitInterval)
 
-// Every option of the ops, group by group, in the schema's order.
+// Every option of the ops, group by group, in the schema's order: both maps before the groups with
+// defaults.
 #define FRL_VOCAB_DIVERGENCE_OP_OPTIONS(X) \
-  FRL_LOGIT_MAP(X) FRL_VOCAB_SHARD(X) FRL_TILING(X) FRL_VOCAB_DIVERGENCE_OPTIONS(X)
+  FRL_LOGIT_MAP(X) FRL_TEACHER_LOGIT_MAP(X) FRL_VOCAB_SHARD(X) FRL_TILING(X) FRL_VOCAB_DIVERGENCE_OPTIONS(X)
 
 namespace fused_rl_ops::vocab_divergence {
 

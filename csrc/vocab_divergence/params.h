@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "common/logit_map.h"
+#include "vocab_parallel/logit_map.h"
 
 namespace fused_rl_ops::vocab_divergence {
 
@@ -35,7 +35,7 @@ struct Params {
   int64_t cols = 0;
   int64_t ranks = 0;
   LogitMap logit_map;          // the student's
-  LogitMap teacher_logit_map;  // the teacher's: the student's map with its own softcap
+  LogitMap teacher_logit_map;  // the teacher's (FRL_TEACHER_LOGIT_MAP)
   int kind = 0;                // Kind
   double beta = 0.5;           // jsd's weight of the teacher in M
 };

@@ -12,7 +12,7 @@ vLLM's sort would split a group of tied logits, the group is kept whole exactly 
 of it. The masses are summed in float64 from the fp32 logits; a token whose cumulative mass lies
 within rounding (about 1e-7 relative) of top_p may fall either way.
 
-How (csrc/chosen_logprob/sampler_filter.h has the kernels' side). With top_k, the stats pass also
+How (the C++ ops' top_rows and hist_rows kernels are the other side). With top_k, the stats pass also
 gives each row's top: its top_k largest logits and how many more equal the smallest of them, which
 merge across ranks exactly (merge_tops). top_k's threshold is the k-th largest; top_p's after top_k
 is decided on them (first_reaching), which hold the whole top-k set; and the kept set's row max,
@@ -35,7 +35,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-# Mirrors of csrc/chosen_logprob/sampler_filter.h: the columns before a top's values (seen, held,
+# Mirrors of the kernels' constants: the columns before a top's values (top_column: seen, held,
 # ties) and the bins of a search histogram (kSearchBins).
 TOP_HEADER = 3
 SEARCH_BINS = 512
@@ -160,7 +160,7 @@ def kept_partials(tops: Tops, tau: torch.Tensor):
 def _search(searching, row_max, target, search, gather, all_reduce):
     """top_p's thresholds of the rows searching (-inf elsewhere), from search rounds (module
     docstring). A window is (sigma, hi): its bins are the cells j = hi - floor(z sigma) in
-    [0, SEARCH_BINS) (SearchWindow in csrc/chosen_logprob/sampler_filter.h); `above` counts the mass
+    [0, SEARCH_BINS) (the kernels' SearchWindow); `above` counts the mass
     units of the logits above it. Every window holds mass: the first holds the row max, the next is a
     bin with mass, and the bins where the cumulative first reaches the target are past the window's
     top (above stays below the target)."""

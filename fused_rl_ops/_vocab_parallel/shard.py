@@ -8,8 +8,8 @@ from .._options import NON_NEGATIVE_INTEGER, check_options, option, options_data
 
 @options_dataclass
 class VocabShard:
-    """An option group of the vocab-parallel ops (declared for C++ as FRL_VOCAB_SHARD in
-    csrc/common/vocab_parallel.h): weight [V_local, H] holds the global vocabulary rows vocab_start
+    """An option group of the vocab-parallel ops (declared for C++ as FRL_VOCAB_SHARD): weight
+    [V_local, H] holds the global vocabulary rows vocab_start
     .. vocab_start + V_local - 1, of which the first valid_rows are vocabulary and the rest padding
     (None: all of them)."""
     vocab_start: int = option(NON_NEGATIVE_INTEGER)

@@ -1,6 +1,6 @@
-"""How the ops' chunk loop (csrc/chosen_logprob/chunks.h) walks the rows, and the memory that takes:
-the Tiling option group, the workspace model (chunk_loop_bytes) and the tiling a workspace allows
-(tiling_for)."""
+"""How the ops' chunk loop (the C++ for_each_logits_chunk) walks the rows, and the memory that
+takes: the Tiling option group, the workspace model (chunk_loop_bytes) and the tiling a workspace
+allows (tiling_for)."""
 from typing import Optional
 
 import torch
@@ -11,7 +11,7 @@ DEFAULT_WORKSPACE_BYTES = 64 * 2**20  # the largest default workspace
 _MIN_DEFAULT_WORKSPACE_BYTES = 2**20
 _MIN_CHUNK = 128
 # batch_invariant=True: (token rows per GEMM, vocab rows per chunk) by device, fixed so that every
-# GEMM has one shape whatever the batch (see RowTiling in csrc/chosen_logprob/chunks.h). Row blocks are
+# GEMM has one shape whatever the batch (see the C++ RowTiling). Row blocks are
 # multiples of 128, so every block of an aligned hidden starts aligned (aligned_rows there).
 INVARIANT_TILING = {"cpu": (512, 2048), "cuda": (512, 4096)}
 # Chunks per gradient GEMM where the logit gradients have a buffer of their own (CUDA, bfloat16 or
@@ -24,8 +24,8 @@ SEPARATE_GRAD_CHUNKS = 2
 
 @options_dataclass
 class Tiling:
-    """An option group of the vocab-parallel ops (declared for C++ as FRL_TILING in
-    csrc/common/vocab_parallel.h), read by the chunk loop alone: chunk_size vocab rows per chunk
+    """An option group of the vocab-parallel ops (declared for C++ as FRL_TILING), read by the
+    chunk loop alone: chunk_size vocab rows per chunk
     (one logits GEMM each); row_block and pass_rows token rows per GEMM and per workspace pass, 0:
     all rows; grad_chunks chunks per gradient GEMM (a backward's; the forward ignores it)."""
     chunk_size: int = option(POSITIVE_INTEGER)
@@ -49,7 +49,7 @@ def default_workspace_bytes(hidden: torch.Tensor, rows: Optional[int] = None) ->
 
 def chunk_loop_bytes(device_type: str, element_size: int, hidden_size: int, pass_rows: int, chunk: int,
                      grad_chunks: int, several_passes: bool = False) -> int:
-    """The bytes of the buffers csrc/chosen_logprob/chunks.h allocates whose size follows the chunk
+    """The bytes of the buffers the chunk loop allocates whose size follows the chunk
     width, on device_type ("cpu" or "cuda") for inputs of element_size bytes, passes of pass_rows
     token rows, chunks of `chunk` vocab rows and groups of grad_chunks chunks (group = chunk *
     grad_chunks rows; at most the vocabulary's, which these bytes assume it has): the backward's,

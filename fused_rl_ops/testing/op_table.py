@@ -35,14 +35,14 @@ class BenchmarkRun:
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """name: the public function, its csrc/<name>/ sources and its tests/test_<name>.py.
+    """name: the public function, its C++ op folder and its tests/test_<name>.py.
     operators: its operators (torch.ops.fused_rl_ops.<each>), each with its option groups
         (dataclasses mirroring the C++ X-macro lists) in the order its schema takes them; () for an
         operator that takes tensors only.
     benchmark: its module in benchmarks/ (python -m benchmarks.<benchmark>); None: none.
     gpu_runs: the runs of that benchmark on a GPU machine (scripts/gpu_check.sh).
-    kernels_on_cpu_driver: tests/kernels_on_cpu/<driver>.cpp, which runs csrc/<name>/kernel.cu's
-        launchers on the CPU (the harness builds it; its cases are in
+    kernels_on_cpu_driver: tests/kernels_on_cpu/<driver>.cpp, which runs its CUDA launchers on the
+        CPU (the harness builds it; its cases are in
         tests/test_kernels_on_cpu_<name>*.py); None: the op launches no kernels of its own.
     sanitizer_cases: small calls of its CUDA kernels for compute-sanitizer, (device) -> None."""
     name: str
@@ -64,8 +64,7 @@ OPS = (
     Op("chosen_logprob",
        operators={"chosen_logprob_stats": CHOSEN_LOGPROB_GROUPS, "chosen_logprob_combine": (),
                   "chosen_logprob_backward": CHOSEN_LOGPROB_GROUPS,
-                  "chosen_logprob_search": CHOSEN_LOGPROB_SEARCH_GROUPS,
-                  "top_logprobs_stats": TOP_LOGPROBS_GROUPS},
+                  "chosen_logprob_search": CHOSEN_LOGPROB_SEARCH_GROUPS},
        benchmark="bench_chosen_logprob",
        # The V and N sweeps do not fit in the run: a later one.
        gpu_runs=(BenchmarkRun("bench_chosen_logprob", 120, ("--no-sweeps",)),
@@ -73,6 +72,13 @@ OPS = (
                  BenchmarkRun("bench_chosen_logprob_distillation", 30, ("--distillation",))),
        kernels_on_cpu_driver="chosen_logprob_driver",
        sanitizer_cases=sanitizer_cases.chosen_logprob),
+    # Its benchmark is chosen_logprob's distillation run; its backward is chosen_logprob's.
+    Op("top_logprobs",
+       operators={"top_logprobs_stats": TOP_LOGPROBS_GROUPS},
+       benchmark=None,
+       gpu_runs=(),
+       kernels_on_cpu_driver="top_logprobs_driver",
+       sanitizer_cases=sanitizer_cases.top_logprobs),
     Op("vocab_divergence",
        operators={"vocab_divergence_stats": VOCAB_DIVERGENCE_GROUPS, "vocab_divergence_combine": (),
                   "vocab_divergence_mixture": VOCAB_DIVERGENCE_GROUPS,
@@ -105,17 +111,11 @@ def benchmark_runs():
 
 def test_files(tests_dir) -> list:
     """The test files of tests_dir in gpu_check.sh's order, so that a cut test stage has run every
-    op's first: each op's tests/test_<name>.py, then each op's second file, and so on (an op's files
-    are named by its name or by an operator of another function's: top_logprobs_stats,
-    test_top_logprobs*.py), then the files of no op."""
+    op's first: each op's tests/test_<name>.py, then each op's second file (test_<name>_*.py), and
+    so on, then the files of no op."""
     paths = sorted(pathlib.Path(tests_dir).glob("test_*.py"))
-    per_op = []
-    for op in OPS:
-        names = [op.name] + [operator.rsplit("_", 1)[0] for operator in op.operators
-                             if not operator.startswith(op.name)]
-        files = [path for name in names for path in paths if path.stem == f"test_{name}"]
-        per_op.append(files + [path for name in names for path in paths
-                               if path.stem.startswith(f"test_{name}_") and path not in files])
+    per_op = [[path for path in paths if path.stem == f"test_{op.name}"]
+              + [path for path in paths if path.stem.startswith(f"test_{op.name}_")] for op in OPS]
     rounds = [path for files in itertools.zip_longest(*per_op) for path in files if path is not None]
     return [str(path) for path in dict.fromkeys(rounds + paths)]
 

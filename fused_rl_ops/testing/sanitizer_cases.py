@@ -47,7 +47,7 @@ CHOSEN_LOGPROB_SETTINGS = [{}, dict(softcap=3.0), dict(top_k=7), dict(top_p=0.9,
 def chosen_logprob(device):
     """Several chunks (the last one partial), padded rows, an ignored token; with each setting
     above; the weight gradient returned and added into a main_grad. Then three tokens per position
-    (an ignored entry, a duplicate) and top_logprobs (its top_ids_rows) with TOP_K ids."""
+    (an ignored entry, a duplicate)."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         hidden = torch.randn(TOKENS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
         weight = (torch.randn(VOCAB, HIDDEN, device=device, dtype=dtype) * 0.2).requires_grad_(True)
@@ -64,7 +64,18 @@ def chosen_logprob(device):
         lp, ent = fused_rl_ops.chosen_logprob(hidden, weight, many, temperature=0.7, vocab_size=VOCAB_SIZE,
                                               return_entropy=True, workspace_bytes=WORKSPACE_BYTES, softcap=3.0)
         (lp.sum() + ent.sum()).backward()
-        _, top = fused_rl_ops.top_logprobs(hidden, weight, TOP_K, temperature=0.7, vocab_size=VOCAB_SIZE)
+
+
+def top_logprobs(device):
+    """TOP_K ids over several chunks (the last one partial), padded rows, a masked position, a
+    softcap; the backward (chosen_logprob's ops)."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        hidden = torch.randn(TOKENS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+        weight = (torch.randn(VOCAB, HIDDEN, device=device, dtype=dtype) * 0.2).requires_grad_(True)
+        mask = torch.ones(TOKENS, dtype=torch.bool, device=device)
+        mask[3] = False
+        _, top = fused_rl_ops.top_logprobs(hidden, weight, TOP_K, temperature=0.7, softcap=3.0, vocab_size=VOCAB_SIZE,
+                                           mask=mask)
         top.sum().backward()
 
 

@@ -1,16 +1,12 @@
 // Calls chosen_logprob's launchers (csrc/chosen_logprob/kernel.cu) on the CPU: stats_rows,
 // grad_rows (in place, or into a buffer of the gradient GEMMs' dtype), combine, top_rows and
-// hist_rows, and top_ids_rows. A case's optional buffers: threshold (stats_rows, grad_rows, top_rows),
+// hist_rows. A case's optional buffers: threshold (stats_rows, grad_rows, top_rows),
 // window (top_rows), entry_grads (grad_rows); its optional scalar k: the tokens per position
-// (stats_rows, grad_rows, combine; default 1). Its logit map: a scalar per option of FRL_LOGIT_MAP (common/logit_map.h), an optional
-// one left out for none.
+// (stats_rows, grad_rows, combine; default 1). Its logit map: driver::read_logit_map's.
 #include "chosen_logprob/kernel.h"
 #include "driver.h"
 
 using namespace fused_rl_ops::chosen_logprob;
-
-#define SET_LOGIT_MAP_OPTION(type, name, schema_type, schema_default, rule) \
-  if (c.has_scalar(#name)) p.logit_map.name = c.d(#name);
 
 int main(int argc, char** argv) {
   return driver::main(argc, argv, [](driver::Case& c) {
@@ -23,20 +19,13 @@ int main(int argc, char** argv) {
     }
     p.logits = c.buf<float>("logits");
     p.cols = c.i("C");
-    FRL_LOGIT_MAP(SET_LOGIT_MAP_OPTION)
+    p.logit_map = driver::read_logit_map(c);
     if (c.has("threshold")) p.threshold = c.buf<float>("threshold");
     if (c.has("window")) p.window = c.buf<double>("window");
     if (c.kernel == "top_rows") {
       p.top = c.buf<float>("top");
       p.top_width = c.i("K");
       return launch_chosen_logprob_top_rows(p, nullptr);
-    }
-    if (c.kernel == "top_ids_rows") {
-      p.top = c.buf<float>("top");
-      p.top_ids = c.buf<int64_t>("top_ids");
-      p.top_width = c.i("K");
-      p.col0 = c.i("col0");
-      return launch_chosen_logprob_top_ids_rows(p, nullptr);
     }
     if (c.kernel == "hist_rows") {
       p.row_max = c.buf<float>("row_max");

@@ -17,6 +17,7 @@
 
 #include "common/math.h"
 #include "cuda_on_host.h"
+#include "vocab_parallel/logit_map.h"
 
 #include <fstream>
 #include <iostream>
@@ -122,6 +123,17 @@ class Case {
   std::map<std::string, double> scalars_;
   std::map<std::string, Buffer> buffers_;
 };
+
+// A case's logit map: a scalar prefix + name per option of FRL_LOGIT_MAP (the teacher's: prefix
+// "teacher_"), an optional one left out for none. Every option, so that a new one needs no driver.
+#define DRIVER_READ_LOGIT_MAP_OPTION(type, name, schema_type, schema_default, rule) \
+  if (c.has_scalar(prefix + #name)) map.name = c.d(prefix + #name);
+
+inline fused_rl_ops::LogitMap read_logit_map(const Case& c, const std::string& prefix = "") {
+  fused_rl_ops::LogitMap map;
+  FRL_LOGIT_MAP(DRIVER_READ_LOGIT_MAP_OPTION)
+  return map;
+}
 
 // Fails the run when the launch helpers returned an error (the harness records CUDA's).
 inline void check(cudaError_t err, const std::string& what) {

@@ -1,7 +1,6 @@
 // Calls vocab_divergence's launchers (csrc/vocab_divergence/kernel.cu) on the CPU: stats_rows,
 // mixture_rows, grad_rows (in place, or into a buffer of the gradient GEMMs' dtype) and combine. A
-// case's logit maps: scalars temperature, softcap (the student's) and teacher_softcap, an optional
-// one left out for none; kind and beta.
+// case's logit maps: driver::read_logit_map's, the teacher's with the prefix teacher_; kind and beta.
 #include "driver.h"
 #include "vocab_divergence/kernel.h"
 
@@ -18,10 +17,8 @@ int main(int argc, char** argv) {
     p.logits = c.buf<float>("logits");
     p.teacher_logits = c.buf<float>("teacher_logits");
     p.cols = c.i("C");
-    p.logit_map.temperature = c.d("temperature");
-    if (c.has_scalar("softcap")) p.logit_map.softcap = c.d("softcap");
-    p.teacher_logit_map.temperature = c.d("temperature");
-    if (c.has_scalar("teacher_softcap")) p.teacher_logit_map.softcap = c.d("teacher_softcap");
+    p.logit_map = driver::read_logit_map(c);
+    p.teacher_logit_map = driver::read_logit_map(c, "teacher_");
     p.beta = c.d("beta");
     if (c.kernel == "stats_rows") {
       p.stats = c.buf<float>("stats");

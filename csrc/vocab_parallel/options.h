@@ -1,22 +1,16 @@
-// The option groups of every op over a vocab-parallel shard of the output layer (weight [V, H]
-// holding global vocabulary rows vocab_start .. vocab_start + V - 1), declared once each (how:
-// common/options.h), mirrored in Python by VocabShard (fused_rl_ops/_vocab_parallel/shard.py) and
-// Tiling (fused_rl_ops/_vocab_parallel/tiling.py), which document them:
-//   FRL_VOCAB_SHARD: which rows of the vocabulary the shard holds:
-//     vocab_start: the global id of weight's row 0;
-//     valid_rows: weight's first rows that are vocabulary, the rest padding; none: all of them.
-//   FRL_TILING: how the chunk loop walks the rows (no row kernel reads it):
-//     chunk_size: vocab rows per chunk (one logits GEMM each);
-//     row_block, pass_rows: token rows per GEMM and per workspace pass, 0: all rows;
-//     grad_chunks: chunks whose logit gradients one gradient GEMM takes (a backward's).
+// The option groups every op over a vocab-parallel shard takes after its logit map, declared once
+// each (how: common/options.h) and documented with their Python declarations, VocabShard and Tiling:
+//   FRL_VOCAB_SHARD: which rows of the vocabulary the shard's weight [V, H] holds (vocab_start: the
+//     global id of row 0; valid_rows: its first rows that are vocabulary, the rest padding);
+//   FRL_TILING: how the chunk loop walks the rows (no row kernel reads it).
 // Free of torch and CUDA headers.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 
-#include "common/logit_map.h"
 #include "common/options.h"
+#include "vocab_parallel/logit_map.h"
 
 #define FRL_VOCAB_SHARD(X)                                  \
   X(int64_t, vocab_start, "int", "", NonNegativeInteger) \
@@ -55,6 +49,9 @@ struct VocabParallelOptions {
   VocabShard shard;
   Tiling tiling;
 };
+
+// Every option of those groups, in the schema's order: what every vocab-parallel op takes first.
+#define FRL_VOCAB_PARALLEL_OPTIONS(X) FRL_LOGIT_MAP(X) FRL_VOCAB_SHARD(X) FRL_TILING(X)
 
 #define FRL_VOCAB_PARALLEL_VALUES \
   {FRL_LOGIT_MAP(FRL_OPTION_VALUE)}, {FRL_VOCAB_SHARD(FRL_OPTION_VALUE)}, {FRL_TILING(FRL_OPTION_VALUE)}

@@ -1,5 +1,5 @@
 // Tasks with dependencies, run by the CPU threads in the order they are taken (the chunk loop's
-// schedule, chosen_logprob/chunks.h). A task waits for counts that earlier tasks raise when they
+// schedule, vocab_parallel/chunk_loop.h). A task waits for counts that earlier tasks raise when they
 // finish, so one parallel region runs them all: no barrier between the steps of the loop, where a
 // thread that shares its core with another process would hold the others at every step.
 #pragma once

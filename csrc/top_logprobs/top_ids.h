@@ -1,18 +1,15 @@
-// A row's k largest logits with their ids (fused_rl_ops.top_logprobs), shared by the CPU and CUDA
-// kernels. Unlike the sampler filter's top (sampler_filter.h), which counts ties, this one orders
-// its entries strictly: a larger logit first, between equal logits the lower id first, so that the
-// k entries kept are exactly the first k of that order over every logit given, whatever the chunks,
-// whatever the ranks (their tops merge by the same order). The heap starts full of placeholders
-// (-inf, kNoId), after every real logit, -inf ones included, so it needs no count: with k at most
-// the vocabulary every placeholder is pushed out. A NaN is never taken in (it is not before
-// anything); its row's logprobs are NaN anyway.
+// A row's k largest logits with their ids, shared by the CPU and CUDA kernels. Strictly ordered (a
+// larger logit first, between equal ones the lower id), unlike the sampler filter's top, so that the
+// k kept are the first k of that order whatever the chunks and ranks, whose tops merge by it. It
+// starts full of placeholders (-inf, kNoId) that every real logit precedes, so it needs no count; a
+// NaN is never taken (its row's logprobs are NaN anyway).
 #pragma once
 
 #include <cstdint>
 
 #include "common/math.h"
 
-namespace fused_rl_ops::chosen_logprob {
+namespace fused_rl_ops::top_logprobs {
 
 // The id of a placeholder: after every real id.
 constexpr int64_t kNoId = INT64_MAX;
@@ -40,4 +37,4 @@ FRL_HD void top_ids_push(T* values, int64_t* ids, int64_t k, T v, int64_t id) {
   ids[i] = id;
 }
 
-}  // namespace fused_rl_ops::chosen_logprob
+}  // namespace fused_rl_ops::top_logprobs

@@ -1,10 +1,10 @@
 // The logit map of every op over a vocab-parallel output layer: the GEMMs give raw logits
-// x = h . w, the softmax takes z = map(x). Its options, declared once (how: common/options.h),
-// mirrored in Python by LogitMap (fused_rl_ops/logit_options.py, which documents them):
+// x = h . w, the softmax takes z = map(x). Its options, declared once (how: common/options.h) and
+// documented with the Python declaration, LogitMap:
 //   temperature: z = x / temperature.
 //   softcap: z = softcap * tanh(x / softcap) / temperature; none: no cap.
 // The row kernels take the map's constants (with_logit_map), one kernel per map. A new map option
-// is a line here, its formula below and a field of LogitMap. Free of torch and CUDA headers.
+// is a line of the list below and its formula in with_logit_map. Free of torch and CUDA headers.
 #pragma once
 
 #include <optional>
@@ -12,9 +12,13 @@
 #include "common/math.h"
 #include "common/options.h"
 
-#define FRL_LOGIT_MAP(X)                       \
-  X(double, temperature, "float", "", PositiveFinite) \
-  X(std::optional<double>, softcap, "float?", "", PositiveFinite)
+// The options, each named P##name in a schema: a model's map P empty, a second model's (the
+// teacher's of vocab_divergence) P teacher_; both are a LogitMap.
+#define FRL_LOGIT_MAP_NAMED(P, X)                       \
+  X(double, P##temperature, "float", "", PositiveFinite) \
+  X(std::optional<double>, P##softcap, "float?", "", PositiveFinite)
+#define FRL_LOGIT_MAP(X) FRL_LOGIT_MAP_NAMED(, X)
+#define FRL_TEACHER_LOGIT_MAP(X) FRL_LOGIT_MAP_NAMED(teacher_, X)
 
 namespace fused_rl_ops {
 

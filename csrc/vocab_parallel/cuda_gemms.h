@@ -1,4 +1,4 @@
-// The GEMMs of the vocab-chunk loop on CUDA (chosen_logprob/chunks.h lists what a device's Kernels
+// The GEMMs of the vocab-chunk loop on CUDA (vocab_parallel/chunk_loop.h lists what a device's Kernels
 // supply): cuBLAS through ATen, bf16 / fp16 inputs accumulating into fp32 outputs via the out_dtype
 // overloads, on the current stream. An op's CudaKernels derive from it and add the launchers of
 // their row kernels. For the torch glue (cuda.cpp), not for .cu files.
@@ -22,7 +22,7 @@ struct CudaGemms {
   static at::Tensor gemm_operand(const at::Tensor& t, at::ScalarType) { return t; }
 
   // The chunk loop's GEMMs take whole row blocks, in order on the stream, and each row kernel all
-  // the rows of a pass (chosen_logprob/chunks.h).
+  // the rows of a pass (vocab_parallel/chunk_loop.h).
   static constexpr int64_t kPieceRows = 0;
 
   // An fp32 main_grad takes the weight gradient from the GEMMs' fp32 accumulation (add_mm's

@@ -1,7 +1,6 @@
-// The GEMMs of the vocab-chunk loop on the CPU (chosen_logprob/chunks.h lists what a device's
+// The GEMMs of the vocab-chunk loop on the CPU (vocab_parallel/chunk_loop.h lists what a device's
 // Kernels supply): ATen GEMMs in the accumulation dtype (fp32, or fp64 for float64 inputs), and the
-// threads that run the loop's row pieces. An op's CpuKernels derive from it and add their row kernels
-// and kPieceRows (0: no pieces).
+// threads that run the loop's row pieces. An op's CpuKernels derive from it and add their row kernels.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,6 +15,10 @@ namespace fused_rl_ops {
 
 struct CpuGemms {
   static bool capturing() { return false; }  // no graphs on the CPU
+
+  // Rows per piece (RowPieces): a divisor of the batch-invariant row block, and enough pieces per
+  // chunk (16 at N = 2048) to even out a slowed thread's share.
+  static constexpr int64_t kPieceRows = 128;
 
   // fn(i) for each task i < count (the chunk loop's TaskQueue), taken in order by whichever thread is
   // free: one parallel region, in which the GEMMs (ATen's, in a parallel region) run on the calling

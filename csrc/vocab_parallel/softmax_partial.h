@@ -1,4 +1,4 @@
-// A softmax partial, what chosen_logprob's RowStats and vocab_divergence's Side each are: the max m
+// A softmax partial, what RowStats (row_stats.h) and vocab_divergence's Side each are: the max m
 // of some logits (-inf while empty: no probability mass) and two sums taken against it, which merge
 // exactly across vocab chunks and TP ranks as m moves. Shared by the CPU and CUDA kernels.
 #pragma once
