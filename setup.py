@@ -3,7 +3,7 @@ torch are present (no GPU is needed to build). Environment knobs:
   CUDA_HOME                  the toolkit (default: found by fused_rl_ops/_cuda_home.py)
   TORCH_CUDA_ARCH_LIST       architectures (default: 8.0;9.0 and 10.0 where nvcc has it, PTX for the newest)
   FUSED_RL_OPS_CPU_ONLY=1    skip the CUDA kernels
-  FUSED_RL_OPS_NO_AVX2=1     x86-64 CPU kernels without AVX2/FMA (for CPUs that lack them)
+  FUSED_RL_OPS_NO_AVX2=1     x86-64 torch glue, clamped_swiglu and value_head without AVX2/FMA
   MAX_JOBS                   parallel compile jobs (ninja)
 """
 import glob
@@ -59,7 +59,7 @@ elif not CUDA_HOME:
 # Every op's folder csrc/<op>/ holds cpu.cpp, cuda.cpp and kernel.cu; they include "<op>/..." and
 # "common/..." from csrc.
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-sources = ["csrc/module.cpp"] + sorted(glob.glob("csrc/*/cpu.cpp"))
+sources = ["csrc/module.cpp", "csrc/common/cpu_isa.cpp"] + sorted(glob.glob("csrc/*/cpu.cpp"))
 # ATen's vec headers use #pragma unroll. No implicit FMA contraction, on the CPU (-ffp-contract=off)
 # or the GPU (--fmad=false): chosen_logprob's backward recomputes the forward's shifted logits
 # z / T - max and needs them bit for bit (a contracted z * (1/T) - max is the product's rounding
@@ -72,9 +72,23 @@ if platform.system() == "Linux":
     # OpenMP; libgomp is then the one torch already loaded (same soname).
     cxx_flags.append("-fopenmp")
     link_flags.append("-fopenmp")
+# The CPU row kernels (csrc/<op>/cpu_rows.cpp) are compiled once per ISA, as ATen compiles its own
+# CPU kernels (its flags, and -DCPU_CAPABILITY naming the namespace their code lies in), and picked at
+# run time (csrc/common/cpu_isa.h).
+ROW_KERNEL_SOURCES = sorted(glob.glob("csrc/*/cpu_rows.cpp"))
+ROW_KERNEL_ISAS = {"DEFAULT": []}
+if platform.machine() in ("x86_64", "AMD64"):
+    ROW_KERNEL_ISAS["AVX2"] = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"]
+    ROW_KERNEL_ISAS["AVX512"] = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+                                 "-DCPU_CAPABILITY_AVX512"]
+    cxx_flags.append("-DFRL_CPU_ISAS_X86")
+# The rest (the glue, clamped_swiglu's and value_head's at::vec kernels, which mix torch and SIMD) still
+# uses AVX2 where the CPU has it; every ISA's row kernels lie in namespaces of their own all the same.
 if platform.machine() in ("x86_64", "AMD64") and os.environ.get("FUSED_RL_OPS_NO_AVX2") != "1":
-    # The CPU kernels use at::vec; without these its Vectorized falls back to scalar loops.
-    cxx_flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    GLUE_ISA_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+else:
+    GLUE_ISA_FLAGS = []
+cxx_flags += GLUE_ISA_FLAGS
 if WITH_CUDA:
     sources += sorted(glob.glob("csrc/*/cuda.cpp")) + sorted(glob.glob("csrc/*/kernel.cu"))
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", default_arch_list(CUDA_HOME))
@@ -105,6 +119,7 @@ def write_build_info():
         "cuda": torch.version.cuda if WITH_CUDA else None,
         "cuda_archs": os.environ["TORCH_CUDA_ARCH_LIST"] if WITH_CUDA else None,
         "cpu_isa": "AVX2+FMA" if "-mavx2" in cxx_flags else f"{platform.machine()} baseline (no AVX2)",
+        "row_kernel_isas": list(ROW_KERNEL_ISAS),
     }
     text = ('"""Facts of the build, written by setup.py."""\n'
             + "".join(f"{key.upper()} = {value!r}\n" for key, value in info.items()))
@@ -113,9 +128,40 @@ def write_build_info():
         path.write_text(text)
 
 
+def weak_symbols_outside(obj, isa):
+    """The weak (COMDAT) symbols an ISA's object defines outside that ISA's namespaces: the linker
+    keeps one copy of each among all objects, so such a function compiled for AVX-512 could be the
+    one the rest of the extension calls on a CPU without it. (DW.ref.*: data, a pointer to the C++
+    runtime's exception personality routine.)"""
+    listing = subprocess.run(["nm", "--defined-only", "-C", obj], capture_output=True, text=True, check=True).stdout
+    names = [line.split(" ", 2)[2] for line in listing.splitlines() if line.split(" ")[1:2] in (["W"], ["V"], ["u"])]
+    return [name for name in names if f"::{isa}::" not in name and not name.startswith("DW.ref.")]
+
+
+class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    """torch's BuildExtension, with the row kernels compiled once per ISA (ROW_KERNEL_ISAS), each into
+    a folder of its own (setuptools has no flags per source file), and linked into the extension."""
+
+    def build_extension(self, ext):
+        flags = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else ext.extra_compile_args
+        flags = [flag for flag in flags if flag not in GLUE_ISA_FLAGS]
+        objects = []
+        for isa, isa_flags in ROW_KERNEL_ISAS.items():
+            isa_objects = self.compiler.compile(
+                ROW_KERNEL_SOURCES, output_dir=os.path.join(self.build_temp, f"cpu_rows_{isa}"),
+                include_dirs=ext.include_dirs, extra_postargs={"cxx": flags + isa_flags + [f"-DCPU_CAPABILITY={isa}"]})
+            for obj in isa_objects:
+                if platform.system() == "Linux" and (stray := weak_symbols_outside(obj, isa)):
+                    raise RuntimeError(f"{obj} defines shared symbols outside namespace {isa}: {stray[:5]}")
+            objects += isa_objects
+        ext.extra_objects = objects
+        ext.depends = list(ext.depends) + objects  # a recompiled row kernel relinks the extension
+        super().build_extension(ext)
+
+
 write_build_info()
 setup(
     packages=find_packages(include=["fused_rl_ops", "fused_rl_ops.*"]),
     ext_modules=[extension],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtension},
 )

@@ -1,158 +1,27 @@
-// vocab_divergence, CPU: the chunk loops with ATen GEMMs (vocab_parallel/cpu_gemms.h) and SIMD row kernels
-// running the shared formulas of vocab_divergence/math.h, both on pieces of rows handed to the threads
-// as they come free (RowPieces in vocab_parallel/tiling.h).
-#include <ATen/Dispatch.h>
+// vocab_divergence, CPU: the chunk loops with ATen GEMMs (vocab_parallel/cpu_gemms.h) and the SIMD row
+// kernels of the CPU's ISA (cpu_rows.h), both on pieces of rows handed to the threads as they come
+// free (RowPieces in vocab_parallel/tiling.h).
 #include <torch/library.h>
 
-#include "common/vec_math.h"
+#include "vocab_divergence/cpu_rows.h"
 #include "vocab_divergence/entry.h"
-#include "vocab_divergence/math.h"
 #include "vocab_parallel/combine.h"
 #include "vocab_parallel/cpu_gemms.h"
 
 namespace fused_rl_ops::vocab_divergence {
 namespace {
 
-// Calls fn(student map, teacher map) in acc (vocab_parallel/logit_map.h's PlainLogit or SoftcappedLogit each).
-template <typename acc, class Fn>
-void with_logit_maps(const Params& p, const Fn& fn) {
-  with_logit_map<acc>(p.logit_map, [&](const auto& student) {
-    with_logit_map<acc>(p.teacher_logit_map, [&](const auto& teacher) { fn(student, teacher); });
-  });
-}
-
-template <typename acc>
-acc row_max(const acc* x, int64_t C) {
-  using Vec = at::vec::Vectorized<acc>;
-  const int64_t C_vec = C - C % Vec::size();
-  Vec vmax(-INFINITY);
-  for (int64_t k = 0; k < C_vec; k += Vec::size()) vmax = Math<Vec>::max(vmax, Vec::loadu(x + k));
-  acc m = horizontal_max(vmax);
-  for (int64_t k = C_vec; k < C; ++k) m = Math<acc>::max(m, x[k]);
-  return m;
-}
-
-template <typename acc>
-RowConstants<acc> row_constants(const Params& p, int64_t r) {
-  const auto* row = static_cast<const acc*>(p.row) + r * combined_column::count;
-  const auto* term = static_cast<const acc*>(p.row_term);
-  return {row[combined_column::student_max], row[combined_column::student_log_sum], row[combined_column::teacher_max],
-          row[combined_column::teacher_log_sum], term ? term[r] : acc(0)};
-}
-
-template <typename V, typename acc>
-RowConstants<V> as_vec(const RowConstants<acc>& c) {
-  return {V(c.student_max), V(c.student_log_sum), V(c.teacher_max), V(c.teacher_log_sum), V(c.term)};
-}
-
-template <typename acc, class Student, class Teacher>
-void stats_rows_cpu(const Params& p, const Student& student, const Teacher& teacher) {
-  using Vec = at::vec::Vectorized<acc>;
-  const auto *xs = static_cast<const acc*>(p.logits), *xt = static_cast<const acc*>(p.teacher_logits);
-  auto* stats = static_cast<acc*>(p.stats);
-  const int64_t C = p.cols, C_vec = C - C % Vec::size();
-  const auto vstudent = student.template as<Vec>();
-  const auto vteacher = teacher.template as<Vec>();
-  for (int64_t r = 0; r < p.rows; ++r) {
-    const acc *s = xs + r * C, *t = xt + r * C;
-    // The maps are nondecreasing: a row's largest z is the map of its largest x.
-    const acc ms = student(row_max(s, C)), mt = teacher(row_max(t, C));
-    const Vec vms(ms), vmt(mt);
-    Vec ss(0), cs(0), st(0), ct(0);
-    for (int64_t k = 0; k < C_vec; k += Vec::size()) {
-      const Vec zs = vstudent(Vec::loadu(s + k)), zt = vteacher(Vec::loadu(t + k));
-      side_add(zs, zt, vms, ss, cs);
-      side_add(zt, zs, vmt, st, ct);
-    }
-    Side<acc> a{ms, horizontal_sum(ss), horizontal_sum(cs)}, b{mt, horizontal_sum(st), horizontal_sum(ct)};
-    for (int64_t k = C_vec; k < C; ++k) {
-      const acc zs = student(s[k]), zt = teacher(t[k]);
-      side_add(zs, zt, ms, a.sum, a.cross);
-      side_add(zt, zs, mt, b.sum, b.cross);
-    }
-    stats_update_row(stats + r * stats_column::count, a, b);
-  }
-}
-
-// Calls fn(r, s, t, row, vrow) for every token row r: s and t its student's and teacher's raw
-// logits, row its merged constants (row_constants) and vrow those as vectors.
-template <typename acc, class Fn>
-void for_each_merged_row(const Params& p, const Fn& fn) {
-  using Vec = at::vec::Vectorized<acc>;
-  const auto *xs = static_cast<const acc*>(p.logits), *xt = static_cast<const acc*>(p.teacher_logits);
-  for (int64_t r = 0; r < p.rows; ++r) {
-    const RowConstants<acc> row = row_constants<acc>(p, r);
-    fn(r, xs + r * p.cols, xt + r * p.cols, row, as_vec<Vec>(row));
-  }
-}
-
-template <typename acc, class Student, class Teacher>
-void mixture_rows_cpu(const Params& p, const Student& student, const Teacher& teacher) {
-  using Vec = at::vec::Vectorized<acc>;
-  auto* sums = static_cast<acc*>(p.mixture);
-  const int64_t C = p.cols, C_vec = C - C % Vec::size();
-  const auto vstudent = student.template as<Vec>();
-  const auto vteacher = teacher.template as<Vec>();
-  const auto weights = MixtureWeights<acc>::of(p.beta);
-  const auto vweights = weights.template as<Vec>();
-  for_each_merged_row<acc>(p, [&](int64_t r, const acc* s, const acc* t, const auto& row, const auto& vrow) {
-    Vec kt(0), ks(0);
-    for (int64_t k = 0; k < C_vec; k += Vec::size()) {
-      mixture_add(vstudent(Vec::loadu(s + k)), vteacher(Vec::loadu(t + k)), vrow, vweights, kt, ks);
-    }
-    acc teacher_sum = horizontal_sum(kt), student_sum = horizontal_sum(ks);
-    for (int64_t k = C_vec; k < C; ++k) mixture_add(student(s[k]), teacher(t[k]), row, weights, teacher_sum, student_sum);
-    acc* out = sums + r * mixture_column::count;
-    out[mixture_column::teacher] += teacher_sum;
-    out[mixture_column::student] += student_sum;
-  });
-}
-
-// Into p.grads (acc; may be p.logits itself: each element is read before it is overwritten).
-template <Kind kKind, typename acc, class Student, class Teacher>
-void grad_rows_cpu(const Params& p, const Student& student, const Teacher& teacher) {
-  using Vec = at::vec::Vectorized<acc>;
-  const auto* g = static_cast<const acc*>(p.grad);
-  auto* grads = static_cast<acc*>(p.grads);
-  const int64_t C = p.cols, C_vec = C - C % Vec::size();
-  const auto vstudent = student.template as<Vec>();
-  const auto vteacher = teacher.template as<Vec>();
-  const auto weights = MixtureWeights<acc>::of(p.beta);
-  const auto vweights = weights.template as<Vec>();
-  for_each_merged_row<acc>(p, [&](int64_t r, const acc* s, const acc* t, const auto& row, const auto& vrow) {
-    acc* d = grads + r * p.grads_stride;
-    const Vec vg(g[r]);
-    for (int64_t k = 0; k < C_vec; k += Vec::size()) {
-      const Vec x = Vec::loadu(s + k);
-      const Vec dz = student_logit_grad<kKind>(vstudent(x), vteacher(Vec::loadu(t + k)), vrow, vweights);
-      (dz * vg * vstudent.slope(x)).store(d + k);
-    }
-    for (int64_t k = C_vec; k < C; ++k) {
-      d[k] = student_logit_grad<kKind>(student(s[k]), teacher(t[k]), row, weights) * g[r] * student.slope(s[k]);
-    }
-  });
-}
+const RowKernels& row_kernels() { return FRL_CPU_ROW_KERNELS(); }
 
 struct CpuKernels : CpuGemms {
-  static void stats_rows(const Params& p, at::ScalarType acc) {
-    AT_DISPATCH_FLOATING_TYPES(acc, "vocab_divergence_stats_cpu", [&] {
-      with_logit_maps<scalar_t>(p, [&](const auto& s, const auto& t) { stats_rows_cpu<scalar_t>(p, s, t); });
-    });
-  }
+  static void stats_rows(const Params& p, at::ScalarType acc) { row_kernels().stats_rows(p, acc == at::kDouble); }
 
   static void mixture_rows(const Params& p, at::ScalarType acc) {
-    AT_DISPATCH_FLOATING_TYPES(acc, "vocab_divergence_mixture_cpu", [&] {
-      with_logit_maps<scalar_t>(p, [&](const auto& s, const auto& t) { mixture_rows_cpu<scalar_t>(p, s, t); });
-    });
+    row_kernels().mixture_rows(p, acc == at::kDouble);
   }
 
   static void grad_rows(const Params& p, at::ScalarType acc, at::ScalarType /* grads: grad_dtype, acc */) {
-    AT_DISPATCH_FLOATING_TYPES(acc, "vocab_divergence_grad_cpu", [&] {
-      with_kind(p.kind, [&](auto kind) {
-        with_logit_maps<scalar_t>(
-            p, [&](const auto& s, const auto& t) { grad_rows_cpu<decltype(kind)::value, scalar_t>(p, s, t); });
-      });
-    });
+    row_kernels().grad_rows(p, acc == at::kDouble);
   }
 
   static void combine(const Params& p, at::ScalarType acc) {

@@ -1,0 +1,18 @@
+// vocab_divergence's CPU row kernels, one table per ISA (common/cpu_isa.h): built from cpu_rows.cpp,
+// called by cpu.cpp. Each runs in double where fp64, else in float (the accumulation dtype).
+#pragma once
+
+#include "common/cpu_isa.h"
+#include "vocab_divergence/params.h"
+
+namespace fused_rl_ops::vocab_divergence {
+
+struct RowKernels {
+  void (*stats_rows)(const Params& p, bool fp64);
+  void (*mixture_rows)(const Params& p, bool fp64);
+  void (*grad_rows)(const Params& p, bool fp64);
+};
+
+FRL_DECLARE_CPU_ROW_KERNELS(RowKernels)
+
+}  // namespace fused_rl_ops::vocab_divergence
