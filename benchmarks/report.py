@@ -38,7 +38,8 @@ def main():
     busy = {name: busy_rows(r) for name, r in runs.items()}
     busy_total, timed_total = sum(b for b, _ in busy.values()), sum(t for _, t in busy.values())
     env = next(iter(runs.values()))["environment"]
-    machine = (f"{env.get('gpu') or env['machine']}, {env['cpus']} CPUs, torch {env['torch']}, "
+    machine = (f"{env.get('gpu') or env['machine']}, {env['cpus']} CPUs ({env.get('cpu_isa', '?')} row kernels), "
+               f"torch {env['torch']}, "
                f"copy bandwidth {env['copy_GB/s']:.1f} GB/s")
     busy_line = (f"{busy_total} of {timed_total} timed rows were measured while other processes used more than "
                  f"{BUSY_OTHER_CORES} cores (marked busy; CPU ratios there are not reliable)")

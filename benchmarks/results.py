@@ -9,6 +9,8 @@ import platform
 
 import torch
 
+from fused_rl_ops._library import cpu_isa
+
 from .load import whole_run
 from .timing import copy_bandwidth
 
@@ -20,7 +22,9 @@ def parse_args(description: str, extra=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repeats (smoke run)")
     if extra:
         extra(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    print(f"CPU row kernels: {cpu_isa()} (ATen's CPU capability; ATEN_CPU_CAPABILITY=avx2 or default forces a lower one)")
+    return args
 
 
 def png_path(json_path):
@@ -74,7 +78,7 @@ def find_peers(candidates: dict) -> tuple:
 def environment(device: str) -> dict:
     env = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-           "copy_GB/s": copy_bandwidth(device), "load": whole_run.stop()}
+           "cpu_isa": cpu_isa(), "copy_GB/s": copy_bandwidth(device), "load": whole_run.stop()}
     if device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
     return env

@@ -6,13 +6,24 @@
 
 #include "chosen_logprob/options.h"
 #include "clamped_swiglu/options.h"
+#include "common/cpu_isa.h"
 #include "top_logprobs/options.h"
 #include "vocab_divergence/options.h"
 
+namespace {
+// fused_rl_ops._C.cpu_isa(): the ISA the CPU row kernels run (common/cpu_isa.h).
+PyObject* cpu_isa(PyObject*, PyObject*) {
+  return PyUnicode_FromString(fused_rl_ops::cpu_isa_name(fused_rl_ops::cpu_isa()));
+}
+PyMethodDef methods[] = {{"cpu_isa", cpu_isa, METH_NOARGS, "The ISA the CPU row kernels run."}, {nullptr}};
+}  // namespace
+
 extern "C" {
-// Importing fused_rl_ops._C runs the static registrations below; the module itself is empty.
+// Importing fused_rl_ops._C runs the static registrations below and chooses the row kernels' ISA
+// (warning here, once, where ATen's capability is one the CPU lacks); the module has cpu_isa only.
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  fused_rl_ops::cpu_isa();
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }
 }

@@ -45,6 +45,12 @@ def has_cuda_kernels() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("fused_rl_ops::clamped_swiglu", "CUDA")
 
 
+def cpu_isa() -> str:
+    """The instruction set the CPU kernels' row kernels run: "AVX512", "AVX2" or "DEFAULT" (scalar),
+    chosen once as ATen's CPU capability (so ATEN_CPU_CAPABILITY=avx2 or =default forces a lower one)."""
+    return _C.cpu_isa()
+
+
 def check_device(op: str, **tensors):
     """Raises a clear error when tensors sit on different devices or on one without kernels."""
     devices = {name: t.device for name, t in tensors.items() if t is not None}
