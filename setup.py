@@ -147,12 +147,14 @@ class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
         flags = [flag for flag in flags if flag not in GLUE_ISA_FLAGS]
         objects = []
         for isa, isa_flags in ROW_KERNEL_ISAS.items():
+            isa_flags = flags + isa_flags + [f"-DCPU_CAPABILITY={isa}", "-DFRL_CPU_ROWS_ISA"]
             isa_objects = self.compiler.compile(
                 ROW_KERNEL_SOURCES, output_dir=os.path.join(self.build_temp, f"cpu_rows_{isa}"),
-                include_dirs=ext.include_dirs, extra_postargs={"cxx": flags + isa_flags + [f"-DCPU_CAPABILITY={isa}"]})
+                include_dirs=ext.include_dirs, extra_postargs={"cxx": isa_flags})
             for obj in isa_objects:
                 if platform.system() == "Linux" and (stray := weak_symbols_outside(obj, isa)):
-                    raise RuntimeError(f"{obj} defines shared symbols outside namespace {isa}: {stray[:5]}")
+                    raise RuntimeError(f"{obj} defines shared symbols outside namespace {isa}: {stray[:5]} "
+                                       "(mark the shared functions FRL_HD, which inlines them there)")
             objects += isa_objects
         ext.extra_objects = objects
         ext.depends = list(ext.depends) + objects  # a recompiled row kernel relinks the extension

@@ -29,7 +29,7 @@ inline Params row_params(const at::Tensor& logits, const ChunkStep& step, const 
                          const LogitMap& logit_map, const VocabShard& shard) {
   Params p = chunk_params<Params>(logits, step, logit_map, shard);
   p.tokens_per_row = tokens.size(1);
-  p.tokens = step.rows_of(tokens).const_data_ptr<int64_t>();
+  p.tokens = step.rows_in<int64_t>(tokens);
   return p;
 }
 
@@ -51,11 +51,11 @@ at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const 
   const at::Tensor tau = threshold ? threshold->contiguous() : at::Tensor();
   for_each_chunk<Kernels>(hidden, weight, V, tiling_options, [&](const at::Tensor& logits, const ChunkStep& step) {
     Params p = row_params(logits, step, tok, logit_map, shard);
-    p.stats = step.rows_of(stats).mutable_data_ptr();
-    if (tau.defined()) p.threshold = step.rows_of(tau).const_data_ptr();
+    p.stats = step.rows_out(stats);
+    if (tau.defined()) p.threshold = step.rows_in(tau);
     Kernels::stats_rows(p, acc);
     if (width > 0) {
-      p.top = step.rows_of(tops).mutable_data_ptr();
+      p.top = step.rows_out(tops);
       p.top_width = width;
       Kernels::top_rows(p, acc);
     }
@@ -77,12 +77,12 @@ void search_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::T
   const at::Tensor m = row_max.contiguous(), windows = window.contiguous();
   for_each_chunk<Kernels>(hidden, weight, V, tiling_options, [&](const at::Tensor& logits, const ChunkStep& step) {
     Params p = chunk_params<Params>(logits, step, logit_map, shard);
-    p.row_max = step.rows_of(m).const_data_ptr();
-    p.window = step.rows_of(windows).const_data_ptr();
-    p.hist = step.rows_of(hist).mutable_data_ptr();
+    p.row_max = step.rows_in(m);
+    p.window = step.rows_in(windows);
+    p.hist = step.rows_out(hist);
     Kernels::hist_rows(p, acc);
     if (top) {
-      p.top = step.rows_of(*top).mutable_data_ptr();
+      p.top = step.rows_out(*top);
       p.top_width = top->size(1) - top_column::values;
       Kernels::top_rows(p, acc);
     }
@@ -110,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
       hidden, weight, shard.valid_rows.value_or(weight.size(0)), main_grad, tiling_options,
       [&](const at::Tensor& logits, const ChunkStep& step, const at::Tensor& d) {
         Params p = row_params(logits, step, tok, logit_map, shard);
-        const auto row_ptr = [&](const at::Tensor& t) { return step.rows_of(t).const_data_ptr(); };
+        const auto row_ptr = [&](const at::Tensor& t) { return step.rows_in(t); };
         p.row_max = row_ptr(row_max);
         p.log_sum = row_ptr(log_sum);
         p.log_sum_minus_entropy = row_ptr(log_sum_minus_entropy);

@@ -148,28 +148,20 @@ void hist_rows_cpu(const Params& p, const Logit& logit) {
 }
 
 void grad_rows(const Params& p, bool fp64) {
-  with_acc(fp64, [&](auto zero) {
-    using acc = decltype(zero);
-    with_logit_map<acc>(p.logit_map, [&](const auto& logit) { grad_rows_cpu<acc>(p, logit); });
-  });
+  with_acc_logit_map(p.logit_map, fp64, [&](auto zero, const auto& logit) { grad_rows_cpu<decltype(zero)>(p, logit); });
 }
 
 void top_rows(const Params& p, bool fp64) {
-  with_acc(fp64, [&](auto zero) {
-    using acc = decltype(zero);
-    with_logit_map<acc>(p.logit_map, [&](const auto& logit) { top_rows_cpu<acc>(p, logit); });
-  });
+  with_acc_logit_map(p.logit_map, fp64, [&](auto zero, const auto& logit) { top_rows_cpu<decltype(zero)>(p, logit); });
 }
 
 void hist_rows(const Params& p, bool fp64) {
-  with_acc(fp64, [&](auto zero) {
-    using acc = decltype(zero);
-    with_logit_map<acc>(p.logit_map, [&](const auto& logit) { hist_rows_cpu<acc>(p, logit); });
-  });
+  with_acc_logit_map(p.logit_map, fp64, [&](auto zero, const auto& logit) { hist_rows_cpu<decltype(zero)>(p, logit); });
 }
 
 }  // namespace
 
-const RowKernels row_kernels{&::fused_rl_ops::CPU_CAPABILITY::stats_rows_cpu<Params>, &grad_rows, &top_rows, &hist_rows};
+const RowKernels row_kernels{&::fused_rl_ops::CPU_CAPABILITY::stats_rows_cpu<Params>, &grad_rows, &top_rows,
+                             &hist_rows};
 
 }  // namespace fused_rl_ops::chosen_logprob::CPU_CAPABILITY

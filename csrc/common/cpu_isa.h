@@ -40,7 +40,8 @@ const Table& for_cpu_isa(const Table& scalar, const Table& avx2, const Table& av
   extern const Table row_kernels;           \
   }
 #if defined(FRL_CPU_ISAS_X86)
-#define FRL_CPU_ROW_KERNELS() (::fused_rl_ops::for_cpu_isa(DEFAULT::row_kernels, AVX2::row_kernels, AVX512::row_kernels))
+#define FRL_CPU_ROW_KERNELS() \
+  (::fused_rl_ops::for_cpu_isa(DEFAULT::row_kernels, AVX2::row_kernels, AVX512::row_kernels))
 #else
 #define FRL_CPU_ROW_KERNELS() (DEFAULT::row_kernels)
 #endif

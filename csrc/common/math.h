@@ -7,6 +7,10 @@
 
 #if defined(__CUDACC__)
 #define FRL_HD __host__ __device__ __forceinline__
+#elif defined(FRL_CPU_ROWS_ISA)
+// A CPU row-kernel file compiled for one ISA (common/cpu_isa.h): the shared formulas inlined into
+// its kernels, never emitted as functions another file's calls could link to.
+#define FRL_HD inline __attribute__((always_inline))
 #else
 #define FRL_HD inline
 #endif

@@ -46,12 +46,4 @@ S horizontal_sum(const at::vec::Vectorized<S>& v) {
   return s;
 }
 
-// fn(acc()) with the accumulation dtype of a row kernel table's call (common/cpu_isa.h): double
-// where fp64, else float.
-template <class Fn>
-void with_acc(bool fp64, const Fn& fn) {
-  if (fp64) fn(double());
-  else fn(float());
-}
-
 }  // namespace fused_rl_ops

@@ -37,10 +37,7 @@ void top_ids_rows_cpu(const Params& p, const Logit& logit) {
 }
 
 void top_ids_rows(const Params& p, bool fp64) {
-  with_acc(fp64, [&](auto zero) {
-    using acc = decltype(zero);
-    with_logit_map<acc>(p.logit_map, [&](const auto& logit) { top_ids_rows_cpu<acc>(p, logit); });
-  });
+  with_acc_logit_map(p.logit_map, fp64, [&](auto zero, const auto& logit) { top_ids_rows_cpu<decltype(zero)>(p, logit); });
 }
 
 }  // namespace

@@ -83,8 +83,8 @@ struct CallConstants {
 inline Params row_params(const at::Tensor& logits, const at::Tensor& teacher_logits, const ChunkStep& step,
                          const CallConstants& call) {
   Params p;
-  p.logits = logits.narrow(0, step.begin, step.end - step.begin).const_data_ptr();
-  p.teacher_logits = teacher_logits.narrow(0, step.begin, step.end - step.begin).const_data_ptr();
+  p.logits = step.pass_rows_in(logits);
+  p.teacher_logits = step.pass_rows_in(teacher_logits);
   p.rows = step.end - step.begin;
   p.cols = step.n;
   p.logit_map = call.logit_map;
@@ -127,7 +127,7 @@ at::Tensor stats_impl(const at::Tensor& hidden, const at::Tensor& weight, const 
   if (hidden.size(0) == 0 || valid_rows == 0) return stats;
   for_each_chunk_pair<Kernels>(hidden, weight, teacher_hidden, teacher_weight, valid_rows, call, tiling,
                                [&](Params p, const ChunkStep& step) {
-                                 p.stats = step.rows_of(stats).mutable_data_ptr();
+                                 p.stats = step.rows_out(stats);
                                  Kernels::stats_rows(p, acc);
                                });
   return stats;
@@ -145,8 +145,8 @@ at::Tensor mixture_impl(const at::Tensor& hidden, const at::Tensor& weight, cons
   const at::Tensor row = rows.contiguous();
   for_each_chunk_pair<Kernels>(hidden, weight, teacher_hidden, teacher_weight, valid_rows, call, tiling,
                                [&](Params p, const ChunkStep& step) {
-                                 p.row = step.rows_of(row).const_data_ptr();
-                                 p.mixture = step.rows_of(sums).mutable_data_ptr();
+                                 p.row = step.rows_in(row);
+                                 p.mixture = step.rows_out(sums);
                                  Kernels::mixture_rows(p, acc);
                                });
   return sums;
@@ -170,9 +170,9 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& hidden, const
       hidden, weight, valid_rows, main_grad, tiling_options,
       [&](const at::Tensor& logits, const ChunkStep& step, const at::Tensor& d) {
         Params p = row_params(logits, teacher.of(step), step, call);
-        p.row = step.rows_of(row).const_data_ptr();
-        p.row_term = step.rows_of(term).const_data_ptr();
-        p.grad = step.rows_of(g).const_data_ptr();
+        p.row = step.rows_in(row);
+        p.row_term = step.rows_in(term);
+        p.grad = step.rows_in(g);
         p.grads = d.data_ptr();
         p.grads_stride = d.stride(0);
         Kernels::grad_rows(p, acc, d.scalar_type());

@@ -7,11 +7,12 @@
 namespace fused_rl_ops::vocab_divergence::CPU_CAPABILITY {
 namespace {
 
-// Calls fn(student map, teacher map) in acc (vocab_parallel/logit_map.h's PlainLogit or SoftcappedLogit each).
-template <typename acc, class Fn>
-void with_logit_maps(const Params& p, const Fn& fn) {
-  with_logit_map<acc>(p.logit_map, [&](const auto& student) {
-    with_logit_map<acc>(p.teacher_logit_map, [&](const auto& teacher) { fn(student, teacher); });
+// Calls fn(zero, student map, teacher map) in acc = decltype(zero), double where fp64, else float
+// (vocab_parallel/logit_map.h's PlainLogit or SoftcappedLogit each).
+template <class Fn>
+void with_logit_maps(const Params& p, bool fp64, const Fn& fn) {
+  with_acc_logit_map(p.logit_map, fp64, [&](auto zero, const auto& student) {
+    with_logit_map<decltype(zero)>(p.teacher_logit_map, [&](const auto& teacher) { fn(zero, student, teacher); });
   });
 }
 
@@ -128,25 +129,18 @@ void grad_rows_cpu(const Params& p, const Student& student, const Teacher& teach
 }
 
 void stats_rows(const Params& p, bool fp64) {
-  with_acc(fp64, [&](auto zero) {
-    using acc = decltype(zero);
-    with_logit_maps<acc>(p, [&](const auto& s, const auto& t) { stats_rows_cpu<acc>(p, s, t); });
-  });
+  with_logit_maps(p, fp64, [&](auto zero, const auto& s, const auto& t) { stats_rows_cpu<decltype(zero)>(p, s, t); });
 }
 
 void mixture_rows(const Params& p, bool fp64) {
-  with_acc(fp64, [&](auto zero) {
-    using acc = decltype(zero);
-    with_logit_maps<acc>(p, [&](const auto& s, const auto& t) { mixture_rows_cpu<acc>(p, s, t); });
-  });
+  with_logit_maps(p, fp64,
+                  [&](auto zero, const auto& s, const auto& t) { mixture_rows_cpu<decltype(zero)>(p, s, t); });
 }
 
 void grad_rows(const Params& p, bool fp64) {
-  with_acc(fp64, [&](auto zero) {
-    using acc = decltype(zero);
-    with_kind(p.kind, [&](auto kind) {
-      with_logit_maps<acc>(
-          p, [&](const auto& s, const auto& t) { grad_rows_cpu<decltype(kind)::value, acc>(p, s, t); });
+  with_kind(p.kind, [&](auto kind) {
+    with_logit_maps(p, fp64, [&](auto zero, const auto& s, const auto& t) {
+      grad_rows_cpu<decltype(kind)::value, decltype(zero)>(p, s, t);
     });
   });
 }

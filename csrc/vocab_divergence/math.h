@@ -123,11 +123,11 @@ template <typename T>
 struct MixtureWeights {
   T log_beta, log_one_minus_beta, one_minus_beta;
 
-  static MixtureWeights of(double beta) {
+  FRL_HD static MixtureWeights of(double beta) {
     return {T(::log(beta)), T(::log1p(-beta)), T(1.0 - beta)};
   }
   template <typename V>
-  MixtureWeights<V> as() const {
+  FRL_HD MixtureWeights<V> as() const {
     return {V(log_beta), V(log_one_minus_beta), V(one_minus_beta)};
   }
 };

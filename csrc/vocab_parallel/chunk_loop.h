@@ -270,7 +270,7 @@ template <class Params>
 Params chunk_params(const at::Tensor& logits, const ChunkStep& step, const LogitMap& logit_map,
                     const VocabShard& shard) {
   Params p;
-  p.logits = logits.narrow(0, step.begin, step.end - step.begin).const_data_ptr();
+  p.logits = step.pass_rows_in(logits);
   p.rows = step.end - step.begin;
   p.cols = logits.size(1);
   p.col0 = shard.vocab_start + step.c0;

@@ -78,4 +78,15 @@ void with_logit_map(const LogitMap& map, const Fn& fn) {
   }
 }
 
+// A CPU row-kernel table's call (common/cpu_isa.h): fn(zero, logit) in acc = decltype(zero), double
+// where fp64, else float, with the map in acc.
+template <class Fn>
+void with_acc_logit_map(const LogitMap& map, bool fp64, const Fn& fn) {
+  const auto in = [&](auto zero) {
+    with_logit_map<decltype(zero)>(map, [&](const auto& logit) { fn(zero, logit); });
+  };
+  if (fp64) in(double(0));
+  else in(float(0));
+}
+
 }  // namespace fused_rl_ops

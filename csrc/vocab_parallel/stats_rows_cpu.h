@@ -44,10 +44,8 @@ void stats_rows_cpu_kernel(const Params& p, const Logit& logit) {
 // The CPU kernel in double where fp64, else float, with p's logit map.
 template <class Params>
 void stats_rows_cpu(const Params& p, bool fp64) {
-  with_acc(fp64, [&](auto zero) {
-    using acc = decltype(zero);
-    with_logit_map<acc>(p.logit_map, [&](const auto& logit) { stats_rows_cpu_kernel<acc>(p, logit); });
-  });
+  with_acc_logit_map(p.logit_map, fp64,
+                     [&](auto zero, const auto& logit) { stats_rows_cpu_kernel<decltype(zero)>(p, logit); });
 }
 
 }  // namespace fused_rl_ops::CPU_CAPABILITY

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace fused_rl_ops {
 
@@ -66,8 +67,28 @@ struct VocabTiling {
 struct ChunkStep {
   int64_t r0, rows, g0, k, c0, n, begin, end;
 
-  // on_chunk's rows of t ([N, ...] per token row)
-  at::Tensor rows_of(const at::Tensor& t) const { return t.narrow(0, r0 + begin, end - begin); }
+  // The address of on_chunk's first row of t, read (rows_in) or written (rows_out): of a [N, ...] tensor
+  // per token row, or (pass_rows_in) of a pass's [padded rows, ...]. Addresses, not views: a task
+  // per piece and chunk makes them.
+  template <typename T = void>
+  const T* rows_in(const at::Tensor& t) const {
+    return row_address<const T>(t.const_data_ptr(), t, r0 + begin);
+  }
+  template <typename T = void>
+  T* rows_out(const at::Tensor& t) const {
+    return row_address<T>(t.mutable_data_ptr(), t, r0 + begin);
+  }
+  const void* pass_rows_in(const at::Tensor& t) const {
+    return row_address<const void>(t.const_data_ptr(), t, begin);
+  }
+
+ private:
+  template <typename T, typename Void>
+  static T* row_address(Void* base, const at::Tensor& t, int64_t row) {
+    using Byte = std::conditional_t<std::is_const_v<Void>, const char, char>;
+    const int64_t offset = row * t.stride(0) * static_cast<int64_t>(t.element_size());
+    return static_cast<T*>(static_cast<Void*>(static_cast<Byte*>(base) + offset));
+  }
 };
 
 // How a pass's padded rows are cut for a device whose Kernels run pieces (kPieceRows > 0, the CPU):
