@@ -1,5 +1,5 @@
 // The instruction sets the CPU row kernels are built for. Each op's cpu_rows.cpp (torch-free but for
-// ATen's header-only at::vec) is compiled once per ISA by setup.py, with that ISA's flags and
+// ATen's header-only at::vec) is compiled once per ISA by the build, with that ISA's flags and
 // -DCPU_CAPABILITY=<name>, so that all its code lies in a namespace of that name (at::vec's own
 // inline namespace is CPU_CAPABILITY too): no function compiled for AVX-512 can stand in for
 // another's on a CPU without it. The torch glue, built for the baseline ISA, picks one table of row
@@ -27,7 +27,7 @@ const Table& for_cpu_isa(const Table& scalar, const Table& avx2, const Table& av
 }  // namespace fused_rl_ops
 
 // Declares an op's row-kernel table `row_kernels` of type Table in each ISA's namespace (inside the
-// op's), and FRL_CPU_ROW_KERNELS the one the CPU runs; setup.py defines FRL_CPU_ISAS_X86 where it
+// op's), and FRL_CPU_ROW_KERNELS the one the CPU runs; the build defines FRL_CPU_ISAS_X86 where it
 // builds AVX2 and AVX512 beside DEFAULT.
 #define FRL_DECLARE_CPU_ROW_KERNELS(Table)  \
   namespace DEFAULT {                       \

@@ -106,14 +106,16 @@ class LogitsChunks {
   struct Unit {
     int64_t group, g0, k, r0, rows, chunks;
     RowPieces pieces;
-    int64_t first_step, group_first_step, weight_tasks;
+    int64_t pass, first_step, group_first_step, weight_tasks;
 
     ChunkStep whole() const { return ChunkStep{r0, rows, g0, k, g0, k, 0, rows}; }
   };
-  // A group's weight rows as the GEMMs take them, made by the first of its tasks and released by the last.
+  // A group's weight rows as the GEMMs take them (w; chunks: its chunks' rows), made by the first of
+  // its tasks and released by the last.
   struct GroupRows {
     int64_t piece_tasks = 0;
     at::Tensor w;
+    std::vector<at::Tensor> chunks;
     std::once_flag made;
     std::atomic<int64_t> finished{0};
   };
@@ -124,16 +126,32 @@ class LogitsChunks {
     int64_t unit, chunk, piece, order;
     bool drain;
   };
+  // A pass's logits in one workspace buffer (all: [padded rows, n]) and each piece's rows of them.
+  struct PassLogits {
+    int64_t buffer, rows, n;
+    at::Tensor all;
+    std::vector<at::Tensor> pieces;
+  };
   // The tasks in queue order, with the counters they wait for: one per piece index (its tasks done),
   // per step (its pieces done), per unit (weight-gradient tasks done) and per group (pieces done).
+  // The views the tasks' GEMMs take are made here, once per call: each pass's pieces of h
+  // (h_pieces) and of the logits of each buffer and chunk width (logits).
   struct Schedule {
     std::vector<Unit> units;
     std::vector<int64_t> step_unit;
     mutable std::deque<GroupRows> groups;
     std::vector<Task> tasks;
     int64_t slots = 0;
+    std::vector<std::vector<at::Tensor>> h_pieces;
+    std::vector<PassLogits> logits;
 
     Schedule(const LogitsChunks& loop, const GroupWork& group);
+    const PassLogits* logits_of(int64_t buffer, int64_t rows, int64_t n) const {
+      for (const PassLogits& l : logits) {
+        if (l.buffer == buffer && l.rows == rows && l.n == n) return &l;
+      }
+      return nullptr;
+    }
     int64_t steps() const { return static_cast<int64_t>(step_unit.size()); }
     int64_t counters() const { return slots + steps() + units.size() + groups.size(); }
     int64_t step_done(int64_t step) const { return slots + step; }
@@ -147,6 +165,17 @@ class LogitsChunks {
   // The logits of a pass of `rows` for a chunk n wide, in workspace buffer b: [padded rows, n].
   at::Tensor logits_in(int64_t b, int64_t rows, int64_t n) const {
     return workspace_[b].narrow(0, 0, tiling_.padded(rows) * n).view({-1, n});
+  }
+
+  // Each piece's rows of a pass's blocks, block_at(b0) the block from the pass's row b0.
+  template <class BlockAt>
+  static std::vector<at::Tensor> pieces_of(const RowPieces& pieces, const BlockAt& block_at) {
+    std::vector<at::Tensor> rows;
+    for (int64_t i = 0; i < pieces.count; ++i) {
+      const int64_t b0 = pieces.block_begin(i), b = pieces.begin(i);
+      rows.push_back(block_at(b0).narrow(0, b - b0, pieces.end(i) - b));
+    }
+    return rows;
   }
 
   template <class OnChunk>
@@ -178,21 +207,28 @@ class LogitsChunks {
         queue.wait(plan.group_done(unit.group - 1), plan.groups[unit.group - 1].piece_tasks);
       }
       rows_of_group.w = Kernels::gemm_operand(w_.narrow(0, unit.g0, unit.k), acc_);
+      for (int64_t c0 = 0; c0 < unit.k; c0 += vocab_.chunk) {
+        rows_of_group.chunks.push_back(rows_of_group.w.narrow(0, c0, std::min(vocab_.chunk, unit.k - c0)));
+      }
     });
     const RowPieces& pieces = unit.pieces;
     const int64_t i = task.piece, c0 = unit.g0 + task.chunk * vocab_.chunk;
     const int64_t n = std::min(vocab_.chunk, unit.g0 + unit.k - c0);
-    at::Tensor logits = logits_in(buffer, unit.rows, n);
-    piece_logits<Kernels>(logits, rows_of_group.w.narrow(0, c0 - unit.g0, n), h_, h_tail_, tiling_, pieces, unit.r0, i);
+    const PassLogits& logits = *plan.logits_of(buffer, unit.rows, n);
+    at::Tensor out = logits.pieces[i];
+    Kernels::logits(plan.h_pieces[unit.pass][i], rows_of_group.chunks[task.chunk], out);
     const int64_t end = std::min(pieces.end(i), unit.rows);  // no row kernel on a last block's padding
     if (pieces.begin(i) < end) {
-      on_chunk(logits, ChunkStep{unit.r0, unit.rows, unit.g0, unit.k, c0, n, pieces.begin(i), end});
+      on_chunk(logits.all, ChunkStep{unit.r0, unit.rows, unit.g0, unit.k, c0, n, pieces.begin(i), end});
     }
     if (task.chunk == unit.chunks - 1 && group.rows) {
-      group.rows(rows_of_group.w, logits, unit.whole(), pieces.block_begin(i), pieces.begin(i),
+      group.rows(rows_of_group.w, logits.all, unit.whole(), pieces.block_begin(i), pieces.begin(i),
                  pieces.end(i) - pieces.begin(i));
     }
-    if (rows_of_group.finished.fetch_add(1) + 1 == plan.groups[unit.group].piece_tasks) rows_of_group.w = at::Tensor();
+    if (rows_of_group.finished.fetch_add(1) + 1 == plan.groups[unit.group].piece_tasks) {
+      rows_of_group.w = at::Tensor();
+      rows_of_group.chunks.clear();
+    }
     queue.raise(task.piece);
     queue.raise(plan.step_done(step));
     queue.raise(plan.group_done(unit.group));
@@ -215,9 +251,13 @@ LogitsChunks<Kernels>::Schedule::Schedule(const LogitsChunks& loop, const GroupW
     for (int64_t r0 = 0; r0 < loop.h_.size(0); r0 += tiling.pass) {
       const int64_t rows = std::min(tiling.pass, loop.h_.size(0) - r0);
       const RowPieces pieces(tiling, tiling.padded(rows), Kernels::kPieceRows);
-      const int64_t group_index = static_cast<int64_t>(groups.size()) - 1;
+      const int64_t group_index = static_cast<int64_t>(groups.size()) - 1, pass = r0 / tiling.pass;
+      if (g0 == 0) {
+        const auto block_at = [&](int64_t b0) { return block_rows(loop.h_, loop.h_tail_, tiling, r0 + b0); };
+        h_pieces.push_back(pieces_of(pieces, block_at));
+      }
       const int64_t first_step = steps(), group_first_step = r0 == 0 ? first_step : units.back().group_first_step;
-      Unit unit{group_index, g0, k, r0, rows, chunks, pieces, first_step, group_first_step, 0};
+      Unit unit{group_index, g0, k, r0, rows, chunks, pieces, pass, first_step, group_first_step, 0};
       unit.weight_tasks = group.task_count(unit.whole());
       rows_of_group.piece_tasks += chunks * pieces.count;
       step_unit.insert(step_unit.end(), chunks, static_cast<int64_t>(units.size()));
@@ -238,6 +278,11 @@ LogitsChunks<Kernels>::Schedule::Schedule(const LogitsChunks& loop, const GroupW
     const int64_t b = u % buffers;
     for (int64_t c = 0; c < unit.chunks; ++c) {
       const int64_t n = std::min(vocab.chunk, unit.k - c * vocab.chunk);
+      if (!logits_of(b, unit.rows, n)) {
+        const at::Tensor all = loop.logits_in(b, unit.rows, n);
+        const auto block_at = [&](int64_t b0) { return all.narrow(0, b0, tiling.block); };
+        logits.push_back(PassLogits{b, unit.rows, n, all, pieces_of(unit.pieces, block_at)});
+      }
       const bool drain = width[b] >= 0 && width[b] != n;
       width[b] = n;
       for (int64_t i = 0; i < unit.pieces.count; ++i) tasks.push_back(Task{u, c, i, order[i]++, drain});
