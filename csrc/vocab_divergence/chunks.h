@@ -32,6 +32,11 @@ class TeacherLogits {
       tail_.narrow(0, 0, tiling.tail_rows()).copy_(hidden_.narrow(0, tiling.last_full_row(), tiling.tail_rows()));
     }
     workspace_ = at::empty({tiling.pass * chunk}, hidden.options().dtype(acc_));
+    for (int64_t r0 = 0; r0 < tiling.N; r0 += tiling.pass) {  // each pass's pieces of hidden, made once
+      const RowPieces pieces(tiling, tiling.padded(std::min(tiling.pass, tiling.N - r0)), Kernels::kPieceRows);
+      hidden_pieces_.push_back(
+          piece_views(pieces, [&](int64_t b0) { return block_rows(hidden_, tail_, tiling, r0 + b0); }));
+    }
   }
 
   // Whether a group's weight rows are copies that the CPU's tasks must make in turn (GroupWork).
@@ -45,28 +50,35 @@ class TeacherLogits {
     const int64_t first = pieces.at(step.begin), last = pieces.at(step.end - 1);
     at::Tensor logits =
         workspace_.narrow(0, step.begin * (chunk_ - step.n), pieces.end(last) * step.n).view({-1, step.n});
-    const at::Tensor w_chunk = rows_of_group(step).narrow(0, step.c0 - step.g0, step.n);
+    const at::Tensor w_chunk = rows_of_chunk(step);
     for (int64_t i = first; i <= last; ++i) {
-      piece_logits<Kernels>(logits, w_chunk, hidden_, tail_, tiling_, pieces, step.r0, i);
+      at::Tensor out = logits.narrow(0, pieces.begin(i), pieces.end(i) - pieces.begin(i));
+      Kernels::logits(hidden_pieces_[step.r0 / tiling_.pass][i], w_chunk, out);
     }
     return logits;
   }
 
  private:
-  at::Tensor rows_of_group(const ChunkStep& step) {
+  // The step's chunk of its group's weight rows; the group's rows and chunks made once.
+  at::Tensor rows_of_chunk(const ChunkStep& step) {
     const std::lock_guard<std::mutex> lock(group_mutex_);
     if (group_g0_ != step.g0) {
-      group_rows_ = at::Tensor();  // released before the next is made
-      group_rows_ = Kernels::gemm_operand(weight_.narrow(0, step.g0, step.k), acc_);
+      group_chunks_.clear();  // released before the next is made
+      const at::Tensor rows = Kernels::gemm_operand(weight_.narrow(0, step.g0, step.k), acc_);
+      for (int64_t c0 = 0; c0 < step.k; c0 += chunk_) {
+        group_chunks_.push_back(rows.narrow(0, c0, std::min(chunk_, step.k - c0)));
+      }
       group_g0_ = step.g0;
     }
-    return group_rows_;
+    return group_chunks_[(step.c0 - step.g0) / chunk_];
   }
 
   RowTiling tiling_;
   int64_t chunk_;
   at::ScalarType acc_;
-  at::Tensor hidden_, tail_, weight_, workspace_, group_rows_;
+  at::Tensor hidden_, tail_, weight_, workspace_;
+  std::vector<std::vector<at::Tensor>> hidden_pieces_;
+  std::vector<at::Tensor> group_chunks_;
   int64_t group_g0_ = -1;
   std::mutex group_mutex_;
 };

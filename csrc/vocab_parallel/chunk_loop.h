@@ -167,17 +167,6 @@ class LogitsChunks {
     return workspace_[b].narrow(0, 0, tiling_.padded(rows) * n).view({-1, n});
   }
 
-  // Each piece's rows of a pass's blocks, block_at(b0) the block from the pass's row b0.
-  template <class BlockAt>
-  static std::vector<at::Tensor> pieces_of(const RowPieces& pieces, const BlockAt& block_at) {
-    std::vector<at::Tensor> rows;
-    for (int64_t i = 0; i < pieces.count; ++i) {
-      const int64_t b0 = pieces.block_begin(i), b = pieces.begin(i);
-      rows.push_back(block_at(b0).narrow(0, b - b0, pieces.end(i) - b));
-    }
-    return rows;
-  }
-
   template <class OnChunk>
   void run_task(const Schedule& plan, const Task& task, const TaskQueue& queue, const OnChunk& on_chunk,
                 const GroupWork& group) const {
@@ -254,7 +243,7 @@ LogitsChunks<Kernels>::Schedule::Schedule(const LogitsChunks& loop, const GroupW
       const int64_t group_index = static_cast<int64_t>(groups.size()) - 1, pass = r0 / tiling.pass;
       if (g0 == 0) {
         const auto block_at = [&](int64_t b0) { return block_rows(loop.h_, loop.h_tail_, tiling, r0 + b0); };
-        h_pieces.push_back(pieces_of(pieces, block_at));
+        h_pieces.push_back(piece_views(pieces, block_at));
       }
       const int64_t first_step = steps(), group_first_step = r0 == 0 ? first_step : units.back().group_first_step;
       Unit unit{group_index, g0, k, r0, rows, chunks, pieces, pass, first_step, group_first_step, 0};
@@ -281,7 +270,7 @@ LogitsChunks<Kernels>::Schedule::Schedule(const LogitsChunks& loop, const GroupW
       if (!logits_of(b, unit.rows, n)) {
         const at::Tensor all = loop.logits_in(b, unit.rows, n);
         const auto block_at = [&](int64_t b0) { return all.narrow(0, b0, tiling.block); };
-        logits.push_back(PassLogits{b, unit.rows, n, all, pieces_of(unit.pieces, block_at)});
+        logits.push_back(PassLogits{b, unit.rows, n, all, piece_views(unit.pieces, block_at)});
       }
       const bool drain = width[b] >= 0 && width[b] != n;
       width[b] = n;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace fused_rl_ops {
 
@@ -109,6 +110,18 @@ struct RowPieces {
   int64_t end(int64_t i) const { return std::min(begin(i) + piece, block_begin(i) + block); }
   int64_t at(int64_t row) const { return row / block * per_block + row % block / piece; }  // the piece of a row
 };
+
+// Each piece's rows of a pass's blocks, block_at(b0) the block from the pass's row b0: views made
+// once per call for the CPU's piece tasks.
+template <class BlockAt>
+std::vector<at::Tensor> piece_views(const RowPieces& pieces, const BlockAt& block_at) {
+  std::vector<at::Tensor> rows;
+  for (int64_t i = 0; i < pieces.count; ++i) {
+    const int64_t b0 = pieces.block_begin(i), b = pieces.begin(i);
+    rows.push_back(block_at(b0).narrow(0, b - b0, pieces.end(i) - b));
+  }
+  return rows;
+}
 
 // Piece i's rows of logits ([padded rows, n] of a pass from token row r0) = its rows of h times
 // w_chunk^T; h_tail: h's zero-padded last block (block_rows).
