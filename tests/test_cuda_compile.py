@@ -1,4 +1,4 @@
-"""Compile gate: every CUDA source compiles for sm_80 and sm_90 with warnings as errors, no kernel
+"""Compile gate: every CUDA source compiles for sm_80, sm_90 and sm_100 with warnings as errors, no kernel
 spills registers (read from ptxas's resource report), and every kernel is in namespace fused_rl_ops (the
 filter of gpu_check.sh's racecheck and synccheck); the vector paths store vectors (the sm_90 SASS,
 read with cuobjdump). Needs nvcc, not a GPU."""
@@ -15,10 +15,8 @@ from fused_rl_ops._cuda_home import find_cuda_home
 
 CSRC = os.path.join(os.path.dirname(__file__), "..", "csrc")
 CU_FILES = sorted(glob.glob(os.path.join(CSRC, "*", "kernel.cu")))
-# The architectures gated: A100's and H100 / H200's. Not yet sm_100 (B200): ptxas spills 4 bytes
-# there in vocab_divergence's grad_rows kernel for reverse_kl, the plain map and bf16 / fp16
-# gradients; add it once that kernel compiles without spills.
-GATED_ARCHS = ("sm_80", "sm_90")
+# The architectures gated: A100's, H100 / H200's and B200's.
+GATED_ARCHS = ("sm_80", "sm_90", "sm_100")
 
 
 def nvcc_path():
@@ -69,17 +67,21 @@ def test_every_kernel_source_is_gated():
     assert CU_FILES, "no CUDA sources found"
 
 
+def global_accesses(csrc, tmp_path, op="chosen_logprob"):
+    """{kernel's mangled name: the set of its global load and store opcodes (LDG.E.128, STG.E.64,
+    ...)} in the sm_90 SASS of csrc/<op>/kernel.cu."""
+    obj = tmp_path / f"{op}.o"
+    result = compile_object(Path(csrc) / op / "kernel.cu", obj, csrc)
+    assert result.returncode == 0, result.stderr
+    sass = subprocess.run([cuobjdump_path(), "-sass", str(obj)], capture_output=True, text=True, check=True).stdout
+    return {name: set(re.findall(r"\b((?:LDG|STG)\.E[.\w]*)", body))
+            for name, body in re.findall(r"Function : (\w+)(.*?)(?=Function : |\Z)", sass, re.S)}
+
+
 def global_stores(csrc, tmp_path):
     """{kernel's mangled name: the set of its global-store opcodes (STG.E, STG.E.64, ...)} in the
     sm_90 SASS of csrc/chosen_logprob/kernel.cu."""
-    obj = tmp_path / "chosen_logprob.o"
-    result = compile_object(Path(csrc) / "chosen_logprob" / "kernel.cu", obj, csrc)
-    assert result.returncode == 0, result.stderr
-    sass = subprocess.run([cuobjdump_path(), "-sass", str(obj)], capture_output=True, text=True, check=True).stdout
-    stores = {}
-    for name, body in re.findall(r"Function : (\w+)(.*?)(?=Function : |\Z)", sass, re.S):
-        stores[name] = set(re.findall(r"\b(STG\.E[.\w]*)", body))
-    return stores
+    return {name: {op for op in ops if op.startswith("STG")} for name, ops in global_accesses(csrc, tmp_path).items()}
 
 
 # grad_rows' vector variants (kGradWidth = 4 columns a thread): the gradient dtype's mangled name and
@@ -124,3 +126,34 @@ def test_scalar_stores_of_a_pack_are_caught(tmp_path):
     kernel.write_text(text.replace("store_pack(d + k, out);", "*reinterpret_cast<Pack<G, kWidth>*>(d + k) = out;"))
     found = grad_rows_vector_stores(global_stores(csrc, tmp_path))
     assert found and all(ops != {VECTOR_STORES[dtype]} for (_, dtype), ops in found.items()), found
+
+
+def vocab_divergence_row_variants(accesses, width):
+    """{(kernel, the rest of its template arguments): global accesses} of vocab_divergence's
+    stats, mixture and grad row kernels with `width` columns per access."""
+    found = {}
+    for name, ops in accesses.items():
+        m = re.search(rf"vocab_divergence_(stats|mixture|grad)_rows_kernelI(\w+?)Li{width}EE", name)
+        if m:
+            found[m.group(1), m.group(2)] = ops
+    return found
+
+
+@needs_cuobjdump
+def test_vocab_divergence_vector_variants_load_and_store_vectors(tmp_path):
+    """vocab_divergence's row kernels with 4 columns per access read both models' logits with 16-byte
+    loads (LDG.E.128), which their scalar variants never use, and grad_rows stores each 4-pack of
+    gradients with one STG.E.64 (bf16, fp16) or STG.E.128 (fp32)."""
+    accesses = global_accesses(CSRC, tmp_path, "vocab_divergence")
+    vector, scalar = (vocab_divergence_row_variants(accesses, width) for width in (4, 1))
+    # Both maps of both models (4 pairs) for stats and mixture; times 3 kinds and 3 dtypes for grad.
+    kernels = [kernel for kernel, _ in vector]
+    assert (kernels.count("stats"), kernels.count("mixture"), kernels.count("grad")) == (4, 4, 36), sorted(vector)
+    assert sorted(vector) == sorted(scalar)
+    for (kernel, args), ops in vector.items():
+        assert any(op.startswith("LDG.E.128") for op in ops), f"{kernel}_rows<{args}, 4> loads with {sorted(ops)}"
+        assert not any(op.startswith("LDG.E.128") for op in scalar[kernel, args])
+        if kernel == "grad":
+            dtype = re.search(r"(13__nv_bfloat16|6__half|f)$", args).group(1)
+            stores = {op for op in ops if op.startswith("STG")}
+            assert stores == {VECTOR_STORES[dtype]}, f"grad_rows<{args}, 4> stores with {sorted(stores)}"

@@ -78,10 +78,11 @@ DEFECTS = {
         "vocab_parallel/row_stats.h", "if (!(m == r.max)) stats_rescale(r, m);", "r.max = m;", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_stats_rows_online(d, tmp, "ascending", 520, 0),
         "lse: ", "plain"),
-    # stats_rows' butterfly merging only within each half-warp: lane 0 writes half the row's stats.
+    # The warp-per-row kernels' butterfly (warp_partial) merging only within each half-warp: lane 0
+    # writes half the row's stats.
     "stats_rows_butterfly_halved": (
-        "vocab_parallel/stats_rows.cuh", "for (int o = kWarp / 2; o > 0; o /= 2) {\n    const RowStats<float> other",
-        "for (int o = kWarp / 4; o > 0; o /= 2) {\n    const RowStats<float> other", "chosen_logprob",
+        "vocab_parallel/warp_partial.cuh", "for (int o = kWarp / 2; o > 0; o /= 2) {\n    Partial other = p;",
+        "for (int o = kWarp / 4; o > 0; o /= 2) {\n    Partial other = p;", "chosen_logprob",
         lambda d, tmp: chosen_logprob_cases.test_chosen_logprob_stats_rows(d, tmp, 9, 520, "one", 0.7),
         "lse: ", "plain"),
     # grad_rows' column loop one pack past the row (thread 0 reaches k = C with 16 packs a row).
@@ -192,10 +193,14 @@ DEFECTS = {
         lambda d, tmp: value_head_cases.test_value_head_forward_and_backward_hidden(
             d, tmp, 70, 40, "one", 0, True, torch.float32),
         "value_head_forward_kernel: 2 grid-stride passes", "plain"),
-    # vocab_divergence's sums loop reading one column past both models' rows.
+    # vocab_divergence's stats loop reading one column past both models' rows (45 columns, the scalar path).
     "divergence_stats_loop_bound_le": (
-        "vocab_divergence/kernel.cuh", "for (int64_t k = lane; k < C; k += kWarp) {\n      const float zs",
-        "for (int64_t k = lane; k <= C; k += kWarp) {\n      const float zs", "vocab_divergence",
+        "vocab_divergence/kernel.cuh",
+        "k < C; k += kWarp * kWidth) {\n      float zs[kWidth], zt[kWidth];\n"
+        "      mapped_pair(xs, xt, k, student, teacher, zs, zt);\n      side_add_online",
+        "k <= C; k += kWarp * kWidth) {\n      float zs[kWidth], zt[kWidth];\n"
+        "      mapped_pair(xs, xt, k, student, teacher, zs, zt);\n      side_add_online",
+        "vocab_divergence",
         lambda d, tmp: vocab_divergence_cases.test_vocab_divergence_stats_rows(d, tmp, 21, 45, "several",
                                                                                vocab_divergence_cases.MAPS[0]),
         "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
@@ -203,8 +208,21 @@ DEFECTS = {
     # the maps differ (the case caps the student's logits only).
     "divergence_grad_slope_of_the_wrong_map": (
         "vocab_divergence/kernel.cuh", "* g * student.slope(x)", "* g * teacher.slope(x)", "vocab_divergence",
-        lambda d, tmp: vocab_divergence_cases.test_vocab_divergence_grad_rows(d, tmp, 20, 45, "several", 0, None),
+        lambda d, tmp: vocab_divergence_cases.test_vocab_divergence_grad_rows(d, tmp, 20, 45, "several", 4, 0, None),
         "logit gradients", "plain"),
+    # vocab_divergence's online pass raising a Side's maximum without moving its sums to it (rows in
+    # ascending order raise it at every access).
+    "divergence_online_rescale_skipped": (
+        "vocab_divergence/math.h", "const T a = Math<T>::exp(side.max - m);", "const T a = T(1);", "vocab_divergence",
+        lambda d, tmp: vocab_divergence_cases.test_vocab_divergence_stats_rows_online(d, tmp, "ascending", 520, 0),
+        "lse: ", "plain"),
+    # vocab_divergence's grad_rows launcher taking the vector path without checking the buffer's
+    # alignment (bf16 gradients from column 6: 12 bytes past a boundary).
+    "divergence_grad_alignment_unchecked": (
+        "vocab_divergence/kernel.cu", "is_aligned(p.grads, sizeof(Pack<G, kPackWidth>))", "true", "vocab_divergence",
+        lambda d, tmp: vocab_divergence_cases.test_vocab_divergence_grad_rows(d, tmp, 20, 64, "one", 6, 0,
+                                                                              torch.bfloat16),
+        "misaligned address", "asan_ubsan"),
     # The warp-per-row kernels' grid (21 rows: 3 blocks of 8).
     "divergence_rows_grid_floor": (
         "vocab_divergence/kernel.cu", "(p.rows + kRowsPerBlock - 1) / kRowsPerBlock,", "p.rows / kRowsPerBlock,",

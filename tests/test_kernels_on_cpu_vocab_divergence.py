@@ -53,26 +53,30 @@ def merged_rows64(zs, zt):
     return torch.stack([ms, ls, mt, lt, ct / st - (mt - ms) - (lt - ls), cs / ss - (ms - mt) - (ls - lt)], 1)
 
 
-@pytest.mark.parametrize("N,C,passes", [
-    (21, 45, "several"),  # 3 tiles of 8 rows on 1 block; C: a lane tail
-    (21, 45, "one"),      # 3 blocks, the last with 3 idle warps
-    (13, 7, "several"),   # fewer columns than lanes
-])
-@pytest.mark.parametrize("maps", MAPS)
-def test_vocab_divergence_stats_rows(drivers, tmp_path, N, C, passes, maps):
+PACK = 4  # columns per access on the row kernels' vector path (kPackWidth)
+
+
+def assert_width(launch, C, offset=0):
+    """The row kernel's columns per access: a pack where C and the logits' alignment allow, else 1."""
+    expected = PACK if C % PACK == 0 and offset % PACK == 0 else 1
+    assert launch.template_args[-1] == str(expected), f"{launch.kernel} took width {launch.template_args[-1]}"
+
+
+def check_stats_rows(drivers, tmp_path, student, teacher, maps, passes, offset=0):
+    """stats_rows merging both models' logits [N, C] into running stats (rows 0..N/2 from an earlier
+    chunk, the rest none yet), against float64; offset: the teacher's elements past a 16-byte boundary."""
     temperature, softcap, teacher_softcap = maps
-    student, teacher = model_logits(N, C, seed=C)
-    teacher[1, C // 2] = math.nan  # a NaN row of the teacher's
-    # Running stats of an earlier chunk (rows 0..N/2), or none yet (the rest): the merge.
+    N, C = student.shape
     earlier_s, earlier_t = (t.double() for t in model_logits(N, 30, seed=1))
     has_earlier = torch.arange(N) < N // 2
     (ms, ss, cs), (mt, st, ct) = sides64(earlier_s, earlier_t)
     stats = torch.stack([ms, ss, cs, mt, st, ct], 1).float()
     stats[~has_earlier] = torch.tensor([-math.inf, 0.0, 0.0, -math.inf, 0.0, 0.0])
     out, [launch] = run_case(drivers, "vocab_divergence", "stats_rows",
-                             {"logits": Buf(student), "teacher_logits": Buf(teacher), "stats": Buf(stats)},
+                             {"logits": Buf(student), "teacher_logits": Buf(teacher, offset), "stats": Buf(stats)},
                              {"N": N, "C": C, **map_scalars(*maps)}, passes=passes, tmp_dir=tmp_path)
     assert_passes(launch, N, passes, rows_per_block=launch.block[0] // 32)  # a warp per row
+    assert_width(launch, C, offset)
     got = out["stats"].double()
 
     zs, zt = mapped64(student, temperature, softcap), mapped64(teacher, temperature, teacher_softcap)
@@ -80,15 +84,43 @@ def test_vocab_divergence_stats_rows(drivers, tmp_path, N, C, passes, maps):
     seen_s = torch.cat([torch.where(has_earlier[:, None], earlier_s, no_earlier), zs], 1)
     seen_t = torch.cat([torch.where(has_earlier[:, None], earlier_t, no_earlier), zt], 1)
     (ms, ss, cs), (mt, st, ct) = sides64(seen_s, seen_t)
-    tol = tolerance(C + 30, 12.0)
+    zmax = max(float(z[z.isfinite()].abs().max()) for z in (seen_s, seen_t))
+    tol = tolerance(C + 30, max(zmax, 12.0))
     for column, expected, what in ((0, ms + ss.log(), "student lse"), (3, mt + st.log(), "teacher lse"),
                                    (2, cs / ss, "student cross / sum"), (5, ct / st, "teacher cross / sum")):
         got_value = got[:, column] + got[:, column + 1].log() if column in (0, 3) else got[:, column] / got[:, column - 1]
         assert_within(got_value, expected, tol, what)
+    return got, has_earlier
+
+
+@pytest.mark.parametrize("N,C,passes", [
+    (21, 45, "several"),  # 3 tiles of 8 rows on 1 block; C: a lane tail (the scalar path)
+    (21, 45, "one"),      # 3 blocks, the last with 3 idle warps
+    (13, 7, "several"),   # fewer columns than lanes
+    (8, 96, "one"),       # one full block; 24 packs of 4 (the vector path)
+    (21, 100, "several"),  # 25 packs: lanes 25-31 idle
+    (9, 520, "one"),      # 130 packs: 4 rounds of the warp and 2 packs
+])
+@pytest.mark.parametrize("maps", MAPS)
+def test_vocab_divergence_stats_rows(drivers, tmp_path, N, C, passes, maps):
+    student, teacher = model_logits(N, C, seed=C)
+    teacher[1, C // 2] = math.nan  # a NaN row of the teacher's
+    got, has_earlier = check_stats_rows(drivers, tmp_path, student, teacher, maps, passes)
     assert got[1].isnan()[3:].all() and got[~has_earlier].isfinite().any()
 
 
-@pytest.mark.parametrize("N,C,passes", [(21, 45, "several"), (9, 70, "one")])
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+@pytest.mark.parametrize("C,offset", [(520, 0), (520, 1), (45, 0)])
+def test_vocab_divergence_stats_rows_online(drivers, tmp_path, order, C, offset):
+    """Rows in ascending order raise each lane's running maxima at every access (each rescales the
+    sums), descending ones never after the first; the teacher's logits off the vector's alignment
+    take the scalar path."""
+    student = (torch.randn(11, C) * 4).sort(1, descending=order == "descending").values
+    teacher = student + torch.rand(11, C)  # in the same order: its maximum rises with the student's
+    check_stats_rows(drivers, tmp_path, student, teacher, MAPS[1], "several", offset)
+
+
+@pytest.mark.parametrize("N,C,passes", [(21, 45, "several"), (9, 70, "one"), (9, 520, "one"), (21, 100, "several")])
 @pytest.mark.parametrize("maps", MAPS)
 def test_vocab_divergence_mixture_rows(drivers, tmp_path, N, C, passes, maps):
     temperature, softcap, teacher_softcap = maps
@@ -104,6 +136,7 @@ def test_vocab_divergence_mixture_rows(drivers, tmp_path, N, C, passes, maps):
                               "mixture": Buf(earlier)},
                              {"N": N, "C": C, **map_scalars(*maps, beta=beta)}, passes=passes, tmp_dir=tmp_path)
     assert_passes(launch, N, passes, rows_per_block=launch.block[0] // 32)
+    assert_width(launch, C)
     r = rows.float().double()
     log_q, log_p = zs - r[:, :1] - r[:, 1:2], zt - r[:, 2:3] - r[:, 3:4]
     log_m = torch.logaddexp(math.log(beta) + log_p, math.log1p(-beta) + log_q)
@@ -127,11 +160,16 @@ def grad_reference(kind, zs, zt, rows, term, grad, beta, slope):
     return d * grad.double()[:, None] * slope, 8 * FP32_EPS * scale * slope + 1e-30
 
 
-@pytest.mark.parametrize("N,C,passes", [(20, 45, "several"), (9, 300, "several"), (33, 3, "one")])
+@pytest.mark.parametrize("N,C,passes,col", [
+    (20, 45, "several", 4),  # block (64, 4): 5 row tiles on one block, a column tail (the scalar path)
+    (9, 300, "several", 4),  # 75 packs a row, block (128, 2) (the vector path)
+    (33, 3, "one", 4),       # block (4, 64): a partial row tile
+    (20, 64, "one", 6),      # packs of the logits, but the buffer's columns off their alignment
+])
 @pytest.mark.parametrize("kind", [0, 1, 2])
 @pytest.mark.parametrize("into", [None, torch.float32, torch.bfloat16])
-def test_vocab_divergence_grad_rows(drivers, tmp_path, N, C, passes, kind, into):
-    """In place over the student's logits, or into columns [5, 5 + C) of a wider buffer in the
+def test_vocab_divergence_grad_rows(drivers, tmp_path, N, C, passes, col, kind, into):
+    """In place over the student's logits, or into columns [col, col + C) of a wider buffer in the
     gradient GEMMs' dtype; the student softcapped (its slope), the teacher not."""
     temperature, softcap, beta = 0.8, 5.0, 0.35
     student, teacher = model_logits(N, C, seed=4)
@@ -144,11 +182,12 @@ def test_vocab_divergence_grad_rows(drivers, tmp_path, N, C, passes, kind, into)
     scalars = {"N": N, "C": C, "kind": kind, "in_place": int(into is None),
                **map_scalars(temperature, softcap, None, beta)}
     if into is not None:
-        buffers["grads"] = Buf(torch.zeros(N, C + 9, dtype=into))
-        scalars.update(dtype=dtype_scalar(into), grads_stride=C + 9, grads_col=5)
+        buffers["grads"] = Buf(torch.zeros(N, C + 12, dtype=into))
+        scalars.update(dtype=dtype_scalar(into), grads_stride=C + 12, grads_col=col)
     out, [launch] = run_case(drivers, "vocab_divergence", "grad_rows", buffers, scalars, passes=passes,
                              block_order_seed=N, tmp_dir=tmp_path)
     assert_passes(launch, N, passes)
+    assert_width(launch, C, 0 if into is None else col)
     x = student.double()
     slope = (1 - torch.tanh(x / softcap) ** 2) / temperature
     expected, tol = grad_reference(kind, zs, zt, rows, term, grad, beta, slope)
@@ -156,9 +195,9 @@ def test_vocab_divergence_grad_rows(drivers, tmp_path, N, C, passes, kind, into)
         assert_within(out["logits"], expected, tol, "logit gradients")
         return
     got = out["grads"]
-    assert got[:, :5].eq(0).all() and got[:, 5 + C:].eq(0).all()
+    assert got[:, :col].eq(0).all() and got[:, col + C:].eq(0).all()
     rounding = 2.0**-8 * expected.abs() if into == torch.bfloat16 else 0.0
-    assert_within(got[:, 5:5 + C], expected, tol + rounding, "logit gradients")
+    assert_within(got[:, col:col + C], expected, tol + rounding, "logit gradients")
 
 
 @pytest.mark.parametrize("ranks,N,passes", [(3, 300, "one"), (2, 600, "several")])
