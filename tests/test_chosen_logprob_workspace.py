@@ -11,8 +11,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fused_rl_ops  # noqa: F401  (registers the ops)
-from fused_rl_ops._vocab_parallel.tiling import (INVARIANT_TILING, SEPARATE_GRAD_CHUNKS, Tiling, chunk_loop_bytes,
-                                                 default_workspace_bytes, tiling_for)
+from fused_rl_ops._vocab_parallel.tiling import (DEFAULT_CUDA_WORKSPACE_BYTES, GEMM_FLOPS_PER_BYTE, INVARIANT_TILING,
+                                                 SEPARATE_GRAD_CHUNKS, Tiling, accumulator_bytes_per_flop,
+                                                 chunk_loop_bytes, default_workspace_bytes, tiling_for)
 from test_chosen_logprob import make_inputs, per_token_inputs
 
 ops = torch.ops.fused_rl_ops
@@ -138,6 +139,59 @@ def test_tiling_fits_the_workspace(device_type, element_size, N, H, workspace):
                 if chunk_loop_bytes(device_type, element_size, H, p, chunk, 1, several_passes=True) <= workspace]
     assert invariant.pass_rows == (per_pass[-1] if per_pass else row_block)
 
+
+
+def cuda_tiling_bytes(tiling, N, H, element_size):
+    """What a CUDA tiling's buffers take: chunk_loop_bytes, and where its passes do not divide the N
+    rows the zero-padded copies of a last pass (hidden's rows and their fp32 gradient)."""
+    rows = tiling.pass_rows or N
+    padded = -(-N // rows) * rows
+    tail = (element_size + 4) * rows * H if padded > N else 0
+    return chunk_loop_bytes("cuda", element_size, H, rows, tiling.chunk_size, tiling.grad_chunks, rows < N) + tail
+
+
+# Long-context RL on CUDA: (tokens on the rank, hidden size, input bytes); 100000 rows take a padded
+# last pass whatever the pass size.
+LONG_CONTEXT = [(N, H, e) for N in (16384, 32768, 65536, 100000, 131072) for H in (2048, 4096, 8192) for e in (2, 4)]
+
+
+@pytest.mark.parametrize("N,H,element_size", LONG_CONTEXT)
+def test_cuda_tiling_keeps_the_accumulator_traffic_small_at_long_context(N, H, element_size):
+    """The default workspace and tiling on CUDA at 16k-128k tokens: the buffers fit, the passes are
+    equal multiples of 128 rows (one GEMM each), and the gradient GEMMs' fp32 accumulators move at
+    most 15% of the GEMM time at the H200's rates."""
+    workspace = min(DEFAULT_CUDA_WORKSPACE_BYTES, N * H * element_size)  # default_workspace_bytes on CUDA
+    tiling = tiling_for(N, H, element_size, workspace, CUDA, False)
+    assert tiling.row_block == tiling.pass_rows and tiling.pass_rows % 128 == 0 and tiling.pass_rows < N
+    passes = -(-N // tiling.pass_rows) if tiling.pass_rows else 1
+    assert passes * (tiling.pass_rows or N) - N < 128 * passes
+    assert cuda_tiling_bytes(tiling, N, H, element_size) <= workspace
+    assert GEMM_FLOPS_PER_BYTE * accumulator_bytes_per_flop(tiling, N) <= 0.15
+
+
+def test_cuda_tiling_at_64k_tokens():
+    """(65536, 4096, V 262144) bf16: one pass in the old 64 MiB default took chunks at the 128-row
+    floor (64 MiB of logits and gradients, the whole workspace), whose hidden-gradient GEMMs moved
+    8 N H V / 256 = 2.2 TB of accumulator (72% of the GEMM time); 256 MiB in passes of 8192 rows
+    and chunks of 2688 move 0.17 TB (5.7%)."""
+    N, H, V = 65536, 4096, 262144
+    old = Tiling(128, 0, 0, 2)
+    assert chunk_loop_bytes("cuda", 2, H, N, 128, 2) == 64 * 2**20
+    tiling = tiling_for(N, H, 2, DEFAULT_CUDA_WORKSPACE_BYTES, CUDA, False)
+    assert tiling == Tiling(2688, 8192, 8192, 2)
+    traffic = [8 * N * H * V * accumulator_bytes_per_flop(t, N) for t in (old, tiling)]
+    assert round(traffic[0] / 1e12, 1) == 2.2 and round(traffic[1] / 1e12, 2) == 0.17
+    assert [round(GEMM_FLOPS_PER_BYTE * accumulator_bytes_per_flop(t, N), 3) for t in (old, tiling)] == [0.719, 0.057]
+
+
+@pytest.mark.parametrize("N,H", [(8192, 4096), (8192, 2048), (12000, 4096), (1000, 512)])
+def test_cuda_tiling_takes_one_pass_where_its_chunks_are_wide(N, H):
+    """Up to the training shape's traffic, one pass over every row, the widest chunk that fits:
+    passes would add the weight gradient's accumulator traffic and shrink the chunk."""
+    workspace = min(DEFAULT_CUDA_WORKSPACE_BYTES, N * H * 2)
+    tiling = tiling_for(N, H, 2, workspace, CUDA, False)
+    assert (tiling.row_block, tiling.pass_rows) == (0, 0)
+    assert chunk_loop_bytes("cuda", 2, H, N, tiling.chunk_size + 128, 2) > workspace >= cuda_tiling_bytes(tiling, N, H, 2)
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))

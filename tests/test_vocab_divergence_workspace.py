@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import fused_rl_ops
-from fused_rl_ops._vocab_parallel.tiling import chunk_loop_bytes
-from test_chosen_logprob_workspace import peak_allocated
+from fused_rl_ops._vocab_parallel.tiling import DEFAULT_CUDA_WORKSPACE_BYTES, chunk_loop_bytes, tiling_for
+from test_chosen_logprob_workspace import cuda_tiling_bytes, peak_allocated
 from test_vocab_divergence import make_inputs
 
 ops = torch.ops.fused_rl_ops
@@ -66,6 +66,22 @@ def test_the_cpu_chunk_loops_allocate_what_the_tiling_plans_for(tmp_path, dtype,
     overlap = chunk * (H * (e != acc) + H_t * (e_t != acc)) * acc
     assert counted - overlap <= peak <= counted
 
+
+
+@pytest.mark.parametrize("N", [65536, 100000, 131072])
+def test_cuda_tiling_fits_both_models_at_long_context(N):
+    """Student and teacher of hidden size 4096, bf16: in half the old 64 MiB default, one pass at
+    65536 tokens took chunks at the 128-row floor, 64 MiB of the student's logits and gradients and 32
+    MiB of the teacher's logits against 64; the default CUDA workspace in passes holds both models'
+    buffers (the student's as _resolve plans them, with the padded copies of a last pass, both
+    models' hidden rows in them; the teacher's logits workspace, no larger than the student's logits)."""
+    H = H_t = 4096
+    assert chunk_loop_bytes("cuda", 2, H + H_t, 65536, 128, 2) + 4 * 65536 * 128 == 96 * 2**20
+    workspace = DEFAULT_CUDA_WORKSPACE_BYTES
+    tiling = tiling_for(N, H + H_t, 2, workspace // 2, torch.device("cuda"), False)
+    assert tiling.pass_rows and tiling.chunk_size > 128
+    teacher_logits = 4 * tiling.pass_rows * tiling.chunk_size
+    assert cuda_tiling_bytes(tiling, N, H + H_t, 2) + teacher_logits <= workspace
 
 @pytest.mark.per_device
 @pytest.mark.skipif(not (torch.cuda.is_available() and fused_rl_ops.has_cuda_kernels()), reason="needs a GPU")
