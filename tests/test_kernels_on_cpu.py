@@ -131,12 +131,18 @@ DEFECTS = {
         "d[target] = round(values[j]);", "chosen_logprob",
         lambda d, tmp: entries_cases.test_grad_rows_many_tokens(d, tmp, 20, 45, "several", None),
         "AddressSanitizer: heap-buffer-overflow", "asan_ubsan"),
-    # top_ids_rows taking each given logit from the next lane: the tops hold other values.
-    "top_ids_rows_shuffle_lane_off_by_one": (
-        "top_logprobs/kernel.cuh", "const float v = __shfl_sync(0xffffffffu, z, from);",
-        "const float v = __shfl_sync(0xffffffffu, z, from + 1);", "top_logprobs",
-        lambda d, tmp: top_logprobs_cases.test_top_ids_rows(d, tmp, 21, 45, 5, "one"),
+    # top_logprobs' kernel taking each given logit from the next lane: the tops hold other values.
+    "top_ids_shuffle_lane_off_by_one": (
+        "top_logprobs/kernel.cuh", "const float v = __shfl_sync(0xffffffffu, z[i], from);",
+        "const float v = __shfl_sync(0xffffffffu, z[i], from + 1);", "top_logprobs",
+        lambda d, tmp: top_logprobs_cases.test_stats_top_ids_rows(d, tmp, 40, 200, 64, "several"),
         "top ids", "plain"),
+    # top_logprobs' kernel reading its shared top before every lane's copy of the row's is seen: the
+    # lanes read the root lane 0 writes.
+    "top_ids_copy_barrier_deleted": (
+        "top_logprobs/kernel.cuh", "__syncwarp();  // the copy seen by every lane", "", "top_logprobs",
+        lambda d, tmp: top_logprobs_cases.test_stats_top_ids_rows(d, tmp, 21, 45, 5, "one"),
+        "ThreadSanitizer: data race", "tsan"),
     # grad_rows' launcher taking the vector path without checking the buffer's alignment.
     "grad_rows_alignment_unchecked": (
         "chosen_logprob/kernel.cu", "is_aligned(p.grads, sizeof(Pack<G, kGradWidth>))", "true", "chosen_logprob",

@@ -41,9 +41,9 @@ void top_ids_rows_cpu(const Params& p, const Logit& logit) {
 }
 
 struct CpuKernels : CpuGemms {
-  static void stats_rows(const Params& p, at::ScalarType acc) { stats_rows_cpu(p, acc); }
-
-  static void top_ids_rows(const Params& p, at::ScalarType acc) {
+  // The shared stats kernel, then the top over the same piece of rows (in cache).
+  static void stats_top_ids_rows(const Params& p, at::ScalarType acc) {
+    stats_rows_cpu(p, acc);
     AT_DISPATCH_FLOATING_TYPES(acc, "top_logprobs_top_ids_cpu", [&] {
       with_logit_map<scalar_t>(p.logit_map, [&](const auto& logit) { top_ids_rows_cpu<scalar_t>(p, logit); });
     });

@@ -40,11 +40,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> top_logprobs_impl(const at::Tenso
   for_each_chunk<Kernels>(hidden, weight, V, groups.tiling, [&](const at::Tensor& logits, const ChunkStep& step) {
     Params p = chunk_params<Params>(logits, step, groups.logit_map, groups.shard);
     p.stats = step.rows_of(stats).mutable_data_ptr();
-    Kernels::stats_rows(p, acc);
     p.top = step.rows_of(values).mutable_data_ptr();
     p.top_ids = step.rows_of(ids).mutable_data_ptr<int64_t>();
     p.top_width = k;
-    Kernels::top_ids_rows(p, acc);
+    Kernels::stats_top_ids_rows(p, acc);
   });
   return {stats, values, ids};
 }
