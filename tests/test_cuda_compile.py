@@ -89,14 +89,15 @@ def global_stores(csrc, tmp_path):
 VECTOR_STORES = {"13__nv_bfloat16": "STG.E.64", "6__half": "STG.E.64", "f": "STG.E.128"}
 
 
+def kernel_variants(accesses, pattern):
+    """{the groups of pattern in a kernel's mangled name: that kernel's opcodes}, of the kernels it
+    matches."""
+    return {m.groups(): ops for name, ops in accesses.items() if (m := re.search(pattern, name))}
+
+
 def grad_rows_vector_stores(stores):
     """{(logit map, gradient dtype): store opcodes} of grad_rows' vector variants."""
-    found = {}
-    for name, ops in stores.items():
-        m = re.search(r"chosen_logprob_grad_rows_kernelINS_\d+(\w+?)IfEE(13__nv_bfloat16|6__half|f)Li4E", name)
-        if m:
-            found[m.group(1), m.group(2)] = ops
-    return found
+    return kernel_variants(stores, r"chosen_logprob_grad_rows_kernelINS_\d+(\w+?)IfEE(13__nv_bfloat16|6__half|f)Li4E")
 
 
 needs_cuobjdump = pytest.mark.skipif(nvcc_path() is None or cuobjdump_path() is None,
@@ -131,12 +132,7 @@ def test_scalar_stores_of_a_pack_are_caught(tmp_path):
 def vocab_divergence_row_variants(accesses, width):
     """{(kernel, the rest of its template arguments): global accesses} of vocab_divergence's
     stats, mixture and grad row kernels with `width` columns per access."""
-    found = {}
-    for name, ops in accesses.items():
-        m = re.search(rf"vocab_divergence_(stats|mixture|grad)_rows_kernelI(\w+?)Li{width}EE", name)
-        if m:
-            found[m.group(1), m.group(2)] = ops
-    return found
+    return kernel_variants(accesses, rf"vocab_divergence_(stats|mixture|grad)_rows_kernelI(\w+?)Li{width}EE")
 
 
 @needs_cuobjdump
