@@ -34,9 +34,13 @@ __global__ void top_logprobs_stats_top_ids_rows_kernel(const float* __restrict__
                                                        int64_t K) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const bool in_shared = K <= kSharedTopWidth;
-  int64_t* shared_ids = reinterpret_cast<int64_t*>(dynamic_shared_memory()) + warp * K;
-  float* shared_values = reinterpret_cast<float*>(dynamic_shared_memory() + kTopIdsRowsPerBlock * K * sizeof(int64_t));
-  shared_values += warp * K;
+  int64_t* shared_ids = nullptr;  // this warp's top in shared memory: its ids, then its values
+  float* shared_values = nullptr;
+  if (in_shared) {
+    shared_ids = reinterpret_cast<int64_t*>(dynamic_shared_memory()) + warp * K;
+    shared_values = reinterpret_cast<float*>(dynamic_shared_memory() + kTopIdsRowsPerBlock * K * sizeof(int64_t));
+    shared_values += warp * K;
+  }
   for (int64_t r = blockIdx.x * int64_t(kTopIdsRowsPerBlock) + warp; r < N;
        r += int64_t(gridDim.x) * kTopIdsRowsPerBlock) {
     const float* x = logits + r * C;
@@ -52,7 +56,7 @@ __global__ void top_logprobs_stats_top_ids_rows_kernel(const float* __restrict__
     RowStats<float> lane_stats = partial_empty<RowStats<float>>();
     for (int64_t c0 = 0; c0 < C; c0 += kWarp * kWidth) {
       const int64_t c = c0 + int64_t(lane) * kWidth;
-      float z[kWidth];
+      float z[kWidth] = {};
       if (c < C) {
         const Pack<float, kWidth> in = *reinterpret_cast<const Pack<float, kWidth>*>(x + c);
 #pragma unroll
