@@ -46,7 +46,7 @@ def mapped64(logits, temperature, softcap):
     (9, 7, 12, "one"),        # fewer columns than lanes and than the top
     (40, 200, 64, "several"),  # 50 packs, k > 32
     (8, 520, 40, "one"),      # 130 packs: 4 rounds of the warp and 2 packs
-    (5, 96, 600, "several"),  # a top wider than shared memory holds: in global memory
+    (12, 96, 600, "several"),  # a top wider than shared memory holds: in global memory
 ])
 def test_stats_top_ids_rows(drivers, tmp_path, N, C, K, passes):
     """Two chunks: the K first logits in the order (descending, the lower id first), with ties across
