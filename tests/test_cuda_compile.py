@@ -153,3 +153,16 @@ def test_vocab_divergence_vector_variants_load_and_store_vectors(tmp_path):
             dtype = re.search(r"(13__nv_bfloat16|6__half|f)$", args).group(1)
             stores = {op for op in ops if op.startswith("STG")}
             assert stores == {VECTOR_STORES[dtype]}, f"grad_rows<{args}, 4> stores with {sorted(stores)}"
+
+
+@needs_cuobjdump
+def test_top_logprobs_vector_variants_load_vectors(tmp_path):
+    """top_logprobs' row kernel (the stats and the top in one read) with 4 columns per access reads
+    the logits with 16-byte loads, which its scalar variants never use."""
+    accesses = global_accesses(CSRC, tmp_path, "top_logprobs")
+    vector, scalar = (kernel_variants(accesses, rf"top_logprobs_stats_top_ids_rows_kernelI(\w+?)Li{width}EE")
+                      for width in (4, 1))
+    assert len(vector) == 2 and sorted(vector) == sorted(scalar), sorted(vector)  # both logit maps
+    for args, ops in vector.items():
+        assert any(op.startswith("LDG.E.128") for op in ops), f"{args}: {sorted(ops)}"
+        assert not any(op.startswith("LDG.E.128") for op in scalar[args])
