@@ -42,14 +42,15 @@ class Tiling:
         check_options(type(self).__name__, self)
 
 
-def default_workspace_bytes(hidden: torch.Tensor, rows: Optional[int] = None) -> int:
+def default_workspace_bytes(hidden: torch.Tensor, rows: Optional[int] = None,
+                            device: Optional[torch.device] = None) -> int:
     """The workspace when workspace_bytes is None: the size of the rows of hidden the kernels
-    compute (rows of them; None: all), within [1 MiB, DEFAULT_WORKSPACE_BYTES] (on CUDA
-    DEFAULT_CUDA_WORKSPACE_BYTES). The extra memory then stays below the input's size at small
+    compute (rows of them; None: all), within [1 MiB, DEFAULT_WORKSPACE_BYTES] (on CUDA, hidden's
+    device unless device says otherwise: DEFAULT_CUDA_WORKSPACE_BYTES). The extra memory then stays below the input's size at small
     shapes (as torch's chunked linear_cross_entropy sizes its chunks), while training-sized inputs
     (8192 tokens x 4096 in bf16 is 64 MiB) get the largest workspace and so the widest GEMMs."""
     elements = hidden.numel() if rows is None else rows * hidden.shape[-1]
-    largest = DEFAULT_CUDA_WORKSPACE_BYTES if hidden.device.type == "cuda" else DEFAULT_WORKSPACE_BYTES
+    largest = DEFAULT_CUDA_WORKSPACE_BYTES if (device or hidden.device).type == "cuda" else DEFAULT_WORKSPACE_BYTES
     return min(largest, max(_MIN_DEFAULT_WORKSPACE_BYTES, elements * hidden.element_size()))
 
 
