@@ -1,0 +1,143 @@
+"""The workspace accounting of chosen_logprob (chunk_loop_bytes, tiling_for in
+fused_rl_ops/_vocab_parallel/tiling.py) against what the chunk loop (csrc/vocab_parallel/chunk_loop.h) allocates:
+measured on the CPU through the profiler's record of every allocation, and for CUDA against the
+buffers chunks.h creates there (CudaKernels in csrc/chosen_logprob/cuda.cpp: the GEMMs take the
+inputs as they are and the logit gradients in the inputs' dtype)."""
+import json
+import sys
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fused_rl_ops  # noqa: F401  (registers the ops)
+from fused_rl_ops._vocab_parallel.tiling import (INVARIANT_TILING, SEPARATE_GRAD_CHUNKS, Tiling, chunk_loop_bytes,
+                                                 default_workspace_bytes, tiling_for)
+from tests.ops.test_chosen_logprob import make_inputs, per_token_inputs
+
+ops = torch.ops.fused_rl_ops
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def peak_allocated(tmp_path, fn):
+    """The most bytes torch's CPU allocator held at once during fn(), above what it held before
+    (the allocations of every thread, in the order they happened)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    memory = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
+    events = [e["args"] for e in sorted(memory, key=lambda e: float(e["ts"]))]
+    cpu = [e for e in events if e["Device Type"] == 0]
+    start = cpu[0]["Total Allocated"] - cpu[0]["Bytes"]
+    return max(e["Total Allocated"] for e in cpu) - start
+
+
+# (dtype, token rows, row block, rows per pass, chunk, chunks per gradient GEMM): one pass in place;
+# a buffer of three chunks' gradients; bf16 (the weight rows and their gradient converted to fp32);
+# several passes of row blocks with a padded last block; float64 (fp64 logits).
+CASES = [
+    (torch.float32, 300, 0, 0, 256, 1),
+    (torch.float32, 300, 0, 0, 128, 3),
+    (torch.bfloat16, 300, 0, 0, 256, 1),
+    (torch.bfloat16, 300, 64, 128, 128, 3),
+    (torch.float64, 300, 0, 0, 128, 2),
+]
+
+
+@pytest.mark.parametrize("dtype,N,row_block,pass_rows,chunk,grad_chunks", CASES)
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_the_cpu_chunk_loop_allocates_what_chunk_loop_bytes_counts(tmp_path, dtype, N, row_block, pass_rows, chunk,
+                                                                   grad_chunks, main_grad):
+    """The backward's peak allocation is its outputs, the buffers that follow the tokens or the
+    block (listed here) and chunk_loop_bytes exactly; the forward's stays within the same."""
+    H, V = 24, 1100  # the vocabulary holds several groups, the last one partial
+    hidden, weight, tokens = make_inputs(N, H, V, dtype, "cpu")
+    e, acc = hidden.element_size(), 8 if dtype == torch.float64 else 4
+    options = (1.0, None, 0, None, chunk, row_block, pass_rows)
+    block = row_block or N
+    passes_rows = min(pass_rows // block * block if pass_rows else N, -(-N // block) * block)
+    several_passes = passes_rows < N
+    loop = chunk_loop_bytes("cpu", e, H, passes_rows, chunk, grad_chunks, several_passes)
+    tail = (N % block > 0) * block * H * acc  # a padded last block of rows (hidden, and its gradient)
+    hidden_copy = N * H * acc if e != acc else 0  # the CPU GEMMs take the hidden states in acc
+
+    stats_peak = peak_allocated(tmp_path, lambda: ops.chosen_logprob_stats(hidden, weight, tokens, *options,
+                                                                           grad_chunks=grad_chunks))
+    assert stats_peak <= N * 4 * acc + hidden_copy + tail + loop
+
+    per_token = [t.to(torch.float64 if dtype == torch.float64 else torch.float32)
+                 for t in per_token_inputs(ops.chosen_logprob_stats(hidden, weight, tokens, *options))]
+    main = torch.zeros(V, H, dtype=torch.float64 if dtype == torch.float64 else torch.float32) if main_grad else None
+    peak = peak_allocated(tmp_path, lambda: ops.chosen_logprob_backward(hidden, weight, tokens, *per_token, main,
+                                                                        *options, grad_chunks=grad_chunks))
+    outputs = N * H * acc + (0 if main_grad else V * H * e)  # grad_h in acc, grad_w in weight's dtype
+    # main_grad's buffers, not counted: the group's weight gradient in the weight's dtype, and the
+    # fp32 copy of it that adding bf16 into an fp32 main_grad makes (beside the pass sum with several
+    # passes; with one, after the fp32 GEMM result is freed).
+    group = chunk * grad_chunks
+    main_grad_rows = main_grad * (group * H * e + (group * H * 4 if several_passes and e != 4 else 0))
+    counted = outputs + hidden_copy + 2 * tail + main_grad_rows + loop
+    # With reduced precision a group's fp32 weight rows and the fp32 weight gradient of the group
+    # before may be alive at once (counted), or not, as the CPU's tasks meet.
+    overlap = chunk * grad_chunks * H * acc if e != acc else 0
+    assert counted - overlap <= peak <= counted
+
+
+def test_chunk_loop_bytes_on_cuda_are_the_buffers_chunks_h_creates_there():
+    """On CUDA the chunk loop allocates fp32 logits [rows, chunk] and, for bf16/fp16 inputs, the
+    gradients of grad_chunks chunks [rows, chunk * grad_chunks] in the inputs' dtype (fp32 ones go
+    over the logits with one chunk per GEMM); the weight rows go to cuBLAS as they are, and its
+    GEMMs round the weight gradient themselves. Several passes add the fp32 [group, H] weight
+    gradient summed over them."""
+    N, H, chunk = 8192, 4096, 1024
+    assert chunk_loop_bytes("cuda", 2, H, N, chunk, 2) == 4 * N * chunk + 2 * N * 2 * chunk
+    assert chunk_loop_bytes("cuda", 2, H, N, chunk, 1) == 4 * N * chunk + 2 * N * chunk
+    assert chunk_loop_bytes("cuda", 4, H, N, chunk, 1) == 4 * N * chunk
+    assert chunk_loop_bytes("cuda", 4, H, N, chunk, 2) == 4 * N * chunk + 4 * N * 2 * chunk
+    assert chunk_loop_bytes("cuda", 2, H, N, chunk, 1, several_passes=True) == 6 * N * chunk + 4 * chunk * H
+    # The CPU's: two logits workspaces (a pass's gradients over its logits in one, the next pass's
+    # logits in the other), the weight rows and their gradient in fp32; a gradient buffer of its own
+    # with several chunks per GEMM.
+    assert chunk_loop_bytes("cpu", 2, H, N, chunk, 1) == 2 * 4 * N * chunk + 2 * 4 * chunk * H
+    assert chunk_loop_bytes("cpu", 4, H, N, chunk, 1) == 2 * 4 * N * chunk
+    assert chunk_loop_bytes("cpu", 4, H, N, chunk, 2) == 4 * N * chunk + 4 * N * 2 * chunk
+
+
+def test_tiling_at_the_training_shape():
+    """(8192, 4096) with the default 64 MiB workspace: on CUDA bf16 chunks of 1024 rows and gradient
+    GEMMs over two (the workspace exactly full: 32 MiB of fp32 logits, 32 MiB of bf16 gradients),
+    fp32 chunks of 2048 (logits only); no CPU-only buffer narrows either. The CPU's bf16 chunks pay
+    for a second logits workspace, the fp32 weight rows and their gradient."""
+    N, H = 8192, 4096
+    workspace = default_workspace_bytes(torch.empty(N, H, dtype=torch.bfloat16, device="meta"))
+    assert workspace == 64 * 2**20
+    assert tiling_for(N, H, 2, workspace, CUDA, False) == Tiling(1024, 0, 0, SEPARATE_GRAD_CHUNKS) == Tiling(1024, 0, 0, 2)
+    assert chunk_loop_bytes("cuda", 2, H, N, 1024, 2) == workspace
+    assert tiling_for(N, H, 4, workspace, CUDA, False) == Tiling(2048, 0, 0, 1)
+    assert tiling_for(N, H, 2, workspace, CPU, False) == Tiling(640, 0, 0, 1)  # 64 MiB / (2 * 4 N + 8 H)
+
+
+@pytest.mark.parametrize("device_type,element_size", [("cpu", 2), ("cpu", 4), ("cpu", 8), ("cuda", 2), ("cuda", 4)],
+                         ids=lambda value: f"{value}B" if isinstance(value, int) else f"{value}_accounting")
+@pytest.mark.parametrize("N,H,workspace", [(300, 24, 1), (300, 24, 2**20), (8192, 4096, 64 * 2**20),
+                                           (5000, 7168, 48 * 2**20)])
+def test_tiling_fits_the_workspace(device_type, element_size, N, H, workspace):
+    """The widest chunk (a multiple of 128, at least 128) whose buffers fit; batch-invariant, the
+    device's fixed tiling with as many whole row blocks per pass as fit (at least one)."""
+    tiling = tiling_for(N, H, element_size, workspace, torch.device(device_type), False)
+    assert (tiling.row_block, tiling.pass_rows) == (0, 0) and tiling.chunk_size % 128 == 0
+    assert tiling.grad_chunks == (SEPARATE_GRAD_CHUNKS if device_type == "cuda" and element_size == 2 else 1)
+    fits = [c for c in range(128, 2**16, 128)
+            if chunk_loop_bytes(device_type, element_size, H, N, c, tiling.grad_chunks) <= workspace]
+    assert tiling.chunk_size == (fits[-1] if fits else 128)
+    invariant = tiling_for(N, H, element_size, workspace, torch.device(device_type), True)
+    row_block, chunk = INVARIANT_TILING[device_type]
+    assert (invariant.chunk_size, invariant.row_block, invariant.grad_chunks) == (chunk, row_block, 1)
+    per_pass = [p for p in range(row_block, 2**17, row_block)
+                if chunk_loop_bytes(device_type, element_size, H, p, chunk, 1, several_passes=True) <= workspace]
+    assert invariant.pass_rows == (per_pass[-1] if per_pass else row_block)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
