@@ -116,7 +116,7 @@ def cuda_peak_mib(run) -> float:
 
 def _peak_growth(path, N, H, V, kind):
     """Peak resident growth of one forward+backward of a path, in this (fresh) process."""
-    from benchmarks.peak_memory import peak_rss_growth
+    from .peak_memory import peak_rss_growth
 
     fn = fused_rl_ops.vocab_divergence if path == "fused" else reference.vocab_divergence
     small = make_inputs(16, H, 256, torch.float32, "cpu")
@@ -142,7 +142,7 @@ def figure(rows: list, device: str, path):
 
 
 def main():
-    from benchmarks.peak_memory import in_fresh_process
+    from .peak_memory import in_fresh_process
 
     args = parse_args(__doc__, lambda parser: parser.add_argument(
         "--contention", action="store_true", help="the CPU path with a core taken only (benchmarks/contention.py)"))
