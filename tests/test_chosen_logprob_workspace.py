@@ -2,7 +2,8 @@
 fused_rl_ops/_vocab_parallel/tiling.py) against what the chunk loop (csrc/vocab_parallel/chunk_loop.h) allocates:
 measured on the CPU through the profiler's record of every allocation, and for CUDA against the
 buffers chunks.h creates there (CudaKernels in csrc/chosen_logprob/cuda.cpp: the GEMMs take the
-inputs as they are and the logit gradients in the inputs' dtype)."""
+inputs as they are and the logit gradients in the inputs' dtype); and batch_invariant=True's extra
+memory over the default path, the same at two vocabulary sizes (every vocab-parallel op)."""
 import json
 import sys
 
@@ -141,3 +142,39 @@ def test_tiling_fits_the_workspace(device_type, element_size, N, H, workspace):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+@pytest.mark.parametrize("op", ["chosen_logprob", "top_logprobs", "vocab_divergence"])
+def test_batch_invariant_extra_memory_does_not_grow_with_the_vocabulary(tmp_path, op):
+    """batch_invariant=True runs the ops once per fixed piece of the vocabulary: forward+backward
+    allocates a fixed amount beyond the default path's (the pieces' fixed-width chunk buffers and
+    [N, H] partials), the same at V and 2V and less than the weight gradient: the pieces add their
+    weight gradients into one buffer, not put together from theirs (a second one of weight's size)."""
+    N, H, k = 64, 256, 5
+    g = torch.Generator().manual_seed(0)
+    extra = {}
+    for V in (8 * INVARIANT_TILING["cpu"][1], 16 * INVARIANT_TILING["cpu"][1]):  # pieces of whole chunks
+        hidden, teacher_hidden = torch.randn(N, H, generator=g).requires_grad_(True), torch.randn(N, H, generator=g)
+        weight, teacher_weight = torch.randn(V, H, generator=g).requires_grad_(True), torch.randn(V, H, generator=g)
+        tokens = torch.randint(0, V, (N,), generator=g)
+
+        def fwd_bwd(batch_invariant):
+            if op == "chosen_logprob":
+                outputs = fused_rl_ops.chosen_logprob(hidden, weight, tokens, return_entropy=True,
+                                                      batch_invariant=batch_invariant)
+            elif op == "top_logprobs":
+                outputs = fused_rl_ops.top_logprobs(hidden, weight, k, batch_invariant=batch_invariant)[1:]
+            else:
+                outputs = (fused_rl_ops.vocab_divergence(hidden, weight, teacher_hidden, teacher_weight,
+                                                         kind="forward_kl", batch_invariant=batch_invariant),)
+            sum(o.sum() for o in outputs).backward()
+            hidden.grad = weight.grad = None
+
+        peaks = []
+        for batch_invariant in (False, True):
+            fwd_bwd(batch_invariant)  # thread pools, the op's first call
+            peaks.append(peak_allocated(tmp_path, lambda: fwd_bwd(batch_invariant)))
+        extra[V] = peaks[1] - peaks[0]
+        assert extra[V] < V * H * 4, (V, extra[V])
+    smaller, larger = extra.values()
+    assert abs(larger - smaller) <= 2**20, extra
