@@ -1,7 +1,10 @@
 """Peak resident memory of a piece of code (Linux), for the tests and the benchmarks."""
 import concurrent.futures
 import ctypes
+import json
 import multiprocessing
+import os
+import tempfile
 
 
 def _status_kib(field: str) -> int:
@@ -36,3 +39,24 @@ imports it)."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         return pool.submit(fn, *args).result()
+
+
+def peak_allocated(fn) -> int:
+    """The most bytes torch's CPU allocator held at once during fn(), above what it held before
+    (the allocations of every thread, in the order they happened, from torch's profiler): exact,
+    where the resident memory (peak_rss_growth) moves with the C heap's state."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as directory:
+        trace = os.path.join(directory, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            memory = [e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    events = [e["args"] for e in sorted(memory, key=lambda e: float(e["ts"]))]
+    cpu = [e for e in events if e["Device Type"] == 0]
+    if not cpu:
+        return 0
+    start = cpu[0]["Total Allocated"] - cpu[0]["Bytes"]
+    return max(e["Total Allocated"] for e in cpu) - start

@@ -2,35 +2,21 @@
 fused_rl_ops/_vocab_parallel/tiling.py) against what the chunk loop (csrc/vocab_parallel/chunk_loop.h) allocates:
 measured on the CPU through the profiler's record of every allocation, and for CUDA against the
 buffers chunks.h creates there (CudaKernels in csrc/chosen_logprob/cuda.cpp: the GEMMs take the
-inputs as they are and the logit gradients in the inputs' dtype)."""
-import json
+inputs as they are and the logit gradients in the inputs' dtype); and batch_invariant=True's extra
+memory over the default path, the same at two vocabulary sizes (every vocab-parallel op)."""
 import sys
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import fused_rl_ops  # noqa: F401  (registers the ops)
 from fused_rl_ops._vocab_parallel.tiling import (INVARIANT_TILING, SEPARATE_GRAD_CHUNKS, Tiling, chunk_loop_bytes,
                                                  default_workspace_bytes, tiling_for)
+from benchmarks.peak_memory import peak_allocated
 from tests.ops.test_chosen_logprob import make_inputs, per_token_inputs
 
 ops = torch.ops.fused_rl_ops
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-
-
-def peak_allocated(tmp_path, fn):
-    """The most bytes torch's CPU allocator held at once during fn(), above what it held before
-    (the allocations of every thread, in the order they happened)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    trace = tmp_path / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    memory = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
-    events = [e["args"] for e in sorted(memory, key=lambda e: float(e["ts"]))]
-    cpu = [e for e in events if e["Device Type"] == 0]
-    start = cpu[0]["Total Allocated"] - cpu[0]["Bytes"]
-    return max(e["Total Allocated"] for e in cpu) - start
 
 
 # (dtype, token rows, row block, rows per pass, chunk, chunks per gradient GEMM): one pass in place;
@@ -47,7 +33,7 @@ CASES = [
 
 @pytest.mark.parametrize("dtype,N,row_block,pass_rows,chunk,grad_chunks", CASES)
 @pytest.mark.parametrize("main_grad", [False, True])
-def test_the_cpu_chunk_loop_allocates_what_chunk_loop_bytes_counts(tmp_path, dtype, N, row_block, pass_rows, chunk,
+def test_the_cpu_chunk_loop_allocates_what_chunk_loop_bytes_counts(dtype, N, row_block, pass_rows, chunk,
                                                                    grad_chunks, main_grad):
     """The backward's peak allocation is its outputs, the buffers that follow the tokens or the
     block (listed here) and chunk_loop_bytes exactly; the forward's stays within the same."""
@@ -62,14 +48,14 @@ def test_the_cpu_chunk_loop_allocates_what_chunk_loop_bytes_counts(tmp_path, dty
     tail = (N % block > 0) * block * H * acc  # a padded last block of rows (hidden, and its gradient)
     hidden_copy = N * H * acc if e != acc else 0  # the CPU GEMMs take the hidden states in acc
 
-    stats_peak = peak_allocated(tmp_path, lambda: ops.chosen_logprob_stats(hidden, weight, tokens, *options,
+    stats_peak = peak_allocated(lambda: ops.chosen_logprob_stats(hidden, weight, tokens, *options,
                                                                            grad_chunks=grad_chunks))
     assert stats_peak <= N * 4 * acc + hidden_copy + tail + loop
 
     per_token = [t.to(torch.float64 if dtype == torch.float64 else torch.float32)
                  for t in per_token_inputs(ops.chosen_logprob_stats(hidden, weight, tokens, *options))]
     main = torch.zeros(V, H, dtype=torch.float64 if dtype == torch.float64 else torch.float32) if main_grad else None
-    peak = peak_allocated(tmp_path, lambda: ops.chosen_logprob_backward(hidden, weight, tokens, *per_token, main,
+    peak = peak_allocated(lambda: ops.chosen_logprob_backward(hidden, weight, tokens, *per_token, main,
                                                                         *options, grad_chunks=grad_chunks))
     outputs = N * H * acc + (0 if main_grad else V * H * e)  # grad_h in acc, grad_w in weight's dtype
     # main_grad's buffers, not counted: the group's weight gradient in the weight's dtype, and the
@@ -141,3 +127,39 @@ def test_tiling_fits_the_workspace(device_type, element_size, N, H, workspace):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+@pytest.mark.parametrize("op", ["chosen_logprob", "top_logprobs", "vocab_divergence"])
+def test_batch_invariant_extra_memory_does_not_grow_with_the_vocabulary(op):
+    """batch_invariant=True runs the ops once per fixed piece of the vocabulary: forward+backward
+    allocates a fixed amount beyond the default path's (the pieces' fixed-width chunk buffers and
+    [N, H] partials), the same at V and 2V and less than the weight gradient: the pieces add their
+    weight gradients into one buffer, not put together from theirs (a second one of weight's size)."""
+    N, H, k = 64, 256, 5
+    g = torch.Generator().manual_seed(0)
+    extra = {}
+    for V in (8 * INVARIANT_TILING["cpu"][1], 16 * INVARIANT_TILING["cpu"][1]):  # pieces of whole chunks
+        hidden, teacher_hidden = torch.randn(N, H, generator=g).requires_grad_(True), torch.randn(N, H, generator=g)
+        weight, teacher_weight = torch.randn(V, H, generator=g).requires_grad_(True), torch.randn(V, H, generator=g)
+        tokens = torch.randint(0, V, (N,), generator=g)
+
+        def fwd_bwd(batch_invariant):
+            if op == "chosen_logprob":
+                outputs = fused_rl_ops.chosen_logprob(hidden, weight, tokens, return_entropy=True,
+                                                      batch_invariant=batch_invariant)
+            elif op == "top_logprobs":
+                outputs = fused_rl_ops.top_logprobs(hidden, weight, k, batch_invariant=batch_invariant)[1:]
+            else:
+                outputs = (fused_rl_ops.vocab_divergence(hidden, weight, teacher_hidden, teacher_weight,
+                                                         kind="forward_kl", batch_invariant=batch_invariant),)
+            sum(o.sum() for o in outputs).backward()
+            hidden.grad = weight.grad = None
+
+        peaks = []
+        for batch_invariant in (False, True):
+            fwd_bwd(batch_invariant)  # thread pools, the op's first call
+            peaks.append(peak_allocated(lambda: fwd_bwd(batch_invariant)))
+        extra[V] = peaks[1] - peaks[0]
+        assert extra[V] < V * H * 4, (V, extra[V])
+    smaller, larger = extra.values()
+    assert abs(larger - smaller) <= 2**20, extra

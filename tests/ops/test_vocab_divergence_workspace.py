@@ -9,7 +9,7 @@ import torch
 
 import fused_rl_ops
 from fused_rl_ops._vocab_parallel.tiling import chunk_loop_bytes
-from tests.ops.test_chosen_logprob_workspace import peak_allocated
+from benchmarks.peak_memory import peak_allocated
 from tests.ops.test_vocab_divergence import make_inputs
 
 ops = torch.ops.fused_rl_ops
@@ -27,7 +27,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype,teacher_dtype,row_block,pass_rows,chunk,main_grad", CASES)
-def test_the_cpu_chunk_loops_allocate_what_the_tiling_plans_for(tmp_path, dtype, teacher_dtype, row_block, pass_rows,
+def test_the_cpu_chunk_loops_allocate_what_the_tiling_plans_for(dtype, teacher_dtype, row_block, pass_rows,
                                                                 chunk, main_grad):
     N, H, H_t, V = 300, 24, 40, 1100
     hidden, weight, teacher_hidden, teacher_weight, grad = make_inputs((N,), H, H_t, V, dtype, "cpu")
@@ -48,14 +48,14 @@ def test_the_cpu_chunk_loops_allocate_what_the_tiling_plans_for(tmp_path, dtype,
     per_token = (N * H * acc if e != acc else 0) + (N * H_t * acc if e_t != acc else 0) + tail * (H + H_t)
 
     stats = ops.vocab_divergence_stats(*tensors, *options, **OWN)
-    stats_peak = peak_allocated(tmp_path, lambda: ops.vocab_divergence_stats(*tensors, *options, **OWN))
+    stats_peak = peak_allocated(lambda: ops.vocab_divergence_stats(*tensors, *options, **OWN))
     assert stats_peak <= stats.numel() * acc + per_token + student_loop + teacher_loop
 
     rows_merged = ops.vocab_divergence_combine(stats[None])
     term = ops.vocab_divergence_mixture(*tensors, rows_merged, *options, **OWN)[:, 1].contiguous()
     grad = grad.to(term.dtype)
     main = torch.zeros(V, H, dtype=torch.float64 if dtype == torch.float64 else torch.float32) if main_grad else None
-    peak = peak_allocated(tmp_path, lambda: ops.vocab_divergence_backward(
+    peak = peak_allocated(lambda: ops.vocab_divergence_backward(
         *tensors, rows_merged, term, grad, main, *options, **OWN))
     outputs = N * H * acc + (0 if main_grad else V * H * e)  # grad_h in acc, grad_w in weight's dtype
     # main_grad's buffers, not counted by chunk_loop_bytes (chosen_logprob's workspace test)

@@ -1,7 +1,8 @@
 """A --quick benchmark run (benchmarks/goals.py, benchmarks/plots.py): at its tiny shapes it reports
 its figures, judges no goal and draws its plot; the same rows judged as a working-shape run would be
-get the verdicts their figures give. bench_vocab_divergence's quick run end to end, on the CPU.
-No timing is asserted."""
+get the verdicts their figures give. bench_vocab_divergence's quick run end to end, on the CPU, and
+the --tp 2 quick runs of bench_chosen_logprob and bench_vocab_divergence (benchmarks/tensor_parallel.py:
+batch_invariant=True against the default path over two gloo ranks). No timing is asserted."""
 import ast
 import json
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import bench_vocab_divergence, goals, plots
+from benchmarks import bench_chosen_logprob, bench_vocab_divergence, goals, plots, tensor_parallel
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -66,6 +67,42 @@ def test_a_quick_run_reports_its_figures_judges_no_goal_and_draws_them(tmp_path,
     verdicts = capsys.readouterr().out.splitlines()
     assert len(verdicts) == len(bench_vocab_divergence.GOALS)
     assert verdicts[1].startswith("MET: " if forward_kl["goal_naive<=1.3x"] else "NOT MET: ")
+
+
+@pytest.mark.parametrize("benchmark,ops", [(bench_chosen_logprob, ["chosen_logprob", "top_logprobs"]),
+                                           (bench_vocab_divergence, ["vocab_divergence"])])
+def test_a_quick_tensor_parallel_run_reports_the_cost_of_batch_invariance(tmp_path, monkeypatch, capsys, benchmark,
+                                                                          ops):
+    """--tp 2 --quick: each op at both quick shapes over two ranks of one thread each, both paths'
+    times and peak memory, the ratios and growths its columns name, no verdict, the plot; the same
+    rows judged as a working-shape run gets the verdicts their figures give."""
+    pytest.importorskip("matplotlib")
+    name = benchmark.__name__.rpartition(".")[2]
+    out = tmp_path / f"{name}_tp2.json"
+    monkeypatch.setattr(sys, "argv", [name, "--tp", "2", "--quick", "--device", "cpu", "--json", str(out)])
+    benchmark.main()
+
+    written = json.loads(out.read_text())
+    rows = written["results"]
+    assert [(r["op"], r["V"]) for r in rows] == [(op, V) for op in ops for _, _, V in tensor_parallel.QUICK_SHAPES]
+    for row in rows:
+        assert row["tp"] == 2 and row["threads_per_rank"] == 1
+        assert row["default_ms"] > 0 and row["invariant/default"] == row["invariant_ms"] / row["default_ms"]
+        assert row["default_MiB"] > 0 and row["extra_MiB"] == row["invariant_MiB"] - row["default_MiB"]
+    for smaller, larger in zip(rows[::2], rows[1::2]):
+        assert "extra_MiB_growth" not in smaller
+        assert larger["extra_MiB_growth"] == larger["extra_MiB"] - smaller["extra_MiB"]
+        assert larger["weight_shard_MiB_growth"] == larger["weight_shard_MiB"] - smaller["weight_shard_MiB"] > 0
+    assert not any(column.startswith("goal_") for row in rows for column in row)
+    assert goals.UNJUDGED in capsys.readouterr().out
+    assert (tmp_path / written["plot"]).read_bytes().startswith(b"\x89PNG")
+    judged = goals.judge([dict(row) for row in rows], tensor_parallel.GOALS, quick=False)
+    for row in judged:
+        assert row["goal_invariant<=1.10x"] == (row["invariant/default"] <= 1.10)
+        if "extra_MiB_growth" in row:
+            assert row["goal_extra_mem_flat_in_V"] == (row["extra_MiB_growth"] <= row["weight_shard_MiB_growth"] / 16)
+        else:
+            assert "goal_extra_mem_flat_in_V" not in row
 
 
 def test_every_benchmark_writes_a_plot():
