@@ -57,6 +57,12 @@ sampler's kept set (kept_ids of 63 ids: kept/k64, its time over chosen_logprob w
 tokens), in the same rounds; goals: k = 64 at most 1.15x k = 1, top_logprobs at most 1.3x
 chosen_logprob with one token.
 
+The cost of batch invariance at a tensor-parallel degree (--tp N runs it alone, on the CPU;
+benchmarks/tensor_parallel.py): chosen_logprob (with entropy) and top_logprobs forward+backward
+with batch_invariant=True against the default path, both over N gloo ranks of one thread each, at
+(2048, 512, 16384) and (2048, 512, 32768) fp32; goals: at most 1.10x the time, extra memory
+independent of V.
+
 The plot (--json PATH -> PATH.png) draws time and peak memory of forward+backward (logprob only)
 against V and against N for every path (the sweeps), and against the masked share at the last main
 shape (the RL-shaped case, with entropy dashed). On a CUDA device whose ceilings
@@ -71,7 +77,7 @@ import torch
 import fused_rl_ops
 from fused_rl_ops import reference
 
-from . import contention, goals, roofline
+from . import contention, goals, roofline, tensor_parallel
 from .chosen_logprob_distillation import (DISTILLATION_GOALS, distillation_headline, distillation_table,
                                           measure_distillation)
 from .chosen_logprob_paths import gemm_runs, load_peers, make_inputs, path_fn, paths_for, peak_mib, run_once
@@ -399,6 +405,9 @@ def shape_options(parser):
                         help="the CPU path with a core taken only (benchmarks/contention.py): fused against its "
                              "four GEMMs, 1 and 2 threads, quiet and with a busy process, at the first --shape "
                              "(default 2048 512 32768)")
+    parser.add_argument("--tp", type=int, metavar="N",
+                        help="only the cost of batch_invariant=True at tensor-parallel degree N (chosen_logprob and "
+                             "top_logprobs, N gloo ranks of one thread each on the CPU; benchmarks/tensor_parallel.py)")
     parser.add_argument("--shape", nargs=3, type=int, action="append", metavar=("N", "H", "V"),
                         help="a main shape to measure instead of the device's defaults (repeatable)")
 
@@ -464,6 +473,8 @@ def main():
             [(N, 4096, 131072) for N in (2048, 4096, 8192, 16384)]
     if args.contention:
         return contention.run_contention("chosen_logprob", args, log, contention.chosen_logprob_paths)
+    if args.tp:
+        return tensor_parallel.run_tensor_parallel("chosen_logprob", ("chosen_logprob", "top_logprobs"), args, log)
     if args.shape:
         shapes = [tuple(shape) for shape in args.shape]
     if args.sampler_filter:

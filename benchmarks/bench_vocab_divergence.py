@@ -14,13 +14,15 @@ naive (forward_kl), with 3/4 of positions masked at most 0.45x of none masked, e
 most 1/8 of naive's. --quick runs a tiny shape (256, 64, 2048), where fixed costs dominate: it
 reports the same figures and judges no goal (goals.py). The plot (--json PATH -> PATH.png) draws
 every path's time per kind and the two paths' extra memory. --contention runs alone: the CPU path
-(forward_kl) against its six GEMMs with a core taken (benchmarks/contention.py)."""
+(forward_kl) against its six GEMMs with a core taken (benchmarks/contention.py). --tp N runs alone:
+forward+backward (forward_kl) with batch_invariant=True against the default path over N gloo ranks
+of one thread each on the CPU (benchmarks/tensor_parallel.py)."""
 import torch
 
 import fused_rl_ops
 from fused_rl_ops import reference
 
-from . import contention, goals
+from . import contention, goals, tensor_parallel
 from .plots import bars_figure
 from .results import RowLog, find_peers, parse_args, png_path, write_json
 from .tables import summary_table
@@ -116,7 +118,7 @@ def cuda_peak_mib(run) -> float:
 
 def _peak_growth(path, N, H, V, kind):
     """Peak resident growth of one forward+backward of a path, in this (fresh) process."""
-    from fused_rl_ops.testing.peak_memory import peak_rss_growth
+    from .peak_memory import peak_rss_growth
 
     fn = fused_rl_ops.vocab_divergence if path == "fused" else reference.vocab_divergence
     small = make_inputs(16, H, 256, torch.float32, "cpu")
@@ -141,14 +143,23 @@ def figure(rows: list, device: str, path):
     bars_figure(panels, f"vocab_divergence, {shape} fp32, on {device}", path, busy=any(r.get("busy") for r in timed))
 
 
-def main():
-    from fused_rl_ops.testing.peak_memory import in_fresh_process
+def options(parser):
+    parser.add_argument("--contention", action="store_true",
+                        help="the CPU path with a core taken only (benchmarks/contention.py)")
+    parser.add_argument("--tp", type=int, metavar="N",
+                        help="only the cost of batch_invariant=True at tensor-parallel degree N (N gloo ranks of one "
+                             "thread each on the CPU; benchmarks/tensor_parallel.py)")
 
-    args = parse_args(__doc__, lambda parser: parser.add_argument(
-        "--contention", action="store_true", help="the CPU path with a core taken only (benchmarks/contention.py)"))
+
+def main():
+    from .peak_memory import in_fresh_process
+
+    args = parse_args(__doc__, options)
     log, dev = RowLog(args.json), args.device
     if args.contention:
         return contention.run_contention("vocab_divergence", args, log, contention_paths)
+    if args.tp:
+        return tensor_parallel.run_tensor_parallel("vocab_divergence", ("vocab_divergence",), args, log)
     training = dev == "cuda" and not args.quick
     N, H, V = (256, 64, 2048) if args.quick else (8192, 4096, 131072) if training else (2048, 512, 32768)
     dtype, reps = torch.bfloat16 if training else torch.float32, 2 if args.quick else 5

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import fused_rl_ops
 from fused_rl_ops import reference
-from fused_rl_ops.testing.peak_memory import in_fresh_process, peak_rss_growth
+from .peak_memory import in_fresh_process, peak_rss_growth
 
 from .results import find_peers
 from .timing import synchronize

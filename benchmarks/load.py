@@ -14,7 +14,7 @@ def _busy_cpu_seconds() -> float:
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def _own_cpu_seconds() -> float:
+def own_cpu_seconds() -> float:
     """CPU time of this process and its finished children (peak-memory and distributed workers)."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
@@ -25,12 +25,14 @@ class LoadProbe:
 
     def start(self):
         self.load_before = os.getloadavg()[0]
-        self._wall, self._busy, self._own = time.perf_counter(), _busy_cpu_seconds(), _own_cpu_seconds()
+        self._wall, self._busy, self._own = time.perf_counter(), _busy_cpu_seconds(), own_cpu_seconds()
         return self
 
-    def stop(self) -> dict:
+    def stop(self, ranks_cpu_seconds: float = 0.0) -> dict:
+        """ranks_cpu_seconds: CPU time meanwhile of the run's processes that are not this one's
+        children (the other ranks of a distributed run), not counted as others'."""
         wall = time.perf_counter() - self._wall
-        others = (_busy_cpu_seconds() - self._busy) - (_own_cpu_seconds() - self._own)
+        others = (_busy_cpu_seconds() - self._busy) - (own_cpu_seconds() - self._own) - ranks_cpu_seconds
         return {"load_before": round(self.load_before, 2), "load_after": round(os.getloadavg()[0], 2),
                 "other_cores": round(max(others, 0.0) / wall, 2)}
 

@@ -69,24 +69,33 @@ class Kernel:
 
 
 def chosen_logprob_kernels(N: int, H: int, V: int, dtype: torch.dtype, mode: str, workspace_bytes=None) -> list:
-    """The kernels of one chosen_logprob call on CUDA (default path: one GEMM of all N tokens per
-    chunk) at (N, H, V) with inputs of dtype; mode "fwd" or "fwd+bwd"."""
+    """The kernels of one chosen_logprob call on CUDA (default path: one GEMM of the pass's tokens per
+    chunk, all N tokens in one pass or equal passes at long context) at (N, H, V) with inputs of
+    dtype; mode "fwd" or "fwd+bwd"."""
     if workspace_bytes is None:
-        workspace_bytes = default_workspace_bytes(torch.empty(N, H, dtype=dtype, device="meta"))
+        workspace_bytes = default_workspace_bytes(torch.empty(N, H, dtype=dtype, device="meta"),
+                                                  device=torch.device("cuda"))
     e = torch.empty(0, dtype=dtype).element_size()
     tiling = tiling_for(N, H, e, workspace_bytes, torch.device("cuda"), False)
     chunk, grad_chunks = tiling.chunk_size, tiling.grad_chunks
     group = chunk * grad_chunks
-    chunks, groups = math.ceil(V / chunk), math.ceil(V / group)
+    # Passes of pass_rows rows (the padding rows of a last pass computed too): each GEMM kind once
+    # per chunk or group and pass; the weight gradient's fp32 [group, H] sum read and written per pass.
+    passes = math.ceil(N / tiling.pass_rows) if tiling.pass_rows else 1
+    rows = tiling.pass_rows or N
+    N = passes * rows
+    chunks, groups = passes * math.ceil(V / chunk), passes * math.ceil(V / group)
+    weights = passes * e * V * H  # the weight read once per pass
+    weight_sums = 8 * V * H * passes if passes > 1 else 0
     # The logit gradients: written over the fp32 logits in place, or in the inputs' dtype into
     # their own buffer (chunk_loop_bytes).
     g = 4 if e == 4 and grad_chunks == 1 else e
-    logits_gemm = Kernel("logits GEMM", chunks, 2 * N * H * V, chunks * e * N * H + e * V * H + 4 * N * V, 4 * N * V)
+    logits_gemm = Kernel("logits GEMM", chunks, 2 * N * H * V, chunks * e * rows * H + weights + 4 * N * V, 4 * N * V)
     kernels = [
         logits_gemm,
         # fp32 logits read once (a warp's second pass over its row hits L1 / L2); stats [N, 4] fp32
         # read and written and the tokens read, per chunk.
-        Kernel("stats_rows", chunks, 0, 4 * N * V + chunks * N * (32 + 8)),
+        Kernel("stats_rows", chunks, 0, 4 * N * V + chunks * rows * (32 + 8)),
     ]
     if mode == "fwd":
         return kernels
@@ -94,12 +103,13 @@ def chosen_logprob_kernels(N: int, H: int, V: int, dtype: torch.dtype, mode: str
         Kernel("logits GEMM, recomputed", logits_gemm.launches, logits_gemm.flops, logits_gemm.bytes,
                logits_gemm.epilogue_bytes),
         # fp32 logits read, gradients written; five fp32 per-token values and the tokens per chunk.
-        Kernel("grad_rows", chunks, 0, 4 * N * V + g * N * V + chunks * N * (20 + 8)),
+        Kernel("grad_rows", chunks, 0, 4 * N * V + g * N * V + chunks * rows * (20 + 8)),
         # grad_h [N, H] fp32 += d [N, group] w [group, H]: the fp32 accumulator read and written per group.
-        Kernel("hidden-gradient GEMM", groups, 2 * N * H * V, g * N * V + e * V * H + groups * 8 * N * H,
-               groups * 8 * N * H),
+        Kernel("hidden-gradient GEMM", groups, 2 * N * H * V, g * N * V + weights + groups * 8 * rows * H,
+               groups * 8 * rows * H),
         # grad_w [group, H] = d^T h: hidden read per group.
-        Kernel("weight-gradient GEMM", groups, 2 * N * H * V, g * N * V + groups * e * N * H + e * V * H, e * V * H),
+        Kernel("weight-gradient GEMM", groups, 2 * N * H * V,
+               g * N * V + groups * e * rows * H + e * V * H + weight_sums, e * V * H + weight_sums),
         # grad_h zeroed at the start; cast to the inputs' dtype at the end.
         Kernel("hidden gradient: zero, cast", 2 if e < 4 else 1, 0, 4 * N * H + (4 + e) * N * H * (e < 4)),
     ]

@@ -29,7 +29,7 @@ def keep_freed_heap():
     (larger ones are mapped afresh, for every path alike). By default glibc's thresholds move with
     what was freed last, so a path's buffers may come back as fresh pages, each faulted in and zeroed
     on first touch, depending on which path ran before it (docs/benchmarks.md). Peak-memory probes
-    release free memory first (fused_rl_ops.testing.peak_memory), so they see the same growth
+    release free memory first (benchmarks.peak_memory), so they see the same growth
     either way."""
     libc = ctypes.CDLL(None)
     if hasattr(libc, "mallopt"):

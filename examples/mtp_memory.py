@@ -8,7 +8,7 @@ logprobs and the MTP losses through chosen_logprob, no logits).
 Runs on the CPU with 2 gloo processes and the shims of fused_rl_ops/testing/megatron_cpu.py. The
 same model takes both steps. Rank 0 prints, for each path, the peak memory of the tensors the step
 allocated (torch's MemTracker), how often the output layer ran, and the MTP losses and acceptance
-counts megatron-core's MTPLossLoggingHelper logged. tests/test_megatron_mtp.py checks the two paths'
+counts megatron-core's MTPLossLoggingHelper logged. tests/megatron/test_mtp.py checks the two paths'
 gradients and logged values against each other.
 """
 import logging

@@ -13,7 +13,7 @@ trainer scores a rollout, each position is scored on the token that follows it (
 one, the last position ignored). Each runs a clipped PPO loss with an entropy bonus and a value
 loss, backward and an Adam step. Rank 0 prints the logprob / entropy / value statistics of both and
 the peak memory of the tensors each step allocated (torch's MemTracker). The rollout, loss and
-forward-backward are in fused_rl_ops/testing/ppo.py; tests/test_megatron_ppo.py runs them and checks
+forward-backward are in fused_rl_ops/testing/ppo.py; tests/megatron/test_ppo.py runs them and checks
 fused against naive (outputs, every gradient, the updated parameters) to fp32 tolerance, and the
 scoring against float64 logprobs of the next tokens.
 """

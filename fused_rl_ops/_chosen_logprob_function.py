@@ -119,11 +119,11 @@ class ChosenLogprobFunction(torch.autograd.Function):
         log_sum_minus_entropy = log_sum - entropy
         grad_logprob, grad_entropy = (g.to(entropy.dtype).contiguous() for g in (grad_logprob, grad_entropy))
         # Per piece: an unreduced hidden gradient and its [rows, H] weight gradient, padded rows zeroed
-        # by the op; or none, added into main_grad.
-        grad_weights = []
+        # by the op; or none, added into main_grad or the pieces' buffer (VocabPieces.weight_grad_buffer).
+        grad_weights, buffer = [], ctx.pieces.weight_grad_buffer(weight, ctx.main_grad)
 
         def hidden_grads():
-            for o, w, g in ctx.pieces.each(ctx.kernel_options, weight, ctx.main_grad):
+            for o, w, g in ctx.pieces.each(ctx.kernel_options, weight, buffer):
                 grad_hidden, grad_weight = ops.chosen_logprob_backward(
                     hidden, w, tokens, row_max, log_sum, log_sum_minus_entropy, grad_logprob, grad_entropy, g,
                     *o.arguments(), threshold)
@@ -134,5 +134,5 @@ class ChosenLogprobFunction(torch.autograd.Function):
         if ctx.main_grad is not None:
             grad_weight = placeholder_gradient(weight, ctx.weight_placeholder)
         else:
-            grad_weight = ctx.pieces.concat(grad_weights)
+            grad_weight = ctx.pieces.weight_grad(buffer, grad_weights)
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None, None, None

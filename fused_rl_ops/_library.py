@@ -41,8 +41,9 @@ ops = torch.ops.fused_rl_ops
 
 
 def has_cuda_kernels() -> bool:
-    """True when the extension was built with its CUDA kernels."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("fused_rl_ops::clamped_swiglu", "CUDA")
+    """True when the extension was built with its CUDA kernels: every operator it registers has one."""
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("fused_rl_ops::")]
+    return bool(names) and all(torch._C._dispatch_has_kernel_for_dispatch_key(n, "CUDA") for n in names)
 
 
 def cpu_isa() -> str:

@@ -2,7 +2,7 @@
 @options_dataclass, each field made by option() with the rule its value must meet. An op's schema
 takes its groups one after the other (LogitMap, VocabShard, Tiling, then the op's own), each group's
 fields in order (each group is declared once for C++ too, as an FRL_<GROUP> list;
-tests/test_op_contract.py checks that the two declarations agree). Constructing one (its
+tests/tooling/test_op_contract.py checks that the two declarations agree). Constructing one (its
 __post_init__ calls check_options) is where these values are checked, in the words the C++ op uses
 for the same rule; each value is then stored as the op takes it (float, int, bool). The checks read
 only plain records made when the class is defined, so that torch.compile traces them."""

@@ -57,9 +57,10 @@ class VocabDivergenceFunction(torch.autograd.Function):
         if mask is not None:
             grad = torch.where(mask, grad, 0.0)
         grad, grad_weights = grad.contiguous(), []
+        buffer = ctx.pieces.weight_grad_buffer(weight, ctx.main_grad)
 
-        def hidden_grads():  # per piece; its weight gradient kept, or added into main_grad
-            for o, w, t, g in ctx.pieces.each(ctx.kernel_options, weight, teacher_weight, ctx.main_grad):
+        def hidden_grads():  # per piece; its weight gradient kept, or added into main_grad or the buffer
+            for o, w, t, g in ctx.pieces.each(ctx.kernel_options, weight, teacher_weight, buffer):
                 grad_hidden, grad_weight = ops.vocab_divergence_backward(
                     hidden, w, teacher_hidden, t, mask, rows, row_term, grad, g, *o.arguments())
                 grad_weights.append(grad_weight)
@@ -69,5 +70,5 @@ class VocabDivergenceFunction(torch.autograd.Function):
         if ctx.main_grad is not None:
             grad_weight = placeholder_gradient(weight, ctx.weight_placeholder)
         else:
-            grad_weight = ctx.pieces.concat(grad_weights)
+            grad_weight = ctx.pieces.weight_grad(buffer, grad_weights)
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None, None, None

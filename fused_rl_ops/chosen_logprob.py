@@ -155,7 +155,8 @@ def chosen_logprob(
     Both are skipped under torch.compile, CUDA graph capture and for meta tensors.
     main_grad ([V_local, H], Megatron's gradient-accumulation buffer) takes the weight gradient
     instead of returning one. workspace_bytes bounds the chunk loop's buffers (default: the size of
-    the scored rows of hidden, within [1 MiB, DEFAULT_WORKSPACE_BYTES]). batch_invariant=True: each
+    the scored rows of hidden, within [1 MiB, DEFAULT_WORKSPACE_BYTES]; on CUDA up to 256 MiB, where
+    long inputs take passes of rows). batch_invariant=True: each
     token's logprob, entropy and hidden gradient are bitwise independent of the other tokens.
     kept_ids [..., k] (int, padded with ignore_index; the positions' leading shape): the ids the
     rollout sampler kept at each position, in place of top_k / top_p: logprob renormalised over

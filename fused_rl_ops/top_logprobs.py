@@ -90,19 +90,20 @@ class TopLogprobsFunction(torch.autograd.Function):
         hidden, weight, ids, row_max, log_sum, entropy = ctx.saved_tensors
         grad_logprobs = torch.zeros_like(ids, dtype=row_max.dtype) if grad_logprobs is None else grad_logprobs
         grad_logprobs, grad_weights = grad_logprobs.to(row_max.dtype).contiguous(), []
+        buffer = ctx.pieces.weight_grad_buffer(weight, None)
 
         def hidden_grads():
             # chosen_logprob's backward op per piece, no filter: the rows not computed (all k ids
             # NOT_COMPUTED, which no computed row has) left out as it leaves out ignored tokens.
-            for o, w in ctx.pieces.each(ctx.kernel_options, weight):
+            for o, w, g in ctx.pieces.each(ctx.kernel_options, weight, buffer):
                 grad_hidden, grad_weight = ops.chosen_logprob_backward(
                     hidden, w, ids, row_max, log_sum, log_sum - entropy, grad_logprobs, torch.zeros_like(row_max),
-                    None, *o.shared_arguments(), ignore_index=NOT_COMPUTED if ctx.masked else None)
+                    g, *o.shared_arguments(), ignore_index=NOT_COMPUTED if ctx.masked else None)
                 grad_weights.append(grad_weight)
                 yield grad_hidden
 
         grad_hidden = ctx.pieces.sum(hidden_grads(), ctx.reduce_hidden_grad)
-        return grad_hidden.to(hidden.dtype), ctx.pieces.concat(grad_weights), None, None, None, None
+        return grad_hidden.to(hidden.dtype), ctx.pieces.weight_grad(buffer, grad_weights), None, None, None, None
 
 
 def _resolve(hidden, weight, k, mask, logit_map, rank, world, vocab_start, vocab_size,

@@ -19,7 +19,7 @@ IGNORE_INDEX = -100
 # logits = lm_head(base_model(...).last_hidden_state) and then at most the step named here:
 #   None: nothing; "softcap": cap * tanh(z / cap), cap = config.final_logit_softcapping (None: no cap);
 #   "logit_scale": z * model.logit_scale (Cohere); "logits_scaling": z / config.logits_scaling (Granite).
-# tests/test_transformers.py checks every entry against the model's own logits. Any other forward
+# tests/integrations/test_transformers.py checks every entry against the model's own logits. Any other forward
 # (another class, a subclass overriding it, remote code) is refused: it may change the logits in
 # ways this function would not reproduce.
 LOGITS_AFTER_HEAD = {

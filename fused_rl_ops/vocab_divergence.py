@@ -171,7 +171,8 @@ def vocab_divergence(
     arguments (skipped under torch.compile, CUDA graph capture and for meta tensors).
     main_grad ([V_local, H], Megatron's gradient-accumulation buffer) takes the weight gradient
     instead of returning one. workspace_bytes bounds the chunk loop's buffers, both models' (default:
-    the size of hidden, within [1 MiB, fused_rl_ops.DEFAULT_WORKSPACE_BYTES]). batch_invariant=True: each
+    the size of hidden, within [1 MiB, fused_rl_ops.DEFAULT_WORKSPACE_BYTES]; on CUDA up to 256 MiB,
+    where long inputs take passes of rows). batch_invariant=True: each
     position's divergence and hidden gradient are bitwise independent of the other positions.
     """
     def resolve(rank, world):

@@ -9,7 +9,7 @@
 #   tests: the CUDA tests only (-m per_device; every op's first file before any op's second), beside the three compute-sanitizer tools (memcheck
 #     with PYTORCH_NO_CUDA_MEMORY_CACHING=1; racecheck and synccheck on the package's kernels only)
 #     on scripts/sanitizer_cases.py;
-#   the kernel benchmarks, in the op table's order (python -m fused_rl_ops.testing.op_table
+#   the kernel benchmarks, in the op table's order (python -m tests.helpers.op_table
 #     benchmark-runs): the headline, chosen_logprob's main shape, first; then REPORT.md.
 # Each stage has a budget, cut to what is left before the deadline; a stage out of time gets SIGINT
 # (pytest then writes its junit report and failure list; a benchmark has logged its rows so far)
@@ -171,11 +171,11 @@ elif [ "$DEVICE" = cuda ] && ! "$PY" -c 'import fused_rl_ops, sys; sys.exit(not 
 else
   ready=yes
 fi
-# What the test stage runs: the CUDA tests (tests/test_gpu_check.py gives a stand-in), every op's
+# What the test stage runs: the CUDA tests (tests/tooling/test_gpu_check.py gives a stand-in), every op's
 # first file before any op's second (the op table's order), so that a cut stage has checked every op.
 if [ -n "${TEST_SELECTION:-}" ]; then
   read -ra TEST_SELECTION <<<"$TEST_SELECTION"
-elif [ "$ready" = yes ] && test_files="$("$PY" -m fused_rl_ops.testing.op_table test-files tests)"; then
+elif [ "$ready" = yes ] && test_files="$("$PY" -m tests.helpers.op_table test-files tests)"; then
   mapfile -t TEST_SELECTION <<<"$test_files"
   TEST_SELECTION=(-m per_device "${TEST_SELECTION[@]}")
 else
@@ -184,8 +184,8 @@ fi
 # The benchmark stages, from the op table: STAGE BUDGET_S MODULE [ARGUMENT...] a line; a budget
 # overridden by <STAGE>_S.
 BENCH_RUNS=() bench_plan="" bench_ready=$ready
-if [ "$ready" = yes ] && ! table="$("$PY" -m fused_rl_ops.testing.op_table benchmark-runs)"; then
-  bench_ready="the op table does not read (python -m fused_rl_ops.testing.op_table benchmark-runs)"
+if [ "$ready" = yes ] && ! table="$("$PY" -m tests.helpers.op_table benchmark-runs)"; then
+  bench_ready="the op table does not read (python -m tests.helpers.op_table benchmark-runs)"
 fi
 if [ "$bench_ready" = yes ]; then
   while read -r name budget rest; do

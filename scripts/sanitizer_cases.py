@@ -1,12 +1,12 @@
 """Small calls of every CUDA kernel, forward and backward, for compute-sanitizer (gpu_check.sh):
-each op's cases, as fused_rl_ops.testing.op_table lists the ops (the cases themselves are in
-fused_rl_ops/testing/sanitizer_cases.py). `python scripts/sanitizer_cases.py [DEVICE]`: cuda by
+each op's cases, as tests.helpers.op_table lists the ops (the cases themselves are in
+tests/helpers/sanitizer_cases.py). `python scripts/sanitizer_cases.py [DEVICE]`: cuda by
 default; cpu for gpu_check.sh's rehearsal."""
 import sys
 
 import torch
 
-from fused_rl_ops.testing.op_table import OPS
+from tests.helpers.op_table import OPS
 
 device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 for op in OPS:

@@ -95,6 +95,17 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
   *reinterpret_cast<Bits*>(p) = bits;
 }
 
+// The block's dynamic shared memory (its launch's shared_bytes; the kernels-on-CPU tests' host
+// model gives each block running at once its own).
+__device__ __forceinline__ unsigned char* dynamic_shared_memory() {
+#if defined(CUDA_ON_HOST)
+  return static_cast<unsigned char*>(cuda_on_host::dynamic_shared());
+#else
+  extern __shared__ __align__(16) unsigned char block_shared_bytes[];
+  return block_shared_bytes;
+#endif
+}
+
 inline bool is_aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // What launch shapes need of a device, read from its properties.

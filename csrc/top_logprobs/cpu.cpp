@@ -13,9 +13,9 @@ namespace {
 const RowKernels& row_kernels() { return FRL_CPU_ROW_KERNELS(); }
 
 struct CpuKernels : CpuGemms {
-  static void stats_rows(const Params& p, at::ScalarType acc) { row_kernels().stats_rows(p, acc == at::kDouble); }
-
-  static void top_ids_rows(const Params& p, at::ScalarType acc) {
+  // The shared stats kernel, then the top over the same piece of rows (in cache).
+  static void stats_top_ids_rows(const Params& p, at::ScalarType acc) {
+    row_kernels().stats_rows(p, acc == at::kDouble);
     row_kernels().top_ids_rows(p, acc == at::kDouble);
   }
 };

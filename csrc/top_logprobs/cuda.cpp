@@ -1,6 +1,6 @@
 // top_logprobs, CUDA: the op of top_logprobs/entry.h with cuBLAS GEMMs through ATen
 // (vocab_parallel/cuda_gemms.h) and the row kernels of top_logprobs/kernel.cu (which stays free of
-// torch headers) on the current stream.
+// torch headers, one kernel for the stats and the top) on the current stream.
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
@@ -13,12 +13,8 @@ namespace {
 
 // The op's checks leave fp32 the only accumulation dtype on CUDA.
 struct CudaKernels : CudaGemms {
-  static void stats_rows(const Params& p, at::ScalarType) {
-    C10_CUDA_CHECK(launch_top_logprobs_stats_rows(p, stream()));
-  }
-
-  static void top_ids_rows(const Params& p, at::ScalarType) {
-    C10_CUDA_CHECK(launch_top_logprobs_top_ids_rows(p, stream()));
+  static void stats_top_ids_rows(const Params& p, at::ScalarType) {
+    C10_CUDA_CHECK(launch_top_logprobs_stats_top_ids_rows(p, stream()));
   }
 };
 

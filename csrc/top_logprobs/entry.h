@@ -40,11 +40,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> top_logprobs_impl(const at::Tenso
   for_each_chunk<Kernels>(hidden, weight, V, groups.tiling, [&](const at::Tensor& logits, const ChunkStep& step) {
     Params p = chunk_params<Params>(logits, step, groups.logit_map, groups.shard);
     p.stats = step.rows_out(stats);
-    Kernels::stats_rows(p, acc);
     p.top = step.rows_out(values);
     p.top_ids = step.rows_out<int64_t>(ids);
     p.top_width = k;
-    Kernels::top_ids_rows(p, acc);
+    Kernels::stats_top_ids_rows(p, acc);
   });
   return {stats, values, ids};
 }

@@ -1,5 +1,5 @@
-// Torch-free launchers of top_logprobs' CUDA row kernels, one Params each (top_logprobs/params.h;
-// fp32 buffers). Return the launch's cudaError_t.
+// Torch-free launcher of top_logprobs' CUDA row kernel, with a Params (top_logprobs/params.h; fp32
+// buffers). Returns the launch's cudaError_t.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,9 +8,7 @@
 
 namespace fused_rl_ops::top_logprobs {
 
-// Reads logits; merges the chunk into stats (the shared softmax-stats kernel, no tokens).
-cudaError_t launch_top_logprobs_stats_rows(const Params& p, cudaStream_t stream);
-// Reads logits; gives the chunk, with ids, to top and top_ids.
-cudaError_t launch_top_logprobs_top_ids_rows(const Params& p, cudaStream_t stream);
+// Reads logits once; merges the chunk into stats and gives it, with ids, to top and top_ids.
+cudaError_t launch_top_logprobs_stats_top_ids_rows(const Params& p, cudaStream_t stream);
 
 }  // namespace fused_rl_ops::top_logprobs

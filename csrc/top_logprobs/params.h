@@ -1,4 +1,4 @@
-// One launch of top_logprobs' row kernels (stats_rows, top_ids_rows), CPU or CUDA: its buffers,
+// One launch of top_logprobs' row kernels (stats and top ids: one CUDA kernel), CPU or CUDA: its buffers,
 // sizes and logit map. Free of torch and CUDA headers: filled by top_logprobs/entry.h and by the
 // kernels-on-CPU driver.
 #pragma once
@@ -13,7 +13,7 @@ namespace fused_rl_ops::top_logprobs {
 struct Params {
   const void* logits = nullptr;  // [rows, cols] raw logits h . w of one pass against one vocab chunk
   void* stats = nullptr;         // stats_rows: [rows, stats_column::chosen], the chunk merged in
-  // top_ids_rows: [rows, top_width] values and int64 global ids of each row's top (top_ids.h).
+  // the top: [rows, top_width] values and int64 global ids of each row's top (top_ids.h).
   void* top = nullptr;
   int64_t* top_ids = nullptr;
   int64_t top_width = 0;

@@ -15,16 +15,34 @@ void with_logit_maps(const Params& p, const Fn& fn) {
   });
 }
 
-// Launches a warp-per-row kernel over p's rows, kernel_for(student, teacher) for p's pair of logit
-// maps, with both models' logits, the row shape and the maps, then args.
+// Whether rows of `cols` logits of both models, rows apart by their length, start aligned for
+// kPackWidth columns per access.
+bool packs_fit(const Params& p) {
+  return p.cols % kPackWidth == 0 && is_aligned(p.logits, sizeof(Pack<float, kPackWidth>)) &&
+         is_aligned(p.teacher_logits, sizeof(Pack<float, kPackWidth>));
+}
+
+// Calls fn(width), width the columns per access as a compile-time constant: kPackWidth where
+// vectorised, else 1.
+template <class Fn>
+void with_width(bool vectorised, const Fn& fn) {
+  if (vectorised) fn(std::integral_constant<int, kPackWidth>{});
+  else fn(std::integral_constant<int, 1>{});
+}
+
+// Launches a warp-per-row kernel over p's rows, kernel_for(student, teacher, width) for p's pair of
+// logit maps and columns per access, with both models' logits, the row shape and the maps, then args.
 template <class KernelFor, class... Args>
 cudaError_t launch_warp_rows(const Params& p, cudaStream_t stream, const KernelFor& kernel_for, Args... args) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
   cudaError_t err = cudaSuccess;
   with_logit_maps(p, [&](auto student, auto teacher) {
-    err = launch_grid_stride(kernel_for(student, teacher), (p.rows + kRowsPerBlock - 1) / kRowsPerBlock,
-                             kRowsPerBlock * kWarp, 0, stream, static_cast<const float*>(p.logits),
-                             static_cast<const float*>(p.teacher_logits), p.rows, p.cols, student, teacher, args...);
+    with_width(packs_fit(p), [&](auto width) {
+      err = launch_grid_stride(kernel_for(student, teacher, width), (p.rows + kRowsPerBlock - 1) / kRowsPerBlock,
+                               kRowsPerBlock * kWarp, 0, stream, static_cast<const float*>(p.logits),
+                               static_cast<const float*>(p.teacher_logits), p.rows, p.cols, student, teacher,
+                               args...);
+    });
   });
   return err != cudaSuccess ? err : cudaGetLastError();
 }
@@ -34,8 +52,8 @@ cudaError_t launch_warp_rows(const Params& p, cudaStream_t stream, const KernelF
 cudaError_t launch_vocab_divergence_stats_rows(const Params& p, cudaStream_t stream) {
   return launch_warp_rows(
       p, stream,
-      [](auto student, auto teacher) {
-        return vocab_divergence_stats_rows_kernel<decltype(student), decltype(teacher)>;
+      [](auto student, auto teacher, auto width) {
+        return vocab_divergence_stats_rows_kernel<decltype(student), decltype(teacher), decltype(width)::value>;
       },
       static_cast<float*>(p.stats));
 }
@@ -43,26 +61,32 @@ cudaError_t launch_vocab_divergence_stats_rows(const Params& p, cudaStream_t str
 cudaError_t launch_vocab_divergence_mixture_rows(const Params& p, cudaStream_t stream) {
   return launch_warp_rows(
       p, stream,
-      [](auto student, auto teacher) {
-        return vocab_divergence_mixture_rows_kernel<decltype(student), decltype(teacher)>;
+      [](auto student, auto teacher, auto width) {
+        return vocab_divergence_mixture_rows_kernel<decltype(student), decltype(teacher), decltype(width)::value>;
       },
       static_cast<const float*>(p.row), MixtureWeights<float>::of(p.beta), static_cast<float*>(p.mixture));
 }
 
 cudaError_t launch_vocab_divergence_grad_rows(const Params& p, DType grads_dtype, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
-  const RowLaunch cfg = row_launch(p.rows, p.cols, kGradThreads);
   cudaError_t err = cudaSuccess;
   dispatch_dtype(grads_dtype, [&](auto* type_tag) {
     using G = std::remove_pointer_t<decltype(type_tag)>;
+    const bool vectorised = packs_fit(p) && p.grads_stride % kPackWidth == 0 &&
+                            is_aligned(p.grads, sizeof(Pack<G, kPackWidth>));
     with_kind(p.kind, [&](auto kind) {
       with_logit_maps(p, [&](auto student, auto teacher) {
-        err = launch_grid_stride(
-            vocab_divergence_grad_rows_kernel<decltype(kind)::value, decltype(student), decltype(teacher), G>,
-            cfg.work_blocks, cfg.block, 0, stream, static_cast<const float*>(p.logits),
-            static_cast<const float*>(p.teacher_logits), p.rows, p.cols, student, teacher,
-            static_cast<const float*>(p.row), static_cast<const float*>(p.row_term), static_cast<const float*>(p.grad),
-            MixtureWeights<float>::of(p.beta), static_cast<G*>(p.grads), p.grads_stride);
+        with_width(vectorised, [&](auto width) {
+          constexpr int kWidth = decltype(width)::value;
+          const RowLaunch cfg = row_launch(p.rows, p.cols / kWidth, kGradThreads);
+          err = launch_grid_stride(
+              vocab_divergence_grad_rows_kernel<decltype(kind)::value, decltype(student), decltype(teacher), G, kWidth>,
+              cfg.work_blocks, cfg.block, 0, stream, static_cast<const float*>(p.logits),
+              static_cast<const float*>(p.teacher_logits), p.rows, p.cols, student, teacher,
+              static_cast<const float*>(p.row), static_cast<const float*>(p.row_term),
+              static_cast<const float*>(p.grad), MixtureWeights<float>::of(p.beta), static_cast<G*>(p.grads),
+              p.grads_stride);
+        });
       });
     });
   });

@@ -6,10 +6,12 @@
 
 #include "common/cuda_utils.cuh"
 #include "vocab_divergence/math.h"
+#include "vocab_parallel/warp_partial.cuh"
 
 namespace fused_rl_ops::vocab_divergence {
 
 constexpr int kRowsPerBlock = 8;       // stats and mixture: one warp per row
+constexpr int kPackWidth = 4;          // columns per lane / thread and access where aligned (16 bytes of fp32)
 constexpr int kGradThreads = 256;      // grad: threads per block, laid out by row_launch
 constexpr int kCombineThreads = 256;   // combine: one thread per row
 
@@ -20,40 +22,49 @@ __device__ __forceinline__ RowConstants<float> row_constants(const float* __rest
           row[combined_column::teacher_log_sum], row_term ? row_term[r] : 0.f};
 }
 
-// A warp reads its row of both models twice (maxima, then sums); lanes take columns lane, lane +
-// 32, ... and the butterfly reductions fix the order: deterministic.
-template <class Student, class Teacher>
+// kWidth columns of a row of both models' raw logits at column k (one aligned access each where
+// kWidth > 1), mapped: zs, zt.
+template <int kWidth, class Student, class Teacher>
+__device__ __forceinline__ void mapped_pair(const float* xs, const float* xt, int64_t k, Student student,
+                                            Teacher teacher, float (&zs)[kWidth], float (&zt)[kWidth]) {
+  const Pack<float, kWidth> in_s = *reinterpret_cast<const Pack<float, kWidth>*>(xs + k);
+  const Pack<float, kWidth> in_t = *reinterpret_cast<const Pack<float, kWidth>*>(xt + k);
+#pragma unroll
+  for (int i = 0; i < kWidth; ++i) {
+    zs[i] = student(in_s.v[i]);
+    zt[i] = teacher(in_t.v[i]);
+  }
+}
+
+// A warp per row reads both models' rows once: each lane keeps online Sides (side_add_online) of
+// kWidth columns at a time (kWidth where the launcher finds the rows aligned for it, else 1), lane l
+// taking columns [kWidth l, kWidth (l + 1)), then those kWarp kWidth further on; the lanes merge in
+// a fixed butterfly (deterministic).
+template <class Student, class Teacher, int kWidth>
 __global__ void vocab_divergence_stats_rows_kernel(const float* __restrict__ logits,
                                                    const float* __restrict__ teacher_logits, int64_t N, int64_t C,
                                                    Student student, Teacher teacher, float* __restrict__ stats) {
   const int lane = threadIdx.x % kWarp;
+  const auto merge = [](Side<float>& a, const Side<float>& b) { side_merge(a, b); };
   for (int64_t r = blockIdx.x * int64_t(kRowsPerBlock) + threadIdx.x / kWarp; r < N;
        r += int64_t(gridDim.x) * kRowsPerBlock) {
     const float *xs = logits + r * C, *xt = teacher_logits + r * C;
-    float ms = -INFINITY, mt = -INFINITY;
-    for (int64_t k = lane; k < C; k += kWarp) {
-      ms = Math<float>::max(ms, xs[k]);
-      mt = Math<float>::max(mt, xt[k]);
+    Side<float> s = partial_empty<Side<float>>(), t = partial_empty<Side<float>>();
+    for (int64_t k = int64_t(lane) * kWidth; k < C; k += kWarp * kWidth) {
+      float zs[kWidth], zt[kWidth];
+      mapped_pair(xs, xt, k, student, teacher, zs, zt);
+      side_add_online(s, zs, zt);
+      side_add_online(t, zt, zs);
     }
-    // The maps are nondecreasing: a row's largest z is the map of its largest x.
-    ms = student(warp_max(ms));
-    mt = teacher(warp_max(mt));
-    float ss = 0.f, cs = 0.f, st = 0.f, ct = 0.f;
-    for (int64_t k = lane; k < C; k += kWarp) {
-      const float zs = student(xs[k]), zt = teacher(xt[k]);
-      side_add(zs, zt, ms, ss, cs);
-      side_add(zt, zs, mt, st, ct);
-    }
-    ss = warp_sum(ss);
-    cs = warp_sum(cs);
-    st = warp_sum(st);
-    ct = warp_sum(ct);
-    if (lane == 0) stats_update_row(stats + r * stats_column::count, Side<float>{ms, ss, cs}, Side<float>{mt, st, ct});
+    s = warp_partial(s, merge);
+    t = warp_partial(t, merge);
+    if (lane == 0) stats_update_row(stats + r * stats_column::count, s, t);
   }
 }
 
-// jsd's sums of a chunk, added to each row's (one warp per row).
-template <class Student, class Teacher>
+// jsd's sums of a chunk, added to each row's (one warp per row, kWidth columns per lane and access
+// as in stats_rows).
+template <class Student, class Teacher, int kWidth>
 __global__ void vocab_divergence_mixture_rows_kernel(const float* __restrict__ logits,
                                                      const float* __restrict__ teacher_logits, int64_t N, int64_t C,
                                                      Student student, Teacher teacher, const float* __restrict__ rows,
@@ -64,7 +75,12 @@ __global__ void vocab_divergence_mixture_rows_kernel(const float* __restrict__ l
     const float *xs = logits + r * C, *xt = teacher_logits + r * C;
     const RowConstants<float> row = row_constants(rows, nullptr, r);
     float kt = 0.f, ks = 0.f;
-    for (int64_t k = lane; k < C; k += kWarp) mixture_add(student(xs[k]), teacher(xt[k]), row, weights, kt, ks);
+    for (int64_t k = int64_t(lane) * kWidth; k < C; k += kWarp * kWidth) {
+      float zs[kWidth], zt[kWidth];
+      mapped_pair(xs, xt, k, student, teacher, zs, zt);
+#pragma unroll
+      for (int i = 0; i < kWidth; ++i) mixture_add(zs[i], zt[i], row, weights, kt, ks);
+    }
     kt = warp_sum(kt);
     ks = warp_sum(ks);
     if (lane == 0) {
@@ -77,8 +93,10 @@ __global__ void vocab_divergence_mixture_rows_kernel(const float* __restrict__ l
 // The student's logits [N, C] -> their gradients times the upstream grad and the map's slope,
 // rounded once to the gradient GEMMs' dtype G, into grads (rows grads_stride apart), which may be
 // logits itself (G = float): every element is read and then written by one thread, so neither
-// pointer is __restrict__. Blocks [columns, rows] (row_launch), one column per thread.
-template <Kind kKind, class Student, class Teacher, typename G>
+// pointer is __restrict__. kWidth columns per thread and access, one load of each model's logits
+// and one store (store_pack), where the launcher finds every row aligned for it (1: the scalar
+// path). Blocks [columns, rows] (row_launch).
+template <Kind kKind, class Student, class Teacher, typename G, int kWidth>
 __global__ void __launch_bounds__(kGradThreads)
     vocab_divergence_grad_rows_kernel(const float* logits, const float* __restrict__ teacher_logits, int64_t N,
                                       int64_t C, Student student, Teacher teacher, const float* __restrict__ rows,
@@ -89,9 +107,17 @@ __global__ void __launch_bounds__(kGradThreads)
     G* d = grads + r * grads_stride;
     const RowConstants<float> row = row_constants(rows, row_term, r);
     const float g = grad[r];
-    for (int64_t k = threadIdx.x; k < C; k += blockDim.x) {
-      const float x = xs[k];
-      d[k] = from_float<G>(student_logit_grad<kKind>(student(x), teacher(xt[k]), row, weights) * g * student.slope(x));
+    for (int64_t k = int64_t(threadIdx.x) * kWidth; k < C; k += int64_t(blockDim.x) * kWidth) {
+      const Pack<float, kWidth> in_s = *reinterpret_cast<const Pack<float, kWidth>*>(xs + k);
+      const Pack<float, kWidth> in_t = *reinterpret_cast<const Pack<float, kWidth>*>(xt + k);
+      Pack<G, kWidth> out;
+#pragma unroll
+      for (int i = 0; i < kWidth; ++i) {
+        const float x = in_s.v[i];
+        out.v[i] = from_float<G>(student_logit_grad<kKind>(student(x), teacher(in_t.v[i]), row, weights) * g *
+                                 student.slope(x));
+      }
+      store_pack(d + k, out);
     }
   }
 }

@@ -65,6 +65,23 @@ FRL_HD void side_add(T z, T other, T m, T& s, T& c) {
   c = c + Math<T>::select(no_mass, T(0), e * (z - other));
 }
 
+// Adds n tokens to a model's Side in one pass over them (the online softmax): its max is first
+// raised to the largest of their logits z, both sums scaled by exp(m_old - m_new) (an empty Side's
+// are 0 and stay so; a NaN reaches both), then each token is added against it (side_add). other: the
+// other model's logits of the same tokens.
+template <typename T, int n>
+FRL_HD void side_add_online(Side<T>& side, const T (&z)[n], const T (&other)[n]) {
+  T m = side.max;
+  for (int i = 0; i < n; ++i) m = Math<T>::max(m, z[i]);
+  if (!(m == side.max)) {
+    const T a = Math<T>::exp(side.max - m);
+    side.sum = a * side.sum;
+    side.cross = a * side.cross;
+    side.max = m;
+  }
+  for (int i = 0; i < n; ++i) side_add(z[i], other[i], side.max, side.sum, side.cross);
+}
+
 // Merges b into a at the larger max (partial_merge). An empty b changes nothing; any NaN reaches the
 // result.
 template <typename T>

@@ -11,23 +11,12 @@
 #include "common/launch.h"
 #include "vocab_parallel/logit_map.h"
 #include "vocab_parallel/row_stats.h"
+#include "vocab_parallel/warp_partial.cuh"
 
 namespace fused_rl_ops {
 
 constexpr int kStatsRowsPerBlock = 8;  // one warp per row
 constexpr int kStatsWidth = 4;         // columns per lane and access where aligned (16 bytes)
-
-// The merge of every lane's stats (stats_merge), in the same butterfly order on every call
-// (deterministic); every lane gets the total (stats_merge is symmetric).
-__device__ __forceinline__ RowStats<float> warp_stats(RowStats<float> r) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) {
-    const RowStats<float> other{__shfl_xor_sync(0xffffffffu, r.max, o), __shfl_xor_sync(0xffffffffu, r.sum, o),
-                                __shfl_xor_sync(0xffffffffu, r.ent, o)};
-    stats_merge(r, other);
-  }
-  return r;
-}
 
 // A warp per row reads it once: each lane keeps online stats (stats_add_online) of kWidth columns
 // at a time (kWidth where the launcher finds the rows aligned for it, else 1), lane l taking columns
@@ -52,7 +41,8 @@ __global__ void vocab_parallel_stats_rows_kernel(const float* __restrict__ logit
       stats_add_online(lane_stats, z, tau);
     }
     float* row = stats + (stats_column::chosen + entries) * r;
-    const RowStats<float> chunk = warp_stats(lane_stats);
+    const RowStats<float> chunk =
+        warp_partial(lane_stats, [](RowStats<float>& a, const RowStats<float>& b) { stats_merge(a, b); });
     if (lane == 0) stats_update_row(row, chunk);
     if (entries > 0) {
       stats_pick_chosen(row + stats_column::chosen, tokens + entries * r, entries, lane, kWarp, x, col0, C, logit);

@@ -77,10 +77,20 @@ class VocabPieces:
             yield (kernel_options._replace(shard=piece_shard),
                    *(None if t is None else t.narrow(0, start, self.rows) for t in row_tensors))
 
+    def weight_grad_buffer(self, weight: torch.Tensor, main_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Where the backward ops add the pieces' weight gradients: main_grad; without it, in the
+        fixed pieces, a zeroed buffer of weight's shape, so that the shard's gradient is not put
+        together from the pieces' (a second [V_local, H] at once: extra memory growing with V), one
+        way at every degree; None: the one piece's op returns it."""
+        if main_grad is None and self.tree:
+            return torch.zeros_like(weight)
+        return main_grad
+
     @staticmethod
-    def concat(parts: list) -> torch.Tensor:
-        """The pieces' [rows, ...] tensors (weight gradients, in vocabulary order) as the shard's."""
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def weight_grad(buffer: Optional[torch.Tensor], returned: list) -> torch.Tensor:
+        """The shard's weight gradient (no main_grad): the buffer of weight_grad_buffer, or the one
+        piece's returned gradient."""
+        return returned[0] if buffer is None else buffer
 
     def gather(self, stacked: torch.Tensor) -> torch.Tensor:
         """The pieces' [count, ...] of every rank, [ranks * count, ...] in vocabulary order."""

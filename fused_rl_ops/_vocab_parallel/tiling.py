@@ -1,13 +1,18 @@
 """How the ops' chunk loop (the C++ for_each_logits_chunk) walks the rows, and the memory that
 takes: the Tiling option group, the workspace model (chunk_loop_bytes) and the tiling a workspace
 allows (tiling_for)."""
+import functools
+import itertools
 from typing import Optional
 
 import torch
 
 from .._options import NON_NEGATIVE_INTEGER, POSITIVE_INTEGER, check_options, option, options_dataclass
 
-DEFAULT_WORKSPACE_BYTES = 64 * 2**20  # the largest default workspace
+DEFAULT_WORKSPACE_BYTES = 64 * 2**20  # the largest default workspace (CPU)
+# On CUDA: long inputs take passes, whose accumulator traffic falls as their workspace grows
+# (cuda_tiling; docs/chosen_logprob.md, "Memory").
+DEFAULT_CUDA_WORKSPACE_BYTES = 256 * 2**20
 _MIN_DEFAULT_WORKSPACE_BYTES = 2**20
 _MIN_CHUNK = 128
 # batch_invariant=True: (token rows per GEMM, vocab rows per chunk) by device, fixed so that every
@@ -37,14 +42,16 @@ class Tiling:
         check_options(type(self).__name__, self)
 
 
-def default_workspace_bytes(hidden: torch.Tensor, rows: Optional[int] = None) -> int:
+def default_workspace_bytes(hidden: torch.Tensor, rows: Optional[int] = None,
+                            device: Optional[torch.device] = None) -> int:
     """The workspace when workspace_bytes is None: the size of the rows of hidden the kernels
-    compute (rows of them; None: all), within [1 MiB, DEFAULT_WORKSPACE_BYTES]. The extra memory
-    then stays below the input's size at small shapes (as torch's chunked linear_cross_entropy sizes
-    its chunks), while training-sized inputs (8192 tokens x 4096 in bf16 is 64 MiB) get the largest
-    workspace and so the widest GEMMs."""
+    compute (rows of them; None: all), within [1 MiB, DEFAULT_WORKSPACE_BYTES] (on CUDA, hidden's
+    device unless device says otherwise: DEFAULT_CUDA_WORKSPACE_BYTES). The extra memory then stays below the input's size at small
+    shapes (as torch's chunked linear_cross_entropy sizes its chunks), while training-sized inputs
+    (8192 tokens x 4096 in bf16 is 64 MiB) get the largest workspace and so the widest GEMMs."""
     elements = hidden.numel() if rows is None else rows * hidden.shape[-1]
-    return min(DEFAULT_WORKSPACE_BYTES, max(_MIN_DEFAULT_WORKSPACE_BYTES, elements * hidden.element_size()))
+    largest = DEFAULT_CUDA_WORKSPACE_BYTES if (device or hidden.device).type == "cuda" else DEFAULT_WORKSPACE_BYTES
+    return min(largest, max(_MIN_DEFAULT_WORKSPACE_BYTES, elements * hidden.element_size()))
 
 
 def chunk_loop_bytes(device_type: str, element_size: int, hidden_size: int, pass_rows: int, chunk: int,
@@ -83,15 +90,68 @@ def chunk_loop_bytes(device_type: str, element_size: int, hidden_size: int, pass
     return logits + grads + weight_rows + weight_grad
 
 
+# What the GPU machine measured (H200: 790 TFLOP/s of bf16 GEMM, 4.3 TB/s of copy): the FLOPs a
+# GEMM does in the time one byte moves, which converts cuda_tiling's accumulator bytes into GEMM time.
+GEMM_FLOPS_PER_BYTE = 184
+
+
+def accumulator_bytes_per_flop(tiling: Tiling, num_tokens: int) -> float:
+    """The fp32 accumulator bytes a backward's gradient GEMMs read and write per FLOP of the call's
+    four GEMM kinds (8 N H V FLOPs) under a non-invariant tiling: each hidden-gradient GEMM reads and
+    writes a pass's rows of the [N, H] sum once per group (8 N H V / group bytes in all), and with
+    several passes each weight-gradient GEMM the group's [group, H] sum once per pass (8 N H V /
+    pass_rows): 1 / group + 1 / pass_rows."""
+    several_passes = 0 < tiling.pass_rows < num_tokens
+    return 1 / (tiling.chunk_size * tiling.grad_chunks) + (1 / tiling.pass_rows if several_passes else 0)
+
+
+@functools.lru_cache(maxsize=256)  # a pure function of its arguments, called once per op call
+def cuda_tiling(num_tokens: int, hidden_size: int, element_size: int, workspace_bytes: int) -> Tiling:
+    """The default (non-invariant) Tiling on CUDA. Of one pass over all rows and of passes of equal
+    multiples of 128 rows (a GEMM per pass: row_block = pass_rows), each with the widest chunk that
+    fits workspace_bytes (chunk_loop_bytes, and for passes that do not divide the rows the zero-padded
+    copy of a last pass of hidden and its hidden gradient's rows), the one whose GEMMs take the least
+    time per row computed: their FLOPs, those of a last pass's padding rows included, plus the
+    accumulator traffic of accumulator_bytes_per_flop at GEMM_FLOPS_PER_BYTE; one pass on a tie. A
+    tiling that fits beats one that does not (at least 128 vocab rows a chunk). One pass gives the
+    widest chunks while its logits fit; long inputs take passes, whose group and pass sizes both
+    bound that traffic whatever N is."""
+    grad_chunks = SEPARATE_GRAD_CHUNKS if element_size < 4 else 1
+
+    def candidate(rows: int) -> tuple:
+        """(misfit, time per row, Tiling) of passes of `rows` rows (all rows: one pass)."""
+        several_passes = rows < num_tokens
+        padded = -(-num_tokens // rows) * rows
+        tail = (element_size + 4) * rows * hidden_size if padded > num_tokens else 0
+        per_vocab_row = chunk_loop_bytes("cuda", element_size, hidden_size, rows, 1, grad_chunks, several_passes)
+        chunk = (workspace_bytes - tail) // max(per_vocab_row, 1) // _MIN_CHUNK * _MIN_CHUNK
+        tiling = Tiling(max(_MIN_CHUNK, chunk), rows if several_passes else 0, rows if several_passes else 0,
+                        grad_chunks)
+        traffic = GEMM_FLOPS_PER_BYTE * accumulator_bytes_per_flop(tiling, num_tokens)
+        return chunk < _MIN_CHUNK, padded / num_tokens * (1 + traffic), tiling
+
+    best = candidate(num_tokens)
+    for passes in itertools.count(2):
+        rows = -(-num_tokens // passes)
+        rows = -(-rows // _MIN_CHUNK) * _MIN_CHUNK
+        # Fewer rows a pass only add weight-gradient traffic from here on (one pass: num_tokens <= 128).
+        if rows >= num_tokens or (not best[0] and 1 + GEMM_FLOPS_PER_BYTE / rows >= best[1]):
+            break
+        best = min(best, candidate(rows), key=lambda c: c[:2])
+        if rows == _MIN_CHUNK:
+            break
+    return best[2]
+
+
 def tiling_for(num_tokens: int, hidden_size: int, element_size: int, workspace_bytes: int, device: torch.device,
                batch_invariant: bool) -> Tiling:
     """The Tiling for num_tokens rows, so that the chunk loop's buffers on hidden's device
-    (chunk_loop_bytes) fit in workspace_bytes (fewer rows take less). By default one GEMM per chunk
-    takes all rows (row_block = pass_rows = 0) and the chunk is the widest multiple of 128 that
-    fits (at least 128), with SEPARATE_GRAD_CHUNKS chunks per gradient GEMM where the logit
-    gradients have a buffer of their own (CUDA, bfloat16 / float16), else one. Batch-invariant:
-    the device's fixed row block and chunk width, one chunk per gradient GEMM, and as many row
-    blocks per pass as fit (at least one); the pass size changes no result."""
+    (chunk_loop_bytes) fit in workspace_bytes (fewer rows take less). By default on the CPU one GEMM
+    per chunk takes all rows (row_block = pass_rows = 0) and the chunk is the widest multiple of 128
+    that fits (at least 128); on CUDA cuda_tiling's, with SEPARATE_GRAD_CHUNKS chunks per gradient
+    GEMM for bfloat16 / float16 inputs (the logit gradients have a buffer of their own), else one.
+    Batch-invariant: the device's fixed row block and chunk width, one chunk per gradient GEMM, and
+    as many row blocks per pass as fit (at least one); the pass size changes no result."""
     device_type = "cuda" if device.type == "cuda" else "cpu"
     if batch_invariant:
         row_block, chunk = INVARIANT_TILING[device_type]
@@ -99,7 +159,7 @@ def tiling_for(num_tokens: int, hidden_size: int, element_size: int, workspace_b
                                                 several_passes=True) for rows in (0, 1))
         fitting_rows = (workspace_bytes - fixed) // (with_one_row - fixed)
         return Tiling(chunk, row_block, max(row_block, fitting_rows // row_block * row_block), 1)
-    grad_chunks = SEPARATE_GRAD_CHUNKS if device_type == "cuda" and element_size < 4 else 1
-    per_vocab_row = chunk_loop_bytes(device_type, element_size, hidden_size, num_tokens, 1, grad_chunks)
-    rows = workspace_bytes // max(per_vocab_row, 1)
-    return Tiling(max(_MIN_CHUNK, rows // _MIN_CHUNK * _MIN_CHUNK), 0, 0, grad_chunks)
+    if device_type == "cuda":
+        return cuda_tiling(num_tokens, hidden_size, element_size, workspace_bytes)
+    rows = workspace_bytes // max(chunk_loop_bytes("cpu", element_size, hidden_size, num_tokens, 1, 1), 1)
+    return Tiling(max(_MIN_CHUNK, rows // _MIN_CHUNK * _MIN_CHUNK), 0, 0, 1)

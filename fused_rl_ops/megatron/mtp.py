@@ -84,7 +84,8 @@ class FusedMTPLoss:
         if labels_from_input_ids:
             loss_mask, _ = roll(loss_mask)  # the last position has no next token
         # megatron-core 0.18 has no mtp_detach_heads
-        shard = OutputShard.read(output_layer, output_weight, detach=getattr(config, "mtp_detach_heads", False))
+        shard = OutputShard.read(output_layer, output_weight, detach=getattr(config, "mtp_detach_heads", False),
+                                 batch_invariant=self.batch_invariant)
         if self.host_checks and not labels_from_input_ids:  # before rolling: the index in the caller's labels
             check_token_ids("FusedMTPLoss", "labels", labels.masked_fill(loss_mask == 0, self.ignore_index),
                             shard.total_rows(), self.ignore_index)

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 _HOST = "127.0.0.1"
 # The ranks are forked from a forkserver that has imported those of these the caller has: a
 # spawned rank imported them itself, about 3 s of CPU for torch and 6 more for megatron-core (more
-# for verl's fused forward, in tests/test_verl.py), in every rank of every run, most of a multi-rank
+# for verl's fused forward, in tests/integrations/test_verl.py), in every rank of every run, most of a multi-rank
 # test's time (docs/testing.md). Only third-party modules: a rank imports fused_rl_ops and the test's
 # module from the caller's sys.path, which the forkserver's imports do not follow.
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "verl.models.mcore.model_forward_fused"]

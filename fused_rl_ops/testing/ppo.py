@@ -91,46 +91,6 @@ def forward_backward(model, rollout, **forward_kwargs):
     return outputs, loss
 
 
-def outputs_and_grads(model, tokens, coeff, **forward_kwargs):
-    """The attached processor's outputs for [b, s] tokens (their own labels; forward_kwargs go to
-    the model's forward) and every parameter's gradient of sum(coeff[0] * logprobs + coeff[1] *
-    entropy), the gradients then zeroed. A -inf logprob (a token the sampler's filter drops) takes
-    no part in the sum."""
-    outputs = model(tokens, *model_inputs(tokens), labels=tokens, **forward_kwargs)
-    logprobs = outputs["logprobs"]
-    (coeff[0] * torch.where(logprobs.isneginf(), 0.0, logprobs) + coeff[1] * outputs["entropy"]).sum().backward()
-    allreduce_sequence_parallel_grads(model)
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    return {name: t.detach() for name, t in outputs.items()}, grads
-
-
-def assert_matches_naive_processor(config, options, tokens, coeff, what=""):
-    """A tiny Megatron GPTModel of config with rl_output_processor(**options) attached, against its
-    copy with the naive reference processor (fused_rl_ops.reference.megatron): the same outputs and
-    every parameter's gradient (outputs_and_grads). Returns the fused model and its outputs."""
-    from torch.testing import assert_close
-
-    from ..megatron import attach, rl_output_processor
-    from ..reference.megatron import NaiveRLOutputProcessor
-    from .megatron_cpu import tiny_model
-
-    fused, naive = tiny_model("gpt", config), tiny_model("gpt", config)
-    naive.load_state_dict(fused.state_dict())
-    attach(fused, rl_output_processor(**options))
-    attach(naive, NaiveRLOutputProcessor(**options))
-    (fused_outputs, fused_grads), (naive_outputs, naive_grads) = [outputs_and_grads(m, tokens, coeff)
-                                                                  for m in (fused, naive)]
-    assert list(fused_outputs) == list(naive_outputs), what
-    for name in fused_outputs:
-        assert_close(fused_outputs[name], naive_outputs[name], msg=lambda m: f"{what} {name}: {m}")
-    assert fused_grads.keys() == naive_grads.keys() and "output_layer.weight" in fused_grads, what
-    for name, grad in naive_grads.items():
-        assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item() + 1e-9,
-                     msg=lambda m: f"{what} {name}: {m}")
-    return fused, fused_outputs
-
-
 def ddp_train_step(ddp_model, optimizer, rollout):
     """One PPO step of a model inside Megatron's DistributedDataParallel, with a torch optimizer over
     its parameters: forward-backward, Megatron's finalize_model_grads (the data-parallel reduction

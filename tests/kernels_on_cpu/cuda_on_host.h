@@ -14,7 +14,7 @@
 //     between blocks. An invalid configuration (CUDA's limits) runs nothing and is returned by
 //     cudaGetLastError(), as on a GPU. Every valid launch is recorded (kernel name, grid, block)
 //     for the drivers to report.
-//   - static __shared__ variables: the harness (tests/kernels_on_cpu_harness.py) rewrites each
+//   - static __shared__ variables: the harness (tests/helpers/kernels_on_cpu.py) rewrites each
 //     declaration `__shared__ T name[dims];` into a static array of kConcurrentBlocks copies and a
 //     reference `name` to the copy of the block's slot (block_slot), so every block running at
 //     once has its own; `__shared__` is left undefined here, so a declaration the rewrite misses

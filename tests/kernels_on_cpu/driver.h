@@ -1,5 +1,5 @@
 // Shared part of the kernel drivers (<op>_driver.cpp): reads a case directory written by
-// tests/kernels_on_cpu_harness.py, calls one of the op's launchers (csrc/<op>/kernel.cu, compiled into the
+// tests/helpers/kernels_on_cpu.py, calls one of the op's launchers (csrc/<op>/kernel.cu, compiled into the
 // driver) through cuda_on_host.h and writes the buffers back.
 //
 // case.txt, one entry a line:

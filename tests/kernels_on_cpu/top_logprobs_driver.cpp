@@ -1,5 +1,5 @@
-// Calls top_logprobs' launchers (csrc/top_logprobs/kernel.cu) on the CPU: stats_rows (the shared
-// softmax-stats kernel, without tokens) and top_ids_rows. A case's logit map: driver::read_logit_map's.
+// Calls top_logprobs' launcher (csrc/top_logprobs/kernel.cu) on the CPU: stats_top_ids_rows. A
+// case's logit map: driver::read_logit_map's.
 #include "driver.h"
 #include "top_logprobs/kernel.h"
 
@@ -13,14 +13,11 @@ int main(int argc, char** argv) {
     p.cols = c.i("C");
     p.col0 = c.i("col0");
     p.logit_map = driver::read_logit_map(c);
-    if (c.kernel == "stats_rows") {
-      p.stats = c.buf<float>("stats");
-      return launch_top_logprobs_stats_rows(p, nullptr);
-    }
-    if (c.kernel != "top_ids_rows") cuda_on_host::fail("unknown kernel " + c.kernel);
+    if (c.kernel != "stats_top_ids_rows") cuda_on_host::fail("unknown kernel " + c.kernel);
+    p.stats = c.buf<float>("stats");
     p.top = c.buf<float>("top");
     p.top_ids = c.buf<int64_t>("top_ids");
     p.top_width = c.i("K");
-    return launch_top_logprobs_top_ids_rows(p, nullptr);
+    return launch_top_logprobs_stats_top_ids_rows(p, nullptr);
   });
 }

@@ -1,0 +1,1 @@
+"""The test suite: a folder per area (docs/testing.md), the shared helpers in tests/helpers/."""

@@ -1,0 +1,1 @@
+"""Sharded checkpoints: save, load, reshard, integrity, optimizers."""

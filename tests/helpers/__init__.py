@@ -1,0 +1,1 @@
+"""What the tests share, and the op table the scripts read."""

@@ -1,0 +1,1 @@
+"""The Megatron integration: the output processor, MLP and value head in megatron-core models."""
