@@ -8,7 +8,7 @@
 
 #include <optional>
 
-#include "chosen_logprob/chunks.h"
+#include "chosen_logprob/vocab_passes.h"
 #include "chosen_logprob/options.h"
 #include "vocab_parallel/checks.h"
 #include "vocab_parallel/combine.h"
@@ -61,7 +61,7 @@ at::Tensor stats(const at::Tensor& hidden, const at::Tensor& weight,
   return skipping.all_rows(result, empty_stats({}, result.size(1) - stats_column::chosen, result.options()));
 }
 
-// One round of the top_p search (search_impl in chosen_logprob/chunks.h): hist and top are updated
+// One round of the top_p search (search_impl in chosen_logprob/vocab_passes.h): hist and top are updated
 // in place. Rows whose window is inactive (sigma 0) are left out.
 template <class Kernels>
 void search(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& row_max, const at::Tensor& window,

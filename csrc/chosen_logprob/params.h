@@ -1,6 +1,6 @@
 // One launch of chosen_logprob's row kernels (stats_rows, grad_rows, combine, and for the sampler's
 // filter top_rows and hist_rows), CPU or CUDA: its buffers, sizes and logit map. Free of
-// torch and CUDA headers: filled by chosen_logprob/chunks.h and chosen_logprob/entry.h, and by the
+// torch and CUDA headers: filled by chosen_logprob/vocab_passes.h and chosen_logprob/entry.h, and by the
 // kernels-on-CPU driver.
 #pragma once
 

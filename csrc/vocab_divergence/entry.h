@@ -8,7 +8,7 @@
 
 #include <optional>
 
-#include "vocab_divergence/chunks.h"
+#include "vocab_divergence/vocab_passes.h"
 #include "vocab_divergence/options.h"
 #include "vocab_parallel/combine.h"
 #include "vocab_parallel/row_skipping.h"

@@ -1,6 +1,6 @@
 // One launch of vocab_divergence's row kernels (stats_rows, mixture_rows, grad_rows, combine), CPU
 // or CUDA: its buffers, sizes and the two logit maps. Free of torch and CUDA headers: filled by
-// vocab_divergence/chunks.h and vocab_divergence/entry.h, and by the kernels-on-CPU driver.
+// vocab_divergence/vocab_passes.h and vocab_divergence/entry.h, and by the kernels-on-CPU driver.
 #pragma once
 
 #include <cstdint>

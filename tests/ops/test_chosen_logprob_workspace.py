@@ -1,7 +1,7 @@
 """The workspace accounting of chosen_logprob (chunk_loop_bytes, tiling_for in
 fused_rl_ops/_vocab_parallel/tiling.py) against what the chunk loop (csrc/vocab_parallel/chunk_loop.h) allocates:
 measured on the CPU through the profiler's record of every allocation, and for CUDA against the
-buffers chunks.h creates there (CudaKernels in csrc/chosen_logprob/cuda.cpp: the GEMMs take the
+buffers vocab_passes.h creates there (CudaKernels in csrc/chosen_logprob/cuda.cpp: the GEMMs take the
 inputs as they are and the logit gradients in the inputs' dtype); and batch_invariant=True's extra
 memory over the default path, the same at two vocabulary sizes (every vocab-parallel op)."""
 import sys

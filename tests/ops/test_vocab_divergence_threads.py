@@ -1,6 +1,6 @@
 """vocab_divergence's CPU chunk loop as tasks of row pieces (LogitsChunks::as_tasks in
 csrc/vocab_parallel/chunk_loop.h, the teacher's logits by the piece: TeacherLogits in
-csrc/vocab_divergence/chunks.h) on 1, 2 and 3 threads (3: more threads than CI's two cores): the same
+csrc/vocab_divergence/vocab_passes.h) on 1, 2 and 3 threads (3: more threads than CI's two cores): the same
 bits whatever the threads for the stats, jsd's mixture and the backward, and float64 autograd's
 gradients, for one pass with a narrower last chunk, several passes with a padded last row block,
 bf16 weights copied to fp32 per group (the groups in turn) with main_grad, a bf16 teacher beside an

@@ -1,6 +1,6 @@
 """vocab_divergence's workspace on the CPU: what its chunk loops allocate (the student's through
 csrc/vocab_parallel/chunk_loop.h, two logits workspaces in the backward; the teacher's logits workspace
-and weight rows, TeacherLogits in csrc/vocab_divergence/chunks.h), measured through the profiler's
+and weight rows, TeacherLogits in csrc/vocab_divergence/vocab_passes.h), measured through the profiler's
 record of every allocation, against the accounting the tiling is planned with (_resolve in
 fused_rl_ops/vocab_divergence.py: chunk_loop_bytes of both hidden sizes within half the workspace);
 on CUDA, the peak of torch's allocator at a large vocabulary against the workspace."""
