@@ -81,7 +81,7 @@ stage() {  # stage NAME BUDGET_S COMMAND...: runs COMMAND, output in OUT/NAME.lo
 CARRIED_BUILD="${CARRIED_BUILD:-gpu_build}"
 load_carried_build() {
   local files=("$CARRIED_BUILD"/fused_rl_ops/_C*.so "$CARRIED_BUILD/fused_rl_ops/_build_info.py")
-  local name placed=() check='import fused_rl_ops' with_cuda="" error
+  local name placed=() loaded
   if [ ! -f "${files[0]}" ] || [ ! -f "${files[1]}" ]; then
     echo "no carried build in $CARRIED_BUILD/"
     return 1
@@ -111,10 +111,12 @@ EOF
     mv "fused_rl_ops/.carried.$name" "fused_rl_ops/$name"
     placed+=("$name")
   done
-  if [ "$DEVICE" = cuda ]; then
-    check='import fused_rl_ops, sys; sys.exit(not fused_rl_ops.has_cuda_kernels())' with_cuda=" with its CUDA kernels"
-  fi
-  if ! error="$("$PY" -c "$check" 2>&1)"; then
+  # Its last line: the build loaded, or why it does not load.
+  if ! loaded="$("$PY" -c 'import sys, fused_rl_ops
+from fused_rl_ops import _build_info as b
+if sys.argv[1] == "cuda" and not fused_rl_ops.has_cuda_kernels():
+    sys.exit("it has no CUDA kernels")
+print(f"torch {b.TORCH}, CUDA {b.CUDA}, architectures {b.CUDA_ARCHS}")' "$DEVICE" 2>&1)"; then
     for name in "${placed[@]}"; do
       if [ -e "fused_rl_ops/.replaced.$name" ]; then
         mv "fused_rl_ops/.replaced.$name" "fused_rl_ops/$name"
@@ -122,12 +124,11 @@ EOF
         rm -f "fused_rl_ops/$name"
       fi
     done
-    echo "the carried build does not load$with_cuda${error:+: ${error##*$'\n'}}"
+    echo "the carried build does not load: ${loaded##*$'\n'}"
     return 1
   fi
   for name in "${placed[@]}"; do rm -f "fused_rl_ops/.replaced.$name"; done
-  echo "carried build loaded from $CARRIED_BUILD/: $("$PY" -c 'from fused_rl_ops import _build_info as b
-print(f"torch {b.TORCH}, CUDA {b.CUDA}, architectures {b.CUDA_ARCHS}")')"
+  echo "carried build loaded from $CARRIED_BUILD/: ${loaded##*$'\n'}"
 }
 
 skip() {  # skip NAME REASON
