@@ -41,7 +41,6 @@ if command -v strip >/dev/null; then
   strip --strip-debug "$CARRIED"/fused_rl_ops/_C*.so
 fi
 # What it was built from: gpu_check.sh builds anew where the checkout's sources differ.
-(cd "$COPY" && find csrc setup.py -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1) \
-  >"$CARRIED/SOURCES"
+bash scripts/sources_digest.sh "$COPY" >"$CARRIED/SOURCES"
 echo "build_for_gpu: built in $((SECONDS - start))s; $CARRIED/: $(du -sh "$CARRIED" | cut -f1)"
 cat "$CARRIED/fused_rl_ops/_build_info.py"

@@ -20,9 +20,10 @@
 # summary.json, rewritten after every change: the run's facts and plan, each stage's status
 # (running, passed, failed, cut, skipped), exit code, seconds and why it was skipped. The time plan
 # is in docs/testing.md.
-# REHEARSAL=1 runs the same stages on this machine's CPU against stand-ins: the extension already
-# built here (no build), the CPU as the device, the benchmarks' quick shapes, and
-# scripts/rehearsal/compute-sanitizer, which runs the cases and checks nothing.
+# REHEARSAL=1 runs the same stages on this machine's CPU against stand-ins: the carried build
+# loaded where it matches this torch and imports, else the extension already built here (no build),
+# the CPU as the device, the benchmarks' quick shapes, and scripts/rehearsal/compute-sanitizer,
+# which runs the cases and checks nothing.
 # Usage: scripts/gpu_check.sh OUTDIR
 set -uo pipefail
 OUT="${1:?usage: gpu_check.sh OUTDIR}"
@@ -74,38 +75,60 @@ stage() {  # stage NAME BUDGET_S COMMAND...: runs COMMAND, output in OUT/NAME.lo
 
 # The build scripts/build_for_gpu.sh made beforehand (CARRIED_BUILD/fused_rl_ops/: the extension and
 # its build info; CARRIED_BUILD/SOURCES: the digest of the sources it was built from), put in place
-# where it was built from this checkout's sources, its info names this torch and this GPU's
-# architecture and it then loads with its CUDA kernels; prints which build is loaded, or why none is.
+# where it was built from this checkout's sources, its info names the running torch (and on a GPU
+# this GPU's architecture) and it then imports (on a GPU with its CUDA kernels); prints which build
+# is loaded, or why none is.
 CARRIED_BUILD="${CARRIED_BUILD:-gpu_build}"
 load_carried_build() {
   local files=("$CARRIED_BUILD"/fused_rl_ops/_C*.so "$CARRIED_BUILD/fused_rl_ops/_build_info.py")
+  local name placed=() loaded
   if [ ! -f "${files[0]}" ] || [ ! -f "${files[1]}" ]; then
-    echo "no carried build in $CARRIED_BUILD/: building here"
+    echo "no carried build in $CARRIED_BUILD/"
     return 1
   fi
-  if [ "$(cat "$CARRIED_BUILD/SOURCES" 2>/dev/null)" != "$(find csrc setup.py -type f -print0 | sort -z |
-        xargs -0 sha256sum | sha256sum | cut -d' ' -f1)" ]; then
-    echo "the carried build was made from other sources than this checkout's (csrc/, setup.py): building here"
+  if [ "$(cat "$CARRIED_BUILD/SOURCES" 2>/dev/null)" != "$(bash scripts/sources_digest.sh)" ]; then
+    echo "the carried build was made from other sources than this checkout's (csrc/, setup.py)"
     return 1
   fi
-  "$PY" - "${files[1]}" <<'EOF' || return 1
+  "$PY" - "${files[1]}" "$DEVICE" <<'EOF' || return 1
 import runpy, sys, torch
-info = runpy.run_path(sys.argv[1])
-arch = "%d.%d" % torch.cuda.get_device_capability()
-archs = (info["CUDA_ARCHS"] or "").replace("+PTX", "").replace(";", " ").split()
-if info["TORCH"] != torch.__version__ or arch not in archs:
-    print(f"the carried build is for torch {info['TORCH']}, CUDA architectures {info['CUDA_ARCHS']}; "
-          f"here torch {torch.__version__}, {arch}: building here")
+info, device = runpy.run_path(sys.argv[1]), sys.argv[2]
+if info["TORCH"] != torch.__version__:
+    print(f"the carried build is for torch {info['TORCH']}, here torch {torch.__version__}")
     sys.exit(1)
+if device == "cuda":
+    arch = "%d.%d" % torch.cuda.get_device_capability()
+    if arch not in (info["CUDA_ARCHS"] or "").replace("+PTX", "").replace(";", " ").split():
+        print(f"the carried build is for CUDA architectures {info['CUDA_ARCHS']}, here {arch}")
+        sys.exit(1)
 EOF
-  cp "${files[@]}" fused_rl_ops/
-  if ! "$PY" -c 'import fused_rl_ops, sys; sys.exit(not fused_rl_ops.has_cuda_kernels())' >/dev/null 2>&1; then
-    rm -f "fused_rl_ops/$(basename "${files[0]}")" fused_rl_ops/_build_info.py
-    echo "the carried build does not load with its CUDA kernels: building here"
+  # Renamed into place, never copied onto a file a process may have loaded (cp truncates it under
+  # that process); what it replaces is renamed aside, and put back where the carried build does not load.
+  for name in "${files[@]##*/}"; do
+    cmp -s "$CARRIED_BUILD/fused_rl_ops/$name" "fused_rl_ops/$name" && continue
+    cp "$CARRIED_BUILD/fused_rl_ops/$name" "fused_rl_ops/.carried.$name"
+    if [ -e "fused_rl_ops/$name" ]; then mv "fused_rl_ops/$name" "fused_rl_ops/.replaced.$name"; fi
+    mv "fused_rl_ops/.carried.$name" "fused_rl_ops/$name"
+    placed+=("$name")
+  done
+  # Its last line: the build loaded, or why it does not load.
+  if ! loaded="$("$PY" -c 'import sys, fused_rl_ops
+from fused_rl_ops import _build_info as b
+if sys.argv[1] == "cuda" and not fused_rl_ops.has_cuda_kernels():
+    sys.exit("it has no CUDA kernels")
+print(f"torch {b.TORCH}, CUDA {b.CUDA}, architectures {b.CUDA_ARCHS}")' "$DEVICE" 2>&1)"; then
+    for name in "${placed[@]}"; do
+      if [ -e "fused_rl_ops/.replaced.$name" ]; then
+        mv "fused_rl_ops/.replaced.$name" "fused_rl_ops/$name"
+      else
+        rm -f "fused_rl_ops/$name"
+      fi
+    done
+    echo "the carried build does not load: ${loaded##*$'\n'}"
     return 1
   fi
-  echo "carried build loaded from $CARRIED_BUILD/: $("$PY" -c 'from fused_rl_ops import _build_info as b
-print(f"torch {b.TORCH}, CUDA {b.CUDA}, architectures {b.CUDA_ARCHS}")')"
+  for name in "${placed[@]}"; do rm -f "fused_rl_ops/.replaced.$name"; done
+  echo "carried build loaded from $CARRIED_BUILD/: ${loaded##*$'\n'}"
 }
 
 skip() {  # skip NAME REASON
@@ -148,13 +171,16 @@ if compgen -G "$WHEELHOUSE/*.whl" >/dev/null; then
 else
   skip peers "no wheels in $WHEELHOUSE/ (scripts/fetch_peer_wheels.sh): the peers and megatron-core already installed are used, if any"
 fi
-if [ "$REHEARSAL" = 1 ]; then
-  skip build "rehearsal: uses the extension built here (a rebuild with other settings would replace it)"
-elif carried="$(load_carried_build)"; then
-  echo "=== $carried"
+start=$SECONDS
+carried="$(load_carried_build)"
+loaded=$?
+echo "=== $carried"
+summary stage build carried_build_s=$((SECONDS - start))
+if [ "$loaded" = 0 ]; then
   skip build "$carried"
+elif [ "$REHEARSAL" = 1 ]; then
+  skip build "rehearsal: $carried; uses the extension built here, no build (one with other settings would replace it)"
 else
-  echo "=== $carried"
   stage build "$BUILD_S" "$PY" setup.py build_ext --inplace
 fi
 wait

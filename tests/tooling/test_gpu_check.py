@@ -1,5 +1,5 @@
 """scripts/gpu_check.sh rehearsed on the CPU (REHEARSAL=1): every stage runs against its stand-in
-(the extension built here, the CPU as the device, quick benchmark shapes, a compute-sanitizer that
+(a carried build made of the extension built here, the CPU as the device, quick benchmark shapes, a compute-sanitizer that
 checks nothing, a stand-in wheel for the peers, a stand-in test file with a test past the per-test
 timeout and a last one that hangs where no signal reaches it, as in a CUDA synchronisation), with
 budgets that cut the test stage and the headline benchmark short. The outputs are what a cut GPU
@@ -7,15 +7,19 @@ run must leave: a summary naming every stage with its status (why it was skipped
 hold), the counts and failures of the killed pytest and the stacks of the test it hung in, the
 benchmarks in the op table's order with the headline first, each benchmark's rows logged as they
 were measured and agreeing with its JSON. The stand-in tests make the cut certain and independent
-of the machine's speed; which tests the real run selects is checked apart."""
+of the machine's speed; which tests the real run selects is checked apart, and so are the carried
+builds the rehearsal does not load, with no time left for the stages after the build."""
 import json
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+import torch
 
 from tests.helpers import op_table
 
@@ -61,8 +65,24 @@ def stand_in_wheel(wheelhouse: Path) -> str:
     return name
 
 
+def in_place_build(checkout: Path) -> list:
+    return [*checkout.glob("fused_rl_ops/_C*.so"), checkout / "fused_rl_ops" / "_build_info.py"]
+
+
+def carried_build(folder: Path) -> Path:
+    """What scripts/build_for_gpu.sh leaves to bring along, made of the extension built here: the
+    extension and its build info in folder/fused_rl_ops/, the digest of the sources in folder/SOURCES."""
+    (folder / "fused_rl_ops").mkdir(parents=True)
+    for built in in_place_build(ROOT):
+        shutil.copy(built, folder / "fused_rl_ops")
+    (folder / "SOURCES").write_text(subprocess.run(["bash", "scripts/sources_digest.sh"], cwd=ROOT,
+                                                   capture_output=True, text=True, check=True).stdout)
+    return folder
+
+
 def test_rehearsal_leaves_every_result_of_a_cut_run(tmp_path):
     out, peers = tmp_path / "out", tmp_path / "peers"
+    carried = carried_build(tmp_path / "carried")
     peer = stand_in_wheel(tmp_path / "wheelhouse")
     (tmp_path / "stand_in").mkdir()
     (tmp_path / "stand_in" / "test_stand_in.py").write_text(STAND_IN_TESTS)
@@ -73,7 +93,7 @@ def test_rehearsal_leaves_every_result_of_a_cut_run(tmp_path):
     budgets = {"TOTAL_S": "400", "TESTS_S": "120", "SANITIZER_S": "200", "MIN_STAGE_S": "2", "GRACE_S": "10",
                "TEST_TIMEOUT_S": "5", **{f"{stage.upper()}_S": "1" for stage in BENCHMARKS},
                "BENCH_CHOSEN_LOGPROB_S": "3", "BENCH_VALUE_HEAD_S": "200"}
-    env = {**os.environ, **budgets, "REHEARSAL": "1", "PYTHON": sys.executable,
+    env = {**os.environ, **budgets, "REHEARSAL": "1", "PYTHON": sys.executable, "CARRIED_BUILD": str(carried),
            "WHEELHOUSE": str(tmp_path / "wheelhouse"), "PEERS_DIR": str(peers),
            "TEST_SELECTION": str(tmp_path / "stand_in" / "test_stand_in.py")}
     run = subprocess.run(["bash", "scripts/gpu_check.sh", str(out)], cwd=ROOT, env=env, capture_output=True,
@@ -92,7 +112,8 @@ def test_rehearsal_leaves_every_result_of_a_cut_run(tmp_path):
             assert stage["seconds"] <= stage["limit_s"] + 10 + 5 and (out / f"{name}.log").exists(), (name, stage)
 
     assert stages["peers"]["status"] == "passed" and (peers / f"{peer}.py").exists()
-    assert stages["build"]["reason"].startswith("rehearsal")
+    # The carried build was loaded (the same files as the extension built here: none copied).
+    assert stages["build"]["reason"].startswith(f"carried build loaded from {carried}/: torch {torch.__version__},")
     assert stages["build_info"]["status"] == "passed"
 
     # The test past its timeout failed, and the run went on; the hung one ignored the cut's SIGINT,
@@ -174,3 +195,56 @@ def test_a_result_printed_after_a_tests_stacks_counts_for_it(tmp_path):
     summary = runpy.run_path(str(ROOT / "scripts" / "gpu_check_summary.py"), run_name="gpu_check_summary")
     counts, unfinished = summary["log_results"](str(log))
     assert (counts["tests"], counts["failures"], unfinished) == (2, 1, "t.py::test_c")
+
+
+def fingerprints(folder: Path) -> dict:
+    """Each file of folder: its inode, modification time and bytes (all three the same: not rewritten)."""
+    return {path.name: (path.stat().st_ino, path.stat().st_mtime_ns, path.read_bytes())
+            for path in folder.iterdir() if path.is_file()}
+
+
+def rehearse_the_build(tmp_path, carried: Path) -> dict:
+    """The rehearsal with no time for the stages after the build (TOTAL_S 1), in a copy of the checkout
+    with the extension built here: the build stage's entry in the summary; the copy's package is left
+    as it was."""
+    checkout = tmp_path / "checkout"
+    subprocess.run([sys.executable, "scripts/copy_checkout.py", str(checkout)], cwd=ROOT, check=True)
+    for built in in_place_build(ROOT):
+        shutil.copy(built, checkout / "fused_rl_ops")
+    before = fingerprints(checkout / "fused_rl_ops")
+    env = {**os.environ, "REHEARSAL": "1", "PYTHON": sys.executable, "TOTAL_S": "1", "CARRIED_BUILD": str(carried),
+           "WHEELHOUSE": str(tmp_path / "no_wheels"), "PEERS_DIR": str(tmp_path / "peers")}
+    run = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path / "out")], cwd=checkout, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert fingerprints(checkout / "fused_rl_ops") == before
+    build = json.loads((tmp_path / "out" / "summary.json").read_text())["stages"]["build"]
+    assert build["status"] == "skipped" and build["carried_build_s"] >= 0
+    return build
+
+
+def test_rehearsal_uses_no_carried_build_made_from_other_sources(tmp_path):
+    carried = carried_build(tmp_path / "carried")
+    (carried / "SOURCES").write_text("0" * 64 + "\n")
+    assert rehearse_the_build(tmp_path, carried)["reason"].startswith(
+        "rehearsal: the carried build was made from other sources than this checkout's (csrc/, setup.py); "
+        "uses the extension built here")
+
+
+def test_rehearsal_uses_no_carried_build_for_another_torch(tmp_path):
+    carried = carried_build(tmp_path / "carried")
+    info = carried / "fused_rl_ops" / "_build_info.py"
+    info.write_text(info.read_text().replace(f"TORCH = '{torch.__version__}'", "TORCH = '2.0.0'"))
+    assert rehearse_the_build(tmp_path, carried)["reason"].startswith(
+        f"rehearsal: the carried build is for torch 2.0.0, here torch {torch.__version__}; uses the extension built here")
+
+
+def test_a_carried_build_that_does_not_load_leaves_the_extension_built_here(tmp_path):
+    """Put in place (the import's error names the file), then the files it replaced put back: the
+    same inode and time, so renamed back rather than copied."""
+    carried = carried_build(tmp_path / "carried")
+    for extension in (carried / "fused_rl_ops").glob("_C*.so"):
+        extension.write_bytes(b"not an extension")
+    reason = rehearse_the_build(tmp_path, carried)["reason"]
+    assert reason.startswith("rehearsal: the carried build does not load: ImportError: "
+                             f"{tmp_path / 'checkout' / 'fused_rl_ops'}/_C"), reason
