@@ -64,7 +64,9 @@ sources = ["csrc/module.cpp", "csrc/common/cpu_isa.cpp"] + sorted(glob.glob("csr
 # z / T - max and needs them bit for bit (a contracted z * (1/T) - max is the product's rounding
 # error, not 0, and at |z / T| ~ 1e7 that is exp(+-0.5) in a probability of 1), and every kernel
 # then rounds as its formula is written, the same on both devices.
-cxx_flags = ["-O3", "-Wall", "-Wno-unknown-pragmas", "-ffp-contract=off"]
+# -g0: Python's own CFLAGS (which torch's build passes on) ask for full debug information, which
+# takes 40% of the compile time and 90% of the extension's size; the symbols stay.
+cxx_flags = ["-O3", "-g0", "-Wall", "-Wno-unknown-pragmas", "-ffp-contract=off"]
 link_flags = []
 if platform.system() == "Linux":
     # at::parallel_for is inline and runs serially unless the extension itself is compiled with
