@@ -3,7 +3,6 @@ torch are present (no GPU is needed to build). Environment knobs:
   CUDA_HOME                  the toolkit (default: found by fused_rl_ops/_cuda_home.py)
   TORCH_CUDA_ARCH_LIST       architectures (default: 8.0;9.0 and 10.0 where nvcc has it, PTX for the newest)
   FUSED_RL_OPS_CPU_ONLY=1    skip the CUDA kernels
-  FUSED_RL_OPS_NO_AVX2=1     x86-64 torch glue, clamped_swiglu and value_head without AVX2/FMA
   MAX_JOBS                   parallel compile jobs (ninja)
 """
 import glob
@@ -65,7 +64,9 @@ sources = ["csrc/module.cpp", "csrc/common/cpu_isa.cpp"] + sorted(glob.glob("csr
 # z / T - max and needs them bit for bit (a contracted z * (1/T) - max is the product's rounding
 # error, not 0, and at |z / T| ~ 1e7 that is exp(+-0.5) in a probability of 1), and every kernel
 # then rounds as its formula is written, the same on both devices.
-cxx_flags = ["-O3", "-Wall", "-Wno-unknown-pragmas", "-ffp-contract=off"]
+# -g0: Python's own CFLAGS (which torch's build passes on) ask for full debug information, which
+# takes 40% of the compile time and 90% of the extension's size; the symbols stay.
+cxx_flags = ["-O3", "-g0", "-Wall", "-Wno-unknown-pragmas", "-ffp-contract=off"]
 link_flags = []
 if platform.system() == "Linux":
     # at::parallel_for is inline and runs serially unless the extension itself is compiled with
@@ -74,7 +75,8 @@ if platform.system() == "Linux":
     link_flags.append("-fopenmp")
 # The CPU row kernels (csrc/<op>/cpu_rows.cpp) are compiled once per ISA, as ATen compiles its own
 # CPU kernels (its flags, and -DCPU_CAPABILITY naming the namespace their code lies in), and picked at
-# run time (csrc/common/cpu_isa.h).
+# run time (csrc/common/cpu_isa.h); the rest, torch glue with no SIMD of its own, is built for the
+# baseline ISA, so that the extension loads on any CPU of its architecture.
 ROW_KERNEL_SOURCES = sorted(glob.glob("csrc/*/cpu_rows.cpp"))
 ROW_KERNEL_ISAS = {"DEFAULT": []}
 if platform.machine() in ("x86_64", "AMD64"):
@@ -82,13 +84,6 @@ if platform.machine() in ("x86_64", "AMD64"):
     ROW_KERNEL_ISAS["AVX512"] = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
                                  "-DCPU_CAPABILITY_AVX512"]
     cxx_flags.append("-DFRL_CPU_ISAS_X86")
-# The rest (the glue, clamped_swiglu's and value_head's at::vec kernels, which mix torch and SIMD) still
-# uses AVX2 where the CPU has it; every ISA's row kernels lie in namespaces of their own all the same.
-if platform.machine() in ("x86_64", "AMD64") and os.environ.get("FUSED_RL_OPS_NO_AVX2") != "1":
-    GLUE_ISA_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
-else:
-    GLUE_ISA_FLAGS = []
-cxx_flags += GLUE_ISA_FLAGS
 if WITH_CUDA:
     sources += sorted(glob.glob("csrc/*/cuda.cpp")) + sorted(glob.glob("csrc/*/kernel.cu"))
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", default_arch_list(CUDA_HOME))
@@ -118,7 +113,6 @@ def write_build_info():
         "torch": torch.__version__,
         "cuda": torch.version.cuda if WITH_CUDA else None,
         "cuda_archs": os.environ["TORCH_CUDA_ARCH_LIST"] if WITH_CUDA else None,
-        "cpu_isa": "AVX2+FMA" if "-mavx2" in cxx_flags else f"{platform.machine()} baseline (no AVX2)",
         "row_kernel_isas": list(ROW_KERNEL_ISAS),
     }
     text = ('"""Facts of the build, written by setup.py."""\n'
@@ -144,7 +138,6 @@ class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
 
     def build_extension(self, ext):
         flags = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else ext.extra_compile_args
-        flags = [flag for flag in flags if flag not in GLUE_ISA_FLAGS]
         objects = []
         for isa, isa_flags in ROW_KERNEL_ISAS.items():
             isa_flags = flags + isa_flags + [f"-DCPU_CAPABILITY={isa}", "-DFRL_CPU_ROWS_ISA"]

@@ -16,8 +16,7 @@ def main():
     print(f"fused_rl_ops {_build_info.VERSION}")
     print(f"built against torch {_build_info.TORCH}, CUDA {_build_info.CUDA or '- (CPU kernels only)'}")
     print(f"CUDA architectures: {_build_info.CUDA_ARCHS or '-'}")
-    print(f"CPU kernels: {_build_info.CPU_ISA}; the vocab-parallel ops' row kernels built for "
-          f"{', '.join(_build_info.ROW_KERNEL_ISAS)}, running {cpu_isa()}")
+    print(f"CPU row kernels: built for {', '.join(_build_info.ROW_KERNEL_ISAS)}, running {cpu_isa()}")
     print(f"running with torch {torch.__version__}, CUDA device: "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
     rows = kernel_table()

@@ -7,6 +7,7 @@
 
 #include <optional>
 
+#include "common/cpu_dtype.h"
 #include "common/math.h"
 #include "common/options.h"
 
@@ -25,6 +26,16 @@ inline DType to_dtype(at::ScalarType dtype) {
 }
 
 inline DType to_dtype(const at::Tensor& t) { return to_dtype(t.scalar_type()); }
+
+inline CpuDType to_cpu_dtype(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kDouble: return CpuDType::kFloat64;
+    case at::kFloat: return CpuDType::kFloat32;
+    case at::kBFloat16: return CpuDType::kBFloat16;
+    case at::kHalf: return CpuDType::kFloat16;
+    default: TORCH_CHECK(false, "fused_rl_ops: unsupported dtype ", t.scalar_type(), " on CPU");
+  }
+}
 
 // "op: <prefix>name must be <the rule's requirement>, got value"; an optional option may also be none.
 template <class T, class Rule>

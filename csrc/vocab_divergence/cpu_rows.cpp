@@ -1,5 +1,7 @@
 // vocab_divergence's CPU row kernels: SIMD (at::vec) runs of the shared formulas of
 // vocab_divergence/math.h, compiled once per ISA (common/cpu_isa.h); no torch header but at::vec.
+#include <utility>
+
 #include "common/vec_math.h"
 #include "vocab_divergence/cpu_rows.h"
 #include "vocab_divergence/math.h"
@@ -69,34 +71,46 @@ void stats_rows_cpu(const Params& p, const Student& student, const Teacher& teac
   }
 }
 
-// Calls fn(r, s, t, row, vrow) for every token row r: s and t its student's and teacher's raw
-// logits, row its merged constants (row_constants) and vrow those as vectors.
-template <typename acc, class Fn>
-void for_each_merged_row(const Params& p, const Fn& fn) {
+// A pass over the merged rows (mixture and gradient): its logit maps and mixture weights as scalars
+// (a row's tail) and as vectors (its SIMD body).
+template <typename acc, class Student, class Teacher>
+struct MergedRows {
   using Vec = at::vec::Vectorized<acc>;
-  const auto *xs = static_cast<const acc*>(p.logits), *xt = static_cast<const acc*>(p.teacher_logits);
-  for (int64_t r = 0; r < p.rows; ++r) {
-    const RowConstants<acc> row = row_constants<acc>(p, r);
-    fn(r, xs + r * p.cols, xt + r * p.cols, row, as_vec<Vec>(row));
+  const Params& p;
+  const Student& student;
+  const Teacher& teacher;
+  const decltype(std::declval<const Student&>().template as<Vec>()) vstudent = student.template as<Vec>();
+  const decltype(std::declval<const Teacher&>().template as<Vec>()) vteacher = teacher.template as<Vec>();
+  const MixtureWeights<acc> weights = MixtureWeights<acc>::of(p.beta);
+  const MixtureWeights<Vec> vweights = weights.template as<Vec>();
+  const int64_t C_vec = p.cols - p.cols % Vec::size();
+
+  // fn(r, s, t, row, vrow) for every token row r: s and t its student's and teacher's raw logits, row
+  // its merged constants (row_constants) and vrow those as vectors.
+  template <class Fn>
+  void for_each(const Fn& fn) const {
+    const auto *xs = static_cast<const acc*>(p.logits), *xt = static_cast<const acc*>(p.teacher_logits);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const RowConstants<acc> row = row_constants<acc>(p, r);
+      fn(r, xs + r * p.cols, xt + r * p.cols, row, as_vec<Vec>(row));
+    }
   }
-}
+};
 
 template <typename acc, class Student, class Teacher>
 void mixture_rows_cpu(const Params& p, const Student& student, const Teacher& teacher) {
   using Vec = at::vec::Vectorized<acc>;
   auto* sums = static_cast<acc*>(p.mixture);
-  const int64_t C = p.cols, C_vec = C - C % Vec::size();
-  const auto vstudent = student.template as<Vec>();
-  const auto vteacher = teacher.template as<Vec>();
-  const auto weights = MixtureWeights<acc>::of(p.beta);
-  const auto vweights = weights.template as<Vec>();
-  for_each_merged_row<acc>(p, [&](int64_t r, const acc* s, const acc* t, const auto& row, const auto& vrow) {
+  const MergedRows<acc, Student, Teacher> m{p, student, teacher};
+  m.for_each([&](int64_t r, const acc* s, const acc* t, const auto& row, const auto& vrow) {
     Vec kt(0), ks(0);
-    for (int64_t k = 0; k < C_vec; k += Vec::size()) {
-      mixture_add(vstudent(Vec::loadu(s + k)), vteacher(Vec::loadu(t + k)), vrow, vweights, kt, ks);
+    for (int64_t k = 0; k < m.C_vec; k += Vec::size()) {
+      mixture_add(m.vstudent(Vec::loadu(s + k)), m.vteacher(Vec::loadu(t + k)), vrow, m.vweights, kt, ks);
     }
     acc teacher_sum = horizontal_sum(kt), student_sum = horizontal_sum(ks);
-    for (int64_t k = C_vec; k < C; ++k) mixture_add(student(s[k]), teacher(t[k]), row, weights, teacher_sum, student_sum);
+    for (int64_t k = m.C_vec; k < p.cols; ++k) {
+      mixture_add(student(s[k]), teacher(t[k]), row, m.weights, teacher_sum, student_sum);
+    }
     acc* out = sums + r * mixture_column::count;
     out[mixture_column::teacher] += teacher_sum;
     out[mixture_column::student] += student_sum;
@@ -109,21 +123,17 @@ void grad_rows_cpu(const Params& p, const Student& student, const Teacher& teach
   using Vec = at::vec::Vectorized<acc>;
   const auto* g = static_cast<const acc*>(p.grad);
   auto* grads = static_cast<acc*>(p.grads);
-  const int64_t C = p.cols, C_vec = C - C % Vec::size();
-  const auto vstudent = student.template as<Vec>();
-  const auto vteacher = teacher.template as<Vec>();
-  const auto weights = MixtureWeights<acc>::of(p.beta);
-  const auto vweights = weights.template as<Vec>();
-  for_each_merged_row<acc>(p, [&](int64_t r, const acc* s, const acc* t, const auto& row, const auto& vrow) {
+  const MergedRows<acc, Student, Teacher> m{p, student, teacher};
+  m.for_each([&](int64_t r, const acc* s, const acc* t, const auto& row, const auto& vrow) {
     acc* d = grads + r * p.grads_stride;
     const Vec vg(g[r]);
-    for (int64_t k = 0; k < C_vec; k += Vec::size()) {
+    for (int64_t k = 0; k < m.C_vec; k += Vec::size()) {
       const Vec x = Vec::loadu(s + k);
-      const Vec dz = student_logit_grad<kKind>(vstudent(x), vteacher(Vec::loadu(t + k)), vrow, vweights);
-      (dz * vg * vstudent.slope(x)).store(d + k);
+      const Vec dz = student_logit_grad<kKind>(m.vstudent(x), m.vteacher(Vec::loadu(t + k)), vrow, m.vweights);
+      (dz * vg * m.vstudent.slope(x)).store(d + k);
     }
-    for (int64_t k = C_vec; k < C; ++k) {
-      d[k] = student_logit_grad<kKind>(student(s[k]), teacher(t[k]), row, weights) * g[r] * student.slope(s[k]);
+    for (int64_t k = m.C_vec; k < p.cols; ++k) {
+      d[k] = student_logit_grad<kKind>(student(s[k]), teacher(t[k]), row, m.weights) * g[r] * student.slope(s[k]);
     }
   });
 }

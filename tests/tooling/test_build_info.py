@@ -12,7 +12,7 @@ import torch
 import fused_rl_ops
 from fused_rl_ops import _build_info
 from fused_rl_ops.__main__ import kernel_table
-from fused_rl_ops._library import build_mismatch
+from fused_rl_ops._library import build_mismatch, cpu_isa
 
 PUBLIC_OPS = {"clamped_swiglu", "chosen_logprob_stats", "chosen_logprob_combine", "value_head"}
 
@@ -34,7 +34,7 @@ def test_main_prints_versions_and_kernels():
     out = subprocess.run([sys.executable, "-m", "fused_rl_ops"], capture_output=True, text=True, check=True).stdout
     assert f"fused_rl_ops {_build_info.VERSION}" in out
     assert f"built against torch {torch.__version__}" in out
-    assert _build_info.CPU_ISA in out
+    assert f"CPU row kernels: built for {', '.join(_build_info.ROW_KERNEL_ISAS)}, running {cpu_isa()}" in out
     cuda = "yes" if fused_rl_ops.has_cuda_kernels() else "no"
     assert any(line.split() == ["clamped_swiglu", "yes", cuda] for line in out.splitlines())
 

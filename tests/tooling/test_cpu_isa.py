@@ -1,9 +1,9 @@
 """The CPU row kernels' instruction set (csrc/common/cpu_isa.h): built for DEFAULT (scalar), AVX2 and
 AVX512 on x86-64 and chosen at run time as ATen's CPU capability. Each ISA this CPU runs, forced with
-ATEN_CPU_CAPABILITY in a fresh process, passes the float64 reference tests of the three
-vocab-parallel ops (the ISAs may differ from each other in the last bits: their vector widths sum a
-row's lanes in different orders, docs/determinism.md); an ISA the CPU lacks is refused with a
-warning and the widest one it has runs instead."""
+ATEN_CPU_CAPABILITY in a fresh process, passes every op's float64 reference tests (the ISAs may
+differ from each other in the last bits: their vector widths sum a row's lanes in different orders,
+docs/determinism.md); an ISA the CPU lacks is refused with a warning and the widest one it has runs
+instead."""
 import os
 import platform
 import subprocess
@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import fused_rl_ops
 
 from fused_rl_ops import _build_info
 from fused_rl_ops._library import cpu_isa
@@ -27,6 +29,13 @@ REFERENCE_TESTS = [
     "tests/ops/test_chosen_logprob.py::test_matches_float64_reference",
     "tests/ops/test_chosen_logprob_sampler_filter.py::test_matches_float64_reference",
     "tests/ops/test_top_logprobs.py::test_top_logprobs_match_float64",
+    "tests/ops/test_clamped_swiglu.py::test_matches_float64_reference",
+    "tests/ops/test_clamped_swiglu.py::test_reduced_precision",
+    "tests/ops/test_clamped_swiglu.py::test_scaled_matches_float64_reference",
+    "tests/ops/test_clamped_swiglu.py::test_gradcheck_float64",
+    "tests/ops/test_value_head.py::test_matches_float64_reference",
+    "tests/ops/test_value_head.py::test_reduced_precision_hidden",
+    "tests/ops/test_value_head.py::test_non_finite_values_and_gradients_as_float64_linear",
 ]
 
 
@@ -79,3 +88,23 @@ def test_every_isa_the_cpu_runs_matches_the_float64_references(capability):
     result = forced(capability, "-c", script)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout
+
+
+@pytest.mark.skipif(not X86, reason="the ISA namespaces exist on x86-64 builds only")
+def test_only_the_isa_namespaces_hold_vector_instructions():
+    """The extension loads on any x86-64 CPU: the code outside the AVX2 and AVX512 namespaces (the
+    torch glue, the scalar row kernels) has no VEX-encoded instruction (AVX and later) at all."""
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", fused_rl_ops._C.__file__],
+                             capture_output=True, text=True, check=True).stdout
+    # A name objdump cannot demangle keeps its namespaces as <length><name>: 4AVX2, 6AVX512.
+    isa_namespaces = ("::AVX2::", "::AVX512::", "4AVX2", "6AVX512")
+    function, outside = None, {}
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            function = line.split("<", 1)[1][:-2]
+        elif function and "\t" in line and not any(name in function for name in isa_namespaces):
+            mnemonic = line.split("\t")[1].split(" ")[0]
+            if mnemonic.startswith("v") or "%ymm" in line or "%zmm" in line:
+                outside.setdefault(function, mnemonic)
+    counted = sum(1 for line in listing.splitlines() if line.endswith(">:"))
+    assert counted > 1000 and not outside, list(outside.items())[:10]
