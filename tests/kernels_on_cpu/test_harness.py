@@ -273,7 +273,6 @@ def plant(text, good, bad, path):
     return planted
 
 
-@pytest.mark.planted_defect
 @pytest.mark.parametrize("defect", list(DEFECTS))
 def test_planted_defect_is_caught(tmp_path, defect):
     path, good, bad, op, case, report, variant = DEFECTS[defect]
