@@ -49,14 +49,15 @@ deadline=$((SECONDS + TOTAL_S))
 summary() { "$PY" scripts/gpu_check_summary.py "$OUT" "$@"; }
 left() { echo $((deadline - SECONDS - RESERVE_S - GRACE_S)); }  # the most a stage starting now may take
 
-stage() {  # stage NAME BUDGET_S COMMAND...: runs COMMAND, output in OUT/NAME.log; status in summary.json
+stage() {  # stage NAME BUDGET_S COMMAND...: runs COMMAND, output in OUT/NAME.log; status in summary.json;
+  # returns 0 where it passed, 2 where it was skipped for lack of time, else 1
   local name=$1 limit=$2 start=$SECONDS status
   shift 2
   [ "$(left)" -lt "$limit" ] && limit=$(left)
   if [ "$limit" -lt "$MIN_STAGE_S" ]; then
     echo "=== $name: skipped, ${limit}s left for it"
     summary stage "$name" status=skipped reason="no time left: ${limit}s for it"
-    return 1
+    return 2
   fi
   echo "=== $name (at most ${limit}s)"
   summary stage "$name" status=running limit_s="$limit"
@@ -190,12 +191,15 @@ TEST_TIMEOUT=()
 if "$PY" -c 'import pytest_timeout' 2>/dev/null; then
   TEST_TIMEOUT=(--timeout "$TEST_TIMEOUT_S")
 fi
-if ! stage build_info 60 "$PY" -m fused_rl_ops; then
-  ready="the extension does not import (build_info.log)"
-elif [ "$DEVICE" = cuda ] && ! "$PY" -c 'import fused_rl_ops, sys; sys.exit(not fused_rl_ops.has_cuda_kernels())'; then
+stage build_info 60 "$PY" -m fused_rl_ops
+case $? in
+  0) ready=yes ;;
+  2) ready="no time was left to import the extension (build_info)" ;;
+  *) ready="the extension does not import (build_info.log)" ;;
+esac
+if [ "$ready" = yes ] && [ "$DEVICE" = cuda ] &&
+    ! "$PY" -c 'import fused_rl_ops, sys; sys.exit(not fused_rl_ops.has_cuda_kernels())'; then
   ready="the build has no CUDA kernels (build.log, build_info.log)"
-else
-  ready=yes
 fi
 # What the test stage runs: the CUDA tests (tests/tooling/test_gpu_check.py gives a stand-in), every op's
 # first file before any op's second (the op table's order), so that a cut stage has checked every op.
