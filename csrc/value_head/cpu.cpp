@@ -47,11 +47,11 @@ struct CpuKernels {
 
   static void backward_params(const Params& p, const at::Tensor& hidden) {
     const CpuDType dtype = to_cpu_dtype(hidden);
+    const int64_t blocks = value_head_row_blocks(p.rows);
     // Stage 1: one task per fixed block of rows, so the partials do not depend on the thread count.
-    at::parallel_for(0, value_head_row_blocks(p.rows), 1,
+    at::parallel_for(0, blocks, 1,
                      [&](int64_t begin, int64_t end) { row_kernels().partials_blocks(p, dtype, begin, end); });
     AT_DISPATCH_FLOATING_TYPES(acc_dtype(hidden.scalar_type()), "value_head_params_cpu", [&] {
-      const int64_t blocks = value_head_row_blocks(p.rows);
       sum_partials(static_cast<const scalar_t*>(p.weight_partials), blocks, p.H, static_cast<scalar_t*>(p.grad_weight));
       sum_partials(static_cast<const scalar_t*>(p.bias_partials), blocks, 1, static_cast<scalar_t*>(p.grad_bias));
     });
