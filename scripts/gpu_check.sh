@@ -81,9 +81,10 @@ stage() {  # stage NAME BUDGET_S COMMAND...: runs COMMAND, output in OUT/NAME.lo
 # is loaded, or why none is.
 CARRIED_BUILD="${CARRIED_BUILD:-gpu_build}"
 load_carried_build() {
-  local files=("$CARRIED_BUILD"/fused_rl_ops/_C*.so "$CARRIED_BUILD/fused_rl_ops/_build_info.py")
+  local info="$CARRIED_BUILD/fused_rl_ops/_build_info.py"
+  local files=("$CARRIED_BUILD"/fused_rl_ops/_C*.so "$info")  # an extension per Python it was built for
   local name placed=() loaded
-  if [ ! -f "${files[0]}" ] || [ ! -f "${files[1]}" ]; then
+  if [ ! -f "${files[0]}" ] || [ ! -f "$info" ]; then
     echo "no carried build in $CARRIED_BUILD/"
     return 1
   fi
@@ -91,7 +92,7 @@ load_carried_build() {
     echo "the carried build was made from other sources than this checkout's (csrc/, setup.py)"
     return 1
   fi
-  "$PY" - "${files[1]}" "$DEVICE" <<'EOF' || return 1
+  "$PY" - "$info" "$DEVICE" <<'EOF' || return 1
 import runpy, sys, torch
 info, device = runpy.run_path(sys.argv[1]), sys.argv[2]
 if info["TORCH"] != torch.__version__:
