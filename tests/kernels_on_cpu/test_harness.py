@@ -1,5 +1,6 @@
 """The kernels-on-CPU harness itself (tests/helpers/kernels_on_cpu.py): the host model's checks of
 synchronisation, and proof that the cases catch bugs planted in the kernels and launchers."""
+import concurrent.futures
 import os
 import re
 import shutil
@@ -273,16 +274,34 @@ def plant(text, good, bad, path):
     return planted
 
 
-@pytest.mark.parametrize("defect", list(DEFECTS))
-def test_planted_defect_is_caught(tmp_path, defect):
-    path, good, bad, op, case, report, variant = DEFECTS[defect]
-    csrc = tmp_path / "csrc"
+def build_planted(defect, out_dir):
+    """The driver of the defect's op, built in its one build from a copy of csrc holding the defect."""
+    path, good, bad, op, _, _, variant = DEFECTS[defect]
+    csrc = out_dir / "csrc"
     shutil.copytree(CSRC, csrc)
     (csrc / path).write_text(plant((csrc / path).read_text(), good, bad, path))
-    drivers = build_drivers(csrc, tmp_path / "build", drivers=(op,), variants=(variant,))
-    (tmp_path / "run").mkdir()
+    return build_drivers(csrc, out_dir / "build", drivers=(op,), variants=(variant,))
+
+
+@pytest.fixture(scope="module")
+def planted_drivers(request, tmp_path_factory):
+    """The drivers of the defects this session runs, built two at a time in the order their tests run,
+    from the first test on: each single-threaded compile of a kernel.cu takes 10-50 s, and one at a time
+    they left a core idle. Each test waits for its own."""
+    selected = [item.callspec.params["defect"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_planted_defect_is_caught"]
+    root = tmp_path_factory.mktemp("planted")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        yield {defect: pool.submit(build_planted, defect, root / defect) for defect in selected}
+        pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.parametrize("defect", list(DEFECTS))
+def test_planted_defect_is_caught(tmp_path, planted_drivers, defect):
+    case, report = DEFECTS[defect][4:6]
+    drivers = planted_drivers[defect].result()
     with pytest.raises(AssertionError, match=re.escape(report)):
-        case(drivers, tmp_path / "run")
+        case(drivers, tmp_path)
 
 
 @pytest.mark.parametrize("defect", list(DEFECTS))
