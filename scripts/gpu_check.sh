@@ -43,7 +43,10 @@ TOTAL_S="${TOTAL_S:-480}"
 # table's; <STAGE>_S (e.g. BENCH_VALUE_HEAD_S) overrides one.
 PEERS_S="${PEERS_S:-60}" BUILD_S="${BUILD_S:-200}" TESTS_S="${TESTS_S:-120}" SANITIZER_S="${SANITIZER_S:-120}"
 REPORT_S=60 RESERVE_S=15 MIN_STAGE_S="${MIN_STAGE_S:-20}" GRACE_S="${GRACE_S:-15}"
-TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-60}"  # per test, with pytest-timeout; faulthandler dumps the stacks then too
+TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-60}"  # per test, with pytest-timeout
+# faulthandler dumps the stacks of a test still running 10 s later, never while pytest-timeout's failure
+# unwinds it: its dump reads a running thread's frames unlocked (3 crashes in 36 timed-out tests).
+FAULTHANDLER_S=$((TEST_TIMEOUT_S + 10))
 deadline=$((SECONDS + TOTAL_S))
 
 summary() { "$PY" scripts/gpu_check_summary.py "$OUT" "$@"; }
@@ -235,7 +238,7 @@ if [ "$ready" = yes ]; then
   # has its counts, and names the test it was in; faulthandler prints every thread's stack of a
   # test past the timeout, even where pytest-timeout's signal cannot interrupt it (a CUDA sync).
   stage tests "$TESTS_S" env FUSED_RL_OPS_TEST_DEVICES="$DEVICE" "$PY" -m pytest -v -p no:cacheprovider \
-    --maxfail=50 --durations=15 -o faulthandler_timeout="$TEST_TIMEOUT_S" "${TEST_TIMEOUT[@]}" \
+    --maxfail=50 --durations=15 -o faulthandler_timeout="$FAULTHANDLER_S" "${TEST_TIMEOUT[@]}" \
     --junitxml="$OUT/junit.xml" "${TEST_SELECTION[@]}" &
   # memcheck sees an overrun inside torch's cached blocks only when every tensor has its own allocation.
   stage sanitizer_memcheck "$SANITIZER_S" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
