@@ -2,12 +2,12 @@
 spills registers (read from ptxas's resource report), and every kernel is in namespace fused_rl_ops (the
 filter of gpu_check.sh's racecheck and synccheck); the vector paths store vectors (the sm_90 SASS,
 read with cuobjdump). Needs nvcc, not a GPU."""
+import concurrent.futures
 import glob
 import os
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -45,11 +45,45 @@ def compile_object(source, out, csrc=CSRC, arch="sm_90"):
     )
 
 
+def op_of(source):
+    return os.path.basename(os.path.dirname(source))
+
+
+class GateObjects:
+    """Each op's kernel.cu compiled for an architecture as the gate compiles it, once, by two nvcc
+    processes in the background (one compile keeps one core busy for up to 20 s)."""
+
+    def __init__(self, out_dir, pool):
+        self.out_dir, self.pool, self.compiles = out_dir, pool, {}
+
+    def queue(self, op, arch="sm_90"):
+        if (op, arch) not in self.compiles:
+            self.compiles[op, arch] = self.pool.submit(
+                compile_object, os.path.join(CSRC, op, "kernel.cu"), self.out_dir / f"{op}_{arch}.o", arch=arch)
+        return self.compiles[op, arch]
+
+    def get(self, op, arch="sm_90"):
+        """(nvcc's CompletedProcess, the object's path)."""
+        return self.queue(op, arch).result(), self.out_dir / f"{op}_{arch}.o"
+
+
+@pytest.fixture(scope="module")
+def gate_objects(request, tmp_path_factory):
+    """The module's first test queues the compiles of the gate's tests this session runs, in their order."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        objects = GateObjects(tmp_path_factory.mktemp("cuda_compile"), pool)
+        for item in request.session.items:
+            if getattr(item, "originalname", None) == "test_compiles_without_warnings_or_spills":
+                objects.queue(op_of(item.callspec.params["source"]), item.callspec.params["arch"])
+        yield objects
+        pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.skipif(nvcc_path() is None, reason="no CUDA toolkit on this machine")
 @pytest.mark.parametrize("arch", GATED_ARCHS)
-@pytest.mark.parametrize("source", CU_FILES, ids=lambda path: os.path.basename(os.path.dirname(path)))
-def test_compiles_without_warnings_or_spills(source, arch, tmp_path):
-    result = compile_object(source, tmp_path / "out.o", arch=arch)
+@pytest.mark.parametrize("source", CU_FILES, ids=op_of)
+def test_compiles_without_warnings_or_spills(source, arch, gate_objects):
+    result, _ = gate_objects.get(op_of(source), arch)
     assert result.returncode == 0, result.stderr
     report = result.stderr
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
@@ -67,21 +101,20 @@ def test_every_kernel_source_is_gated():
     assert CU_FILES, "no CUDA sources found"
 
 
-def global_accesses(csrc, tmp_path, op="chosen_logprob"):
+def global_accesses(compiled):
     """{kernel's mangled name: the set of its global load and store opcodes (LDG.E.128, STG.E.64,
-    ...)} in the sm_90 SASS of csrc/<op>/kernel.cu."""
-    obj = tmp_path / f"{op}.o"
-    result = compile_object(Path(csrc) / op / "kernel.cu", obj, csrc)
+    ...)} in the SASS of an object compiled (nvcc's CompletedProcess, the object's path)."""
+    result, obj = compiled
     assert result.returncode == 0, result.stderr
     sass = subprocess.run([cuobjdump_path(), "-sass", str(obj)], capture_output=True, text=True, check=True).stdout
     return {name: set(re.findall(r"\b((?:LDG|STG)\.E[.\w]*)", body))
             for name, body in re.findall(r"Function : (\w+)(.*?)(?=Function : |\Z)", sass, re.S)}
 
 
-def global_stores(csrc, tmp_path):
+def global_stores(compiled):
     """{kernel's mangled name: the set of its global-store opcodes (STG.E, STG.E.64, ...)} in the
-    sm_90 SASS of csrc/chosen_logprob/kernel.cu."""
-    return {name: {op for op in ops if op.startswith("STG")} for name, ops in global_accesses(csrc, tmp_path).items()}
+    SASS of chosen_logprob's kernel.cu compiled."""
+    return {name: {op for op in ops if op.startswith("STG")} for name, ops in global_accesses(compiled).items()}
 
 
 # grad_rows' vector variants (kGradWidth = 4 columns a thread): the gradient dtype's mangled name and
@@ -105,10 +138,10 @@ needs_cuobjdump = pytest.mark.skipif(nvcc_path() is None or cuobjdump_path() is 
 
 
 @needs_cuobjdump
-def test_grad_rows_vector_variants_store_vectors(tmp_path):
+def test_grad_rows_vector_variants_store_vectors(gate_objects):
     """Each 4-pack of logit gradients goes out as one STG.E.64 (bf16, fp16) or STG.E.128 (fp32),
     never as four scalar stores."""
-    found = grad_rows_vector_stores(global_stores(CSRC, tmp_path))
+    found = grad_rows_vector_stores(global_stores(gate_objects.get("chosen_logprob")))
     assert sorted(found) == sorted((logit, dtype) for logit in ("PlainLogit", "SoftcappedLogit")
                                    for dtype in VECTOR_STORES), sorted(found)
     for (logit, dtype), ops in found.items():
@@ -125,7 +158,8 @@ def test_scalar_stores_of_a_pack_are_caught(tmp_path):
     text = kernel.read_text()
     assert text.count("store_pack(d + k, out);") == 1
     kernel.write_text(text.replace("store_pack(d + k, out);", "*reinterpret_cast<Pack<G, kWidth>*>(d + k) = out;"))
-    found = grad_rows_vector_stores(global_stores(csrc, tmp_path))
+    obj = tmp_path / "chosen_logprob.o"
+    found = grad_rows_vector_stores(global_stores((compile_object(kernel.with_suffix(".cu"), obj, csrc), obj)))
     assert found and all(ops != {VECTOR_STORES[dtype]} for (_, dtype), ops in found.items()), found
 
 
@@ -136,11 +170,11 @@ def vocab_divergence_row_variants(accesses, width):
 
 
 @needs_cuobjdump
-def test_vocab_divergence_vector_variants_load_and_store_vectors(tmp_path):
+def test_vocab_divergence_vector_variants_load_and_store_vectors(gate_objects):
     """vocab_divergence's row kernels with 4 columns per access read both models' logits with 16-byte
     loads (LDG.E.128), which their scalar variants never use, and grad_rows stores each 4-pack of
     gradients with one STG.E.64 (bf16, fp16) or STG.E.128 (fp32)."""
-    accesses = global_accesses(CSRC, tmp_path, "vocab_divergence")
+    accesses = global_accesses(gate_objects.get("vocab_divergence"))
     vector, scalar = (vocab_divergence_row_variants(accesses, width) for width in (4, 1))
     # Both maps of both models (4 pairs) for stats and mixture; times 3 kinds and 3 dtypes for grad.
     kernels = [kernel for kernel, _ in vector]
@@ -156,10 +190,10 @@ def test_vocab_divergence_vector_variants_load_and_store_vectors(tmp_path):
 
 
 @needs_cuobjdump
-def test_top_logprobs_vector_variants_load_vectors(tmp_path):
+def test_top_logprobs_vector_variants_load_vectors(gate_objects):
     """top_logprobs' row kernel (the stats and the top in one read) with 4 columns per access reads
     the logits with 16-byte loads, which its scalar variants never use."""
-    accesses = global_accesses(CSRC, tmp_path, "top_logprobs")
+    accesses = global_accesses(gate_objects.get("top_logprobs"))
     vector, scalar = (kernel_variants(accesses, rf"top_logprobs_stats_top_ids_rows_kernelI(\w+?)Li{width}EE")
                       for width in (4, 1))
     assert len(vector) == 2 and sorted(vector) == sorted(scalar), sorted(vector)  # both logit maps
