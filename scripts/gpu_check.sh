@@ -236,7 +236,7 @@ SANITIZERS=(sanitizer_memcheck sanitizer_racecheck sanitizer_synccheck)
 if [ "$ready" = yes ]; then
   # -v: each test's line as it ends, so a run killed before pytest writes its junit report still
   # has its counts, and names the test it was in; faulthandler prints every thread's stack of a
-  # test past the timeout, even where pytest-timeout's signal cannot interrupt it (a CUDA sync).
+  # test still running 10 s past the timeout, where pytest-timeout's signal cannot interrupt it (a CUDA sync).
   stage tests "$TESTS_S" env FUSED_RL_OPS_TEST_DEVICES="$DEVICE" "$PY" -m pytest -v -p no:cacheprovider \
     --maxfail=50 --durations=15 -o faulthandler_timeout="$FAULTHANDLER_S" "${TEST_TIMEOUT[@]}" \
     --junitxml="$OUT/junit.xml" "${TEST_SELECTION[@]}" &

@@ -159,7 +159,8 @@ def test_scalar_stores_of_a_pack_are_caught(tmp_path):
     assert text.count("store_pack(d + k, out);") == 1
     kernel.write_text(text.replace("store_pack(d + k, out);", "*reinterpret_cast<Pack<G, kWidth>*>(d + k) = out;"))
     obj = tmp_path / "chosen_logprob.o"
-    found = grad_rows_vector_stores(global_stores((compile_object(kernel.with_suffix(".cu"), obj, csrc), obj)))
+    result = compile_object(csrc / "chosen_logprob" / "kernel.cu", obj, csrc)
+    found = grad_rows_vector_stores(global_stores((result, obj)))
     assert found and all(ops != {VECTOR_STORES[dtype]} for (_, dtype), ops in found.items()), found
 
 
