@@ -70,6 +70,13 @@ run_logged() {  # run_logged LOG COMMAND...: output into LOG; on failure shows i
 
 setup_start=$SECONDS
 mkdir -p build
+# One set-up of a stack at a time: a second run started beside the first (.ci/run starts two on the
+# newest stack) waits here for the first's set-up, then finds everything done.
+exec {setup_lock}>"build/setup-$STACK.lock"
+if ! flock -n "$setup_lock"; then
+  echo "setup: waiting for the set-up of STACK=$STACK that another run is doing"
+  flock "$setup_lock"
+fi
 python="$(find_python)"
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV with $python (Python $(python_version "$python"), first run only)"
@@ -118,18 +125,32 @@ echo "$PWD" >"$(python -c 'import sysconfig; print(sysconfig.get_paths()["pureli
 
 # setup.py finds the CUDA toolkit itself (fused_rl_ops/_cuda_home.py).
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
-if compgen -G "fused_rl_ops/_C*.so" >/dev/null; then
-  echo "setup: updating the extension (recompiles only changed sources; log: $PWD/build/build.log)"
+# What the build depends on: the sources, pyproject.toml, the Python, torch, the toolkit and
+# setup.py's knobs. When none changed since the last build, it is not run: setup.py would relink the
+# extension and copy it in place, under another run of this checkout that may be importing it.
+build_stamp="$(printf '%s\n' "$(bash scripts/sources_digest.sh .)" "$(sha256sum pyproject.toml)" "$(python -VV)" \
+  "$(python -c 'import importlib.metadata; print(importlib.metadata.version("torch"))')" \
+  "$(python fused_rl_ops/_cuda_home.py || true)" "${FUSED_RL_OPS_CPU_ONLY:-}" "${TORCH_CUDA_ARCH_LIST:-}" \
+  | sha256sum | cut -d' ' -f1)"
+extension="fused_rl_ops/_C$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+if [ -f "$extension" ] && [ "$(cat build/build.stamp 2>/dev/null)" = "$build_stamp" ]; then
+  echo "setup: done in $((SECONDS - setup_start))s (the extension is up to date)"
 else
-  echo "setup: building the extension, first time: CPU kernels about 2 minutes, with the CUDA kernels"
-  echo "setup:   (nvcc) 5-10 minutes on 2 cores; log: $PWD/build/build.log"
+  if compgen -G "fused_rl_ops/_C*.so" >/dev/null; then
+    echo "setup: updating the extension (recompiles only changed sources; log: $PWD/build/build.log)"
+  else
+    echo "setup: building the extension, first time: CPU kernels about 2 minutes, with the CUDA kernels"
+    echo "setup:   (nvcc) 5-10 minutes on 2 cores; log: $PWD/build/build.log"
+  fi
+  build_start=$SECONDS
+  # The whole output goes to the log; ninja's step lines ([k/n] ... -c SOURCE) show the progress.
+  if ! python setup.py build_ext --inplace 2>&1 | tee build/build.log \
+      | sed -un 's|^\(\[[0-9]*/[0-9]*\]\) .* -c \([^- ][^ ]*\) .*|setup:   \1 \2|p'; then
+    echo "setup: FAILED: python setup.py build_ext --inplace; last lines of $PWD/build/build.log:" >&2
+    tail -n 40 build/build.log >&2
+    exit 1
+  fi
+  echo "$build_stamp" >build/build.stamp
+  echo "setup: done in $((SECONDS - setup_start))s (build step $((SECONDS - build_start))s)"
 fi
-build_start=$SECONDS
-# The whole output goes to the log; ninja's step lines ([k/n] ... -c SOURCE) show the progress.
-if ! python setup.py build_ext --inplace 2>&1 | tee build/build.log \
-    | sed -un 's|^\(\[[0-9]*/[0-9]*\]\) .* -c \([^- ][^ ]*\) .*|setup:   \1 \2|p'; then
-  echo "setup: FAILED: python setup.py build_ext --inplace; last lines of $PWD/build/build.log:" >&2
-  tail -n 40 build/build.log >&2
-  exit 1
-fi
-echo "setup: done in $((SECONDS - setup_start))s (build step $((SECONDS - build_start))s)"
+exec {setup_lock}>&-

@@ -25,8 +25,7 @@
 //     threads waiting at different __syncthreads() calls are reported errors.
 //   - warps of 32 lanes (linear thread index / 32): __shfl_sync, __shfl_xor_sync,
 //     __shfl_down_sync, __ballot_sync, __any_sync, __match_any_sync and __syncwarp exchange values
-//     through a per-warp barrier
-//     (__popc and __ffs are the host's bit counts); a mask naming
+//     through a per-warp barrier, one exchange each (__popc and __ffs are the host's bit counts); a mask naming
 //     absent lanes, lanes that returned, or not the calling lane, and lanes of one warp passing
 //     different masks or waiting at different calls are reported errors.
 //   - a barrier waited on longer than CUDA_ON_HOST_TIMEOUT_S seconds (default 60) is a reported
@@ -35,8 +34,9 @@
 //     host's math library, __ldg; and the runtime calls the launch helpers make (cudaGetDevice,
 //     cudaDeviceGetAttribute, cudaOccupancyMaxActiveBlocksPerMultiprocessor, cudaGetLastError)
 //     against a configurable stand-in device (SMs, resident threads per SM).
-//   All synchronisation is std::mutex / std::condition_variable, so ThreadSanitizer sees the
-//   happens-before edges a barrier or a shuffle gives, and reports accesses no barrier orders.
+//   All synchronisation is std::mutex and release / acquire atomics (waiting threads sleep in a
+//   futex), so ThreadSanitizer sees the happens-before edges a barrier or a shuffle gives, and
+//   reports accesses no barrier orders.
 // What it does not model: races between blocks that share a slot (two blocks a slot apart run one
 // after the other; with the shuffled orders of several cases most pairs meet in different slots),
 // code generation (register allocation, nvcc's optimisations, spills), uninitialised shared memory
@@ -61,10 +61,16 @@
 #include <cuda_runtime.h>
 #include <cxxabi.h>
 #include <dlfcn.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
-#include <condition_variable>
+#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -108,18 +114,38 @@ struct Site {  // where a barrier or shuffle was called from
   std::string str() const { return std::string(file) + ":" + std::to_string(line); }
 };
 
-// Waits on cv until done() (lock held), failing as a deadlock after the timeout.
-template <typename Done>
-void wait_or_fail(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, Done done, const char* what) {
-  if (!cv.wait_for(lock, timeout(), done)) fail(std::string("deadlock: timed out waiting at ") + what);
-}
+// What the threads that wait at a barrier or shuffle wait on: a counter the last thread to arrive
+// advances, read with acquire and advanced with release, so ThreadSanitizer orders what that thread
+// wrote before the wait's end. Waiters sleep in a futex on the counter itself: a condition
+// variable's notify_all would wake each into a contest for its mutex, which with hundreds of
+// threads on two cores took most of a case's time in futex calls.
+struct Generation {
+  std::atomic<uint32_t> value{0};
+
+  uint32_t now() const { return value.load(std::memory_order_acquire); }
+
+  void advance() {
+    value.fetch_add(1, std::memory_order_release);
+    syscall(SYS_futex, &value, FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+  }
+
+  // Returns once the counter is past mine; fails as a deadlock after the timeout.
+  void wait_past(uint32_t mine, const char* what) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    while (now() == mine) {
+      const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) fail(std::string("deadlock: timed out waiting at ") + what);
+      const timespec wait{time_t(left.count() / 1000000000), long(left.count() % 1000000000)};
+      syscall(SYS_futex, &value, FUTEX_WAIT_PRIVATE, mine, &wait, nullptr, 0);
+    }
+  }
+};
 
 // __syncthreads() of one block.
 struct BlockBarrier {
   std::mutex mu;
-  std::condition_variable cv;
+  Generation generation;
   int threads = 0, live = 0, arrived = 0;
-  unsigned long generation = 0;
   Site site;
 
   void sync(Site at) {
@@ -131,12 +157,12 @@ struct BlockBarrier {
     else if (site != at) fail("threads wait at different __syncthreads(): " + site.str() + " and " + at.str());
     if (++arrived == threads) {
       arrived = 0;
-      ++generation;
-      cv.notify_all();
+      generation.advance();
       return;
     }
-    const unsigned long mine = generation;
-    wait_or_fail(cv, lock, [&] { return generation != mine; }, "__syncthreads()");
+    const uint32_t mine = generation.now();
+    lock.unlock();
+    generation.wait_past(mine, "__syncthreads()");
   }
 
   void thread_returned() {
@@ -147,18 +173,21 @@ struct BlockBarrier {
   }
 };
 
-// One warp's shuffles: every lane of the mask deposits its value and source lane; the last to
+// What an exchange of a warp hands each lane of its mask: the value of the lane it names (a
+// shuffle), the lanes whose value is not 0 (a ballot), or those whose value equals its own (a match).
+enum class Exchange { kShuffle, kBallot, kMatchAny };
+
+// One warp's exchanges: every lane of the mask deposits its value and source lane; the last to
 // arrive hands each lane its result.
 struct Warp {
   std::mutex mu;
-  std::condition_variable cv;
+  Generation generation;
   unsigned present = 0, returned = 0, arrived = 0, mask = 0;
-  unsigned long generation = 0;
   Site site;
   uint64_t value[32] = {}, result[32] = {};
   int source[32] = {};
 
-  uint64_t exchange(int lane, unsigned m, uint64_t v, int src, Site at) {
+  uint64_t exchange(int lane, unsigned m, uint64_t v, int src, Exchange kind, Site at) {
     std::unique_lock<std::mutex> lock(mu);
     const unsigned bit = 1u << lane;
     if (!(m & bit))
@@ -177,15 +206,25 @@ struct Warp {
     arrived |= bit;
     if (arrived == mask) {
       for (int l = 0; l < 32; ++l)
-        if (mask & (1u << l)) result[l] = value[source[l]];
+        if (mask & (1u << l)) result[l] = outcome(kind, l);
       arrived = 0;
-      ++generation;
-      cv.notify_all();
+      generation.advance();
       return result[lane];
     }
-    const unsigned long mine = generation;
-    wait_or_fail(cv, lock, [&] { return generation != mine; }, "a warp shuffle");
-    return result[lane];
+    const uint32_t mine = generation.now();
+    lock.unlock();
+    generation.wait_past(mine, "a warp shuffle");
+    return result[lane];  // written for this lane before the generation advanced
+  }
+
+  uint64_t outcome(Exchange kind, int lane) const {
+    if (kind == Exchange::kShuffle) return value[source[lane]];
+    uint64_t lanes = 0;
+    for (int l = 0; l < 32; ++l) {
+      const bool counted = kind == Exchange::kBallot ? value[l] != 0 : value[l] == value[lane];
+      if (mask & (1u << l) && counted) lanes |= uint64_t(1) << l;
+    }
+    return lanes;
   }
 
   void lane_returned(int lane) {
@@ -237,7 +276,7 @@ template <typename T, typename Source>
 T shuffle(unsigned mask, T v, int width, Site at, const Source& source) {
   if (width < 1 || width > 32 || (width & (width - 1)))
     fail("shuffle width " + std::to_string(width) + " is not a power of 2 in [1, 32]");
-  return from_bits<T>(warp().exchange(lane(), mask, to_bits(v), source(lane()), at));
+  return from_bits<T>(warp().exchange(lane(), mask, to_bits(v), source(lane()), Exchange::kShuffle, at));
 }
 
 // The stand-in device the runtime calls answer for (what a test sets), and the launch error
@@ -319,8 +358,8 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_byte
   struct Slot {
     Block state;
     std::mutex mu;  // rendezvous between the slot's blocks
-    std::condition_variable cv;
-    size_t done = 0, finished_blocks = 0;
+    Generation finished_blocks;
+    size_t done = 0;
   };
   const size_t slots = std::min<size_t>(order.size(), kConcurrentBlocks);
   std::vector<std::unique_ptr<Slot>> slot_states;
@@ -346,10 +385,10 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_byte
       if (++slot.done == threads) {  // the last thread out resets the block for the slot's next
         slot.done = 0;
         slot.state.reset(int(threads), shared_bytes);
-        ++slot.finished_blocks;
-        slot.cv.notify_all();
+        slot.finished_blocks.advance();
       } else {
-        wait_or_fail(slot.cv, lock, [&] { return slot.finished_blocks > mine; }, "the end of a block");
+        lock.unlock();
+        slot.finished_blocks.wait_past(uint32_t(mine), "the end of a block");
       }
     }
     current_block = nullptr;
@@ -414,7 +453,8 @@ inline void __syncthreads(cuda_on_host::Site at = {__builtin_FILE(), __builtin_L
 }
 
 inline void __syncwarp(unsigned mask = 0xffffffffu, cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
-  cuda_on_host::warp().exchange(cuda_on_host::lane(), mask, 0, cuda_on_host::lane(), at);
+  cuda_on_host::warp().exchange(cuda_on_host::lane(), mask, 0, cuda_on_host::lane(), cuda_on_host::Exchange::kShuffle,
+                                at);
 }
 
 template <typename T>
@@ -446,34 +486,22 @@ T __ldg(const T* p) {
   return *p;
 }
 
-// A vote of the lanes of mask: bit l set where lane l's predicate holds. Made of one exchange per
-// lane of the mask, so it is checked as a shuffle is.
+// A vote of the lanes of mask: bit l set where lane l's predicate holds. One exchange, checked as a
+// shuffle is.
 inline unsigned __ballot_sync(unsigned mask, int predicate, cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
-  unsigned votes = 0;
-  for (int l = 0; l < 32; ++l) {
-    if (mask & (1u << l)) {
-      votes |= unsigned(cuda_on_host::shuffle(mask, predicate != 0, 32, at, [l](int) { return l; })) << l;
-    }
-  }
-  return votes;
+  return unsigned(cuda_on_host::warp().exchange(cuda_on_host::lane(), mask, predicate != 0, cuda_on_host::lane(),
+                                                cuda_on_host::Exchange::kBallot, at));
 }
 
 inline int __any_sync(unsigned mask, int predicate, cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
   return __ballot_sync(mask, predicate, at) != 0;
 }
 
-// The lanes of mask whose value equals the caller's (bitwise): one exchange per lane of the mask,
-// checked as a shuffle is.
+// The lanes of mask whose value equals the caller's (bitwise): one exchange, checked as a shuffle is.
 template <typename T>
 unsigned __match_any_sync(unsigned mask, T value, cuda_on_host::Site at = {__builtin_FILE(), __builtin_LINE()}) {
-  unsigned same = 0;
-  for (int l = 0; l < 32; ++l) {
-    if (mask & (1u << l)) {
-      const T other = cuda_on_host::shuffle(mask, value, 32, at, [l](int) { return l; });
-      same |= unsigned(cuda_on_host::to_bits(other) == cuda_on_host::to_bits(value)) << l;
-    }
-  }
-  return same;
+  return unsigned(cuda_on_host::warp().exchange(cuda_on_host::lane(), mask, cuda_on_host::to_bits(value),
+                                                cuda_on_host::lane(), cuda_on_host::Exchange::kMatchAny, at));
 }
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }

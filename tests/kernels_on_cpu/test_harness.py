@@ -1,6 +1,5 @@
 """The kernels-on-CPU harness itself (tests/helpers/kernels_on_cpu.py): the host model's checks of
 synchronisation, and proof that the cases catch bugs planted in the kernels and launchers."""
-import concurrent.futures
 import os
 import re
 import shutil
@@ -9,6 +8,7 @@ import subprocess
 import pytest
 import torch
 
+from tests.helpers.background import background_compiles
 from tests.helpers.kernels_on_cpu import BUILDS, CSRC, SANITIZER_ENV, build_drivers, drivers, pytestmark  # noqa: F401
 from tests.kernels_on_cpu import test_chosen_logprob as chosen_logprob_cases
 from tests.kernels_on_cpu import test_chosen_logprob_entries as entries_cases
@@ -285,21 +285,18 @@ def build_planted(defect, out_dir):
 
 @pytest.fixture(scope="module")
 def planted_drivers(request, tmp_path_factory):
-    """The drivers of the defects this session runs, built two at a time in the order their tests run,
-    from the first test on: each single-threaded compile of a kernel.cu takes 10-50 s, and one at a time
-    they left a core idle. Each test waits for its own."""
-    selected = [item.callspec.params["defect"] for item in request.session.items
-                if getattr(item, "originalname", None) == "test_planted_defect_is_caught"]
+    """The drivers of the defects this session runs, built in the background (tests.helpers.background)."""
     root = tmp_path_factory.mktemp("planted")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        yield {defect: pool.submit(build_planted, defect, root / defect) for defect in selected}
-        pool.shutdown(cancel_futures=True)
+    with background_compiles(request.session, "test_planted_defect_is_caught",
+                             lambda params: (params["defect"], build_planted, params["defect"],
+                                             root / params["defect"])) as compiles:
+        yield compiles
 
 
 @pytest.mark.parametrize("defect", list(DEFECTS))
 def test_planted_defect_is_caught(tmp_path, planted_drivers, defect):
     case, report = DEFECTS[defect][4:6]
-    drivers = planted_drivers[defect].result()
+    drivers = planted_drivers.result(defect)
     with pytest.raises(AssertionError, match=re.escape(report)):
         case(drivers, tmp_path)
 

@@ -2,7 +2,6 @@
 spills registers (read from ptxas's resource report), and every kernel is in namespace fused_rl_ops (the
 filter of gpu_check.sh's racecheck and synccheck); the vector paths store vectors (the sm_90 SASS,
 read with cuobjdump). Needs nvcc, not a GPU."""
-import concurrent.futures
 import glob
 import os
 import re
@@ -12,11 +11,14 @@ import subprocess
 import pytest
 
 from fused_rl_ops._cuda_home import find_cuda_home
+from tests.helpers.background import background_compiles
 
 CSRC = os.path.join(os.path.dirname(__file__), "..", "..", "csrc")
 CU_FILES = sorted(glob.glob(os.path.join(CSRC, "*", "kernel.cu")))
 # The architectures gated: A100's, H100 / H200's and B200's.
 GATED_ARCHS = ("sm_80", "sm_90", "sm_100")
+
+pytestmark = pytest.mark.stack_independent
 
 
 def nvcc_path():
@@ -49,34 +51,30 @@ def op_of(source):
     return os.path.basename(os.path.dirname(source))
 
 
+def gate_compile(out_dir, op, arch):
+    """(key, compile, *args) of op's kernel.cu compiled for arch into out_dir, as a BackgroundCompiles queues it."""
+    return (op, arch), compile_object, os.path.join(CSRC, op, "kernel.cu"), out_dir / f"{op}_{arch}.o", CSRC, arch
+
+
 class GateObjects:
-    """Each op's kernel.cu compiled for an architecture as the gate compiles it, once, by two nvcc
-    processes in the background (one compile keeps one core busy for up to 20 s)."""
+    """Each op's kernel.cu compiled for an architecture as the gate compiles it, once, in the
+    background (tests.helpers.background)."""
 
-    def __init__(self, out_dir, pool):
-        self.out_dir, self.pool, self.compiles = out_dir, pool, {}
-
-    def queue(self, op, arch="sm_90"):
-        if (op, arch) not in self.compiles:
-            self.compiles[op, arch] = self.pool.submit(
-                compile_object, os.path.join(CSRC, op, "kernel.cu"), self.out_dir / f"{op}_{arch}.o", arch=arch)
-        return self.compiles[op, arch]
+    def __init__(self, out_dir, compiles):
+        self.out_dir, self.compiles = out_dir, compiles
 
     def get(self, op, arch="sm_90"):
         """(nvcc's CompletedProcess, the object's path)."""
-        return self.queue(op, arch).result(), self.out_dir / f"{op}_{arch}.o"
+        return self.compiles.queue(*gate_compile(self.out_dir, op, arch)).result(), self.out_dir / f"{op}_{arch}.o"
 
 
 @pytest.fixture(scope="module")
 def gate_objects(request, tmp_path_factory):
     """The module's first test queues the compiles of the gate's tests this session runs, in their order."""
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        objects = GateObjects(tmp_path_factory.mktemp("cuda_compile"), pool)
-        for item in request.session.items:
-            if getattr(item, "originalname", None) == "test_compiles_without_warnings_or_spills":
-                objects.queue(op_of(item.callspec.params["source"]), item.callspec.params["arch"])
-        yield objects
-        pool.shutdown(cancel_futures=True)
+    out_dir = tmp_path_factory.mktemp("cuda_compile")
+    with background_compiles(request.session, "test_compiles_without_warnings_or_spills",
+                             lambda params: gate_compile(out_dir, op_of(params["source"]), params["arch"])) as compiles:
+        yield GateObjects(out_dir, compiles)
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="no CUDA toolkit on this machine")

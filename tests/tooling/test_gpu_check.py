@@ -19,9 +19,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import op_table
+
+pytestmark = pytest.mark.stack_independent
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = [stage for stage, *_ in op_table.benchmark_runs()]
