@@ -126,14 +126,18 @@ echo "$PWD" >"$(python -c 'import sysconfig; print(sysconfig.get_paths()["pureli
 # setup.py finds the CUDA toolkit itself (fused_rl_ops/_cuda_home.py).
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 # What the build depends on: the sources, pyproject.toml, the Python, torch, the toolkit and
-# setup.py's knobs. When none changed since the last build, it is not run: setup.py would relink the
+# setup.py's knobs; the stamp also names the extension it made (time and size: one built otherwise
+# since is built again). When none changed, the build is not run: setup.py would relink the
 # extension and copy it in place, under another run of this checkout that may be importing it.
-build_stamp="$(printf '%s\n' "$(bash scripts/sources_digest.sh .)" "$(sha256sum pyproject.toml)" "$(python -VV)" \
+build_inputs="$(printf '%s\n' "$(bash scripts/sources_digest.sh .)" "$(sha256sum pyproject.toml)" "$(python -VV)" \
   "$(python -c 'import importlib.metadata; print(importlib.metadata.version("torch"))')" \
   "$(python fused_rl_ops/_cuda_home.py || true)" "${FUSED_RL_OPS_CPU_ONLY:-}" "${TORCH_CUDA_ARCH_LIST:-}" \
   | sha256sum | cut -d' ' -f1)"
 extension="fused_rl_ops/_C$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
-if [ -f "$extension" ] && [ "$(cat build/build.stamp 2>/dev/null)" = "$build_stamp" ]; then
+build_stamp() {  # the inputs, and the extension now in place
+  echo "$build_inputs $(stat -c '%Y %s' "$extension" 2>/dev/null)"
+}
+if [ -f "$extension" ] && [ "$(cat build/build.stamp 2>/dev/null)" = "$(build_stamp)" ]; then
   echo "setup: done in $((SECONDS - setup_start))s (the extension is up to date)"
 else
   if compgen -G "fused_rl_ops/_C*.so" >/dev/null; then
@@ -150,7 +154,7 @@ else
     tail -n 40 build/build.log >&2
     exit 1
   fi
-  echo "$build_stamp" >build/build.stamp
+  build_stamp >build/build.stamp
   echo "setup: done in $((SECONDS - setup_start))s (build step $((SECONDS - build_start))s)"
 fi
 exec {setup_lock}>&-
