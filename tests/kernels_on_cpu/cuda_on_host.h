@@ -25,8 +25,8 @@
 //     threads waiting at different __syncthreads() calls are reported errors.
 //   - warps of 32 lanes (linear thread index / 32): __shfl_sync, __shfl_xor_sync,
 //     __shfl_down_sync, __ballot_sync, __any_sync, __match_any_sync and __syncwarp exchange values
-//     through a per-warp barrier, one exchange each (__popc and __ffs are the host's bit counts); a mask naming
-//     absent lanes, lanes that returned, or not the calling lane, and lanes of one warp passing
+//     through a per-warp barrier, one exchange each (__popc and __ffs are the host's bit counts); a
+//     mask naming absent lanes, lanes that returned, or not the calling lane, and lanes of one warp passing
 //     different masks or waiting at different calls are reported errors.
 //   - a barrier waited on longer than CUDA_ON_HOST_TIMEOUT_S seconds (default 60) is a reported
 //     deadlock. Every reported error prints "cuda_on_host error: ..." and exits with status 70.
@@ -67,7 +67,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <chrono>
 #include <climits>

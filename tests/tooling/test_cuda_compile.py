@@ -39,12 +39,13 @@ def cuobjdump_path():
 
 
 def compile_object(source, out, csrc=CSRC, arch="sm_90"):
-    """nvcc -c of source for arch as the gate compiles it; the CompletedProcess (ptxas's report on stderr)."""
+    """nvcc -c of source for arch into out as the gate compiles it: (the CompletedProcess, whose stderr
+    holds ptxas's report; out)."""
     return subprocess.run(
         [nvcc_path(), "-std=c++17", "-O3", "--fmad=false", f"-arch={arch}", "-Werror", "all-warnings", "-Xptxas", "-v",
          f"-I{csrc}", "-c", str(source), "-o", str(out)],
         capture_output=True, text=True,
-    )
+    ), out
 
 
 def op_of(source):
@@ -65,7 +66,7 @@ class GateObjects:
 
     def get(self, op, arch="sm_90"):
         """(nvcc's CompletedProcess, the object's path)."""
-        return self.compiles.queue(*gate_compile(self.out_dir, op, arch)).result(), self.out_dir / f"{op}_{arch}.o"
+        return self.compiles.queue(*gate_compile(self.out_dir, op, arch)).result()
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +158,7 @@ def test_scalar_stores_of_a_pack_are_caught(tmp_path):
     assert text.count("store_pack(d + k, out);") == 1
     kernel.write_text(text.replace("store_pack(d + k, out);", "*reinterpret_cast<Pack<G, kWidth>*>(d + k) = out;"))
     obj = tmp_path / "chosen_logprob.o"
-    result = compile_object(csrc / "chosen_logprob" / "kernel.cu", obj, csrc)
-    found = grad_rows_vector_stores(global_stores((result, obj)))
+    found = grad_rows_vector_stores(global_stores(compile_object(csrc / "chosen_logprob" / "kernel.cu", obj, csrc)))
     assert found and all(ops != {VECTOR_STORES[dtype]} for (_, dtype), ops in found.items()), found
 
 
