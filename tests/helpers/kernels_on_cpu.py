@@ -2,7 +2,8 @@
 kernel.cuh, the sources nvcc compiles) with the host execution model
 tests/kernels_on_cpu/cuda_on_host.h (what it models and what not: its header comment). A driver per
 op (tests/kernels_on_cpu/<op>_driver.cpp) reads a case written here, calls one of the op's launchers
-for a stand-in device and writes the buffers back. Every case runs in three builds, plain,
+for a stand-in device and writes the buffers back; one process per build serves the session's cases
+(ServingDriver). Every case runs in three builds, plain,
 ThreadSanitizer and AddressSanitizer + UBSan; any sanitizer report, harness error or wrong number
 fails it, and the three builds must agree bit for bit. The cases are in tests/kernels_on_cpu/test_<op>.py
 (against float64 references) and tests/kernels_on_cpu/test_harness.py (the model's own checks and the
@@ -16,6 +17,7 @@ import hashlib
 import math
 import os
 import re
+import select
 import shutil
 import subprocess
 from pathlib import Path
@@ -132,7 +134,9 @@ def build_drivers(csrc, out_dir, drivers=DRIVERS, variants=tuple(BUILDS)):
 def sources_hash():
     h = hashlib.sha256(" ".join([CXX, str(CUDA_INCLUDE), repr(COMMON_FLAGS), repr(BUILDS)]).encode())
     h.update(subprocess.run([CXX, "--version"], capture_output=True).stdout)
-    for path in sorted([*CSRC.rglob("*.h"), *CSRC.rglob("*.cuh"), *CSRC.rglob("*.cu"), *HARNESS.iterdir()]):
+    sources = [*CSRC.rglob("*.h"), *CSRC.rglob("*.cuh"), *CSRC.rglob("*.cu"), *HARNESS.glob("*.h"),
+               *HARNESS.glob("*.cpp")]  # not the test files: editing a case rebuilds nothing
+    for path in sorted(sources):
         h.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
     return h.hexdigest()[:16]
 
@@ -144,7 +148,61 @@ def drivers():
         shutil.rmtree(out_dir.parent, ignore_errors=True)  # builds of older sources
         build_drivers(CSRC, out_dir)
         (out_dir / "complete").touch()
-    return out_dir
+    yield out_dir
+    stop_serving()
+
+
+class ServingDriver:
+    """A driver process serving cases one after another (tests/kernels_on_cpu/driver.h), started
+    again after a case that ended it. One process keeps its threads from case to case: creating the
+    512 threads of a launch took ThreadSanitizer over a second."""
+
+    def __init__(self, path):
+        self.path, self.process, self.last_stderr = path, None, None
+
+    def run(self, case_dir, out_dir, timeout=600):
+        """Runs one case; returns its CompletedProcess: the exit status (0 when the case passed), the
+        launches it made as stdout, its standard error."""
+        if self.process is None or self.process.poll() is not None:
+            # What the process writes before its first case goes into that case's stderr.txt.
+            with open(out_dir / "stderr.txt", "a") as startup_stderr:
+                self.process = subprocess.Popen([str(self.path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                stderr=startup_stderr, text=True, env={**os.environ, **SANITIZER_ENV})
+        self.last_stderr = out_dir / "stderr.txt"
+        self.process.stdin.write(f"{case_dir}\t{out_dir}\n")
+        self.process.stdin.flush()
+        if select.select([self.process.stdout], [], [], timeout)[0]:
+            reply = self.process.stdout.readline()
+        else:
+            self.process.kill()
+            reply = f"timed out after {timeout} s"
+        code = 0 if reply == "done\n" else self.process.wait()
+        launches = out_dir / "launches.txt"
+        return subprocess.CompletedProcess(self.path, code, launches.read_text() if launches.exists() else "",
+                                           self.last_stderr.read_text() + ("" if code == 0 else reply))
+
+    def stop(self):
+        """Ends a process still serving; fails if its exit was not clean."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.stdin.close()
+        code = self.process.wait(timeout=120)
+        stderr = self.last_stderr.read_text()
+        assert code == 0 and not stderr, f"{self.path} ended with exit {code}:\n{stderr[:4000]}"
+
+
+SERVING = {}  # executable path -> ServingDriver, for the session
+
+
+def serving(path):
+    return SERVING.setdefault(path, ServingDriver(path))
+
+
+def stop_serving():
+    drivers = list(SERVING.values())
+    SERVING.clear()
+    for driver in drivers:
+        driver.stop()
 
 
 class Buf:
@@ -186,13 +244,12 @@ def run_case(drivers, op, kernel, buffers, scalars, *, passes="one", block_order
     variants = [v for v in BUILDS if (drivers / v).is_dir()]
     case_dir = tmp_dir / "case"
     write_case(case_dir, kernel, DEVICES[passes], buffers, scalars, block_order_seed)
-    env = {**os.environ, **SANITIZER_ENV}
+    processes = {v: serving(drivers / v / OP_DRIVERS[op]) for v in variants}
 
     def run(variant):
         out_dir = tmp_dir / variant
         out_dir.mkdir()
-        return subprocess.run([str(drivers / variant / OP_DRIVERS[op]), str(case_dir), str(out_dir)],
-                              capture_output=True, text=True, env=env, timeout=600)
+        return processes[variant].run(case_dir, out_dir)
 
     with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:
         results = dict(zip(variants, pool.map(run, variants)))

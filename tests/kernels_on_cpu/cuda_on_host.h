@@ -6,8 +6,9 @@
 // What it models:
 //   - launch(kernel, grid, block, shared_bytes, args...) stands in for kernel<<<grid, block,
 //     shared_bytes>>>(args...) (csrc/common/launch.h calls it where nvcc would launch): one OS
-//     thread per CUDA thread of a block, kConcurrentBlocks blocks at once; threadIdx, blockIdx,
-//     blockDim, gridDim. The blocks, in order or shuffled by set_block_order_seed, are dealt to
+//     thread per CUDA thread of a block (threads kept from launch to launch: Workers),
+//     kConcurrentBlocks blocks at once; threadIdx, blockIdx,
+//     blockDim, gridDim. The blocks, in order or shuffled by the case's block order seed, are dealt to
 //     kConcurrentBlocks slots in turn, and each slot runs its blocks one after another. Slots never
 //     synchronise with one another, so ThreadSanitizer reports conflicting accesses by blocks in
 //     different slots (two blocks writing one element, one reading what another writes): races
@@ -74,6 +75,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -138,7 +140,69 @@ struct Generation {
       syscall(SYS_futex, &value, FUTEX_WAIT_PRIVATE, mine, &wait, nullptr, 0);
     }
   }
+
+  // Returns once the counter is past mine, however long that takes: an idle worker waiting for a
+  // launch, or a launch waiting for its blocks (whose own waits time out).
+  void wait_past_untimed(uint32_t mine) {
+    while (now() == mine) syscall(SYS_futex, &value, FUTEX_WAIT_PRIVATE, mine, nullptr, nullptr, 0);
+  }
 };
+
+// The OS threads that run the CUDA threads of launches, kept from one launch to the next, and from
+// one case to the next of a driver serving many: ThreadSanitizer takes about 2 ms to create a
+// thread, a second for a launch of two blocks of 256. The work is handed out under a mutex and
+// collected through a Generation, so ThreadSanitizer orders the workers after what the launching
+// thread wrote before, and the launching thread after everything the workers wrote.
+class Workers {
+ public:
+  ~Workers() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+      started_.advance();
+    }
+    for (auto& t : threads_) t.join();
+  }
+
+  // Runs task(i) for every i < n, each on a thread of its own, all at once; returns when all returned.
+  void run(size_t n, const std::function<void(size_t)>& task) {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (threads_.size() < n) {
+      const size_t i = threads_.size();
+      threads_.emplace_back([this, i, seen = started_.now()] { serve(i, seen); });
+    }
+    task_ = &task;
+    active_ = running_ = n;
+    const uint32_t done = finished_.now();
+    started_.advance();  // under the mutex: a worker that wakes reads the task of the count it sees
+    lock.unlock();
+    finished_.wait_past_untimed(done);
+  }
+
+ private:
+  void serve(size_t i, uint32_t seen) {
+    for (;;) {
+      started_.wait_past_untimed(seen);
+      std::unique_lock<std::mutex> lock(mu_);
+      seen = started_.now();
+      if (stopping_) return;
+      if (i >= active_) continue;  // a launch of fewer threads
+      const std::function<void(size_t)>& task = *task_;
+      lock.unlock();
+      task(i);
+      lock.lock();
+      if (--running_ == 0) finished_.advance();
+    }
+  }
+
+  std::mutex mu_;
+  Generation started_, finished_;
+  std::vector<std::thread> threads_;
+  const std::function<void(size_t)>* task_ = nullptr;
+  size_t active_ = 0, running_ = 0;
+  bool stopping_ = false;
+};
+inline Workers workers;
 
 // __syncthreads() of one block.
 struct BlockBarrier {
@@ -293,6 +357,7 @@ inline unsigned block_order_seed = 0;  // 0: blocks in order
 
 inline void set_block_order_seed(unsigned seed) { block_order_seed = seed; }
 
+
 // A launch the kernels ran: the kernel's name with its template arguments (its symbol, read back
 // with dladdr: the executable is linked with -rdynamic; "unnamed" for a kernel of internal
 // linkage, which has none), the grid and the block.
@@ -301,6 +366,18 @@ struct LaunchRecord {
   dim3 grid, block;
 };
 inline std::vector<LaunchRecord> launches;
+
+// Starts a driver's next case (one process serves many): its stand-in device added as a device of
+// its own and made current, so that the launch helpers' caches, kept per device, start empty for it
+// as in a new process; its block order; no launches recorded and no launch error.
+inline void begin_case(int sms, int threads_per_sm, unsigned order_seed) {
+  std::lock_guard<std::mutex> lock(runtime_mu);
+  devices.push_back({sms, threads_per_sm});
+  current_device = int(devices.size()) - 1;
+  block_order_seed = order_seed;
+  launches.clear();
+  last_error = cudaSuccess;
+}
 
 template <typename Fn>
 std::string kernel_name(Fn* kernel) {
@@ -392,11 +469,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_byte
     }
     current_block = nullptr;
   };
-  std::vector<std::thread> pool;
-  for (size_t s = 0; s < slots; ++s) {
-    for (int t = 0; t < int(threads); ++t) pool.emplace_back(run, s, t);
-  }
-  for (auto& th : pool) th.join();
+  workers.run(slots * threads, [&](size_t i) { run(i / threads, int(i % threads)); });
   record(cudaSuccess);
 }
 

@@ -1,6 +1,10 @@
-// Shared part of the kernel drivers (<op>_driver.cpp): reads a case directory written by
-// tests/helpers/kernels_on_cpu.py, calls one of the op's launchers (csrc/<op>/kernel.cu, compiled into the
-// driver) through cuda_on_host.h and writes the buffers back.
+// Shared part of the kernel drivers (<op>_driver.cpp): serves the cases tests/helpers/kernels_on_cpu.py
+// writes, one after another. Each line of standard input names a case directory and an output
+// directory, tab-separated; the driver calls one of the op's launchers (csrc/<op>/kernel.cu,
+// compiled into the driver) through cuda_on_host.h, writes the buffers and the launches to the output
+// directory, and prints "done". The case's standard error goes to OUT_DIR/stderr.txt; an error
+// (the model's, a sanitizer's) ends the process, as it would end a process of its own. Run one by
+// hand with: printf '%s\t%s\n' CASE_DIR OUT_DIR | DRIVER
 //
 // case.txt, one entry a line:
 //   kernel NAME                      which launcher the driver calls
@@ -11,13 +15,18 @@
 //                                    driver places them OFFSET elements past a 16-byte boundary
 //                                    and with nothing after them, so a read past the end is an
 //                                    AddressSanitizer report; written back to NAME.out after
-// The driver prints a line "launch KERNEL<TEMPLATE ARGS> GRID_X Y Z BLOCK_X Y Z" for each kernel
-// the launcher started.
+// OUT_DIR/launches.txt has a line "launch KERNEL<TEMPLATE ARGS> GRID_X Y Z BLOCK_X Y Z" for each
+// kernel the launcher started.
 #pragma once
 
 #include "common/math.h"
 #include "cuda_on_host.h"
 #include "vocab_parallel/logit_map.h"
+
+#include <fcntl.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/lsan_interface.h>
+#endif
 
 #include <fstream>
 #include <iostream>
@@ -49,8 +58,8 @@ class Case {
     std::string key;
     while (in >> key) {
       if (key == "kernel") in >> kernel;
-      else if (key == "device") in >> cuda_on_host::devices.at(0).sms >> cuda_on_host::devices.at(0).threads_per_sm;
-      else if (key == "block_order_seed") in >> block_order_seed;
+      else if (key == "device") in >> sms_ >> threads_per_sm_;
+      else if (key == "block_order_seed") in >> block_order_seed_;
       else if (key == "int" || key == "float") {
         std::string name;
         in >> name >> scalars_[name];
@@ -63,7 +72,7 @@ class Case {
         cuda_on_host::fail("case.txt: unknown entry " + key);
       }
     }
-    cuda_on_host::set_block_order_seed(block_order_seed);
+    cuda_on_host::begin_case(sms_, threads_per_sm_, block_order_seed_);
   }
 
   template <typename T>
@@ -95,7 +104,6 @@ class Case {
   }
 
   std::string kernel;
-  unsigned block_order_seed = 0;
 
  private:
   double scalar(const std::string& name) const {
@@ -120,6 +128,8 @@ class Case {
   }
 
   std::string dir_;
+  int sms_ = 0, threads_per_sm_ = 0;
+  unsigned block_order_seed_ = 0;
   std::map<std::string, double> scalars_;
   std::map<std::string, Buffer> buffers_;
 };
@@ -164,21 +174,42 @@ fused_rl_ops::DType read_grads(Case& c, Params& p) {
   return c.dtype();
 }
 
-// Runs `run(case)` on the case directory argv[1], writing the buffers to the directory argv[2];
-// run returns the launcher's cudaError_t.
+// One case: run(case) calls the launcher and returns its cudaError_t.
 template <typename Run>
-int main(int argc, char** argv, const Run& run) {
-  if (argc != 3) cuda_on_host::fail("usage: driver CASE_DIR OUT_DIR");
-  Case c(argv[1]);
+void run_case(const std::string& case_dir, const std::string& out_dir, const Run& run) {
+  Case c(case_dir);
   check(run(c), c.kernel);
   check(cudaGetLastError(), c.kernel);
+  std::ofstream out(out_dir + "/launches.txt");
   for (const auto& l : cuda_on_host::launches) {
     std::string name = l.kernel;
     name.erase(std::remove(name.begin(), name.end(), ' '), name.end());
-    std::cout << "launch " << name << " " << l.grid.x << " " << l.grid.y << " " << l.grid.z << " " << l.block.x
-              << " " << l.block.y << " " << l.block.z << "\n";
+    out << "launch " << name << " " << l.grid.x << " " << l.grid.y << " " << l.grid.z << " " << l.block.x << " "
+        << l.block.y << " " << l.block.z << "\n";
   }
-  c.write_back(argv[2]);
+  c.write_back(out_dir);
+}
+
+// Serves the cases named on standard input (this file's header), one process for them all: its
+// threads are kept from one case to the next (cuda_on_host's Workers).
+template <typename Run>
+int main(int argc, char** argv, const Run& run) {
+  if (argc != 1) cuda_on_host::fail(std::string("usage: printf '%s\\t%s\\n' CASE_DIR OUT_DIR | ") + argv[0]);
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    const size_t tab = line.find('\t');
+    if (tab == std::string::npos) cuda_on_host::fail("not CASE_DIR<tab>OUT_DIR: " + line);
+    const std::string out_dir = line.substr(tab + 1);
+    const int err = open((out_dir + "/stderr.txt").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (err < 0 || dup2(err, STDERR_FILENO) < 0) cuda_on_host::fail("cannot write " + out_dir + "/stderr.txt");
+    close(err);
+    run_case(line.substr(0, tab), out_dir, run);
+#if defined(__SANITIZE_ADDRESS__)
+    // What a process of its own would find at its exit: memory the case allocated and lost.
+    if (__lsan_do_recoverable_leak_check()) cuda_on_host::fail("LeakSanitizer found leaks (above)");
+#endif
+    std::cout << "done" << std::endl;
+  }
   return 0;
 }
 

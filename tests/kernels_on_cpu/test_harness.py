@@ -23,15 +23,19 @@ from tests.kernels_on_cpu import test_vocab_divergence as vocab_divergence_cases
 # The model itself: its checks of synchronisation, and the launch shapes of common/cuda_utils.cuh
 
 
+# The report each scenario must give (a regex). A thread returning before a barrier or a shuffle its
+# block or warp still waits at is reported by whichever comes second: the thread that returns, or
+# one that then reaches the wait.
 @pytest.mark.parametrize("scenario,error", [
     ("good_exchanges", None),
     ("bad_launch_configs_are_errors", None),
     ("device_sizes", None),
     ("concurrent_blocks", None),
-    ("bad_barrier_after_return", "threads wait at __syncthreads()"),
-    ("bad_barriers_at_two_places", "threads wait at different __syncthreads()"),
+    ("bad_barrier_after_return", r"returned while \d+ threads wait at __syncthreads\(\)|"
+                                 r"__syncthreads\(\) at \S+ reached after \d+ of \d+ threads returned"),
+    ("bad_barriers_at_two_places", r"threads wait at different __syncthreads\(\)"),
     ("bad_shuffle_absent_lanes", "names lanes absent from this warp"),
-    ("bad_shuffle_returned_lanes", "returned while its warp waits"),
+    ("bad_shuffle_returned_lanes", r"returned while its warp waits|\*_sync mask at \S+ names lanes that returned"),
     ("bad_deadlock", "deadlock: timed out"),
 ])
 def test_harness_selftest(drivers, scenario, error):
@@ -43,7 +47,7 @@ def test_harness_selftest(drivers, scenario, error):
         if error is None:
             assert r.returncode == 0 and r.stdout == "ok\n" and not r.stderr, f"[{variant}] {r.stderr[:4000]}"
         else:
-            assert r.returncode == 70 and error in r.stderr and "Sanitizer" not in r.stderr, \
+            assert r.returncode == 70 and re.search(error, r.stderr) and "Sanitizer" not in r.stderr, \
                 f"[{variant}] {r.stderr[:4000]}"
 
 
