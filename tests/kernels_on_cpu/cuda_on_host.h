@@ -43,8 +43,9 @@
 // code generation (register allocation, nvcc's optimisations, spills), uninitialised shared memory
 // (statics start at zero and keep the previous block's values in their slot), memory spaces and
 // caches, the GPU's fp32 last-bit differences (nvcc contracts a * b + c into fma; fast-math
-// intrinsics), and warps whose lanes run disjoint shuffles at the same time (reported as an error
-// here).
+// intrinsics), warps whose lanes run disjoint shuffles at the same time (reported as an error
+// here), and kernels running at once: a launch returns when its kernel has run, and launches from
+// several host threads take turns.
 #pragma once
 
 #if defined(__CUDACC__)
@@ -165,7 +166,9 @@ class Workers {
   }
 
   // Runs task(i) for every i < n, each on a thread of its own, all at once; returns when all returned.
+  // Launches from several host threads take their turns.
   void run(size_t n, const std::function<void(size_t)>& task) {
+    const std::lock_guard<std::mutex> turn(launching_);
     std::unique_lock<std::mutex> lock(mu_);
     while (threads_.size() < n) {
       const size_t i = threads_.size();
@@ -195,7 +198,7 @@ class Workers {
     }
   }
 
-  std::mutex mu_;
+  std::mutex launching_, mu_;
   Generation started_, finished_;
   std::vector<std::thread> threads_;
   const std::function<void(size_t)>* task_ = nullptr;
