@@ -174,8 +174,9 @@ class ServingDriver:
         if select.select([self.process.stdout], [], [], timeout)[0]:
             reply = self.process.stdout.readline()
         else:
-            self.process.kill()
             reply = f"timed out after {timeout} s"
+        if reply not in ("done\n", ""):  # timed out, or printed something else (a kernel's printf): ended
+            self.process.kill()
         code = 0 if reply == "done\n" else self.process.wait()
         launches = out_dir / "launches.txt"
         return subprocess.CompletedProcess(self.path, code, launches.read_text() if launches.exists() else "",

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.helpers.background import background_compiles
-from tests.helpers.kernels_on_cpu import BUILDS, CSRC, SANITIZER_ENV, build_drivers, drivers, pytestmark  # noqa: F401
+from tests.helpers.kernels_on_cpu import (BUILDS, CSRC, SANITIZER_ENV, ServingDriver, build_drivers, drivers,  # noqa: F401
+                                          pytestmark)
 from tests.kernels_on_cpu import test_chosen_logprob as chosen_logprob_cases
 from tests.kernels_on_cpu import test_chosen_logprob_entries as entries_cases
 from tests.kernels_on_cpu import test_clamped_swiglu as clamped_swiglu_cases
@@ -49,6 +50,52 @@ def test_harness_selftest(drivers, scenario, error):
         else:
             assert r.returncode == 70 and re.search(error, r.stderr) and "Sanitizer" not in r.stderr, \
                 f"[{variant}] {r.stderr[:4000]}"
+
+
+# A stand-in for a driver serving cases (tests/kernels_on_cpu/driver.h's protocol): each case file
+# says what the case does.
+STAND_IN_DRIVER = """#!/bin/bash
+while IFS=$'\\t' read -r case out; do
+  exec 2>>"$out/stderr.txt"
+  case "$(cat "$case")" in
+    pass) echo done ;;
+    fail) echo "cuda_on_host error: planted" >&2; exit 70 ;;
+    hang) sleep 600 ;;
+    print) echo "a kernel's printf" ;;
+  esac
+done
+"""
+
+
+def test_a_serving_driver_fails_the_case_that_ends_it_and_starts_again(tmp_path):
+    """ServingDriver: a case that ends the process fails with its exit status and standard error,
+    and the next case starts a new process; a case that hangs past the timeout, or prints anything
+    but the reply, fails and its process is killed; a process still serving ends cleanly."""
+    script = tmp_path / "driver"
+    script.write_text(STAND_IN_DRIVER)
+    script.chmod(0o755)
+    driver = ServingDriver(script)
+
+    def run(n, kind, timeout=60):
+        (tmp_path / f"{n}.case").write_text(kind)
+        (tmp_path / f"{n}.out").mkdir()
+        result = driver.run(tmp_path / f"{n}.case", tmp_path / f"{n}.out", timeout=timeout)
+        return result.returncode, result.stderr, driver.process.pid
+
+    code, stderr, first = run(0, "pass")
+    assert (code, stderr) == (0, "")
+    assert run(1, "pass")[::2] == (0, first)  # the same process
+    code, stderr, _ = run(2, "fail")
+    assert code == 70 and "planted" in stderr
+    code, stderr, second = run(3, "pass")
+    assert (code, stderr) == (0, "") and second != first
+    code, stderr, _ = run(4, "hang", timeout=1)
+    assert code == -9 and "timed out after 1 s" in stderr
+    code, stderr, _ = run(5, "print")
+    assert code == -9 and "a kernel's printf" in stderr
+    run(6, "pass")
+    driver.stop()
+    assert driver.process.returncode == 0
 
 
 # ---------------------------------------------------------------------------------------------
