@@ -265,6 +265,14 @@ LogitsChunks<Kernels>::Schedule::Schedule(const LogitsChunks& loop, const GroupW
   for (int64_t u = 0; u < static_cast<int64_t>(units.size()); ++u) {
     const Unit& unit = units[u];
     const int64_t b = u % buffers;
+    // With two workspaces, the previous pass's weight-gradient tasks go halfway through this pass's
+    // pieces: queued right before the next pass's pieces, which wait for them, one thread would sit
+    // out the other's last weight task at every pass.
+    const int64_t unit_tasks = unit.chunks * unit.pieces.count, weight_at = buffers > 1 ? unit_tasks / 2 : unit_tasks;
+    int64_t queued = 0;
+    const auto queue_weight_tasks_at = [&](int64_t at) {
+      if (queued == at && u + 1 >= buffers) queue_weight_tasks(u + 1 - buffers);
+    };
     for (int64_t c = 0; c < unit.chunks; ++c) {
       const int64_t n = std::min(vocab.chunk, unit.k - c * vocab.chunk);
       if (!logits_of(b, unit.rows, n)) {
@@ -274,9 +282,12 @@ LogitsChunks<Kernels>::Schedule::Schedule(const LogitsChunks& loop, const GroupW
       }
       const bool drain = width[b] >= 0 && width[b] != n;
       width[b] = n;
-      for (int64_t i = 0; i < unit.pieces.count; ++i) tasks.push_back(Task{u, c, i, order[i]++, drain});
+      for (int64_t i = 0; i < unit.pieces.count; ++i, ++queued) {
+        queue_weight_tasks_at(weight_at);
+        tasks.push_back(Task{u, c, i, order[i]++, drain});
+      }
     }
-    if (u + 1 >= buffers) queue_weight_tasks(u + 1 - buffers);
+    queue_weight_tasks_at(weight_at);
   }
   for (int64_t u = std::max<int64_t>(0, units.size() + 1 - buffers); u < static_cast<int64_t>(units.size()); ++u) {
     queue_weight_tasks(u);
