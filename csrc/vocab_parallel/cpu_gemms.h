@@ -16,8 +16,9 @@ namespace fused_rl_ops {
 struct CpuGemms {
   static bool capturing() { return false; }  // no graphs on the CPU
 
-  // Rows per piece (RowPieces): a divisor of the batch-invariant row block, and enough pieces per
-  // chunk (16 at N = 2048) to even out a slowed thread's share.
+  // Rows per piece (RowPieces, which doubles them in blocks of 2048 rows and more): a divisor of the
+  // batch-invariant row block, and enough pieces per chunk (8 at N = 1024) to even out a slowed
+  // thread's share.
   static constexpr int64_t kPieceRows = 128;
 
   // fn(i) for each task i < count (the chunk loop's TaskQueue), taken in order by whichever thread is

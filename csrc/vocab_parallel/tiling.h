@@ -100,8 +100,13 @@ struct ChunkStep {
 struct RowPieces {
   int64_t block, piece, per_block, count;
 
+  // Pieces of piece_rows, or twice that where a block holds 16 of those: each piece's GEMM packs the
+  // chunk's weight rows again, and 8 pieces a chunk still even out a slowed thread's share. The
+  // batch-invariant block (512 rows) keeps piece_rows.
   RowPieces(const RowTiling& tiling, int64_t padded_rows, int64_t piece_rows)
-      : block(tiling.block), piece(piece_rows > 0 ? std::min(piece_rows, tiling.block) : tiling.block) {
+      : block(tiling.block),
+        piece(piece_rows > 0 ? std::min(tiling.block >= 16 * piece_rows ? 2 * piece_rows : piece_rows, tiling.block)
+                             : tiling.block) {
     per_block = (block + piece - 1) / piece;
     count = padded_rows / block * per_block;
   }

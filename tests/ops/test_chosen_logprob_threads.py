@@ -3,7 +3,8 @@
 holds): the same bits whatever the threads, and the gradients of float64 autograd, for each way the
 loop walks the rows: one pass with the gradients over the logits (two workspaces), a narrower last
 chunk (its tasks wait for the workspace to drain), several passes summed, a gradient buffer of several
-chunks, and bf16 weights copied to fp32 per group with main_grad."""
+chunks, and bf16 weights copied to fp32 per group with main_grad; and in blocks of 2048 rows and
+more, whose pieces are 256 rows (the last of a block shorter, or in a padded last block)."""
 import pytest
 import torch
 
@@ -20,6 +21,8 @@ CASES = [
     (torch.float32, 600, 400, 1100, 128, 128, 256, 2, False),  # every pass's gradients held (H large)
     (torch.bfloat16, 600, 32, 1100, 256, 0, 0, 1, True),
     (torch.bfloat16, 600, 32, 1100, 128, 128, 256, 1, True),
+    (torch.float32, 2100, 32, 1100, 256, 0, 0, 1, False),
+    (torch.bfloat16, 2100, 32, 600, 128, 2048, 4096, 1, True),
 ]
 
 

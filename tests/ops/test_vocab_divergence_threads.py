@@ -4,8 +4,8 @@ csrc/vocab_divergence/vocab_passes.h) on 1, 2 and 3 threads (3: more threads tha
 bits whatever the threads for the stats, jsd's mixture and the backward, and float64 autograd's
 gradients, for one pass with a narrower last chunk, several passes with a padded last row block,
 bf16 weights copied to fp32 per group (the groups in turn) with main_grad, a bf16 teacher beside an
-fp32 student (the teacher's copies alone), and float64 inputs; and batch invariance over row blocks
-and pieces."""
+fp32 student (the teacher's copies alone), float64 inputs, and blocks of 2048 rows and more (pieces
+of 256 rows); and batch invariance over row blocks and pieces."""
 import pytest
 import torch
 
@@ -17,15 +17,18 @@ ops = torch.ops.fused_rl_ops
 BETA = 0.3
 OWN = dict(kind=2, beta=BETA)  # jsd: the stats, the mixture and a row term in the backward
 
-# (student dtype, teacher dtype, vocab rows per chunk, row block, rows per pass, main_grad); 600
-# token rows (a last row block of 88 where blocks are 128), 1100 vocab rows (a last chunk of 76)
+# (student dtype, teacher dtype, token rows, vocab rows per chunk, row block, rows per pass,
+# main_grad); 600 token rows (a last row block of 88 where blocks are 128), 1100 vocab rows (a last
+# chunk of 76)
 CASES = [
-    (torch.float32, torch.float32, 256, 0, 0, False),
-    (torch.float32, torch.float32, 128, 128, 256, False),
-    (torch.bfloat16, torch.bfloat16, 256, 0, 0, True),
-    (torch.bfloat16, torch.bfloat16, 128, 128, 256, True),
-    (torch.float32, torch.bfloat16, 128, 128, 256, False),
-    (torch.float64, torch.float64, 256, 0, 0, False),
+    (torch.float32, torch.float32, 600, 256, 0, 0, False),
+    (torch.float32, torch.float32, 600, 128, 128, 256, False),
+    (torch.bfloat16, torch.bfloat16, 600, 256, 0, 0, True),
+    (torch.bfloat16, torch.bfloat16, 600, 128, 128, 256, True),
+    (torch.float32, torch.bfloat16, 600, 128, 128, 256, False),
+    (torch.float64, torch.float64, 600, 256, 0, 0, False),
+    (torch.float32, torch.float32, 2100, 256, 0, 0, False),
+    (torch.bfloat16, torch.bfloat16, 2100, 128, 2048, 4096, True),
 ]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float64: 1e-10}
 
@@ -48,9 +51,9 @@ def run_on_threads(threads, hidden, weight, teacher_hidden, teacher_weight, grad
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("dtype,teacher_dtype,chunk,row_block,pass_rows,main_grad", CASES)
-def test_tasks_give_the_same_bits_on_any_threads(dtype, teacher_dtype, chunk, row_block, pass_rows, main_grad):
-    hidden, weight, teacher_hidden, teacher_weight, grad = make_inputs((600,), 32, 48, 1100, dtype, "cpu")
+@pytest.mark.parametrize("dtype,teacher_dtype,N,chunk,row_block,pass_rows,main_grad", CASES)
+def test_tasks_give_the_same_bits_on_any_threads(dtype, teacher_dtype, N, chunk, row_block, pass_rows, main_grad):
+    hidden, weight, teacher_hidden, teacher_weight, grad = make_inputs((N,), 32, 48, 1100, dtype, "cpu")
     teacher_hidden, teacher_weight = teacher_hidden.to(teacher_dtype), teacher_weight.to(teacher_dtype)
     options = (1.0, None, 1.0, None, 0, None, chunk, row_block, pass_rows)  # both maps, shard, tiling
     results = [run_on_threads(t, hidden, weight, teacher_hidden, teacher_weight, grad, options, main_grad)
