@@ -7,14 +7,13 @@
 //   - launch(kernel, grid, block, shared_bytes, args...) stands in for kernel<<<grid, block,
 //     shared_bytes>>>(args...) (csrc/common/launch.h calls it where nvcc would launch): one OS
 //     thread per CUDA thread of a block (threads kept from launch to launch: Workers),
-//     kConcurrentBlocks blocks at once; threadIdx, blockIdx,
-//     blockDim, gridDim. The blocks, in order or shuffled by the case's block order seed, are dealt to
-//     kConcurrentBlocks slots in turn, and each slot runs its blocks one after another. Slots never
-//     synchronise with one another, so ThreadSanitizer reports conflicting accesses by blocks in
-//     different slots (two blocks writing one element, one reading what another writes): races
-//     between blocks. An invalid configuration (CUDA's limits) runs nothing and is returned by
-//     cudaGetLastError(), as on a GPU. Every valid launch is recorded (kernel name, grid, block)
-//     for the drivers to report.
+//     kConcurrentBlocks blocks at once; threadIdx, blockIdx, blockDim, gridDim. The blocks, in
+//     order or shuffled by the case's block order seed, are dealt to kConcurrentBlocks slots in
+//     turn, and each slot runs its blocks one after another. Slots never synchronise with one
+//     another, so ThreadSanitizer reports conflicting accesses by blocks in different slots (two
+//     blocks writing one element, one reading what another writes): races between blocks. An
+//     invalid configuration (CUDA's limits) runs nothing and is returned by cudaGetLastError(), as
+//     on a GPU. Every valid launch is recorded (kernel name, grid, block) for the drivers to report.
 //   - static __shared__ variables: the harness (tests/helpers/kernels_on_cpu.py) rewrites each
 //     declaration `__shared__ T name[dims];` into a static array of kConcurrentBlocks copies and a
 //     reference `name` to the copy of the block's slot (block_slot), so every block running at
@@ -359,7 +358,6 @@ inline cudaError_t last_error = cudaSuccess;
 inline unsigned block_order_seed = 0;  // 0: blocks in order
 
 inline void set_block_order_seed(unsigned seed) { block_order_seed = seed; }
-
 
 // A launch the kernels ran: the kernel's name with its template arguments (its symbol, read back
 // with dladdr: the executable is linked with -rdynamic; "unnamed" for a kernel of internal
