@@ -258,21 +258,17 @@ LogitsChunks<Kernels>::Schedule::Schedule(const LogitsChunks& loop, const GroupW
   // that writes another width lays its rows out differently, so it first waits for every earlier
   // step of that workspace (only around the vocabulary's last, narrower chunk).
   std::vector<int64_t> order(slots, 0), width(loop.buffers_, -1);
-  const auto queue_weight_tasks = [&](int64_t u) {
-    for (int64_t t = 0; t < units[u].weight_tasks; ++t) tasks.push_back(Task{u, -1, t, 0, false});
+  // Unit u's weight-gradient tasks, placed before tasks[at].
+  const auto queue_weight_tasks = [&](int64_t u, size_t at) {
+    std::vector<Task> weight;
+    for (int64_t t = 0; t < units[u].weight_tasks; ++t) weight.push_back(Task{u, -1, t, 0, false});
+    tasks.insert(tasks.begin() + at, weight.begin(), weight.end());
   };
   const int64_t buffers = loop.buffers_;
   for (int64_t u = 0; u < static_cast<int64_t>(units.size()); ++u) {
     const Unit& unit = units[u];
     const int64_t b = u % buffers;
-    // With two workspaces, the previous pass's weight-gradient tasks go halfway through this pass's
-    // pieces: queued right before the next pass's pieces, which wait for them, one thread would sit
-    // out the other's last weight task at every pass.
-    const int64_t unit_tasks = unit.chunks * unit.pieces.count, weight_at = buffers > 1 ? unit_tasks / 2 : unit_tasks;
-    int64_t queued = 0;
-    const auto queue_weight_tasks_at = [&](int64_t at) {
-      if (queued == at && u + 1 >= buffers) queue_weight_tasks(u + 1 - buffers);
-    };
+    const size_t first = tasks.size();
     for (int64_t c = 0; c < unit.chunks; ++c) {
       const int64_t n = std::min(vocab.chunk, unit.k - c * vocab.chunk);
       if (!logits_of(b, unit.rows, n)) {
@@ -282,15 +278,17 @@ LogitsChunks<Kernels>::Schedule::Schedule(const LogitsChunks& loop, const GroupW
       }
       const bool drain = width[b] >= 0 && width[b] != n;
       width[b] = n;
-      for (int64_t i = 0; i < unit.pieces.count; ++i, ++queued) {
-        queue_weight_tasks_at(weight_at);
-        tasks.push_back(Task{u, c, i, order[i]++, drain});
-      }
+      for (int64_t i = 0; i < unit.pieces.count; ++i) tasks.push_back(Task{u, c, i, order[i]++, drain});
     }
-    queue_weight_tasks_at(weight_at);
+    // With two workspaces, the previous pass's weight-gradient tasks go halfway through this pass's
+    // pieces: queued right before the next pass's pieces, which wait for them, one thread would sit
+    // out the other's last weight task at every pass.
+    if (u + 1 >= buffers) {
+      queue_weight_tasks(u + 1 - buffers, buffers > 1 ? first + (tasks.size() - first) / 2 : tasks.size());
+    }
   }
   for (int64_t u = std::max<int64_t>(0, units.size() + 1 - buffers); u < static_cast<int64_t>(units.size()); ++u) {
-    queue_weight_tasks(u);
+    queue_weight_tasks(u, tasks.size());
   }
 }
 

@@ -100,13 +100,8 @@ struct ChunkStep {
 struct RowPieces {
   int64_t block, piece, per_block, count;
 
-  // Pieces of piece_rows, or twice that where a block holds 16 of those: each piece's GEMM packs the
-  // chunk's weight rows again, and 8 pieces a chunk still even out a slowed thread's share. The
-  // batch-invariant block (512 rows) keeps piece_rows.
   RowPieces(const RowTiling& tiling, int64_t padded_rows, int64_t piece_rows)
-      : block(tiling.block),
-        piece(piece_rows > 0 ? std::min(tiling.block >= 16 * piece_rows ? 2 * piece_rows : piece_rows, tiling.block)
-                             : tiling.block) {
+      : block(tiling.block), piece(piece_of(tiling.block, piece_rows)) {
     per_block = (block + piece - 1) / piece;
     count = padded_rows / block * per_block;
   }
@@ -114,6 +109,15 @@ struct RowPieces {
   int64_t begin(int64_t i) const { return block_begin(i) + i % per_block * piece; }
   int64_t end(int64_t i) const { return std::min(begin(i) + piece, block_begin(i) + block); }
   int64_t at(int64_t row) const { return row / block * per_block + row % block / piece; }  // the piece of a row
+
+ private:
+  // Pieces of piece_rows, or twice that where a block holds 16 of those: each piece's GEMM packs the
+  // chunk's weight rows again, and 8 pieces a chunk still even out a slowed thread's share. The
+  // batch-invariant block (512 rows) keeps piece_rows.
+  static int64_t piece_of(int64_t block, int64_t piece_rows) {
+    if (piece_rows <= 0) return block;
+    return std::min(block >= 16 * piece_rows ? 2 * piece_rows : piece_rows, block);
+  }
 };
 
 // Each piece's rows of a pass's blocks, block_at(b0) the block from the pass's row b0: views made
